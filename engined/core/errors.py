@@ -1,0 +1,54 @@
+"""Caller mistakes the core refuses, each carrying the upstream message verbatim.
+
+A failed command changes nothing. The daemon maps each class to one protocol error code
+(`code` below), so a client can act on the kind of failure without parsing the text.
+"""
+
+from __future__ import annotations
+
+
+class CoreError(Exception):
+    """Base of every error the core raises on purpose."""
+
+    code = "invalid_request"
+
+
+class InvalidArgsError(CoreError, ValueError):
+    """Engine arguments failed validation; the message names the key."""
+
+    code = "invalid_args"
+
+
+class InvalidRequestError(CoreError, ValueError):
+    """A request breaks a rule of the request schema (empty prompt, negative max_tokens...)."""
+
+    code = "invalid_request"
+
+
+class DuplicateRequestError(CoreError):
+    """The request id is already owned by this core."""
+
+    code = "duplicate_request"
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id} is already active")
+        self.request_id = request_id
+
+
+class HandoffConflictError(CoreError):
+    """A handoff id or request id is already registered on the side it was sent to."""
+
+    code = "duplicate_request"
+
+
+class UnsupportedError(CoreError):
+    code = "unsupported"
+
+
+class CapacityError(CoreError):
+    code = "capacity"
+
+
+def handoff_repr(handoff_id: str) -> str:
+    """Upstream formats handoff ids with Rust's Debug (`HandoffId(<id>)`); so do we."""
+    return f"HandoffId({handoff_id})"
