@@ -1,0 +1,314 @@
+"""An independent KV indexer that validates every KV event stream the engine produces.
+
+A Python stand-in for the router's `LocalKvIndexer` as upstream's `RouterIndexerHarness`
+(`scheduler/test_utils.rs`, mocker-1.3.0.md §10) drives it: a stream is good when a router could
+apply it without a single error or duplicate-store warning. On top of the router's checks it
+recomputes every hash from the event's own tokens (xxh3-64, seed 1337, mocker-core.md §6.1), so
+a wrong hash cannot hide behind a consistent-looking tree.
+
+It deliberately shares no code with `engined`: it imports only the event types, and computes
+hashes itself. A bug in the engine's hashing or bookkeeping therefore cannot cancel out here.
+
+Problems are collected as `Violation`s instead of raised, so one test can report every broken
+event of a long stream at once (`assert_clean`).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import xxhash
+
+from engined.core.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Medium
+
+HASH_SEED = 1337
+
+ViolationKind = Literal[
+    "parent_block_not_found",
+    "invalid_block",
+    "duplicate_store",
+    "block_not_found",
+    "bad_shape",
+    "local_hash_mismatch",
+    "chain_mismatch",
+    "event_id_gap",
+]
+EventKind = Literal["stored", "removed", "cleared"]
+
+# Kinds that make the router reject an event; everything else is a warning or an extra check,
+# and the event is still applied.
+REJECTING_KINDS: frozenset[ViolationKind] = frozenset(
+    {"parent_block_not_found", "invalid_block", "block_not_found", "bad_shape"}
+)
+
+_Key = tuple[int, int, Medium]
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    kind: ViolationKind
+    event: KvEvent
+    detail: str
+    worker_id: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind} (worker {self.worker_id}, event {self.event.event_id}): {self.detail}"
+
+
+# --- hashing (mocker-core.md §6.1) ----------------------------------------------------------
+
+
+def local_block_hash(token_ids: Sequence[int]) -> int:
+    """Content hash of one block: xxh3-64 of the tokens as little-endian u32, seed 1337.
+
+    Raises struct.error for token ids outside u32, which no real block can hold.
+    """
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(token_ids)}I", *token_ids), seed=HASH_SEED)
+
+
+def next_sequence_hash(parent: int, local: int) -> int:
+    """Chained identity of a block: xxh3-64 of `le_u64(parent) || le_u64(local)`, seed 1337."""
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent, local), seed=HASH_SEED)
+
+
+def sequence_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Sequence hashes of the full blocks of a prompt, the router's block identities."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        local = local_block_hash(token_ids[start : start + block_size])
+        parent = local if parent is None else next_sequence_hash(parent, local)
+        hashes.append(parent)
+    return hashes
+
+
+# --- stream helpers (upstream test_utils.rs) ------------------------------------------------
+
+
+def stored_hashes(events: Iterable[KvEvent]) -> list[int]:
+    """Local (content) hashes of every stored block, in stream order."""
+    return [h for e in events if isinstance(e, BlockStored) for h in e.local_hashes]
+
+
+def nth_stored_hashes(events: Iterable[KvEvent], n: int) -> list[int]:
+    """Local hashes of the `n`-th (0-based) Stored event."""
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    return list(stored[n].local_hashes)
+
+
+def removed_event_count(events: Iterable[KvEvent]) -> int:
+    return sum(1 for e in events if isinstance(e, BlockRemoved))
+
+
+# --- the indexer ----------------------------------------------------------------------------
+
+
+class ReferenceIndexer:
+    """Per `(worker_id, dp_rank, medium)`, a prefix tree of stored blocks.
+
+    Each tree is a map from sequence hash to its parent's sequence hash (None at the root):
+    parent links are all the router needs to accept or reject a Stored, and a block's
+    sequence hash already names its whole prefix, so no child lists are kept. Removing a block
+    leaves its children indexed (simpler than the router's stale-edge rule, and the engine's
+    leaf-first eviction never relies on the difference).
+    """
+
+    def __init__(
+        self, block_size: int, *, check_local_hashes: bool = True, check_chain: bool = True
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.check_local_hashes = check_local_hashes
+        self.check_chain = check_chain
+        self.violations: list[Violation] = []
+        self._trees: dict[_Key, dict[int, int | None]] = {}
+        self._last_event_id: dict[tuple[int, int], int] = {}
+        self._ok: Counter[EventKind] = Counter()
+
+    # --- applying ---------------------------------------------------------------------------
+
+    def apply(self, events: Iterable[KvEvent], worker_id: int = 0) -> None:
+        """Apply events in order, as the router would, recording every problem found."""
+        for event in events:
+            self._check_event_id(event, worker_id)
+            if isinstance(event, BlockStored):
+                if self._apply_stored(event, worker_id):
+                    self._ok["stored"] += 1
+            elif isinstance(event, BlockRemoved):
+                if self._apply_removed(event, worker_id):
+                    self._ok["removed"] += 1
+            elif isinstance(event, AllBlocksCleared):
+                for key in [k for k in self._trees if k[0] == worker_id and k[1] == event.dp_rank]:
+                    del self._trees[key]
+                self._ok["cleared"] += 1
+            else:
+                raise TypeError(f"not a KV event: {event!r}")
+
+    def _violate(self, kind: ViolationKind, event: KvEvent, worker_id: int, detail: str) -> None:
+        self.violations.append(Violation(kind, event, detail, worker_id))
+
+    def _check_event_id(self, event: KvEvent, worker_id: int) -> None:
+        rank = (worker_id, event.dp_rank)
+        last = self._last_event_id.get(rank)
+        if last is not None and event.event_id != last + 1:
+            self._violate(
+                "event_id_gap",
+                event,
+                worker_id,
+                f"dp_rank {event.dp_rank}: event id {event.event_id} follows {last}",
+            )
+        self._last_event_id[rank] = event.event_id
+
+    def _apply_stored(self, event: BlockStored, worker_id: int) -> bool:
+        """Apply one Stored; False when the router would reject it (nothing is stored then)."""
+        bs = self.block_size
+        n = len(event.block_hashes)
+        where = f"dp_rank {event.dp_rank} {event.medium}"
+        if event.block_size != bs or n == 0:
+            self._violate(
+                "bad_shape",
+                event,
+                worker_id,
+                f"{where}: block_size {event.block_size} (indexer {bs}), {n} blocks",
+            )
+            return False
+        if len(event.token_ids) != n * bs or len(event.local_hashes) != n:
+            self._violate(
+                "bad_shape",
+                event,
+                worker_id,
+                f"{where}: {n} blocks with {len(event.local_hashes)} local hashes and "
+                f"{len(event.token_ids)} token ids (want {n * bs})",
+            )
+            return False
+        parent = event.parent_hash
+        if parent is not None and parent in event.block_hashes:
+            self._violate(
+                "invalid_block", event, worker_id, f"{where}: parent {parent} is one of its blocks"
+            )
+            return False
+        tree = self._trees.setdefault((worker_id, event.dp_rank, event.medium), {})
+        if parent is not None and parent not in tree:
+            self._violate(
+                "parent_block_not_found", event, worker_id, f"{where}: parent {parent} not indexed"
+            )
+            return False
+
+        if self.check_local_hashes:
+            try:
+                expected_locals = [
+                    local_block_hash(event.token_ids[i * bs : (i + 1) * bs]) for i in range(n)
+                ]
+            except struct.error:
+                self._violate("bad_shape", event, worker_id, f"{where}: token id outside u32")
+                return False
+            bad = [i for i in range(n) if event.local_hashes[i] != expected_locals[i]]
+            if bad:
+                i = bad[0]
+                self._violate(
+                    "local_hash_mismatch",
+                    event,
+                    worker_id,
+                    f"{where}: block {i} local hash {event.local_hashes[i]}, "
+                    f"tokens hash to {expected_locals[i]} ({len(bad)} of {n} blocks differ)",
+                )
+        if self.check_chain:
+            self._check_chain(event, worker_id, where)
+
+        duplicates = [h for h in event.block_hashes if h in tree]
+        if duplicates:
+            self._violate(
+                "duplicate_store",
+                event,
+                worker_id,
+                f"{where}: already indexed: {duplicates}",
+            )
+        prev = parent
+        for h in event.block_hashes:
+            if h not in tree:
+                tree[h] = prev
+            prev = h
+        return True
+
+    def _check_chain(self, event: BlockStored, worker_id: int, where: str) -> None:
+        prev = event.parent_hash
+        for i, (block_hash, local) in enumerate(
+            zip(event.block_hashes, event.local_hashes, strict=True)
+        ):
+            expected = local if prev is None else next_sequence_hash(prev, local)
+            if block_hash != expected:
+                self._violate(
+                    "chain_mismatch",
+                    event,
+                    worker_id,
+                    f"{where}: block {i} hash {block_hash}, chain gives {expected} "
+                    f"(parent {prev}, local {local})",
+                )
+                return
+            prev = block_hash
+
+    def _apply_removed(self, event: BlockRemoved, worker_id: int) -> bool:
+        """Apply one Removed; False when some hash was not indexed (the others are removed)."""
+        where = f"dp_rank {event.dp_rank} {event.medium}"
+        if not event.block_hashes:
+            self._violate("bad_shape", event, worker_id, f"{where}: Removed with no blocks")
+            return False
+        tree = self._trees.get((worker_id, event.dp_rank, event.medium), {})
+        missing: list[int] = []
+        for h in event.block_hashes:
+            if h in tree:
+                del tree[h]
+            else:
+                missing.append(h)
+        if missing:
+            self._violate("block_not_found", event, worker_id, f"{where}: not indexed: {missing}")
+            return False
+        return True
+
+    # --- queries ----------------------------------------------------------------------------
+
+    def assert_clean(self) -> None:
+        """Fail with every recorded violation (the harness's no-errors and no-warnings checks)."""
+        if self.violations:
+            shown = "\n".join(f"  {v}" for v in self.violations[:50])
+            more = len(self.violations) - 50
+            tail = f"\n  ... and {more} more" if more > 0 else ""
+            raise AssertionError(f"{len(self.violations)} KV event violations:\n{shown}{tail}")
+
+    def kinds(self) -> list[ViolationKind]:
+        """Violation kinds in the order they were recorded, for compact assertions."""
+        return [v.kind for v in self.violations]
+
+    def ok_count(self, kind: EventKind) -> int:
+        """Events of `kind` applied without a rejecting violation (router status "ok").
+
+        Warnings and the extra hash and event-id checks do not make an event fail.
+        """
+        return self._ok[kind]
+
+    def num_blocks(self, worker_id: int = 0, dp_rank: int = 0, medium: Medium = Medium.GPU) -> int:
+        return len(self._trees.get((worker_id, dp_rank, medium), ()))
+
+    def blocks(self, worker_id: int = 0, dp_rank: int = 0, medium: Medium = Medium.GPU) -> set[int]:
+        return set(self._trees.get((worker_id, dp_rank, medium), ()))
+
+    def overlap(
+        self,
+        token_ids: Sequence[int],
+        worker_id: int = 0,
+        dp_rank: int = 0,
+        medium: Medium = Medium.GPU,
+    ) -> int:
+        """Leading full blocks of a prompt that are indexed: the router's prefix-hit count."""
+        tree = self._trees.get((worker_id, dp_rank, medium), {})
+        count = 0
+        for h in sequence_hashes(token_ids, self.block_size):
+            if h not in tree:
+                break
+            count += 1
+        return count
