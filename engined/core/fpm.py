@@ -1,0 +1,79 @@
+"""Forward-pass metrics of one pass, computed as Dynamo's `build_fpm_snapshot` does.
+
+Prefill work is measured per request scheduled with prompt tokens in this pass: the chunk it
+computed, the prefix it already had, and (for the variance) its full prompt length. Decode
+work is every other scheduled request, measured by its sequence length at schedule time, so a
+request that completes in the pass still counts. Variances are Welford population variances,
+to match upstream to the last bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from engined.core.types import FpmSnapshot
+
+
+class ScheduledWork(NamedTuple):
+    total_tokens: int
+    prompt_tokens: int
+    prefix_tokens: int
+    prompt_len: int
+    sequence_len: int
+    # The request has no token to produce (max_tokens 0): not a decode.
+    terminal: bool
+
+
+def welford(values: Iterable[int]) -> tuple[int, int, float]:
+    """Count, sum and population variance."""
+    n = 0
+    total = 0
+    mean = 0.0
+    m2 = 0.0
+    for x in values:
+        n += 1
+        total += x
+        delta = x - mean
+        mean += delta / n
+        m2 += delta * (x - mean)
+    return n, total, (m2 / n if n else 0.0)
+
+
+def build_snapshot(
+    scheduled: Iterable[ScheduledWork],
+    queued_prefill: list[int],
+    queued_decode: list[int],
+    wall_time_secs: float,
+) -> FpmSnapshot:
+    prefill_lengths: list[int] = []
+    prefill_tokens = 0
+    prefill_kv = 0
+    decode_lengths: list[int] = []
+    for work in scheduled:
+        if work.prompt_tokens > 0:
+            prefill_lengths.append(work.prompt_len)
+            prefill_tokens += work.total_tokens
+            prefill_kv += work.prefix_tokens
+        elif not work.terminal:
+            decode_lengths.append(work.sequence_len)
+    n_prefill, _, var_prefill = welford(prefill_lengths)
+    n_decode, sum_decode, var_decode = welford(decode_lengths)
+    n_qp, sum_qp, var_qp = welford(queued_prefill)
+    n_qd, sum_qd, var_qd = welford(queued_decode)
+    return FpmSnapshot(
+        num_prefill_requests=n_prefill,
+        sum_prefill_tokens=prefill_tokens,
+        var_prefill_length=var_prefill,
+        sum_prefill_kv_tokens=prefill_kv,
+        num_decode_requests=n_decode,
+        sum_decode_kv_tokens=sum_decode,
+        var_decode_kv_tokens=var_decode,
+        num_queued_prefill=n_qp,
+        sum_queued_prefill_tokens=sum_qp,
+        var_queued_prefill_length=var_qp,
+        num_queued_decode=n_qd,
+        sum_queued_decode_kv_tokens=sum_qd,
+        var_queued_decode_kv_tokens=var_qd,
+        wall_time_secs=wall_time_secs,
+    )

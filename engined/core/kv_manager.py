@@ -1,0 +1,401 @@
+"""Per-request KV allocation over the block pool, and the KV events it causes.
+
+The sequence says which blocks it needs (`Use`, `Deref`, `Promote`); this module makes it so
+and queues the events a real vLLM worker would publish for it:
+
+* `BlockStored` when a block is registered for the first time (at allocation: eager, as in
+  mocker 1.3.0), at promotion of a completed partial block, and at destination activation.
+  Consecutive fresh blocks share one event; an already-present block splits the run, and the
+  next run's parent is that block. Hits never re-publish.
+* `BlockRemoved` only when inactive blocks are evicted to make room, after the Stored events
+  of the same allocation. Completion, preemption and cancel only make blocks inactive.
+
+With prefix caching off nothing is published and event ids never advance.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from engined.core.block_pool import BlockPool
+from engined.core.sequence import BlockMove, Deref, Promote, Sequence, Use
+from engined.core.types import BlockRemoved, BlockStored, KvEvent
+
+_MASK64 = (1 << 64) - 1
+
+
+class PrefillCost:
+    """What a prompt would cost now: cached tokens, and the part held by active blocks.
+
+    Only the active part shrinks the admission gate: inactive cached blocks already count as
+    available, and reviving them consumes that availability.
+    """
+
+    __slots__ = ("active_cached_tokens", "cached_tokens", "new_blocks", "new_tokens")
+
+    def __init__(self, new_blocks: int, new_tokens: int, cached: int, active_cached: int) -> None:
+        self.new_blocks = new_blocks
+        self.new_tokens = new_tokens
+        self.cached_tokens = cached
+        self.active_cached_tokens = active_cached
+
+
+class DestinationReservation:
+    """KV held for an incoming transfer: a pinned cached prefix plus fresh unpublished slots."""
+
+    __slots__ = ("prefix", "slots", "use")
+
+    def __init__(self, prefix: list[int], slots: list[int], use: Use | None) -> None:
+        self.prefix = prefix
+        self.slots = slots
+        self.use = use
+
+    def block_ids(self) -> list[int]:
+        return self.prefix + self.slots
+
+
+class KvManager:
+    """Block ownership of one rank: partial blocks, full-block handles, queued events."""
+
+    __slots__ = (
+        "_events",
+        "_registered",
+        "active_full",
+        "active_partial",
+        "block_size",
+        "dp_rank",
+        "next_event_id",
+        "pool",
+        "publish",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int, *, dp_rank: int, publish: bool) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.dp_rank = dp_rank
+        self.publish = publish
+        self.active_partial: dict[int, int] = {}
+        # sequence hash -> [block id, handles held through this map]
+        self.active_full: dict[int, list[int]] = {}
+        # lineage key -> sequence hash, for every block registered here (published or not)
+        self._registered: dict[int, int] = {}
+        self.next_event_id = 0
+        self._events: list[KvEvent] = []
+
+    # --- queries ------------------------------------------------------------------------
+
+    def num_active_blocks(self) -> int:
+        return self.pool.num_active
+
+    def num_inactive_blocks(self) -> int:
+        return self.pool.num_inactive
+
+    def take_events(self) -> list[KvEvent]:
+        events = self._events
+        self._events = []
+        return events
+
+    def prefill_cost(self, seq: Sequence) -> PrefillCost:
+        overlap = active = 0
+        if seq.caching:
+            active_full = self.active_full
+            registered = self._registered
+            keys = seq.keys
+            for i, h in enumerate(seq.hashes):
+                if h in active_full:
+                    overlap += 1
+                    active += 1
+                elif keys[i] in registered:
+                    overlap += 1
+                else:
+                    break
+        bs = self.block_size
+        n_input = seq.num_input_tokens
+        cached = min(overlap * bs, n_input)
+        return PrefillCost(
+            seq.num_blocks - overlap, n_input - cached, cached, min(active * bs, n_input)
+        )
+
+    def active_block_ids(self, seq: Sequence) -> list[int]:
+        ids = [self.active_full[h][0] for h in seq.hashes if h in self.active_full]
+        if seq.partial is not None and seq.partial in self.active_partial:
+            ids.append(self.active_partial[seq.partial])
+        return ids
+
+    # --- moves --------------------------------------------------------------------------
+
+    def apply(self, move: BlockMove) -> bool:
+        """Apply one move; False only when a Use cannot get its fresh blocks (nothing changed)."""
+        if type(move) is Use:
+            return self.use(move)
+        if type(move) is Deref:
+            self.deref(move)
+        else:
+            assert type(move) is Promote
+            self.promote(move)
+        return True
+
+    def apply_all(self, moves: list[BlockMove]) -> bool:
+        """Apply in order, stopping at the first failure (earlier moves stay applied)."""
+        return all(self.apply(move) for move in moves)
+
+    def use(self, move: Use, reservation: list[int] | None = None) -> bool:
+        pool = self.pool
+        active_full = self.active_full
+        # Existing blocks: >= 0 block id; -1 = fresh. Matched inactive blocks are revived now
+        # and released again (with fresh ticks) if the allocation fails, as upstream does.
+        prepared: list[int] = []
+        matched: list[int] = []
+        fresh = 0
+        keys = move.keys
+        for i, h in enumerate(move.hashes):
+            entry = active_full.get(h)
+            if entry is not None:
+                prepared.append(entry[0])
+                continue
+            block_id = pool.match(keys[i])
+            if block_id is None:
+                prepared.append(-1)
+                fresh += 1
+            else:
+                prepared.append(block_id)
+                matched.append(block_id)
+        partial = move.partial
+        fresh_partial = partial is not None and partial not in self.active_partial
+        fresh += fresh_partial
+        evicted: list[int] = []
+        if reservation is not None:
+            if len(reservation) < fresh:
+                for block_id in matched:
+                    pool.release(block_id)
+                return False
+            slots = [reservation.pop() for _ in range(fresh)]
+        else:
+            got = pool.allocate(fresh)
+            if got is None:
+                for block_id in matched:
+                    pool.release(block_id)
+                return False
+            slots, evicted = got
+        self._commit_use(move, prepared, matched, slots)
+        if fresh_partial:
+            assert partial is not None
+            self.active_partial[partial] = slots[-1]
+        if evicted:
+            self._evictions(evicted)
+        return True
+
+    def _commit_use(
+        self, move: Use, prepared: list[int], matched: list[int], slots: list[int]
+    ) -> None:
+        pool = self.pool
+        active_full = self.active_full
+        registered = self._registered
+        matched_set = set(matched)
+        meta_parent = move.parent
+        run_parent = meta_parent
+        run: list[int] = []
+        j = 0
+        for i, h in enumerate(move.hashes):
+            block_id = prepared[i]
+            if block_id >= 0:
+                if run:
+                    self._store_run(move, run, run_parent)
+                    run = []
+                entry = active_full.get(h)
+                if entry is None:
+                    active_full[h] = [block_id, 1]
+                else:
+                    entry[1] += 1
+                if block_id not in matched_set:
+                    pool.acquire(block_id)
+                meta_parent = run_parent = h
+                continue
+            if not run:
+                run_parent = meta_parent
+            slot = slots[j]
+            j += 1
+            key = move.keys[i]
+            got = pool.register(slot, key, move.parent_keys[i])
+            assert got == slot, "fresh block must be a new registration"
+            active_full[h] = [slot, 1]
+            registered[key] = h
+            run.append(i)
+            meta_parent = h
+        if run:
+            self._store_run(move, run, run_parent)
+
+    def _store_run(self, move: Use, run: list[int], parent: int | None) -> None:
+        if not self.publish:
+            return
+        bs = self.block_size
+        first, last = run[0], run[-1]
+        tokens = move.tokens
+        start = (move.first + first) * bs
+        end = (move.first + last + 1) * bs
+        local = move.local
+        self._events.append(
+            BlockStored(
+                self._take_event_id(),
+                self.dp_rank,
+                parent,
+                move.hashes[first : last + 1],
+                local[first : last + 1] if local is not None else [0] * len(run),
+                tokens[start:end].tolist() if tokens is not None else [],
+                bs,
+            )
+        )
+
+    def deref(self, move: Deref) -> None:
+        pool = self.pool
+        if move.partial is not None:
+            pool.release_mutable(self.active_partial.pop(move.partial))
+        active_full = self.active_full
+        for h in move.hashes:
+            entry = active_full[h]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del active_full[h]
+            pool.release(entry[0])
+
+    def promote(self, move: Promote) -> None:
+        slot = self.active_partial.pop(move.partial)
+        stored = self._commit_full(slot, move.hash, move.key, move.parent_key)
+        if stored and self.publish:
+            self._events.append(
+                BlockStored(
+                    self._take_event_id(),
+                    self.dp_rank,
+                    move.parent,
+                    [move.hash],
+                    [move.local if move.local is not None else 0],
+                    move.tokens if move.tokens is not None else [],
+                    self.block_size,
+                )
+            )
+
+    def _commit_full(self, slot: int, h: int, key: int, parent_key: int | None) -> bool:
+        """Make a filled slot the full block `h`; False when an identical block already existed."""
+        pool = self.pool
+        entry = self.active_full.get(h)
+        if entry is not None:
+            pool.release_mutable(slot)
+            pool.acquire(entry[0])
+            entry[1] += 1
+            return False
+        block_id = pool.match(key)
+        if block_id is not None:
+            pool.release_mutable(slot)
+            self.active_full[h] = [block_id, 1]
+            return False
+        pool.register(slot, key, parent_key)
+        self.active_full[h] = [slot, 1]
+        self._registered[key] = h
+        return True
+
+    # --- speculative decode reservations ------------------------------------------------
+
+    def reserve_slots(self, count: int) -> list[int] | None:
+        """Mutable slots set aside for a pass's MTP bursts; evictions are published now."""
+        got = self.pool.allocate(count)
+        if got is None:
+            return None
+        slots, evicted = got
+        if evicted:
+            self._evictions(evicted)
+        return slots
+
+    def release_slots(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.pool.release_mutable(slot)
+
+    # --- destinations -------------------------------------------------------------------
+
+    def reserve_destination(self, seq: Sequence) -> DestinationReservation | None:
+        """Pin the cached prompt prefix and reserve fresh slots for the rest; no Stored yet."""
+        use = seq.prepare_allocation(seq.num_input_tokens)
+        if use is None:
+            return DestinationReservation([], [], None)
+        pool = self.pool
+        prefix: list[int] = []
+        for i, h in enumerate(use.hashes):
+            entry = self.active_full.get(h)
+            if entry is not None:
+                pool.acquire(entry[0])
+                prefix.append(entry[0])
+                continue
+            block_id = pool.match(use.keys[i])
+            if block_id is None:
+                break
+            prefix.append(block_id)
+        got = pool.allocate(use.num_blocks - len(prefix))
+        if got is None:
+            for block_id in prefix:
+                pool.release(block_id)
+            return None
+        slots, evicted = got
+        if evicted:
+            self._evictions(evicted)
+        return DestinationReservation(prefix, slots, use)
+
+    def cancel_destination(self, res: DestinationReservation) -> None:
+        for block_id in res.prefix:
+            self.pool.release(block_id)
+        self.release_slots(res.slots)
+
+    def activate_destination(self, res: DestinationReservation) -> None:
+        """Commit a reservation as the sequence's blocks and publish the transferred ones."""
+        use = res.use
+        if use is None:
+            return
+        active_full = self.active_full
+        n_prefix = len(res.prefix)
+        meta_parent = use.parent
+        run_parent = meta_parent
+        run: list[int] = []
+        slots = iter(res.slots)
+        for i, h in enumerate(use.hashes):
+            if i < n_prefix:
+                entry = active_full.get(h)
+                if entry is None:
+                    active_full[h] = [res.prefix[i], 1]
+                else:
+                    entry[1] += 1
+                meta_parent = h
+                continue
+            if self._commit_full(next(slots), h, use.keys[i], use.parent_keys[i]):
+                if not run:
+                    run_parent = meta_parent
+                run.append(i)
+            elif run:
+                self._store_run(use, run, run_parent)
+                run = []
+            meta_parent = h
+        if run:
+            self._store_run(use, run, run_parent)
+        if use.partial is not None:
+            self.active_partial[use.partial] = next(slots)
+
+    # --- eviction and reset -------------------------------------------------------------
+
+    def _evictions(self, keys: list[int]) -> None:
+        registered = self._registered
+        hashes = [registered.pop(key) for key in keys if key in registered]
+        if hashes and self.publish:
+            self._events.append(BlockRemoved(self._take_event_id(), self.dp_rank, hashes))
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every inactive block; the caller publishes AllBlocksCleared. Returns the count."""
+        keys = self.pool.clear_inactive()
+        for key in keys:
+            self._registered.pop(key, None)
+        return len(keys)
+
+    def _take_event_id(self) -> int:
+        event_id = self.next_event_id
+        self.next_event_id = event_id + 1
+        return event_id
+
+
+def block_tokens(tokens: array[int], block_size: int, index: int) -> list[int]:
+    return tokens[index * block_size : (index + 1) * block_size].tolist()

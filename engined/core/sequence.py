@@ -1,0 +1,316 @@
+"""Token and block state of one request, and the block moves it asks the KV manager for.
+
+This is Dynamo's `ActiveSequence`: the sequence knows which blocks it consists of (full blocks
+by sequence hash, at most one trailing partial block by a private id) and how far its KV has
+been allocated; it never touches the pool itself. It describes what must happen as `Use`,
+`Deref` and `Promote` moves that the KV manager applies, so a failed allocation can be undone
+by the caller (`pop`) without the sequence knowing about capacity.
+
+Allocation is eager: the token that opens a new block immediately asks for that block (and
+promotes the block it completed), exactly as mocker 1.3.0 does. Block counts observed by the
+seed tests depend on it.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections.abc import Callable
+
+from engined.core.hashing import HASH_SEED, lineage_key
+
+import xxhash  # isort: skip
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_U64 = (1 << 64) - 1
+
+
+class Use:
+    """Take (or re-take) the blocks `[first, first + len(hashes))`, then `partial` if set.
+
+    Fresh full blocks are registered (and published as Stored) at once, even before their
+    tokens are computed: that is the 1.3.0 behaviour routers see.
+    """
+
+    __slots__ = ("first", "hashes", "keys", "local", "parent", "parent_keys", "partial", "tokens")
+
+    def __init__(
+        self,
+        first: int,
+        hashes: list[int],
+        keys: list[int],
+        parent_keys: list[int | None],
+        local: list[int] | None,
+        partial: int | None,
+        parent: int | None,
+        tokens: array[int] | None,
+    ) -> None:
+        self.first = first
+        self.hashes = hashes
+        self.keys = keys
+        self.parent_keys = parent_keys
+        self.local = local
+        self.partial = partial
+        self.parent = parent
+        self.tokens = tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes) + (self.partial is not None)
+
+
+class Deref:
+    """Drop the request's hold on blocks: the partial (tail) first, then full blocks tail-first.
+
+    Tail-first release gives the tail the older inactive tick, so eviction takes leaves before
+    their parents.
+    """
+
+    __slots__ = ("hashes", "partial")
+
+    def __init__(self, partial: int | None, hashes: list[int]) -> None:
+        self.partial = partial
+        self.hashes = hashes
+
+
+class Promote:
+    """The partial block `partial` just filled up: it becomes full block `hash`."""
+
+    __slots__ = ("hash", "key", "local", "parent", "parent_key", "partial", "tokens")
+
+    def __init__(
+        self,
+        partial: int,
+        hash_: int,
+        parent: int | None,
+        local: int | None,
+        key: int,
+        parent_key: int | None,
+        tokens: list[int] | None,
+    ) -> None:
+        self.partial = partial
+        self.hash = hash_
+        self.parent = parent
+        self.local = local
+        self.key = key
+        self.parent_key = parent_key
+        self.tokens = tokens
+
+
+BlockMove = Use | Deref | Promote
+
+
+class Sequence:
+    """Prompt plus generated tokens, cut into blocks, with allocation bookkeeping.
+
+    `hashes[i]` identifies full block i (the sequence hash with prefix caching, a random u64
+    without: then no two requests share a block, but a preempted request still finds its own
+    blocks again). `keys[i]` is the block's lineage key in the pool.
+    """
+
+    __slots__ = (
+        "_next_partial_id",
+        "_rng",
+        "block_size",
+        "caching",
+        "emit_token_ids",
+        "generated",
+        "hashes",
+        "keys",
+        "local",
+        "max_output_tokens",
+        "num_allocated_tokens",
+        "num_input_tokens",
+        "parent_keys",
+        "partial",
+        "planned",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        tokens: list[int],
+        max_output_tokens: int,
+        block_size: int,
+        *,
+        caching: bool,
+        rng: random.Random,
+        next_partial_id: Callable[[], int],
+        planned: list[int] | None = None,
+        emit_token_ids: bool = True,
+    ) -> None:
+        assert block_size >= 2, "invalid ActiveSequence"
+        self.block_size = block_size
+        self.tokens = array("I", tokens)
+        self.num_input_tokens = len(tokens)
+        self.max_output_tokens = max_output_tokens
+        self.generated = 0
+        self.num_allocated_tokens = 0
+        self.caching = caching
+        self.emit_token_ids = emit_token_ids and caching
+        self.planned = planned
+        self._rng = rng
+        self._next_partial_id = next_partial_id
+        n_full = len(tokens) // block_size
+        self.hashes: list[int] = []
+        self.keys: list[int] = []
+        self.parent_keys: list[int | None] = []
+        self.local: list[int] = []
+        if caching:
+            data = self.tokens.tobytes()
+            step = block_size * 4
+            parent = 0
+            for pos in range(n_full):
+                lh = _xxh3(data[pos * step : (pos + 1) * step], seed=HASH_SEED)
+                h = (
+                    lh
+                    if pos == 0
+                    else _xxh3(
+                        parent.to_bytes(8, "little") + lh.to_bytes(8, "little"), seed=HASH_SEED
+                    )
+                )
+                self.local.append(lh)
+                self.hashes.append(h)
+                self.parent_keys.append(self.keys[-1] if pos else None)
+                self.keys.append(lineage_key(pos, h))
+                parent = h
+        else:
+            getrandbits = rng.getrandbits
+            for pos in range(n_full):
+                h = getrandbits(64)
+                self.hashes.append(h)
+                self.keys.append(lineage_key(pos, h))
+                self.parent_keys.append(lineage_key(pos - 1, 0) if pos else None)
+        self.partial: int | None = next_partial_id() if len(tokens) % block_size else None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_blocks(self) -> int:
+        """Unique blocks (full plus the trailing partial)."""
+        return len(self.hashes) + (self.partial is not None)
+
+    def current_known_blocks(self) -> int:
+        return -(-len(self.tokens) // self.block_size)
+
+    def to_completion_blocks(self) -> int:
+        return -(-(self.num_input_tokens + self.max_output_tokens) // self.block_size)
+
+    def prepare_allocation(self, cumulative_tokens: int) -> Use | None:
+        """The Use that extends the allocation to cover `cumulative_tokens`, or None.
+
+        Pure: stable until `commit_allocation`, so the caller may retry it after preempting.
+        """
+        bs = self.block_size
+        n_full = len(self.hashes)
+        total = n_full + (self.partial is not None)
+        prev = min(-(-self.num_allocated_tokens // bs), total)
+        target = min(-(-cumulative_tokens // bs), total)
+        if target <= prev:
+            return None
+        end = min(target, n_full)
+        return Use(
+            prev,
+            self.hashes[prev:end],
+            self.keys[prev:end],
+            self.parent_keys[prev:end],
+            self.local[prev:end] if self.caching else None,
+            self.partial if target > n_full else None,
+            self.hashes[prev - 1] if prev > 0 else None,
+            self.tokens if self.emit_token_ids else None,
+        )
+
+    def commit_allocation(self, cumulative_tokens: int) -> None:
+        self.num_allocated_tokens = cumulative_tokens
+
+    def generate_token(self) -> tuple[int, list[BlockMove]]:
+        """Sample the next token; returns it with the block moves it requires.
+
+        On the terminal token the moves end with the Deref that frees the whole sequence.
+        """
+        assert self.generated < self.max_output_tokens, (
+            "Cannot generate more tokens: reached max_output_tokens limit"
+        )
+        planned = self.planned
+        token = planned[self.generated] if planned is not None else self._rng.getrandbits(32)
+        moves = self._push(token)
+        if self.generated == self.max_output_tokens:
+            moves.append(self._free_for_tokens(len(self.tokens)))
+        return token, moves
+
+    def _push(self, token: int) -> list[BlockMove]:
+        tokens = self.tokens
+        tokens.append(token)
+        self.generated += 1
+        bs = self.block_size
+        if len(tokens) % bs != 1:
+            return []
+        moves: list[BlockMove] = []
+        partial = self.partial
+        if partial is not None:
+            pos = len(self.hashes)
+            parent = self.hashes[-1] if pos else None
+            block = tokens[pos * bs : (pos + 1) * bs]
+            if self.caching:
+                lh: int | None = _xxh3(block.tobytes(), seed=HASH_SEED)
+                assert lh is not None
+                h = (
+                    lh
+                    if parent is None
+                    else _xxh3(
+                        parent.to_bytes(8, "little") + lh.to_bytes(8, "little"), seed=HASH_SEED
+                    )
+                )
+                self.local.append(lh)
+                parent_key = self.keys[-1] if pos else None
+            else:
+                lh = None
+                h = self._rng.getrandbits(64)
+                parent_key = lineage_key(pos - 1, 0) if pos else None
+            key = lineage_key(pos, h)
+            self.hashes.append(h)
+            self.keys.append(key)
+            self.parent_keys.append(parent_key)
+            moves.append(
+                Promote(
+                    partial,
+                    h,
+                    parent,
+                    lh,
+                    key,
+                    parent_key,
+                    block.tolist() if self.emit_token_ids else None,
+                )
+            )
+        new_partial = self._next_partial_id()
+        self.partial = new_partial
+        moves.append(Use(len(self.hashes), [], [], [], None, new_partial, None, None))
+        return moves
+
+    def pop(self) -> None:
+        """Undo the last sampled token after its block could not be allocated.
+
+        A promotion that already happened stays: the block it completed is full either way.
+        """
+        self.tokens.pop()
+        self.generated = max(self.generated - 1, 0)
+        if len(self.tokens) % self.block_size == 0:
+            self.partial = None
+
+    def _free_for_tokens(self, num_tokens: int) -> Deref:
+        n = min(-(-num_tokens // self.block_size), self.num_blocks)
+        n_full = len(self.hashes)
+        return Deref(self.partial if n > n_full else None, self.hashes[: min(n, n_full)][::-1])
+
+    def free_moves(self) -> list[BlockMove]:
+        """The Deref releasing every allocated block (empty when nothing is allocated)."""
+        if self.num_allocated_tokens == 0:
+            return []
+        return [self._free_for_tokens(self.num_allocated_tokens)]
+
+    def reset_with_moves(self) -> list[BlockMove]:
+        """Release the allocation for preemption; generated tokens are kept for recompute."""
+        moves = self.free_moves()
+        self.num_allocated_tokens = 0
+        return moves
