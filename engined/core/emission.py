@@ -91,9 +91,28 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int]:
     running_members = state.running_members
     kv = core.kv
     emitted_any = False
+    bs = core.block_size
+    getrandbits = core.rng.getrandbits
+    append = signals.append
     for req in ready:
         request_id = req.request_id
         seq = req.seq
+        tokens = seq.tokens
+        if (
+            seq.planned is None
+            and len(tokens) % bs != 0
+            and seq.generated + 1 < seq.max_output_tokens
+            and req.cached_tokens_reported
+            and request_id in running_members
+        ):
+            # The common decode step, inlined: same draw and effect as `generate_token` for a
+            # token that neither opens a block nor ends the request.
+            token = getrandbits(32)
+            tokens.append(token)
+            seq.generated += 1
+            append(OutputSignal(request_id, token, False))
+            emitted_any = True
+            continue
         token = 0
         cleanup: list[BlockMove] = []
         emitted = completed = False

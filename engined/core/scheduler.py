@@ -172,14 +172,7 @@ class VllmCore(CommandHandling):
         self._preempted_any = False
         self._cache_queries = self._cache_hits = 0
 
-        running = state.running
-        i = 0
-        while i < len(running) and self._budget > 0:
-            outcome = self._schedule(running[i], False, None)[0]
-            if outcome == SCHEDULED:
-                i += 1
-            elif outcome == BLOCKED:
-                break
+        self._schedule_running()
 
         admissions, rejected = self._admit_waiting()
 
@@ -209,6 +202,43 @@ class VllmCore(CommandHandling):
             ),
             accept_length_decode_forwards=forwards,
         )
+
+    def _schedule_running(self) -> None:
+        """Step 1 of the pass. Decoding requests (one dangling token inside an allocated
+        block) take the inline path; everything else goes through `_schedule`."""
+        state = self.state
+        running = state.running
+        requests = state.requests
+        scheduled = self._scheduled
+        bs = self.block_size
+        i = 0
+        while i < len(running) and self._budget > 0:
+            request_id = running[i]
+            req = requests[request_id]
+            seq = req.seq
+            computed = req.num_computed_tokens
+            length = len(seq.tokens)
+            prompt_len = seq.num_input_tokens
+            if (
+                length - computed == 1
+                and computed >= prompt_len
+                and -(-length // bs) <= -(-seq.num_allocated_tokens // bs)
+            ):
+                # Same result as `_schedule` for this case: no allocation can be needed.
+                if length > seq.num_allocated_tokens:
+                    seq.num_allocated_tokens = length
+                req.num_computed_tokens = length
+                scheduled[request_id] = ScheduledWork(
+                    1, 0, prompt_len, prompt_len, length, seq.generated >= seq.max_output_tokens
+                )
+                self._budget -= 1
+                i += 1
+                continue
+            outcome = self._schedule(request_id, False, None)[0]
+            if outcome == SCHEDULED:
+                i += 1
+            elif outcome == BLOCKED:
+                break
 
     def _admit_waiting(self) -> tuple[list[Admission], list[str]]:
         state = self.state
