@@ -90,9 +90,6 @@ class CommandHandling:
         max_out = len(planned) if planned is not None else request.max_tokens
         prompt_len = len(request.token_ids)
         max_out = self.policy.clamp_max_output(prompt_len, max_out)
-        mml = self.args.max_model_len
-        if mml is not None and prompt_len < mml:
-            max_out = min(max_out, mml - prompt_len)
         seq = Sequence(
             request.token_ids,
             max_out,

@@ -22,19 +22,41 @@ class Decision(enum.Enum):
 
 
 class AdmissionPolicy:
-    __slots__ = ("block_size", "num_blocks")
+    __slots__ = ("block_size", "max_model_len", "max_prompt_tokens", "num_blocks")
 
     allows_preemption = True
     supports_destination_reservation = True
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_prompt_tokens: int | None,
+        max_model_len: int | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # vLLM never serves a sequence longer than its KV pool (it refuses to start with a
+        # max_model_len the pool cannot hold), so the pool's capacity caps max_model_len.
+        # Without this, a request outgrowing the pool alone would preempt itself forever.
+        capacity = num_blocks * block_size
+        self.max_model_len = min(max_model_len, capacity) if max_model_len else capacity
+        # Without chunked prefill a prompt must fit one pass's budget. Upstream would keep such
+        # a request waiting forever (and block the queue behind it); vLLM refuses it up front.
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def rejects(self, seq: Sequence, blocks_needed: int) -> bool:
+        """A fresh request that could never run here."""
+        if seq.num_input_tokens >= self.max_model_len and seq.max_output_tokens > 0:
+            return True
+        return blocks_needed > self.num_blocks or (
+            self.max_prompt_tokens is not None and seq.num_input_tokens > self.max_prompt_tokens
+        )
 
     def decide(
         self, seq: Sequence, is_fresh: bool, kv: KvManager, running: Iterable[Sequence]
     ) -> tuple[Decision, PrefillCost | None]:
-        if is_fresh and seq.current_known_blocks() > self.num_blocks:
+        if is_fresh and self.rejects(seq, seq.current_known_blocks()):
             return Decision.REJECT, None
         cost = kv.prefill_cost(seq)
         available = self.num_blocks - kv.num_active_blocks()
@@ -42,7 +64,9 @@ class AdmissionPolicy:
         return (Decision.WAIT, None) if needed > available else (Decision.ADMIT, cost)
 
     def clamp_max_output(self, prompt_len: int, max_output: int) -> int:
-        return max_output
+        """Generation stops at max_model_len, as in vLLM (finish reason "length")."""
+        cap = self.max_model_len
+        return min(max_output, cap - prompt_len) if prompt_len < cap else max_output
 
 
 class TrtllmNoEvictPolicy(AdmissionPolicy):
@@ -54,7 +78,7 @@ class TrtllmNoEvictPolicy(AdmissionPolicy):
     def decide(
         self, seq: Sequence, is_fresh: bool, kv: KvManager, running: Iterable[Sequence]
     ) -> tuple[Decision, PrefillCost | None]:
-        if is_fresh and seq.to_completion_blocks() > self.num_blocks:
+        if is_fresh and self.rejects(seq, seq.to_completion_blocks()):
             return Decision.REJECT, None
         cost = kv.prefill_cost(seq)
         needed = self._blocks_to_finish(seq, cost)
@@ -72,8 +96,3 @@ class TrtllmNoEvictPolicy(AdmissionPolicy):
         else:
             held = -(-seq.num_allocated_tokens // bs)
         return seq.to_completion_blocks() - held
-
-    def clamp_max_output(self, prompt_len: int, max_output: int) -> int:
-        """Enqueue clamps the output to what the pool could ever hold next to the prompt."""
-        cap = self.num_blocks * self.block_size
-        return min(max_output, cap - prompt_len) if prompt_len < cap else max_output

@@ -79,7 +79,12 @@ class VllmCore(CommandHandling):
         policy_cls = (
             TrtllmNoEvictPolicy if args.engine_type is EngineType.TRTLLM else AdmissionPolicy
         )
-        self.policy: AdmissionPolicy = policy_cls(args.num_gpu_blocks, args.block_size)
+        self.policy: AdmissionPolicy = policy_cls(
+            args.num_gpu_blocks,
+            args.block_size,
+            None if args.enable_chunked_prefill else self.max_batched_tokens,
+            args.max_model_len,
+        )
         self.kv = KvManager(
             args.num_gpu_blocks,
             args.block_size,

@@ -340,3 +340,39 @@ def test_same_inputs_give_identical_runs() -> None:
         return out
 
     assert run() == run()
+
+
+def test_fifo_preemption_can_ping_pong_as_upstream() -> None:
+    """Known upstream behaviour, kept on purpose (README, limits).
+    1. FIFO preemption, MTP bursts of 2, 7 blocks of 3 tokens: a 15-token request and a
+       2-token request whose blocks cannot coexist with the long one's next burst.
+    2. Run 40 passes.
+    Result: the oldest running request is the victim each time it needs a block, so the two
+    take turns preempting each other: one preemption per pass, no completion; cancelling
+    both frees every block.
+    """
+    core = make_core(
+        make_args(
+            block_size=3,
+            num_gpu_blocks=7,
+            max_num_batched_tokens=2,
+            enable_prefix_caching=True,
+            preemption_mode=PreemptionMode.FIFO,
+            aic_nextn=1,
+            aic_nextn_accept_rates="1",
+        )
+    )
+    core.receive(request("long", [0] * 15, 4, output_token_ids=[0] * 4))
+    core.receive(request("short", [0] * 2, 2))
+    core.receive(request("single", [0] * 9, 1, output_token_ids=[0]))
+    now = 0.0
+    totals = []
+    for _ in range(40):
+        result = core.execute_pass(now)
+        now = result.end_ms
+        totals.append(result.metrics.preemptions_total)
+    assert totals[-10:] == list(range(totals[-10], totals[-10] + 10))
+    assert set(core.state.requests) == {"long", "short"}
+    for request_id in ("long", "short"):
+        core.cancel(request_id)
+    assert core.kv.num_active_blocks() == 0
