@@ -1,0 +1,37 @@
+"""Value constraints shared by the wire formats, declared once as `Annotated` aliases.
+
+msgspec checks these while decoding (so a bad value never reaches the core) and renders them
+into the JSON Schemas in `proto/schemas/`. Rules `Meta` cannot express (byte lengths of UTF-8
+strings) are named functions in `engined.wire.control`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+U32_LIMIT = 1 << 32
+U64_LIMIT = 1 << 64
+
+# Token ids are u32 on every peer (Dynamo `Vec<u32>`, llm-d `[]uint32`).
+TokenId = Annotated[int, Meta(ge=0, lt=U32_LIMIT, description="Token id, an unsigned 32-bit int.")]
+
+# A prompt: at least one token (a request with nothing to prefill is meaningless).
+PromptTokenIds = Annotated[list[TokenId], Meta(min_length=1)]
+
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+
+# A data-parallel rank; the upper bound (dp_size) is the daemon's to check.
+DpRank = Annotated[int, Meta(ge=0, description="Data-parallel rank, in [0, dp_size).")]
+
+# Request and handoff ids: non-empty here, at most 256 UTF-8 *bytes* by a named check.
+RequestIdStr = Annotated[
+    str, Meta(min_length=1, description="1 to 256 bytes of UTF-8; unique among active requests.")
+]
+HandoffIdStr = Annotated[str, Meta(min_length=1, description="1 to 256 bytes of UTF-8.")]
+
+# The client's correlation id, echoed in the direct reply (strings at most 128 UTF-8 bytes).
+MessageId = Annotated[
+    int | str, Meta(description="Echoed in the direct reply; a string is at most 128 bytes.")
+]

@@ -1,0 +1,158 @@
+"""Conversions between the core's values and control messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from engined.core import types as core
+from engined.wire import control, convert
+
+REQUEST = control.WireRequest(
+    request_id="r-1", token_ids=[1, 2, 3], max_tokens=5, output_token_ids=[7, 8], dp_rank=1
+)
+CORE_REQUEST = core.Request(
+    token_ids=[1, 2, 3], max_tokens=5, request_id="r-1", output_token_ids=[7, 8]
+)
+
+
+def signal(
+    request_id: str,
+    token_id: int | None,
+    *,
+    completed: bool = False,
+    rejected: bool = False,
+    cached_tokens: int | None = None,
+    handoff_delay_ms: float | None = None,
+) -> core.OutputSignal:
+    return core.OutputSignal(
+        request_id=request_id,
+        token_id=token_id,
+        completed=completed,
+        rejected=rejected,
+        cached_tokens=cached_tokens,
+        handoff_delay_ms=handoff_delay_ms,
+    )
+
+
+def test_to_core_request_drops_only_the_routing_rank() -> None:
+    assert convert.to_core_request(REQUEST) == CORE_REQUEST
+    minimal = control.WireRequest(token_ids=[4], max_tokens=0)
+    assert convert.to_core_request(minimal) == core.Request(token_ids=[4], max_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("msg", "command"),
+    [
+        (control.Submit(request=REQUEST), core.Submit(CORE_REQUEST)),
+        (control.Cancel(request_id="r-1"), core.Cancel("r-1")),
+        (
+            control.SubmitHandoffPrefill(handoff_id="h", request=REQUEST),
+            core.SubmitHandoffPrefill("h", CORE_REQUEST),
+        ),
+        (control.ReleaseSource(handoff_id="h"), core.ReleaseSource("h")),
+        (control.CancelSource(handoff_id="h"), core.CancelSource("h")),
+        (
+            control.ReserveDestination(handoff_id="h", request=REQUEST),
+            core.ReserveDestination("h", CORE_REQUEST),
+        ),
+        (control.ActivateDestination(handoff_id="h"), core.ActivateDestination("h")),
+        (control.CancelDestination(handoff_id="h"), core.CancelDestination("h")),
+        (control.Hello(), None),
+        (control.Stats(), None),
+        (control.ResetPrefixCache(dp_rank=0), None),
+        (control.Ping(), None),
+    ],
+    ids=lambda v: type(v).__name__,
+)
+def test_to_core_command(msg: control.ClientMessage, command: core.Command | None) -> None:
+    assert convert.to_core_command(msg) == command
+
+
+class TestGroupOutputs:
+    def test_a_burst_is_one_entry_and_order_is_first_appearance(self) -> None:
+        entries = convert.group_outputs(
+            [
+                signal("b", 10, cached_tokens=32),
+                signal("a", 1, cached_tokens=0),
+                signal("b", 11),
+                signal("b", 12, completed=True),
+            ]
+        )
+        assert entries == [
+            control.OutputEntry(
+                request_id="b",
+                token_ids=[10, 11, 12],
+                finished=True,
+                finish_reason="length",
+                cached_tokens=32,
+            ),
+            control.OutputEntry(
+                request_id="a",
+                token_ids=[1],
+                finished=False,
+                finish_reason=None,
+                cached_tokens=0,
+            ),
+        ]
+
+    def test_token_less_rejection(self) -> None:
+        (entry,) = convert.group_outputs([signal("r", None, completed=True, rejected=True)])
+        assert entry == control.OutputEntry(
+            request_id="r", token_ids=[], finished=True, finish_reason="rejected"
+        )
+
+    def test_prefill_terminal_carries_the_handoff_delay(self) -> None:
+        (entry,) = convert.group_outputs(
+            [signal("p", 5, completed=True, cached_tokens=0, handoff_delay_ms=3.25)]
+        )
+        assert entry.handoff_delay_ms == 3.25
+        assert entry.cached_tokens == 0
+        assert entry.finish_reason == "length"
+
+    def test_no_signals_no_entries(self) -> None:
+        assert convert.group_outputs([]) == []
+
+
+def test_to_wire_lifecycle() -> None:
+    timing = core.TransferTiming(
+        mode=core.KvTransferTimingMode.FULL_PROMPT,
+        full_prompt_tokens=8,
+        kv_bytes_per_token=None,
+        bandwidth_gb_s=None,
+    )
+    held = core.SourceHeld(handoff_id="h", request_id="r", transfer_timing=timing)
+    reserved = core.DestinationReserved(
+        handoff_id="h2", request_id="r2", transferable_prompt_tokens=16
+    )
+    assert convert.to_wire_lifecycle(held) == control.SourceHeldEvent(
+        handoff_id="h", request_id="r"
+    )
+    assert convert.to_wire_lifecycle(reserved) == control.DestinationReservedEvent(
+        handoff_id="h2", request_id="r2", transferable_prompt_tokens=16
+    )
+    with pytest.raises(TypeError, match="Not a lifecycle event"):
+        convert.to_wire_lifecycle("source_held")  # type: ignore[arg-type]
+
+
+def test_rank_stats() -> None:
+    metrics = core.EngineMetrics(
+        dp_rank=1,
+        active_blocks=4,
+        inactive_blocks=2,
+        total_blocks=10,
+        kv_cache_usage=0.4,
+        running=2,
+        waiting=1,
+        preemptions_total=3,
+    )
+    assert convert.rank_stats(metrics, passes_total=99) == control.RankStats(
+        dp_rank=1,
+        active_blocks=4,
+        inactive_blocks=2,
+        total_blocks=10,
+        kv_cache_usage=0.4,
+        running=2,
+        waiting=1,
+        preemptions_total=3,
+        passes_total=99,
+    )
