@@ -19,7 +19,7 @@ from array import array
 
 from engined.core.block_pool import BlockPool
 from engined.core.sequence import BlockMove, Deref, Promote, Sequence, Use
-from engined.core.types import BlockRemoved, BlockStored, KvEvent
+from engined.core.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 _MASK64 = (1 << 64) - 1
 
@@ -384,12 +384,20 @@ class KvManager:
         if hashes and self.publish:
             self._events.append(BlockRemoved(self._take_event_id(), self.dp_rank, hashes))
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every inactive block; the caller publishes AllBlocksCleared. Returns the count."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's reset_prefix_cache does.
+
+        Like vLLM it refuses while any block is in use: the router would be told to drop
+        blocks that are still held, and their later removal would name unknown blocks.
+        """
+        if self.pool.num_active:
+            return False
         keys = self.pool.clear_inactive()
         for key in keys:
             self._registered.pop(key, None)
-        return len(keys)
+        if self.publish:
+            self._events.append(AllBlocksCleared(self._take_event_id(), self.dp_rank))
+        return True
 
     def _take_event_id(self) -> int:
         event_id = self.next_event_id

@@ -149,6 +149,10 @@ class VllmCore(CommandHandling):
     def take_kv_events(self) -> list[KvEvent]:
         return self.kv.take_events()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (publishes AllBlocksCleared); False while blocks are in use."""
+        return self.kv.reset_prefix_cache()
+
     def request_block_ids(self, request_id: str) -> list[int]:
         return self.kv.active_block_ids(self.state.requests[request_id].seq)
 

@@ -376,3 +376,29 @@ def test_fifo_preemption_can_ping_pong_as_upstream() -> None:
     for request_id in ("long", "short"):
         core.cancel(request_id)
     assert core.kv.num_active_blocks() == 0
+
+
+def test_reset_prefix_cache_clears_only_an_idle_pool() -> None:
+    """1. With caching on, run a request to completion (its blocks stay cached, inactive).
+    2. Reset while another request holds blocks: refused, nothing published.
+    3. Finish it, reset again.
+    Result: the second reset succeeds, publishes one AllBlocksCleared with the next event id,
+    and a repeat of the first prompt finds nothing cached.
+    """
+    from engined.core.types import AllBlocksCleared
+
+    core = make_core(make_args(enable_prefix_caching=True, num_gpu_blocks=12))
+    core.receive(request("a", range(8), 1))
+    events = [e for r in run_until_empty(core) for e in r.kv_events]
+    assert core.kv.num_inactive_blocks() == 2
+    core.receive(request("b", range(100, 104), 2))
+    events += core.execute_pass(0.0).kv_events
+    assert not core.reset_prefix_cache()
+    assert core.take_kv_events() == []
+    events += [e for r in run_until_empty(core) for e in r.kv_events]
+    assert core.reset_prefix_cache()
+    cleared = core.take_kv_events()
+    assert cleared == [AllBlocksCleared(events[-1].event_id + 1, 0)]
+    assert core.kv.num_inactive_blocks() == 0
+    core.receive(request("c", range(8), 1))
+    assert core.execute_pass(0.0).admissions[0].reused_input_tokens == 0
