@@ -1,0 +1,477 @@
+"""Property test: random handoff command sequences on a prefill core and a decode core.
+
+Normal requests and every handoff command (duplicate handoff and request ids, unknown ids,
+cancels at every stage, releases before and after completion, activations before and after
+reservation, commands sent to the "wrong" core) are interleaved with passes. Whatever happens,
+the cores must refuse bad commands only with documented `CoreError`s that change nothing,
+keep every KV event stream valid for a router, and drain to zero active blocks once the
+remaining handoffs are released or cancelled.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from engined.core.args import WorkerType
+from engined.core.errors import (
+    CapacityError,
+    CoreError,
+    DuplicateRequestError,
+    HandoffConflictError,
+    InvalidRequestError,
+)
+from engined.core.scheduler import VllmCore
+from engined.core.types import (
+    APPLIED,
+    NOOP,
+    ActivateDestination,
+    Cancel,
+    CancelDestination,
+    CancelSource,
+    Command,
+    CommandEffects,
+    DestinationAccepted,
+    DestinationReserved,
+    LifecycleEvent,
+    ReleaseSource,
+    Request,
+    ReserveDestination,
+    SourceHeld,
+    Submit,
+    SubmitHandoffPrefill,
+    Submitted,
+)
+from tests.core.factories import make_args, uid
+from tests.reference_indexer import ReferenceIndexer
+
+PREFILL, DECODE = 0, 1
+NUM_REQUEST_IDS = 6
+NUM_HANDOFF_IDS = 6
+BASE_PROMPT = list(range(1000, 1064))
+
+
+def request_id(i: int) -> str:
+    return uid(1_000 + i)
+
+
+def handoff_id(i: int) -> str:
+    return uid(2_000 + i)
+
+
+# Every message the documented errors may carry (mocker-protocols.md §1.8), plus our own
+# request-schema checks.
+HANDOFF = r"HandoffId\([0-9a-f-]+\)"
+ALLOWED_ERRORS: dict[type[CoreError], list[str]] = {
+    DuplicateRequestError: [r"request \S+ is already active"],
+    HandoffConflictError: [
+        r"source hold already active for request \S+",
+        rf"handoff {HANDOFF} is already active",
+        r"destination request \S+ is already pending",
+        rf"destination handoff {HANDOFF} is already pending",
+        r"destination reservation already exists for request \S+",
+        rf"destination handoff {HANDOFF} is already active",
+    ],
+    CapacityError: [r"destination prompt exceeds the KV pool capacity"],
+    InvalidRequestError: [
+        r"request\.token_ids must not be empty",
+        r"request\.max_tokens must be >= 0",
+    ],
+}
+# Which errors each command may raise at all; the others never fail.
+MAY_RAISE: dict[type[Any], tuple[type[CoreError], ...]] = {
+    Submit: (DuplicateRequestError, InvalidRequestError),
+    SubmitHandoffPrefill: (DuplicateRequestError, HandoffConflictError, InvalidRequestError),
+    ReserveDestination: (
+        DuplicateRequestError,
+        HandoffConflictError,
+        InvalidRequestError,
+        CapacityError,
+    ),
+}
+
+
+# --- strategies ---------------------------------------------------------------------------
+
+cores = st.sampled_from([PREFILL, PREFILL, DECODE])
+decode_cores = st.sampled_from([DECODE, DECODE, PREFILL])
+request_ids = st.integers(-1, NUM_REQUEST_IDS - 1)  # -1: no id, the core mints one
+handoff_ids = st.integers(0, NUM_HANDOFF_IDS - 1)
+max_tokens = st.integers(-1, 6)
+# Shared prefixes of one base prompt, optionally with a private tail (rarely empty).
+shared_prompts = st.tuples(st.integers(0, 24), st.lists(st.integers(0, 50), max_size=6)).map(
+    lambda t: BASE_PROMPT[: t[0]] + t[1]
+)
+prompts = st.one_of(
+    shared_prompts,
+    shared_prompts,
+    # Tiny alphabet: equal blocks everywhere; long enough to exceed small pools.
+    st.lists(st.integers(0, 2), min_size=1, max_size=48),
+)
+
+ops = st.one_of(
+    st.tuples(st.just("submit"), cores, request_ids, prompts, max_tokens),
+    st.tuples(st.just("cancel"), cores, request_ids),
+    st.tuples(st.just("submit_prefill"), cores, handoff_ids, request_ids, prompts, max_tokens),
+    st.tuples(st.just("release_source"), cores, handoff_ids),
+    st.tuples(st.just("cancel_source"), cores, handoff_ids),
+    st.tuples(
+        st.just("reserve"),
+        decode_cores,
+        handoff_ids,
+        request_ids,
+        prompts,
+        max_tokens,
+        st.booleans(),
+    ),
+    # Reserve the destination of a source the prefill core reported held (same ids, prompt).
+    st.tuples(st.just("reserve_held"), st.integers(0, 7), st.booleans()),
+    st.tuples(st.just("activate"), decode_cores, handoff_ids),
+    # Activate a destination some core reported reserved (it may be gone since).
+    st.tuples(st.just("activate_reserved"), st.integers(0, 7)),
+    st.tuples(st.just("activate_reserved"), st.integers(0, 7)),
+    st.tuples(st.just("cancel_destination"), decode_cores, handoff_ids),
+    st.tuples(st.just("retry"), decode_cores),
+    # Move one handoff a step along the real protocol (submit, reserve, activate, release).
+    st.tuples(st.just("advance"), handoff_ids, request_ids, prompts, max_tokens, st.booleans()),
+    st.tuples(st.just("advance"), handoff_ids, request_ids, prompts, max_tokens, st.booleans()),
+    st.tuples(st.just("advance"), handoff_ids, request_ids, prompts, max_tokens, st.booleans()),
+    st.tuples(st.just("pass"), cores, st.integers(1, 8)),
+    st.tuples(st.just("pass"), cores, st.integers(1, 8)),
+    st.tuples(st.just("pass_both"), st.integers(1, 8)),
+)
+
+configs = st.fixed_dictionaries(
+    {
+        "block_size": st.integers(2, 8),
+        "num_gpu_blocks": st.integers(4, 16),
+        "enable_prefix_caching": st.booleans(),
+        "max_num_seqs": st.integers(1, 3),
+        "max_num_batched_tokens": st.integers(4, 32),
+    }
+)
+
+
+# --- the harness --------------------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    """One core, its reference indexer and its clock."""
+
+    core: VllmCore
+    indexer: ReferenceIndexer
+    now_ms: float = 0.0
+    # Request ids the core minted (commands without an id), for the final cleanup.
+    minted: set[str] = field(default_factory=set)
+
+    def drain(self) -> None:
+        self.indexer.apply(self.core.take_kv_events(), worker_id=self.core.worker_id)
+
+
+@dataclass
+class Harness:
+    sides: list[Side]
+    # Sources submitted to the prefill core with an explicit id, by (handoff id, request id).
+    submitted_sources: dict[tuple[str, str], Request] = field(default_factory=dict)
+    # Sources the prefill core reported held, with their request, in report order.
+    held_sources: list[tuple[str, Request]] = field(default_factory=list)
+    # Destinations a core reported reserved: (core, handoff id), in report order.
+    reserved: list[tuple[int, str]] = field(default_factory=list)
+    # Prompt length of each destination request accepted, by (core, handoff id).
+    destination_prompts: dict[tuple[int, str], int] = field(default_factory=dict)
+
+    def snapshot(self, side: Side, command: Command) -> tuple[Any, ...]:
+        core = side.core
+        h = getattr(command, "handoff_id", None)
+        return (
+            core.metrics(),
+            core.kv.num_active_blocks(),
+            core.num_requests(),
+            core.is_empty(),
+            core.is_drained(),
+            None if h is None else core.source_is_registered(h),
+            None if h is None else core.source_is_held(h),
+            None if h is None else core.destination_is_held(h),
+            None if h is None else core.destination_block_ids(h),
+        )
+
+    def command(self, index: int, command: Command, allow: bool = True) -> CommandEffects | None:
+        """Apply one command and check what it did; None when it was (rightly) refused."""
+        side = self.sides[index]
+        core = side.core
+        side.drain()
+        before = self.snapshot(side, command)
+        registered_before = (
+            core.source_is_registered(command.handoff_id)
+            if isinstance(command, ReleaseSource | CancelSource)
+            else None
+        )
+        held_ids_before = (
+            core.destination_block_ids(command.handoff_id)
+            if isinstance(command, ActivateDestination)
+            else None
+        )
+        dest_held_before = (
+            core.destination_is_held(command.handoff_id)
+            if isinstance(command, CancelDestination)
+            else None
+        )
+        try:
+            effects = core.apply_command_effects(command, allow)
+        except CoreError as error:
+            note(f"  -> {type(error).__name__}: {error}")
+            allowed = MAY_RAISE.get(type(command), ())
+            assert isinstance(error, allowed), f"{type(command).__name__} raised {error!r}"
+            patterns = ALLOWED_ERRORS[type(error)]
+            assert any(re.fullmatch(p, str(error)) for p in patterns), f"message: {error}"
+            assert self.snapshot(side, command) == before, "a failed command changed state"
+            assert core.take_kv_events() == [], "a failed command published KV events"
+            return None
+        note(f"  -> {effects.result!r} {effects.lifecycle_events!r}")
+        side.drain()
+        result = effects.result
+        if result == NOOP:
+            assert self.snapshot(side, command) == before, "a Noop command changed state"
+            assert effects.lifecycle_events == []
+        if not allow:
+            assert effects.lifecycle_events == []
+        if isinstance(command, ReserveDestination):
+            self.destination_prompts[(index, command.handoff_id)] = len(command.request.token_ids)
+        self.check_lifecycle(index, effects.lifecycle_events)
+
+        match command:
+            case Submit(req):
+                assert isinstance(result, Submitted)
+                if req.request_id is None:
+                    side.minted.add(result.request_id)
+                else:
+                    assert result.request_id == req.request_id
+            case SubmitHandoffPrefill(h, req):
+                assert isinstance(result, Submitted)
+                assert core.source_is_registered(h)
+                if index == PREFILL and req.request_id is not None:
+                    self.submitted_sources[(h, req.request_id)] = req
+                if req.request_id is None:
+                    side.minted.add(result.request_id)
+            case ReleaseSource(h) | CancelSource(h):
+                assert result == (APPLIED if registered_before else NOOP)
+                assert not core.source_is_registered(h)
+            case ReserveDestination(h, req):
+                assert isinstance(result, DestinationAccepted)
+                if req.request_id is not None:
+                    assert result.request_id == req.request_id
+                else:
+                    side.minted.add(result.request_id)
+                assert core.destination_is_held(h)
+            case ActivateDestination(h):
+                assert result == (APPLIED if held_ids_before else NOOP)
+                assert not core.destination_block_ids(h)
+                if result == APPLIED:
+                    assert not core.destination_is_held(h)
+                    if not effects.lifecycle_events:
+                        # Activation commits reserved blocks; it can only dedup them away.
+                        assert core.kv.num_active_blocks() <= before[1]
+            case CancelDestination(h):
+                if dest_held_before:
+                    assert result == APPLIED
+                if result == APPLIED:
+                    assert not core.destination_is_held(h)
+                    assert not core.destination_block_ids(h)
+            case Cancel(rid):
+                assert result == (APPLIED if before[2] > core.num_requests() else NOOP)
+                assert rid not in core.state.requests
+        return effects
+
+    def check_lifecycle(self, index: int, events: list[LifecycleEvent]) -> None:
+        core = self.sides[index].core
+        bs = core.block_size
+        for event in events:
+            if isinstance(event, SourceHeld):
+                assert core.source_is_held(event.handoff_id)
+                req = self.submitted_sources.get((event.handoff_id, event.request_id))
+                if index == PREFILL and req is not None:
+                    self.held_sources.append((event.handoff_id, req))
+            else:
+                assert isinstance(event, DestinationReserved)
+                self.reserved.append((index, event.handoff_id))
+                assert core.destination_is_held(event.handoff_id)
+                assert core.destination_block_ids(event.handoff_id)
+                tokens = event.transferable_prompt_tokens
+                prompt_len = self.destination_prompts[(index, event.handoff_id)]
+                assert tokens % bs == 0
+                assert 0 <= tokens <= -(-prompt_len // bs) * bs
+
+    def run_pass(self, index: int) -> None:
+        side = self.sides[index]
+        side.drain()
+        result = side.core.execute_pass(side.now_ms)
+        side.indexer.apply(result.kv_events, worker_id=side.core.worker_id)
+        side.now_ms = max(side.now_ms, result.end_ms)
+        self.check_lifecycle(index, result.lifecycle_events)
+        assert result.metrics == side.core.metrics()
+        side.drain()
+
+    def all_handoff_ids(self) -> list[str]:
+        return [handoff_id(i) for i in range(NUM_HANDOFF_IDS)]
+
+    def all_request_ids(self, index: int) -> list[str]:
+        ids = [request_id(i) for i in range(NUM_REQUEST_IDS)]
+        return ids + sorted(self.sides[index].minted)
+
+
+def make_request(rid: int, prompt: list[int], max_out: int) -> Request:
+    return Request(
+        token_ids=list(prompt),
+        max_tokens=max_out,
+        request_id=None if rid < 0 else request_id(rid),
+    )
+
+
+def run_op(h: Harness, op: tuple[Any, ...]) -> None:
+    note(f"{op!r}")
+    match op:
+        case ("submit", c, rid, prompt, max_out):
+            h.command(c, Submit(make_request(rid, prompt, max_out)))
+        case ("cancel", c, rid):
+            if rid >= 0:
+                h.command(c, Cancel(request_id(rid)))
+            else:
+                minted = sorted(h.sides[c].minted)
+                if minted:
+                    h.command(c, Cancel(minted[0]))
+        case ("submit_prefill", c, hid, rid, prompt, max_out):
+            h.command(c, SubmitHandoffPrefill(handoff_id(hid), make_request(rid, prompt, max_out)))
+        case ("release_source", c, hid):
+            h.command(c, ReleaseSource(handoff_id(hid)))
+        case ("cancel_source", c, hid):
+            h.command(c, CancelSource(handoff_id(hid)))
+        case ("reserve", c, hid, rid, prompt, max_out, allow):
+            req = make_request(rid, prompt, max_out)
+            h.command(c, ReserveDestination(handoff_id(hid), req), allow)
+        case ("reserve_held", k, allow):
+            if h.held_sources:
+                hid, req = h.held_sources[k % len(h.held_sources)]
+                h.command(DECODE, ReserveDestination(hid, req), allow)
+        case ("activate", c, hid):
+            h.command(c, ActivateDestination(handoff_id(hid)))
+        case ("activate_reserved", k):
+            if h.reserved:
+                c, hid = h.reserved[k % len(h.reserved)]
+                h.command(c, ActivateDestination(hid))
+        case ("cancel_destination", c, hid):
+            h.command(c, CancelDestination(handoff_id(hid)))
+        case ("advance", hid_index, rid, prompt, max_out, allow):
+            advance(h, handoff_id(hid_index), make_request(rid, prompt, max_out), allow)
+        case ("retry", c):
+            side = h.sides[c]
+            side.drain()
+            events = side.core.retry_pending_destinations()
+            note(f"  -> {events!r}")
+            side.drain()
+            h.check_lifecycle(c, events)
+        case ("pass", c, n):
+            for _ in range(n):
+                h.run_pass(c)
+        case ("pass_both", n):
+            for _ in range(n):
+                h.run_pass(PREFILL)
+                h.run_pass(DECODE)
+        case _:
+            raise AssertionError(f"unknown op {op!r}")
+
+
+def advance(h: Harness, hid: str, req: Request, allow: bool) -> None:
+    """Take the next coordinator step of handoff `hid` (SourceFirst, as vLLM does)."""
+    source, destination = h.sides[PREFILL].core, h.sides[DECODE].core
+    held = [r for held_id, r in h.held_sources if held_id == hid]
+    if destination.destination_block_ids(hid):
+        h.command(DECODE, ActivateDestination(hid))
+    elif destination.destination_is_held(hid):
+        side = h.sides[DECODE]
+        side.drain()
+        h.check_lifecycle(DECODE, destination.retry_pending_destinations())
+        side.drain()
+    elif source.source_is_held(hid) and hid in destination.active_destinations:
+        h.command(PREFILL, ReleaseSource(hid))
+    elif source.source_is_held(hid) and held:
+        h.command(DECODE, ReserveDestination(hid, held[-1]), allow)
+    elif not source.source_is_registered(hid):
+        h.command(PREFILL, SubmitHandoffPrefill(hid, req))
+    else:
+        h.run_pass(PREFILL)
+
+
+def finish(h: Harness) -> None:
+    """Cancel or release whatever is left, then run passes until both cores are idle."""
+    note("finish")
+    for index, side in enumerate(h.sides):
+        for hid in h.all_handoff_ids():
+            h.command(index, ReleaseSource(hid))
+            h.command(index, CancelSource(hid))
+            h.command(index, CancelDestination(hid))
+        for rid in h.all_request_ids(index):
+            h.command(index, Cancel(rid))
+        # A cancel may have reserved a pending destination that is now held: cancel again.
+        for hid in h.all_handoff_ids():
+            h.command(index, CancelDestination(hid))
+        assert side.core.is_drained(), "everything was cancelled"
+    for _ in range(8):
+        if all(side.core.is_empty() and side.core.is_drained() for side in h.sides):
+            break
+        for index in (PREFILL, DECODE):
+            h.run_pass(index)
+    for side in h.sides:
+        core = side.core
+        side.drain()
+        assert core.is_drained()
+        assert core.kv.num_active_blocks() == 0
+        assert core.metrics().active_blocks == 0
+        assert core.metrics().running == 0
+        assert core.metrics().waiting == 0
+        side.indexer.assert_clean()
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(config=configs, program=st.lists(ops, min_size=20, max_size=100))
+def test_random_handoff_sequences_keep_both_cores_consistent(
+    config: dict[str, Any], program: list[tuple[Any, ...]]
+) -> None:
+    """Random handoff traffic on a prefill and a decode core never corrupts either core.
+
+    1. Build a prefill core (worker 1) and a decode core (worker 2) with the same small pool
+       (4-16 blocks, block size 2-8, caching on or off, 1-3 sequences, budget 4-32).
+    2. Run a random program of Submit/Cancel, SubmitHandoffPrefill, Release/CancelSource,
+       ReserveDestination (random, or for a source the prefill core reported held, with
+       admission allowed or not), Activate/CancelDestination, retry_pending_destinations and
+       passes, over small id pools (duplicates and unknown ids, minted ids, empty prompts
+       and negative max_tokens included), on either core.
+    3. Release and cancel every handoff and request id left, then run passes until both cores
+       are idle.
+
+    Expected: only the documented CoreError subclasses are raised, each with a documented
+    message, by the commands that may fail, and a failed command changes nothing (metrics,
+    active blocks, requests, handoff state, no KV event); a Noop changes nothing either.
+    Release/CancelSource are Applied exactly when the source was registered, Activate exactly
+    when the destination was reserved; lifecycle events describe the core's state and a
+    footprint of whole prompt blocks. At the end both cores are drained with 0 active blocks,
+    and each core's KV event stream, fed to its own reference indexer, has no violation.
+    """
+    sides = []
+    for worker_id, worker_type in ((1, WorkerType.PREFILL), (2, WorkerType.DECODE)):
+        core = VllmCore(make_args(worker_type=worker_type, **config), worker_id=worker_id)
+        sides.append(Side(core, ReferenceIndexer(core.block_size)))
+    h = Harness(sides)
+    for op in program:
+        run_op(h, op)
+        for side in sides:
+            side.indexer.assert_clean()
+    finish(h)
