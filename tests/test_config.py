@@ -1,0 +1,520 @@
+"""Daemon configuration: layering, validation messages, endpoints, printing, flag coverage."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from engined.config import (
+    ENV_PREFIX,
+    FLAGS,
+    ConfigError,
+    DaemonConfig,
+    dump_config,
+    endpoint_for_rank,
+    env_name,
+    load_config,
+)
+from engined.core.args import EngineArgs, EngineType, SglangArgs, WorkerType
+
+
+def load(
+    toml: str | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    flags: dict[str, Any] | None = None,
+    tmp_path: Path | None = None,
+) -> DaemonConfig:
+    path = None
+    if toml is not None:
+        assert tmp_path is not None
+        path = tmp_path / "engined.toml"
+        path.write_text(toml)
+    return load_config(config_path=path, env=env or {}, flags=flags or {})
+
+
+def raises(message: str) -> Any:
+    return pytest.raises(ConfigError, match=re.escape(message))
+
+
+# --- defaults ---------------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    config = load()
+    assert config == DaemonConfig()
+    assert config.engine == EngineArgs.from_mapping({})
+    assert config.engine.block_size == 64
+    assert (config.model_name, config.control_endpoint) == ("engined", "tcp://127.0.0.1:5555")
+    assert (config.kv_events_endpoint, config.kv_events_connect) == ("tcp://127.0.0.1:5557", False)
+    assert (config.kv_replay_endpoint, config.kv_replay_buffer) == (None, 10000)
+    assert (config.kv_events_topic, config.kv_events_format) == ("", "vllm")
+    assert (config.fpm_endpoint, config.worker_id) == ("tcp://127.0.0.1:20380", "")
+    assert (config.max_queued_requests, config.drain_timeout) == (0, 30.0)
+    assert (config.log_format, config.log_level, config.http_port) == ("auto", "info", None)
+
+
+def test_unrelated_environment_is_ignored() -> None:
+    assert load(env={"PATH": "/bin", "ENGINED": "x", "engined_block_size": "8"}) == DaemonConfig()
+
+
+# --- layering ---------------------------------------------------------------------------------
+
+TOML = """
+drain_timeout = 5
+log_level = "debug"
+kv_replay_endpoint = "ipc:///tmp/replay"
+
+[engine]
+block_size = 16
+enable_prefix_caching = false
+num_gpu_blocks = 100
+"""
+
+
+def test_toml_sets_daemon_and_engine_keys(tmp_path: Path) -> None:
+    config = load(TOML, tmp_path=tmp_path)
+    assert (config.drain_timeout, config.log_level) == (5.0, "debug")
+    assert config.kv_replay_endpoint == "ipc:///tmp/replay"
+    assert (config.engine.block_size, config.engine.num_gpu_blocks) == (16, 100)
+    assert config.engine.enable_prefix_caching is False
+
+
+def test_env_overrides_toml(tmp_path: Path) -> None:
+    env = {
+        "ENGINED_BLOCK_SIZE": "32",
+        "ENGINED_ENABLE_PREFIX_CACHING": "TRUE",
+        "ENGINED_DRAIN_TIMEOUT": "7.5",
+        "ENGINED_KV_REPLAY_ENDPOINT": "",
+    }
+    config = load(TOML, env=env, tmp_path=tmp_path)
+    assert (config.engine.block_size, config.engine.enable_prefix_caching) == (32, True)
+    assert (config.drain_timeout, config.kv_replay_endpoint) == (7.5, None)
+    assert (config.log_level, config.engine.num_gpu_blocks) == ("debug", 100)
+
+
+def test_flags_override_env_and_toml(tmp_path: Path) -> None:
+    env = {"ENGINED_BLOCK_SIZE": "32", "ENGINED_DRAIN_TIMEOUT": "7.5"}
+    flags = {"engine.block_size": "8", "drain_timeout": 1.0, "engine.enable_prefix_caching": True}
+    config = load(TOML, env=env, flags=flags, tmp_path=tmp_path)
+    assert (config.engine.block_size, config.drain_timeout) == (8, 1.0)
+    assert config.engine.enable_prefix_caching is True
+    assert (config.log_level, config.engine.num_gpu_blocks) == ("debug", 100)
+
+
+def test_flag_text_is_parsed_like_env() -> None:
+    flags = {
+        "engine.dp_size": "2",
+        "engine.speedup_ratio": "0",
+        "engine.enable_chunked_prefill": "no",
+        "fpm_endpoint": "",
+        "engine.max_num_seqs": "",
+        "worker_id": "w-1",
+    }
+    config = load(flags=flags)
+    assert (config.engine.dp_size, config.engine.speedup_ratio) == (2, 0.0)
+    assert config.engine.enable_chunked_prefill is False
+    assert (config.fpm_endpoint, config.engine.max_num_seqs, config.worker_id) == (
+        None,
+        None,
+        "w-1",
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("true", True), ("Yes", True), ("1", True), (" no ", False), ("FALSE", False), ("0", False)],
+)
+def test_env_booleans(text: str, value: bool) -> None:
+    assert load(env={"ENGINED_KV_EVENTS_CONNECT": text}).kv_events_connect is value
+
+
+def test_env_empty_string_is_none_only_for_optional_keys() -> None:
+    config = load(env={"ENGINED_FPM_ENDPOINT": "", "ENGINED_KV_EVENTS_TOPIC": ""})
+    assert (config.fpm_endpoint, config.kv_events_topic) == (None, "")
+    with raises("engine.block_size: expected an integer, got '' (from ENGINED_BLOCK_SIZE)"):
+        load(env={"ENGINED_BLOCK_SIZE": ""})
+
+
+def test_toml_empty_string_is_none_for_optional_keys(tmp_path: Path) -> None:
+    config = load('fpm_endpoint = ""\n[engine]\nmax_num_seqs = ""\n', tmp_path=tmp_path)
+    assert (config.fpm_endpoint, config.engine.max_num_seqs) == (None, None)
+
+
+def test_choices_ignore_case() -> None:
+    config = load(env={"ENGINED_LOG_LEVEL": "WARNING", "ENGINED_ENGINE_TYPE": "TRTLLM"})
+    assert (config.log_level, config.engine.engine_type) == ("warning", EngineType.TRTLLM)
+
+
+def test_engine_table_takes_mocker_keys(tmp_path: Path) -> None:
+    toml = '[engine]\nis_prefill = true\n[engine.sglang]\nschedule_policy = "lpm"\n'
+    config = load(toml, tmp_path=tmp_path)
+    assert config.engine.worker_type is WorkerType.PREFILL
+    assert config.engine.sglang == SglangArgs(schedule_policy="lpm")
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+def test_unknown_toml_key(tmp_path: Path) -> None:
+    with raises("drain_timout: unknown key in ") as info:
+        load("drain_timout = 1\n", tmp_path=tmp_path)
+    assert info.value.key == "drain_timout"
+    assert str(info.value).endswith("(did you mean drain_timeout?)")
+
+
+def test_unknown_engine_key(tmp_path: Path) -> None:
+    with raises("engine.blok_size: unknown key") as info:
+        load("[engine]\nblok_size = 16\n", tmp_path=tmp_path)
+    assert info.value.key == "engine.blok_size"
+    assert str(info.value).endswith("(did you mean block_size?)")
+
+
+def test_engine_key_at_top_level(tmp_path: Path) -> None:
+    with raises("block_size: unknown top-level key") as info:
+        load("block_size = 16\n", tmp_path=tmp_path)
+    assert info.value.key == "block_size"
+    assert "engine keys belong in the [engine] table" in str(info.value)
+
+
+def test_unknown_key_in_engine_sub_table(tmp_path: Path) -> None:
+    with raises("engine.sglang.page_sise: Object contains unknown field `page_sise`") as info:
+        load("[engine.sglang]\npage_sise = 16\n", tmp_path=tmp_path)
+    assert info.value.key == "engine.sglang.page_sise"
+
+
+def test_unknown_env_var() -> None:
+    with raises("ENGINED_BLOK_SIZE: unknown environment variable") as info:
+        load(env={"ENGINED_BLOK_SIZE": "16"})
+    assert info.value.key is None
+    assert str(info.value).endswith("(did you mean ENGINED_BLOCK_SIZE?)")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("ENGINED_BLOCK_SIZE", "16.5", "engine.block_size: expected an integer, got '16.5'"),
+        ("ENGINED_DRAIN_TIMEOUT", "soon", "drain_timeout: expected a number, got 'soon'"),
+        ("ENGINED_ENABLE_PREFIX_CACHING", "maybe", "engine.enable_prefix_caching: expected a bool"),
+        ("ENGINED_HTTP_PORT", "eighty", "http_port: expected an integer, got 'eighty'"),
+    ],
+)
+def test_unparsable_env_value_names_key_and_variable(name: str, text: str, message: str) -> None:
+    with raises(message) as info:
+        load(env={name: text})
+    assert info.value.key is not None and message.startswith(info.value.key)
+    assert str(info.value).endswith(f"(from {name})")
+
+
+def test_unknown_flag_key() -> None:
+    with raises("engine.blok_size: not a setting a flag can set"):
+        load(flags={"engine.blok_size": 1})
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with raises(f"config file {tmp_path / 'absent.toml'}: not found"):
+        load_config(config_path=tmp_path / "absent.toml", env={}, flags={})
+    with raises("config file ") as info:
+        load("drain_timeout = = 1\n", tmp_path=tmp_path)
+    assert "engined.toml" in str(info.value)
+
+
+def test_engine_not_a_table(tmp_path: Path) -> None:
+    with raises("engine: must be a table"):
+        load('engine = "vllm"\n', tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            {"engine.num_gpu_blocks": 0},
+            "engine.num_gpu_blocks: Failed to validate MockEngineArgs: num_gpu_blocks must be "
+            ">= 1, got 0 (from --num-gpu-blocks)",
+        ),
+        (
+            {"engine.engine_type": "tpu"},
+            "engine.engine_type: Invalid engine_type 'tpu'. Must be 'vllm', 'sglang', or "
+            "'trtllm'. (from --engine-type)",
+        ),
+        (
+            {"engine.block_size": 1},
+            "engine.block_size: the vLLM/TRT-LLM scheduler requires block_size to be at least 2",
+        ),
+        (
+            {"engine.aic_nextn_accept_rates": "0.5"},
+            "engine.aic_nextn_accept_rates: aic_nextn_accept_rates requires aic_nextn",
+        ),
+        (
+            {"engine.aic_nextn": 2, "engine.aic_nextn_accept_rates": "0.5,x"},
+            "engine.aic_nextn_accept_rates: invalid aic_nextn_accept_rates value",
+        ),
+        ({"engine.seed": True}, "engine.seed: Expected `int`, got `bool` - at `$.seed`"),
+    ],
+)
+def test_engine_errors_name_the_key(flags: dict[str, Any], message: str) -> None:
+    with raises(message) as info:
+        load(flags=flags)
+    assert info.value.key == message.split(":")[0]
+
+
+def test_engine_error_names_toml_file_and_sub_table(tmp_path: Path) -> None:
+    toml = '[engine]\nengine_type = "sglang"\n[engine.sglang]\npage_size = 0\n'
+    with raises("engine.sglang.page_size: Failed to validate MockEngineArgs") as info:
+        load(toml, tmp_path=tmp_path)
+    assert str(tmp_path / "engined.toml") in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"kv_replay_buffer": 0}, "kv_replay_buffer: Expected `int` >= 1, got 0"),
+        ({"max_queued_requests": -1}, "max_queued_requests: Expected `int` >= 0"),
+        ({"drain_timeout": -1.0}, "drain_timeout: Expected `float` >= 0.0"),
+        ({"drain_timeout": "inf"}, "drain_timeout: must be finite, got inf"),
+        ({"http_port": 0}, "http_port: Expected `int` >= 1"),
+        ({"http_port": "65536"}, "http_port: Expected `int` <= 65535"),
+        ({"model_name": ""}, "model_name: Expected `str` of length >= 1"),
+        ({"log_level": "loud"}, "log_level: Invalid enum value 'loud'; expected one of debug, "),
+        ({"kv_events_format": "json"}, "kv_events_format: Invalid enum value 'json'"),
+        ({"kv_events_topic": 3}, "kv_events_topic: Expected `str`, got `int`"),
+    ],
+)
+def test_daemon_errors_name_the_key(flags: dict[str, Any], message: str) -> None:
+    with raises(message) as info:
+        load(flags=flags)
+    assert info.value.key == message.split(":")[0]
+
+
+def test_error_names_the_layer_that_set_the_value(tmp_path: Path) -> None:
+    with raises("kv_replay_buffer: Expected `int` >= 1, got 0 (from ENGINED_KV_REPLAY_BUFFER)"):
+        load(env={"ENGINED_KV_REPLAY_BUFFER": "0"})
+    with raises(f"(from {tmp_path / 'engined.toml'})"):
+        load("kv_replay_buffer = 0\n", tmp_path=tmp_path)
+    with raises("kv_replay_buffer: Expected `int` >= 1, got 0 (from --kv-replay-buffer)"):
+        load(env={"ENGINED_KV_REPLAY_BUFFER": "5"}, flags={"kv_replay_buffer": 0})
+
+
+# --- endpoints --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "rank", "expected"),
+    [
+        ("tcp://127.0.0.1:5557", 0, "tcp://127.0.0.1:5557"),
+        ("tcp://127.0.0.1:5557", 3, "tcp://127.0.0.1:5560"),
+        ("tcp://*:5557", 1, "tcp://*:5558"),
+        ("tcp://collector.local:9000", 2, "tcp://collector.local:9002"),
+        ("tcp://[::1]:5557", 2, "tcp://[::1]:5559"),
+        ("tcp://[fe80::1%eth0]:1", 0, "tcp://[fe80::1%eth0]:1"),
+        ("ipc:///tmp/engined/kv", 0, "ipc:///tmp/engined/kv"),
+        ("ipc:///tmp/engined/kv", 2, "ipc:///tmp/engined/kv-2"),
+        ("tcp://h:65534", 1, "tcp://h:65535"),
+    ],
+)
+def test_endpoint_for_rank(endpoint: str, rank: int, expected: str) -> None:
+    assert endpoint_for_rank(endpoint, rank) == expected
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        ("udp://127.0.0.1:5557", "must start with tcp:// or ipc://"),
+        ("inproc://kv", "must start with tcp:// or ipc://"),
+        ("127.0.0.1:5557", "must start with tcp:// or ipc://"),
+        ("tcp://127.0.0.1", "must be tcp://HOST:PORT"),
+        ("tcp://:5557", "must be tcp://HOST:PORT"),
+        ("tcp://127.0.0.1:*", "port must be a number in 1..65535, got '*'"),
+        ("tcp://127.0.0.1:0", "port must be a number in 1..65535, got '0'"),
+        ("tcp://127.0.0.1:65536", "port must be a number in 1..65535"),
+        ("tcp://::1:5557", "write IPv6 hosts in brackets"),
+        ("tcp://[::1:5557", "unterminated IPv6 address"),
+        ("ipc://", "has no path"),
+        ("tcp://h:65535", "port of rank 1 exceeds 65535"),
+    ],
+)
+def test_endpoint_for_rank_refusals(endpoint: str, message: str) -> None:
+    with raises(message):
+        endpoint_for_rank(endpoint, 1)
+
+
+def test_endpoint_for_rank_negative_rank() -> None:
+    with pytest.raises(ValueError, match="rank must be >= 0"):
+        endpoint_for_rank("tcp://h:1", -1)
+
+
+def test_endpoints_are_validated_with_their_key() -> None:
+    with raises("control_endpoint: 'udp://x:1' must start with tcp:// or ipc://"):
+        load(flags={"control_endpoint": "udp://x:1"})
+    with raises("fpm_endpoint: 'tcp://h' must be tcp://HOST:PORT (from ENGINED_FPM_ENDPOINT)"):
+        load(env={"ENGINED_FPM_ENDPOINT": "tcp://h"})
+
+
+def test_per_rank_ports_must_exist() -> None:
+    flags = {"kv_events_endpoint": "tcp://127.0.0.1:65534", "engine.dp_size": 3}
+    with raises("kv_events_endpoint: ranks 0..2 need ports 65534..65536, beyond 65535"):
+        load(flags=flags)
+    # the control socket is not per rank
+    assert load(flags={"control_endpoint": "tcp://h:65535", "engine.dp_size": 3})
+
+
+def test_bound_endpoints_must_not_collide() -> None:
+    flags = {"engine.dp_size": 2, "kv_replay_endpoint": "tcp://127.0.0.1:5558"}
+    with raises(
+        "kv_replay_endpoint: tcp://127.0.0.1:5558 (kv_replay_endpoint rank 0) is also used by "
+        "kv_events_endpoint rank 1"
+    ):
+        load(flags=flags)
+    with raises("fpm_endpoint: tcp://*:5555 (fpm_endpoint) is also used by control_endpoint"):
+        load(flags={"fpm_endpoint": "tcp://*:5555"})
+    with raises("fpm_endpoint: ipc:///tmp/x (fpm_endpoint) is also used by control_endpoint"):
+        load(flags={"control_endpoint": "ipc:///tmp/x", "fpm_endpoint": "ipc:///tmp/x"})
+    # other hosts, or a KV PUB that connects rather than binds, do not collide
+    assert load(flags={"engine.dp_size": 2, "kv_replay_endpoint": "tcp://10.0.0.1:5558"})
+    assert load(flags={"kv_events_connect": True, "kv_events_endpoint": "tcp://127.0.0.1:5555"})
+
+
+# --- printing ---------------------------------------------------------------------------------
+
+
+def round_trip(config: DaemonConfig, tmp_path: Path) -> DaemonConfig:
+    text = dump_config(config)
+    tomllib.loads(text)  # valid TOML on its own
+    path = tmp_path / "printed.toml"
+    path.write_text(text)
+    return load_config(config_path=path, env={}, flags={})
+
+
+def test_dump_config_of_defaults_round_trips(tmp_path: Path) -> None:
+    text = dump_config(DaemonConfig())
+    assert text.index("model_name =") < text.index("[engine]") < text.index("block_size = 64")
+    assert "# kv_replay_endpoint = (unset)\n" in text
+    assert round_trip(DaemonConfig(), tmp_path) == DaemonConfig()
+
+
+def test_dump_config_round_trips(tmp_path: Path) -> None:
+    engine = {
+        "engine_type": "sglang",
+        "max_num_seqs": None,
+        "aic_nextn": 2,
+        "aic_nextn_accept_rates": "0.9",
+        "kv_transfer_bandwidth": 12.5,
+        "speedup_ratio": 1e-7,
+        "sglang": {"page_size": 4, "schedule_policy": "lpm"},
+        "reasoning": {"start_token_id": 7, "name": 'a "b"'},
+        "seed": 2**40,
+    }
+    config = load(
+        flags={"fpm_endpoint": None, "kv_events_topic": 'k"v\\\n\x01\x7f', "http_port": 9100},
+        tmp_path=tmp_path,
+    )
+    config = msgspec.structs.replace(config, engine=EngineArgs.from_mapping(engine))
+    text = dump_config(config)
+    assert 'fpm_endpoint = ""' in text and 'max_num_seqs = ""' in text
+    assert "[engine.sglang]" in text and "# [engine.trtllm] (unset)" in text
+    assert round_trip(config, tmp_path) == config
+
+
+# --- one declaration per setting --------------------------------------------------------------
+
+ISSUE_FLAGS = {
+    "--block-size": "engine.block_size",
+    "--num-gpu-blocks": "engine.num_gpu_blocks",
+    "--max-num-seqs": "engine.max_num_seqs",
+    "--max-num-batched-tokens": "engine.max_num_batched_tokens",
+    "--enable-prefix-caching": "engine.enable_prefix_caching",
+    "--enable-chunked-prefill": "engine.enable_chunked_prefill",
+    "--speedup-ratio": "engine.speedup_ratio",
+    "--data-parallel-size": "engine.dp_size",
+    "--worker-type": "engine.worker_type",
+    "--engine-type": "engine.engine_type",
+    "--preemption-mode": "engine.preemption_mode",
+    "--kv-bytes-per-token": "engine.kv_bytes_per_token",
+    "--kv-transfer-bandwidth": "engine.kv_transfer_bandwidth",
+    "--nextn": "engine.aic_nextn",
+    "--nextn-accept-rates": "engine.aic_nextn_accept_rates",
+    "--seed": "engine.seed",
+    "--decode-speedup-ratio": "engine.decode_speedup_ratio",
+    "--kv-transfer-timing-mode": "engine.kv_transfer_timing_mode",
+    "--max-model-len": "engine.max_model_len",
+    "--mtp-seed": "engine.aic_mtp_seed",
+    "--perf-model": "engine.perf_model",
+    "--fixed-prefill-ms-per-token": "engine.fixed_prefill_ms_per_token",
+    "--fixed-pass-overhead-ms": "engine.fixed_pass_overhead_ms",
+    "--fixed-decode-ms-per-pass": "engine.fixed_decode_ms_per_pass",
+    "--model-name": "model_name",
+    "--control-endpoint": "control_endpoint",
+    "--kv-events-endpoint": "kv_events_endpoint",
+    "--kv-events-connect": "kv_events_connect",
+    "--kv-replay-endpoint": "kv_replay_endpoint",
+    "--kv-replay-buffer": "kv_replay_buffer",
+    "--kv-events-topic": "kv_events_topic",
+    "--kv-events-format": "kv_events_format",
+    "--fpm-endpoint": "fpm_endpoint",
+    "--worker-id": "worker_id",
+    "--max-queued-requests": "max_queued_requests",
+    "--drain-timeout": "drain_timeout",
+    "--log-format": "log_format",
+    "--log-level": "log_level",
+    "--http-port": "http_port",
+}
+
+
+def test_issue_flags_map_to_their_keys() -> None:
+    assert {flag.name: flag.key for flag in FLAGS} == ISSUE_FLAGS
+
+
+def test_every_daemon_field_has_a_flag_and_an_env_name() -> None:
+    keys = {flag.key for flag in FLAGS}
+    for info in msgspec.structs.fields(DaemonConfig):
+        if info.name == "engine":
+            continue
+        assert info.name in keys
+        assert env_name(info.name) == ENV_PREFIX + info.name.upper()
+
+
+def test_every_scalar_engine_field_has_an_env_name() -> None:
+    fields = [f.name for f in msgspec.structs.fields(EngineArgs)]
+    names = [env_name(f"engine.{name}") for name in fields if f"engine.{name}" not in _TABLE_KEYS]
+    assert len(names) == len(fields) - len(_TABLE_KEYS)
+    assert env_name("engine.dp_size") == "ENGINED_DP_SIZE"
+    assert env_name("engine.aic_nextn") == "ENGINED_AIC_NEXTN"
+
+
+def test_tables_have_no_env_name() -> None:
+    with pytest.raises(ValueError):
+        env_name("engine.sglang")
+    with pytest.raises(ValueError):
+        env_name("engine")
+
+
+def test_env_names_are_unique_and_load() -> None:
+    daemon = [f.name for f in msgspec.structs.fields(DaemonConfig) if f.name != "engine"]
+    engine = [f"engine.{f.name}" for f in msgspec.structs.fields(EngineArgs)]
+    names = [env_name(key) for key in daemon + engine if key not in _TABLE_KEYS]
+    assert len(names) == len(set(names))
+
+
+_TABLE_KEYS = {"engine.trtllm", "engine.sglang", "engine.reasoning"}
+
+
+def test_switches_and_metavars() -> None:
+    by_name = {flag.name: flag for flag in FLAGS}
+    switches = {flag.name for flag in FLAGS if flag.is_switch}
+    assert switches == {
+        "--enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--kv-events-connect",
+    }
+    assert by_name["--enable-prefix-caching"].negation == "--no-enable-prefix-caching"
+    assert by_name["--engine-type"].metavar == "[vllm|sglang|trtllm]"
+    assert by_name["--log-format"].metavar == "[auto|console|json]"
+    assert by_name["--block-size"].metavar == "INT"
+    assert by_name["--fpm-endpoint"].metavar == "ENDPOINT"
+    assert by_name["--data-parallel-size"].dest == "data_parallel_size"
+    assert {by_name["--seed"].section, by_name["--seed"].key} == {"engine", "engine.seed"}
