@@ -1,0 +1,213 @@
+"""The one socket factory and the one owner of every socket (style anchor §11).
+
+Every option is explicit at the call site: whether a socket binds or connects is an argument,
+never guessed from the endpoint (vLLM binds when the endpoint contains `*`, which turns a typo
+into a silently reversed topology). High-water marks are always set, so no queue is unbounded
+by accident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Final, Self
+
+import structlog
+import zmq
+import zmq.asyncio
+
+log = structlog.get_logger()
+
+# libzmq's own defaults, restated so every call site reads the value it gets.
+DEFAULT_HWM: Final = 1000
+# Long enough for a final publish to reach a connected peer at shutdown, short enough that
+# `Context.term()` never hangs on a peer that went away (jupyter_client uses the same value).
+DEFAULT_LINGER_MS: Final = 1000
+
+
+def make_socket(
+    ctx: zmq.asyncio.Context,
+    socket_type: int,
+    endpoint: str,
+    *,
+    bind: bool,
+    sndhwm: int = DEFAULT_HWM,
+    rcvhwm: int = DEFAULT_HWM,
+    linger: int = DEFAULT_LINGER_MS,
+    maxmsgsize: int | None = None,
+    router_mandatory: bool = False,
+    routing_id: bytes | None = None,
+) -> zmq.asyncio.Socket:
+    """Create a socket, set its options, then bind or connect it.
+
+    Args:
+        ctx: the asyncio context that owns the socket.
+        socket_type: `zmq.PUB`, `zmq.ROUTER`, `zmq.DEALER`, ...
+        endpoint: `tcp://host:port` or `ipc://path` (`tcp://host:*` binds an ephemeral port;
+            read the real one from `socket.last_endpoint`).
+        bind: bind when True, connect when False.
+        sndhwm, rcvhwm: high-water marks in messages; 0 means unbounded, so pass it only
+            where the peer is trusted.
+        linger: ms that unsent messages survive `close()`.
+        maxmsgsize: largest accepted inbound message in bytes (the control ROUTER sets it
+            so a hostile client cannot make the daemon buffer gigabytes); None keeps libzmq's
+            unlimited default.
+        router_mandatory: ROUTER only: an unroutable send raises (EHOSTUNREACH, or EAGAIN at
+            the HWM) instead of being dropped silently.
+        routing_id: the identity a DEALER presents to a ROUTER; None lets libzmq pick one.
+
+    Raises:
+        ValueError: `router_mandatory` on a socket that is not a ROUTER.
+        zmq.ZMQError: the bind or connect failed; the socket is closed before re-raising.
+    """
+    if router_mandatory and socket_type != zmq.ROUTER:
+        raise ValueError(f"router_mandatory only applies to ROUTER sockets, not type {socket_type}")
+    sock = ctx.socket(socket_type)
+    try:
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.LINGER, linger)
+        if maxmsgsize is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
+        if router_mandatory:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if bind:
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def bound_endpoint(sock: zmq.asyncio.Socket, fallback: str) -> str:
+    """The endpoint a socket really listens on (resolves `tcp://host:*` to its port).
+
+    `fallback` is returned for a socket that only connected (LAST_ENDPOINT is then the last
+    connect target, which is the same string in practice).
+    """
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    if isinstance(raw, bytes) and raw:
+        return raw.decode()
+    return fallback
+
+
+def nonblocking_sender(sock: zmq.asyncio.Socket) -> Callable[[Sequence[bytes]], bool]:
+    """A synchronous, never-blocking multipart send for a socket nothing awaits on (PUB).
+
+    The engine loop publishes from plain functions. An asyncio socket's `send_multipart`
+    returns a Future (and allocates one per call); a synchronous shadow of the same libzmq
+    socket sends directly. The returned function answers False when libzmq refuses with
+    EAGAIN (the message is dropped, as a PUB at its HWM drops it).
+
+    NOTE: a shadow does not own the socket; sending through it after the owner closed the
+    socket would touch freed memory, so every call checks the owner first.
+    """
+    shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+    flags = zmq.NOBLOCK
+
+    def send(frames: Sequence[bytes]) -> bool:
+        if sock.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "socket is closed")
+        try:
+            shadow.send_multipart(frames, flags=flags)
+        except zmq.Again:
+            return False
+        return True
+
+    return send
+
+
+class SocketRegistry:
+    """Owns every socket of a daemon (or client) and closes them in reverse creation order.
+
+    Reverse order mirrors construction: a socket made later may depend on an earlier one
+    (a replay ROUTER next to its PUB). `close()` is idempotent and closes every socket even
+    when one of them fails, then raises the first failure.
+    """
+
+    def __init__(self) -> None:
+        self._sockets: list[zmq.asyncio.Socket] = []
+        self._closed = False
+
+    def make(
+        self,
+        ctx: zmq.asyncio.Context,
+        socket_type: int,
+        endpoint: str,
+        *,
+        bind: bool,
+        sndhwm: int = DEFAULT_HWM,
+        rcvhwm: int = DEFAULT_HWM,
+        linger: int = DEFAULT_LINGER_MS,
+        maxmsgsize: int | None = None,
+        router_mandatory: bool = False,
+        routing_id: bytes | None = None,
+    ) -> zmq.asyncio.Socket:
+        """`make_socket` with the same arguments, registering the result."""
+        self._check_open()
+        return self.add(
+            make_socket(
+                ctx,
+                socket_type,
+                endpoint,
+                bind=bind,
+                sndhwm=sndhwm,
+                rcvhwm=rcvhwm,
+                linger=linger,
+                maxmsgsize=maxmsgsize,
+                router_mandatory=router_mandatory,
+                routing_id=routing_id,
+            )
+        )
+
+    def add(self, sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+        """Take ownership of `sock`; returns it for chaining."""
+        if self._closed:
+            # Nobody would close it: refuse rather than leak.
+            sock.close(linger=0)
+        self._check_open()
+        self._sockets.append(sock)
+        return sock
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __len__(self) -> int:
+        return len(self._sockets)
+
+    def close(self) -> None:
+        """Close every socket, newest first, each with the linger it was created with."""
+        if self._closed:
+            return
+        self._closed = True
+        first_error: BaseException | None = None
+        while self._sockets:
+            sock = self._sockets.pop()
+            try:
+                sock.close()
+            except Exception as exc:  # keep closing the rest, report the first failure
+                log.error("socket close failed", error=repr(exc))
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("SocketRegistry is closed")
