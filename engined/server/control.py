@@ -1,0 +1,429 @@
+"""The control ROUTER: decode and validate client messages, dispatch them to ranks, and
+route every reply, output and lifecycle event back to the client that owns it.
+
+Ownership is explicit: a request belongs to the identity that submitted it, a handoff to the
+identity that registered it (per side: source or destination). Outputs of one pass are
+grouped per client, one `output` message each. Sends never block the engine: the socket is
+ROUTER_MANDATORY, so a vanished client is noticed at the first send to it, and its requests
+are cancelled and their KV freed, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import itertools
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from engined.core import types as core
+from engined.core.errors import CoreError
+from engined.core.scheduler import VllmCore
+from engined.server.engine_loop import EngineLoop
+from engined.wire import control as wire
+from engined.wire.convert import group_outputs, rank_stats, to_core_request, to_wire_lifecycle
+from engined.wire.errors import WireError
+
+log = structlog.get_logger(__name__)
+
+DELIMITER = b""
+
+
+def split_envelope(frames: list[bytes]) -> tuple[bytes, bool, bytes] | None:
+    """(identity, REQ-style delimiter present, body), or None for a malformed envelope."""
+    if len(frames) == 2:
+        return frames[0], False, frames[1]
+    if len(frames) == 3 and frames[1] == DELIMITER:
+        return frames[0], True, frames[2]
+    return None
+
+
+@dataclass(slots=True)
+class HandoffRoute:
+    rank: int
+    identity: bytes
+    request_id: str
+
+
+class ControlServer:
+    """Client protocol v1 over one ROUTER socket."""
+
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        loops: list[EngineLoop],
+        *,
+        welcome: Callable[[], wire.Welcome],
+        max_queued_requests: int,
+    ) -> None:
+        self._sock = sock
+        # Sends go through a synchronous shadow: NOBLOCK, errors raised at the call.
+        self._send_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self._loops = loops
+        self._welcome = welcome
+        self._max_queued = max_queued_requests
+        self._decoder = wire.ControlDecoder()
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._rr = itertools.cycle(range(len(loops)))
+        self._delimited: dict[bytes, bool] = {}
+        # request id -> identity, per rank
+        self._owners: list[dict[str, bytes]] = [{} for _ in loops]
+        self._sources: dict[str, HandoffRoute] = {}
+        self._destinations: dict[str, HandoffRoute] = {}
+        # request id -> destination handoff id, per rank: the route ends with the request.
+        self._destination_requests: list[dict[str, str]] = [{} for _ in loops]
+        self._gone: set[bytes] = set()
+        self.shutting_down = False
+        # Set whenever a request stops being owned; shutdown waits on it to drain.
+        self.owners_changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Set when a handler fails unexpectedly: a bug, which must end the daemon non-zero.
+        self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    # --- reading ------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart()
+            envelope = split_envelope(frames)
+            if envelope is None:
+                log.warning("bad envelope", frames=len(frames), identity=frames[0].hex())
+                if len(frames) >= 2:
+                    self._reply(
+                        frames[0],
+                        wire.ErrorReply(
+                            code="bad_message",
+                            message=(
+                                "a message is one body frame, optionally after an empty delimiter"
+                            ),
+                        ),
+                    )
+                continue
+            identity, delimited, body = envelope
+            self._delimited[identity] = delimited
+            self._gone.discard(identity)
+            try:
+                msg = self._decoder.decode(body)
+            except WireError as exc:
+                log.warning(
+                    "bad message", identity=identity.hex(), code=exc.code, error=exc.message
+                )
+                self._reply(
+                    identity, wire.ErrorReply(id=exc.message_id, code=exc.code, message=exc.message)
+                )
+                continue
+            self._dispatch(identity, msg)
+
+    def _dispatch(self, identity: bytes, msg: wire.ClientMessage) -> None:
+        match msg:
+            case wire.Hello():
+                welcome = self._welcome()
+                welcome.id = msg.id
+                self._reply(identity, welcome)
+            case wire.Ping():
+                self._reply(identity, wire.Pong(id=msg.id))
+            case wire.Stats():
+                self._reply(identity, self.stats(msg.id))
+            case wire.Submit() | wire.SubmitHandoffPrefill() | wire.ReserveDestination():
+                self._spawn(self._submit(identity, msg))
+            case wire.Cancel():
+                self._spawn(self._cancel(identity, msg))
+            case wire.ReleaseSource() | wire.CancelSource():
+                self._spawn(self._handoff_command(identity, msg, self._sources))
+            case wire.ActivateDestination() | wire.CancelDestination():
+                self._spawn(self._handoff_command(identity, msg, self._destinations))
+            case wire.ResetPrefixCache():
+                self._spawn(self._reset_prefix_cache(identity, msg))
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not self.failed.done():
+            self.failed.set_result(exc)
+
+    # --- requests and commands ----------------------------------------------------------
+
+    def _error(self, identity: bytes, msg_id: int | str | None, code: str, message: str) -> None:
+        self._reply(identity, wire.ErrorReply(id=msg_id, code=code, message=message))  # type: ignore[arg-type]
+
+    def _pick_rank(self, requested: int | None) -> int | None:
+        if requested is None:
+            return next(self._rr)
+        return requested if requested < len(self._loops) else None
+
+    async def _submit(
+        self,
+        identity: bytes,
+        msg: wire.Submit | wire.SubmitHandoffPrefill | wire.ReserveDestination,
+    ) -> None:
+        if self.shutting_down:
+            self._error(identity, msg.id, "shutting_down", "the daemon is shutting down")
+            return
+        request = msg.request
+        rank = self._pick_rank(request.dp_rank)
+        if rank is None:
+            self._error(
+                identity,
+                msg.id,
+                "invalid_request",
+                f"request.dp_rank: {request.dp_rank} is out of range [0, {len(self._loops)})",
+            )
+            return
+        loop = self._loops[rank]
+        capacity = loop.core.num_blocks * loop.core.block_size
+        if len(request.token_ids) > capacity:
+            self._error(
+                identity,
+                msg.id,
+                "invalid_request",
+                f"request.token_ids: {len(request.token_ids)} tokens exceed the KV pool "
+                f"capacity of {capacity} tokens",
+            )
+            return
+        if self._max_queued and len(loop.core.state.waiting) + loop.queued >= self._max_queued:
+            self._error(
+                identity,
+                msg.id,
+                "overloaded",
+                f"rank {rank} has {self._max_queued} queued requests",
+            )
+            return
+        request_id = request.request_id or str(uuid.uuid4())
+        core_request = to_core_request(request)
+        if request.request_id is None:
+            core_request = msgspec.structs.replace(core_request, request_id=request_id)
+        routes: dict[str, HandoffRoute] | None = None
+        command: core.Command
+        match msg:
+            case wire.Submit():
+                command = core.Submit(core_request)
+            case wire.SubmitHandoffPrefill():
+                routes = self._sources
+                command = core.SubmitHandoffPrefill(msg.handoff_id, core_request)
+            case wire.ReserveDestination():
+                routes = self._destinations
+                command = core.ReserveDestination(msg.handoff_id, core_request)
+        new_route: HandoffRoute | None = None
+        if routes is not None:
+            existing = routes.get(msg.handoff_id)  # type: ignore[union-attr]
+            if existing is not None:
+                # The core that owns the handoff id must see the duplicate and refuse it.
+                rank, loop = existing.rank, self._loops[existing.rank]
+            else:
+                new_route = routes[msg.handoff_id] = HandoffRoute(rank, identity, request_id)  # type: ignore[union-attr]
+                if routes is self._destinations:
+                    self._destination_requests[rank][request_id] = msg.handoff_id  # type: ignore[union-attr]
+        owners = self._owners[rank]
+        if request_id in owners:
+            if new_route is not None and routes is not None:
+                routes.pop(msg.handoff_id, None)  # type: ignore[union-attr]
+                self._destination_requests[rank].pop(request_id, None)
+            self._error(
+                identity, msg.id, "duplicate_request", f"request {request_id} is already active"
+            )
+            return
+        owners[request_id] = identity
+        try:
+            effects = await loop.call(command)
+        except CoreError as exc:
+            if owners.get(request_id) is identity:
+                del owners[request_id]
+            if new_route is not None and routes is not None:
+                routes.pop(msg.handoff_id, None)  # type: ignore[union-attr]
+                self._destination_requests[rank].pop(request_id, None)
+            self._error(identity, msg.id, exc.code, str(exc))
+            return
+        if isinstance(effects.result, core.DestinationAccepted):
+            self._reply(
+                identity, wire.DestinationAccepted(id=msg.id, request_id=request_id, dp_rank=rank)
+            )
+        else:
+            self._reply(identity, wire.Submitted(id=msg.id, request_id=request_id, dp_rank=rank))
+
+    async def _cancel(self, identity: bytes, msg: wire.Cancel) -> None:
+        for rank, owners in enumerate(self._owners):
+            if msg.request_id in owners:
+                effects = await self._loops[rank].call(core.Cancel(msg.request_id))
+                if isinstance(effects.result, core.Applied):
+                    self._forget(rank, msg.request_id)
+                    self._reply(identity, wire.Applied(id=msg.id))
+                    return
+        self._reply(identity, wire.Noop(id=msg.id))
+
+    async def _handoff_command(
+        self,
+        identity: bytes,
+        msg: wire.ReleaseSource
+        | wire.CancelSource
+        | wire.ActivateDestination
+        | wire.CancelDestination,
+        routes: dict[str, HandoffRoute],
+    ) -> None:
+        route = routes.get(msg.handoff_id)
+        if route is None:
+            self._reply(identity, wire.Noop(id=msg.id))
+            return
+        command: core.Command
+        match msg:
+            case wire.ReleaseSource():
+                command = core.ReleaseSource(msg.handoff_id)
+            case wire.CancelSource():
+                command = core.CancelSource(msg.handoff_id)
+            case wire.ActivateDestination():
+                command = core.ActivateDestination(msg.handoff_id)
+            case wire.CancelDestination():
+                command = core.CancelDestination(msg.handoff_id)
+        loop = self._loops[route.rank]
+        effects = await loop.call(command)
+        applied = isinstance(effects.result, core.Applied)
+        if applied and not isinstance(msg, wire.ActivateDestination):
+            routes.pop(msg.handoff_id, None)
+            if routes is self._destinations:
+                self._destination_requests[route.rank].pop(route.request_id, None)
+            self._end_dropped(route.rank, route.request_id, loop.core)
+        self._reply(identity, wire.Applied(id=msg.id) if applied else wire.Noop(id=msg.id))
+
+    def _end_dropped(self, rank: int, request_id: str, core_: VllmCore) -> None:
+        """A command dropped a request another client may be streaming: end its stream."""
+        owner = self._owners[rank].get(request_id)
+        if owner is not None and request_id not in core_.state.requests:
+            self._forget(rank, request_id)
+            entry = wire.OutputEntry(
+                request_id=request_id, token_ids=[], finished=True, finish_reason="cancelled"
+            )
+            self._send(owner, wire.Output(dp_rank=rank, outputs=[entry]))
+
+    async def _reset_prefix_cache(self, identity: bytes, msg: wire.ResetPrefixCache) -> None:
+        ranks = range(len(self._loops)) if msg.dp_rank is None else [msg.dp_rank]
+        if msg.dp_rank is not None and msg.dp_rank >= len(self._loops):
+            self._error(
+                identity, msg.id, "invalid_request", f"dp_rank: {msg.dp_rank} is out of range"
+            )
+            return
+        refused = []
+        for rank in ranks:
+            future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            self._loops[rank].post(functools.partial(_reset_into, future))
+            if not await future:
+                refused.append(rank)
+        if refused:
+            self._error(
+                identity,
+                msg.id,
+                "invalid_request",
+                f"reset_prefix_cache: rank(s) {refused} still hold KV blocks in use",
+            )
+        else:
+            self._reply(identity, wire.Applied(id=msg.id))
+
+    def stats(self, msg_id: int | str | None = None) -> wire.StatsReply:
+        return wire.StatsReply(
+            id=msg_id,
+            ranks=[
+                rank_stats(loop.core.metrics(), passes_total=loop.passes_total)
+                for loop in self._loops
+            ],
+        )
+
+    # --- delivery (called by the engine loops) ------------------------------------------
+
+    def deliver_outputs(self, rank: int, signals: list[core.OutputSignal]) -> None:
+        owners = self._owners[rank]
+        per_client: dict[bytes, list[core.OutputSignal]] = defaultdict(list)
+        for signal in signals:
+            owner = owners.get(signal.request_id)
+            if owner is not None:
+                per_client[owner].append(signal)
+            if signal.completed:
+                self._forget(rank, signal.request_id)
+        for identity, batch in per_client.items():
+            self._send(identity, wire.Output(dp_rank=rank, outputs=group_outputs(batch)))
+
+    def _forget(self, rank: int, request_id: str) -> None:
+        """A request ended: drop its owner and any destination route it had."""
+        if self._owners[rank].pop(request_id, None) is not None:
+            self.owners_changed.set()
+        handoff_id = self._destination_requests[rank].pop(request_id, None)
+        if handoff_id is not None:
+            self._destinations.pop(handoff_id, None)
+
+    def deliver_lifecycle(self, rank: int, events: list[core.LifecycleEvent]) -> None:
+        per_client: dict[bytes, list[wire.WireLifecycleEvent]] = defaultdict(list)
+        for event in events:
+            routes = self._sources if isinstance(event, core.SourceHeld) else self._destinations
+            route = routes.get(event.handoff_id)
+            if route is not None and route.rank == rank:
+                per_client[route.identity].append(to_wire_lifecycle(event))
+        for identity, batch in per_client.items():
+            self._send(identity, wire.Lifecycle(dp_rank=rank, events=batch))
+
+    def cancel_all(self, finish_reason: str = "cancelled") -> None:
+        """End every request still owned (shutdown after the drain timeout)."""
+        for rank, owners in enumerate(self._owners):
+            loop = self._loops[rank]
+            for request_id, identity in list(owners.items()):
+                loop.core.cancel(request_id)
+                entry = wire.OutputEntry(
+                    request_id=request_id, token_ids=[], finished=True, finish_reason="cancelled"
+                )
+                self._send(identity, wire.Output(dp_rank=rank, outputs=[entry]))
+                self._forget(rank, request_id)
+
+    def owned_requests(self) -> int:
+        return sum(len(owners) for owners in self._owners)
+
+    # --- sending ------------------------------------------------------------------------
+
+    def _reply(self, identity: bytes, msg: wire.DaemonMessage) -> None:
+        self._send(identity, msg)
+
+    def _send(self, identity: bytes, msg: wire.DaemonMessage) -> None:
+        if identity in self._gone:
+            return
+        body = self._encode(msg)
+        frames = [identity, DELIMITER, body] if self._delimited.get(identity) else [identity, body]
+        try:
+            self._send_sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self._client_gone(
+                identity, "unreachable" if exc.errno == errno.EHOSTUNREACH else "too slow"
+            )
+
+    def _client_gone(self, identity: bytes, why: str) -> None:
+        """Cancel everything the client owns on every rank, once."""
+        self._gone.add(identity)
+        self._delimited.pop(identity, None)
+        cancelled = 0
+        for rank, owners in enumerate(self._owners):
+            mine = [rid for rid, owner in owners.items() if owner == identity]
+            for request_id in mine:
+                self._forget(rank, request_id)
+                self._loops[rank].post(functools.partial(_cancel_quietly, request_id))
+            cancelled += len(mine)
+        log.warning("client gone", identity=identity.hex(), reason=why, cancelled=cancelled)
+
+
+def _reset_into(future: asyncio.Future[bool], core_: VllmCore) -> None:
+    future.set_result(core_.reset_prefix_cache())
+
+
+def _cancel_quietly(request_id: str, core_: VllmCore) -> None:
+    core_.cancel(request_id)

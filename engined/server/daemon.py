@@ -1,0 +1,301 @@
+"""Start-up, serving and shutdown of the daemon: one asyncio loop, one EngineLoop per rank.
+
+`Daemon.serve()` reads as the lifecycle: start up (bind every socket, or fail with
+STARTUP_FAILURE), serve until a signal or a fatal error, shut down. Shutdown stops taking new
+requests, lets in-flight ones finish for up to `drain_timeout` seconds, ends the rest as
+`cancelled`, and closes every socket; a second signal skips the drain. A bug in a rank or a
+handler ends the process non-zero, so a supervisor restarts it instead of it serving half
+dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+import structlog
+import zmq
+import zmq.asyncio
+
+import engined
+from engined.config import DaemonConfig, endpoint_for_rank
+from engined.core.scheduler import VllmCore
+from engined.server.control import ControlServer
+from engined.server.engine_loop import EngineLoop
+from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
+from engined.server.kv_publisher import KvPublisher
+from engined.server.logs import configure_logging
+from engined.server.sockets import SocketRegistry, make_socket
+from engined.wire import control as wire
+
+log = structlog.get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+STARTUP_FAILURE = 3
+CONTROL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CONTROL_HWM = 100_000
+
+
+class Daemon:
+    def __init__(
+        self, config: DaemonConfig, *, on_ready: Callable[[Daemon], None] | None = None
+    ) -> None:
+        self.config = config
+        self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.loops: list[EngineLoop] = []
+        self.control: ControlServer | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._registry: SocketRegistry | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._publishers: list[KvPublisher] = []
+        self._stop = asyncio.Event()
+        self._force = False
+        self._on_ready = on_ready
+        self.started = False
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def serve(self) -> int:
+        try:
+            await self.startup()
+        except (zmq.ZMQError, OSError) as exc:
+            log.error("startup failed", error=str(exc))
+            await self.close()
+            return STARTUP_FAILURE
+        code = await self.main_loop()
+        await self.shutdown(drain=code == EXIT_OK)
+        return code
+
+    async def startup(self) -> None:
+        cfg = self.config
+        engine = cfg.engine
+        self._ctx = zmq.asyncio.Context()
+        self._registry = registry = SocketRegistry()
+        control_sock = make_socket(
+            self._ctx,
+            zmq.ROUTER,
+            cfg.control_endpoint,
+            bind=True,
+            sndhwm=CONTROL_HWM,
+            rcvhwm=CONTROL_HWM,
+            linger=1000,
+            maxmsgsize=CONTROL_MAX_MESSAGE_BYTES,
+            router_mandatory=True,
+        )
+        registry.add(control_sock)
+        kv_endpoints: list[str] = []
+        replay_endpoints: list[str] = []
+        fpm_endpoints: list[str] = []
+        controls: list[ControlServer] = []
+        for rank in range(engine.dp_size):
+            kv_endpoint = endpoint_for_rank(cfg.kv_events_endpoint, rank)
+            replay = (
+                endpoint_for_rank(cfg.kv_replay_endpoint, rank) if cfg.kv_replay_endpoint else None
+            )
+            kv = KvPublisher(
+                self._ctx,
+                registry,
+                endpoint=kv_endpoint,
+                bind=not cfg.kv_events_connect,
+                topic=cfg.kv_events_topic,
+                fmt=cfg.kv_events_format,
+                dp_rank=rank,
+                replay_endpoint=replay,
+                replay_buffer=cfg.kv_replay_buffer,
+            )
+            self._publishers.append(kv)
+            kv_endpoints.append(kv.endpoint)
+            if kv.replay_endpoint:
+                replay_endpoints.append(kv.replay_endpoint)
+            fpm: FpmPublisher | NullFpmPublisher
+            if cfg.fpm_endpoint:
+                fpm_endpoint = endpoint_for_rank(cfg.fpm_endpoint, rank)
+                fpm = FpmPublisher(
+                    self._ctx,
+                    registry,
+                    endpoint=fpm_endpoint,
+                    worker_id=self.worker_id,
+                    dp_rank=rank,
+                )
+                fpm_endpoints.append(fpm.endpoint)
+            else:
+                fpm = NullFpmPublisher()
+            core = VllmCore(engine, dp_rank=rank, worker_id=rank)
+            self.loops.append(
+                EngineLoop(
+                    core,
+                    kv=kv,
+                    fpm=fpm,
+                    delivery=_LateDelivery(controls),
+                    speedup_ratio=engine.speedup_ratio,
+                )
+            )
+
+        def welcome() -> wire.Welcome:
+            return wire.Welcome(
+                protocol=wire.PROTOCOL_VERSION,
+                version=engined.__version__,
+                engine_type=engine.engine_type,
+                worker_type=engine.worker_type,
+                block_size=engine.block_size,
+                num_gpu_blocks=engine.num_gpu_blocks,
+                dp_size=engine.dp_size,
+                model_name=cfg.model_name,
+                kv_events_endpoints=kv_endpoints,
+                kv_replay_endpoints=replay_endpoints,
+                fpm_endpoints=fpm_endpoints,
+            )
+
+        self.control = ControlServer(
+            control_sock,
+            self.loops,
+            welcome=welcome,
+            max_queued_requests=cfg.max_queued_requests,
+        )
+        controls.append(self.control)
+        for kv in self._publishers:
+            kv.start()
+        self._tasks.append(asyncio.create_task(self.control.serve(), name="control"))
+        for loop in self.loops:
+            self._tasks.append(asyncio.create_task(loop.run(), name=f"rank-{loop.rank}"))
+        self.started = True
+        log.info(
+            "engined started",
+            version=engined.__version__,
+            pid=os.getpid(),
+            worker_id=self.worker_id,
+            control_endpoint=cfg.control_endpoint,
+            kv_events_endpoints=kv_endpoints,
+            kv_replay_endpoints=replay_endpoints,
+            fpm_endpoints=fpm_endpoints,
+            engine=_engine_summary(cfg),
+        )
+        if self._on_ready is not None:
+            self._on_ready(self)
+
+    async def main_loop(self) -> int:
+        """Serve until asked to stop (EXIT_OK) or until a task fails (EXIT_FAILURE)."""
+        assert self.control is not None
+        stop = asyncio.ensure_future(self._stop.wait())
+        failed = self.control.failed
+        watched: set[asyncio.Future[object]] = {stop, failed, *self._tasks}  # type: ignore[arg-type]
+        done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        if stop in done:
+            return EXIT_OK
+        stop.cancel()
+        for task in done:
+            if task is failed:
+                exc = failed.result()
+            elif task.cancelled():
+                continue
+            else:
+                exc = task.exception()  # type: ignore[assignment]
+            log.error("fatal error", exc_info=exc)
+        return EXIT_FAILURE
+
+    def handle_exit(self, sig: int | None = None) -> None:
+        """First signal: graceful shutdown. Second: skip the drain."""
+        if self._stop.is_set():
+            self._force = True
+            if self.control is not None:
+                self.control.owners_changed.set()
+        self._stop.set()
+        log.info("shutdown requested", signal=sig, force=self._force)
+
+    async def shutdown(self, *, drain: bool = True) -> None:
+        control = self.control
+        if control is not None:
+            control.shutting_down = True
+            if drain:
+                await self._drain(control)
+            control.cancel_all()
+        for loop in self.loops:
+            loop.stop()
+        for task in self._tasks:
+            if task.get_name().startswith("rank-") and not task.done():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(task), 1.0)
+        await self.close()
+        log.info("engined stopped")
+
+    async def _drain(self, control: ControlServer) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout
+        pending = control.owned_requests()
+        if pending:
+            log.info("draining", requests=pending, timeout_s=self.config.drain_timeout)
+        while control.owned_requests() and not self._force:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("drain timeout", cancelling=control.owned_requests())
+                return
+            control.owners_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(control.owners_changed.wait(), remaining)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        for kv in self._publishers:
+            await kv.close()
+        if self._registry is not None:
+            self._registry.close()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+
+class _LateDelivery:
+    """Forwards to the control server, which is built after the loops it routes for."""
+
+    def __init__(self, controls: list[ControlServer]) -> None:
+        self._controls = controls
+
+    def deliver_outputs(self, rank: int, signals: list) -> None:  # type: ignore[type-arg]
+        self._controls[0].deliver_outputs(rank, signals)
+
+    def deliver_lifecycle(self, rank: int, events: list) -> None:  # type: ignore[type-arg]
+        self._controls[0].deliver_lifecycle(rank, events)
+
+
+def _engine_summary(cfg: DaemonConfig) -> dict[str, object]:
+    e = cfg.engine
+    return {
+        "engine_type": str(e.engine_type),
+        "worker_type": str(e.worker_type),
+        "block_size": e.block_size,
+        "num_gpu_blocks": e.num_gpu_blocks,
+        "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens,
+        "enable_prefix_caching": e.enable_prefix_caching,
+        "speedup_ratio": e.speedup_ratio,
+        "dp_size": e.dp_size,
+    }
+
+
+async def _serve(config: DaemonConfig) -> int:
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, daemon.handle_exit, sig)
+    try:
+        return await daemon.serve()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def run(config: DaemonConfig) -> int:
+    """Run the daemon in the foreground; returns the process exit code."""
+    configure_logging(config.log_format, config.log_level)
+    return asyncio.run(_serve(config))

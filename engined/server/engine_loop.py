@@ -1,0 +1,216 @@
+"""The live pass loop of one data-parallel rank.
+
+One task per rank owns its core exclusively. Commands reach it through an inbox and are
+applied between passes, so a command never sees half a pass and nothing needs a lock; the
+reply goes out when the command is applied. Each pass then runs in this order:
+
+1. `execute_pass(now_ms)`; the KV batch is published at once (vLLM publishes at pass start),
+2. wait until the pass's modeled end (an absolute deadline, so pacing never drifts; with
+   `speedup_ratio == 0` there is no waiting and the clock is virtual),
+3. outputs (one message per client), the FPM snapshot, lifecycle events.
+
+A rank with nothing to do sleeps on its wake event (publishing an FPM heartbeat each second);
+a pass that changed nothing also waits for the next command instead of spinning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import structlog
+
+from engined.core.errors import CoreError
+from engined.core.scheduler import VllmCore
+from engined.core.types import (
+    Command,
+    CommandEffects,
+    EngineMetrics,
+    LifecycleEvent,
+    OutputSignal,
+    PassResult,
+)
+
+log = structlog.get_logger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class KvSink(Protocol):
+    def publish(self, events: list[Any], ts: float) -> None: ...
+
+
+class FpmSink(Protocol):
+    def publish(self, snapshot: Any) -> None: ...
+
+    def maybe_heartbeat(self, now: float) -> None: ...
+
+
+class Delivery(Protocol):
+    """Where a rank's results go: the control server routes them to clients."""
+
+    def deliver_outputs(self, rank: int, signals: list[OutputSignal]) -> None: ...
+
+    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None: ...
+
+
+Job = Callable[[VllmCore], None]
+
+
+class EngineLoop:
+    """Runs passes for one rank and applies its commands between them."""
+
+    def __init__(
+        self,
+        core: VllmCore,
+        *,
+        kv: KvSink,
+        fpm: FpmSink,
+        delivery: Delivery,
+        speedup_ratio: float,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.core = core
+        self.rank = core.dp_rank
+        self._kv = kv
+        self._fpm = fpm
+        self._delivery = delivery
+        self._paced = speedup_ratio > 0
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._inbox: deque[Job] = deque()
+        self._wake = asyncio.Event()
+        self._start = clock()
+        self._virtual_ms = 0.0
+        self._stopped = False
+        self.passes_total = 0
+        self.tokens_total = 0
+        # How late each pass started against its planned start, in ms (paced mode only).
+        self.lateness_ms: deque[float] = deque(maxlen=100_000)
+        self._next_start: float | None = None
+
+    # --- commands -----------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return len(self._inbox)
+
+    def post(self, job: Job) -> None:
+        """Run `job(core)` at the next pass boundary."""
+        self._inbox.append(job)
+        self._wake.set()
+
+    async def call(self, command: Command) -> CommandEffects:
+        """Apply a command at the next boundary; raises its CoreError if it failed."""
+        future: asyncio.Future[CommandEffects] = asyncio.get_running_loop().create_future()
+
+        def job(core: VllmCore) -> None:
+            try:
+                effects = core.apply_command_effects(command)
+            except CoreError as exc:
+                future.set_exception(exc)
+                return
+            future.set_result(effects)
+            if effects.lifecycle_events:
+                self._delivery.deliver_lifecycle(self.rank, effects.lifecycle_events)
+
+        self.post(job)
+        return await future
+
+    def stop(self) -> None:
+        """End the loop once its core is empty and its inbox drained."""
+        self._stopped = True
+        self._wake.set()
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def now_ms(self) -> float:
+        if self._paced:
+            return (self._clock() - self._start) * 1000.0
+        return self._virtual_ms
+
+    async def run(self) -> None:
+        core = self.core
+        progressed = True
+        while True:
+            if not self._inbox and (core.is_empty() or not progressed):
+                if self._stopped and core.is_empty():
+                    return
+                await self._wait_for_work()
+                progressed = True
+            self._drain_inbox()
+            if core.is_empty():
+                continue
+            before = core.metrics()
+            result = self._execute(self.now_ms())
+            progressed = self._progressed(result, before)
+            if not progressed:
+                continue
+            await self._pace(result.end_ms)
+            self._publish(result)
+
+    def _execute(self, now_ms: float) -> PassResult:
+        if self._next_start is not None:
+            self.lateness_ms.append(max(now_ms - self._next_start, 0.0))
+        result = self.core.execute_pass(now_ms)
+        self.passes_total += 1
+        if result.kv_events:
+            self._kv.publish(result.kv_events, self._wall_clock())
+        return result
+
+    @staticmethod
+    def _progressed(result: PassResult, before: EngineMetrics) -> bool:
+        """Whether a pass changed anything; a pass that did not waits for the next command."""
+        return bool(
+            result.output_signals
+            or result.admissions
+            or result.kv_events
+            or result.lifecycle_events
+            or result.completed_requests
+            or result.fpm.wall_time_secs > 0
+            or result.metrics != before
+        )
+
+    async def _pace(self, end_ms: float) -> None:
+        if self._paced:
+            self._next_start = end_ms
+            delay = self._start + end_ms / 1000.0 - self._clock()
+            await asyncio.sleep(delay if delay > 0 else 0)
+        else:
+            self._virtual_ms = max(self._virtual_ms, end_ms)
+            # Let the control socket and other ranks run between back-to-back passes.
+            await asyncio.sleep(0)
+
+    def _publish(self, result: PassResult) -> None:
+        if result.output_signals:
+            self.tokens_total += len(result.output_signals)
+            self._delivery.deliver_outputs(self.rank, result.output_signals)
+        self._fpm.publish(result.fpm)
+        lifecycle = result.lifecycle_events + self.core.retry_pending_destinations()
+        if lifecycle:
+            self._delivery.deliver_lifecycle(self.rank, lifecycle)
+
+    def _drain_inbox(self) -> None:
+        inbox = self._inbox
+        core = self.core
+        while inbox:
+            inbox.popleft()(core)
+        # Commands may have freed capacity without a pass (e.g. a released source).
+        events = core.retry_pending_destinations()
+        if events:
+            self._delivery.deliver_lifecycle(self.rank, events)
+
+    async def _wait_for_work(self) -> None:
+        """Sleep until a command arrives, publishing FPM heartbeats while idle."""
+        self._next_start = None
+        wake = self._wake
+        while not wake.is_set():
+            try:
+                await asyncio.wait_for(wake.wait(), HEARTBEAT_INTERVAL_S)
+            except TimeoutError:
+                self._fpm.maybe_heartbeat(self._clock())
+        wake.clear()
