@@ -1,0 +1,222 @@
+"""Run a real `engined serve` process and watch what it publishes.
+
+`start_daemon()` starts the daemon on ipc:// endpoints under a test's tmp_path and returns
+once it answers `hello`; `KvStream` subscribes to a rank's KV PUB socket and recovers every
+batch it missed through the replay socket (as vLLM consumers do), so a test sees the whole
+stream, in order, whatever the slow-joiner timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from engined.client import EngineClient
+from engined.wire.fpm import ForwardPassMetrics, decode_fpm
+from engined.wire.kv_events import REPLAY_END_SEQ, DecodedBatch, decode_batch, read_seq, seq_bytes
+
+ENGINED = [sys.executable, "-m", "engined.cli"]
+
+
+class DaemonProcess:
+    def __init__(self, tmp_path: Path, args: list[str], env: dict[str, str] | None) -> None:
+        base = tmp_path / "engined"
+        self.control = f"ipc://{base}-control"
+        self.kv = f"ipc://{base}-kv"
+        self.replay = f"ipc://{base}-replay"
+        self.fpm = f"ipc://{base}-fpm"
+        command = [
+            *ENGINED,
+            "serve",
+            "--control-endpoint",
+            self.control,
+            "--kv-events-endpoint",
+            self.kv,
+            "--kv-replay-endpoint",
+            self.replay,
+            "--fpm-endpoint",
+            self.fpm,
+            "--log-format",
+            "json",
+            *args,
+        ]
+        self.log_path = tmp_path / "engined.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+    @staticmethod
+    def rank_endpoint(endpoint: str, rank: int) -> str:
+        return endpoint if rank == 0 else f"{endpoint}-{rank}"
+
+    def kv_endpoint(self, rank: int = 0) -> str:
+        return self.rank_endpoint(self.kv, rank)
+
+    def replay_endpoint(self, rank: int = 0) -> str:
+        return self.rank_endpoint(self.replay, rank)
+
+    def fpm_endpoint(self, rank: int = 0) -> str:
+        return self.rank_endpoint(self.fpm, rank)
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        async def probe() -> bool:
+            async with await EngineClient.connect(self.control) as client:
+                await client.ping(timeout=0.5)
+            return True
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"engined exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if asyncio.run(probe()):
+                    return
+            except TimeoutError:
+                continue
+        raise AssertionError(f"engined did not answer within {timeout} s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def start_daemon(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, expect_exit: int | None = 0
+) -> Iterator[DaemonProcess]:
+    """A running daemon; on exit it gets SIGTERM and must exit with `expect_exit`."""
+    daemon = DaemonProcess(tmp_path, list(args), env)
+    try:
+        daemon.wait_ready()
+        yield daemon
+    finally:
+        code = daemon.stop()
+        if expect_exit is not None:
+            assert code == expect_exit, f"engined exited with {code}:\n{daemon.log()}"
+
+
+class KvStream:
+    """All KV batches of one rank, in seq order, gaps filled from the replay socket."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay_endpoint: str) -> None:
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.connect(endpoint)
+        self._replay = ctx.socket(zmq.DEALER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.connect(replay_endpoint)
+        self.next_seq = 0
+        self.batches: list[DecodedBatch] = []
+        self.replayed = 0
+
+    def close(self) -> None:
+        self._sub.close()
+        self._replay.close()
+
+    async def _replay_from(self, start: int) -> None:
+        await self._replay.send_multipart([b"", seq_bytes(start)])
+        while True:
+            frames = await asyncio.wait_for(self._replay.recv_multipart(), 10)
+            _, _topic, seq_frame, payload = frames
+            if seq_frame == REPLAY_END_SEQ:
+                return
+            seq = read_seq(seq_frame)
+            if seq == self.next_seq:
+                self.batches.append(decode_batch(payload))
+                self.next_seq += 1
+                self.replayed += 1
+
+    async def catch_up(self, timeout: float = 0.05) -> None:
+        """Take what the PUB socket delivered, then ask the replay socket for the rest."""
+        while await self._sub.poll(timeout * 1000):
+            _topic, seq_frame, payload = await self._sub.recv_multipart()
+            seq = read_seq(seq_frame)
+            if seq > self.next_seq:
+                await self._replay_from(self.next_seq)
+            if seq == self.next_seq:
+                self.batches.append(decode_batch(payload))
+                self.next_seq += 1
+        await self._replay_from(self.next_seq)
+
+    def events(self) -> list[object]:
+        return [event for batch in self.batches for event in batch.events]
+
+
+async def read_fpm(
+    ctx: zmq.asyncio.Context, endpoint: str, count: int, timeout: float = 10.0
+) -> list[ForwardPassMetrics]:
+    """The next `count` FPM messages from a rank (frames [b"", seq, payload])."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint)
+    try:
+        out = []
+        while len(out) < count:
+            _topic, _seq, payload = await asyncio.wait_for(sub.recv_multipart(), timeout)
+            out.append(decode_fpm(payload))
+        return out
+    finally:
+        sub.close()
+
+
+def to_core_events(batches: list[DecodedBatch]) -> list[object]:
+    """Wire events as core events for the reference indexer.
+
+    The vLLM format has no event ids and no per-block content hashes: ids are numbered in
+    stream order, and local hashes are computed from the blocks' token ids, so the indexer's
+    chain check verifies the wire hashes against the tokens the wire carries.
+    """
+    from engined.core import types as core
+    from tests.reference_indexer import local_block_hash
+
+    out: list[object] = []
+    for batch in batches:
+        rank = batch.data_parallel_rank or 0
+        for event in batch.events:
+            name = type(event).__name__.removeprefix("Array")
+            medium = core.Medium(getattr(event, "medium", None) or "GPU")
+            if name == "BlockStored":
+                bs = event.block_size
+                tokens = list(event.token_ids)
+                local = [local_block_hash(tokens[i : i + bs]) for i in range(0, len(tokens), bs)]
+                out.append(
+                    core.BlockStored(
+                        len(out),
+                        rank,
+                        event.parent_block_hash,
+                        list(event.block_hashes),
+                        local,
+                        tokens,
+                        bs,
+                        medium,
+                    )
+                )
+            elif name == "BlockRemoved":
+                out.append(core.BlockRemoved(len(out), rank, list(event.block_hashes), medium))
+            else:
+                out.append(core.AllBlocksCleared(len(out), rank))
+    return out
