@@ -187,7 +187,8 @@ class ControlServer:
             return
         loop = self._loops[rank]
         capacity = loop.core.num_blocks * loop.core.block_size
-        if len(request.token_ids) > capacity:
+        # NOTE: a destination's prompt is left to the core, which refuses it with `capacity`.
+        if len(request.token_ids) > capacity and not isinstance(msg, wire.ReserveDestination):
             self._error(
                 identity,
                 msg.id,
@@ -336,7 +337,11 @@ class ControlServer:
         return wire.StatsReply(
             id=msg_id,
             ranks=[
-                rank_stats(loop.core.metrics(), passes_total=loop.passes_total)
+                rank_stats(
+                    loop.core.metrics(),
+                    passes_total=loop.passes_total,
+                    lateness_ms=loop.lateness_summary(),
+                )
                 for loop in self._loops
             ],
         )
@@ -406,6 +411,12 @@ class ControlServer:
             self._client_gone(
                 identity, "unreachable" if exc.errno == errno.EHOSTUNREACH else "too slow"
             )
+        finally:
+            # NOTE: the ZMQ FD is edge-triggered, and a send through the shadow may consume
+            # the edge announcing incoming messages, leaving serve()'s pending recv asleep
+            # with messages queued. Reading EVENTS through the asyncio socket reschedules it
+            # (pyzmq does the same after its own sends).
+            self._sock.get(zmq.EVENTS)
 
     def _client_gone(self, identity: bytes, why: str) -> None:
         """Cancel everything the client owns on every rank, once."""

@@ -37,6 +37,8 @@ from engined.core.types import (
 log = structlog.get_logger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+# Lead before a pass deadline where the loop stops sleeping and yields until the deadline.
+PRECISE_WAKE_S = 0.0015
 
 
 class KvSink(Protocol):
@@ -92,6 +94,14 @@ class EngineLoop:
         # How late each pass started against its planned start, in ms (paced mode only).
         self.lateness_ms: deque[float] = deque(maxlen=100_000)
         self._next_start: float | None = None
+
+    def lateness_summary(self) -> tuple[float, float, float]:
+        """p50, p99 and max of pass-start lateness in ms (zeros before any paced pass)."""
+        if not self.lateness_ms:
+            return 0.0, 0.0, 0.0
+        ordered = sorted(self.lateness_ms)
+        n = len(ordered)
+        return ordered[n // 2], ordered[min(n - 1, (99 * n) // 100)], ordered[-1]
 
     # --- commands -----------------------------------------------------------------------
 
@@ -178,8 +188,16 @@ class EngineLoop:
     async def _pace(self, end_ms: float) -> None:
         if self._paced:
             self._next_start = end_ms
-            delay = self._start + end_ms / 1000.0 - self._clock()
-            await asyncio.sleep(delay if delay > 0 else 0)
+            deadline = self._start + end_ms / 1000.0
+            clock = self._clock
+            # NOTE: epoll rounds timeouts up to whole milliseconds, so a plain sleep wakes up
+            # to 1 ms late. Sleep to just before the deadline, then yield until it passes
+            # (other ranks and the control socket still run while we yield).
+            delay = deadline - clock() - PRECISE_WAKE_S
+            if delay > 0:
+                await asyncio.sleep(delay)
+            while clock() < deadline:
+                await asyncio.sleep(0)
         else:
             self._virtual_ms = max(self._virtual_ms, end_ms)
             # Let the control socket and other ranks run between back-to-back passes.
@@ -203,6 +221,12 @@ class EngineLoop:
         events = core.retry_pending_destinations()
         if events:
             self._delivery.deliver_lifecycle(self.rank, events)
+        # KV events of commands (reset_prefix_cache's AllBlocksCleared) ride on the next pass;
+        # an empty core runs none, so it publishes them now rather than at the next request.
+        if core.is_empty():
+            kv_events = core.take_kv_events()
+            if kv_events:
+                self._kv.publish(kv_events, self._wall_clock())
 
     async def _wait_for_work(self) -> None:
         """Sleep until a command arrives, publishing FPM heartbeats while idle."""

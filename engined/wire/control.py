@@ -202,6 +202,11 @@ class RankStats(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     waiting: int
     preemptions_total: int
     passes_total: int
+    # How late passes started against their modeled deadlines (paced mode; 0 otherwise),
+    # over the last 100,000 passes.
+    lateness_p50_ms: float = 0.0
+    lateness_p99_ms: float = 0.0
+    lateness_max_ms: float = 0.0
 
 
 class StatsReply(DirectReply, tag="stats"):

@@ -120,7 +120,12 @@ def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:
     raise TypeError(f"Not a lifecycle event: {event!r}")
 
 
-def rank_stats(metrics: core.EngineMetrics, *, passes_total: int) -> RankStats:
+def rank_stats(
+    metrics: core.EngineMetrics,
+    *,
+    passes_total: int,
+    lateness_ms: tuple[float, float, float] = (0.0, 0.0, 0.0),
+) -> RankStats:
     """One `stats` entry; the pass count is the daemon's, the gauges the core's."""
     return RankStats(
         dp_rank=metrics.dp_rank,
@@ -132,4 +137,7 @@ def rank_stats(metrics: core.EngineMetrics, *, passes_total: int) -> RankStats:
         waiting=metrics.waiting,
         preemptions_total=metrics.preemptions_total,
         passes_total=passes_total,
+        lateness_p50_ms=lateness_ms[0],
+        lateness_p99_ms=lateness_ms[1],
+        lateness_max_ms=lateness_ms[2],
     )
