@@ -1,0 +1,182 @@
+"""Values that cross between the offload engine and the KV manager that owns it.
+
+The engine never mints event ids and never touches G1: it returns event drafts (the manager
+numbers and publishes them) and hands G1 slot ids back (the manager frees them). G1 slots
+and pins are opaque ints to the engine; it only holds them and returns each exactly once.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from engined.core.types import Medium
+
+
+class BlockMeta:
+    """What a router needs to name one block: the fields of its Stored event.
+
+    `parent_hash` is the sequence hash of the block before it (None at the root);
+    `local_hash` and `token_ids` are None when the G1 side did not have them.
+    """
+
+    __slots__ = ("local_hash", "parent_hash", "seq_hash", "token_ids")
+
+    def __init__(
+        self,
+        seq_hash: int,
+        parent_hash: int | None,
+        local_hash: int | None = None,
+        token_ids: list[int] | None = None,
+    ) -> None:
+        self.seq_hash = seq_hash
+        self.parent_hash = parent_hash
+        self.local_hash = local_hash
+        self.token_ids = token_ids
+
+    def __repr__(self) -> str:
+        return f"BlockMeta(seq_hash={self.seq_hash}, parent_hash={self.parent_hash})"
+
+
+class EvictedBlock:
+    """A registered G1 block that G1 allocation just evicted, offered to G2.
+
+    `slot` is the evicted block's G1 id, which the allocation reuses: the engine holds it
+    (it stays an active G1 block) until the copy leaves G1. `key`/`parent_key` are lineage
+    keys (`hashing.lineage_key`), identical in every tier. `meta` None publishes nothing.
+    """
+
+    __slots__ = ("key", "meta", "parent_key", "slot")
+
+    def __init__(self, slot: int, key: int, parent_key: int | None, meta: BlockMeta | None) -> None:
+        self.slot = slot
+        self.key = key
+        self.parent_key = parent_key
+        self.meta = meta
+
+
+class TierEventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+class TierEvent:
+    """One lower-tier KV event draft, one block each, as upstream publishes them.
+
+    The manager turns it into `BlockStored` (`parent_hash`, `[seq_hash]`, the local hash and
+    tokens when known) or `BlockRemoved` (`[seq_hash]`) with `medium` and a fresh event id.
+    """
+
+    __slots__ = ("block", "kind", "medium")
+
+    def __init__(self, kind: TierEventKind, medium: Medium, block: BlockMeta) -> None:
+        self.kind = kind
+        self.medium = medium
+        self.block = block
+
+    def __repr__(self) -> str:
+        return f"TierEvent({self.kind.value}, {self.medium.value}, {self.block.seq_hash})"
+
+
+class ReapedSwapIn:
+    """A cancelled swap-in whose transfer ended: its G1 slots and prefix pins come back."""
+
+    __slots__ = ("pins", "slots", "swap_in_id")
+
+    def __init__(self, swap_in_id: int, slots: list[int], pins: list[int]) -> None:
+        self.swap_in_id = swap_in_id
+        self.slots = slots
+        self.pins = pins
+
+
+class TickEffects:
+    """What one tick changed that the KV manager must act on, in this order.
+
+    1. publish `events` (in order; they happened in this order in the tiers),
+    2. free `released_g1_slots` (mutable slots: back to the free list) and, per reaped
+       swap-in, its `slots` (free) and `pins` (drop one handle each),
+    3. bump the capacity generation by `released_count` when it is positive.
+
+    `completed_swap_ins` lists swap-ins whose G2->G1 transfer finished at this tick; their
+    status is COMPLETED until the caller takes them.
+    """
+
+    __slots__ = ("completed_swap_ins", "events", "reaped_swap_ins", "released_g1_slots")
+
+    def __init__(self) -> None:
+        self.events: list[TierEvent] = []
+        self.released_g1_slots: list[int] = []
+        self.completed_swap_ins: list[int] = []
+        self.reaped_swap_ins: list[ReapedSwapIn] = []
+
+    @property
+    def released_count(self) -> int:
+        """Upstream's `acknowledge_tick` count: source slots plus reaped slots and pins."""
+        reaped = sum(len(r.slots) + len(r.pins) for r in self.reaped_swap_ins)
+        return len(self.released_g1_slots) + reaped
+
+
+class Blocked:
+    """The offload is in flight: wait for `lease_id` (upstream `BlockedOnOffload`).
+
+    `deadline_ms` is the earliest completion on the G1->G2 link (not necessarily one of
+    this lease's batches), which is what upstream exposes as the dependency's wake-up.
+    """
+
+    __slots__ = ("deadline_ms", "lease_id")
+
+    def __init__(self, lease_id: int, deadline_ms: float | None) -> None:
+        self.lease_id = lease_id
+        self.deadline_ms = deadline_ms
+
+    def __repr__(self) -> str:
+        return f"Blocked(lease_id={self.lease_id}, deadline_ms={self.deadline_ms})"
+
+
+class RetryNow:
+    """Nothing had to wait: the engine already ticked, and the caller retries once.
+
+    `effects` is that tick's outcome (apply it like any tick's); the evicted blocks' G1
+    source slots are among its `released_g1_slots`.
+    """
+
+    __slots__ = ("effects",)
+
+    def __init__(self, effects: TickEffects) -> None:
+        self.effects = effects
+
+    @property
+    def released_slots(self) -> list[int]:
+        return self.effects.released_g1_slots
+
+    def __repr__(self) -> str:
+        return f"RetryNow(released={self.effects.released_count})"
+
+
+OffloadOutcome = Blocked | RetryNow
+
+
+class SwapInState(enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+
+
+class SwapInStatus:
+    """A swap-in's state and the number of blocks it will land (0 while staging from G3)."""
+
+    __slots__ = ("block_count", "state")
+
+    def __init__(self, state: SwapInState, block_count: int) -> None:
+        self.state = state
+        self.block_count = block_count
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SwapInStatus):
+            return NotImplemented
+        return self.state is other.state and self.block_count == other.block_count
+
+    def __hash__(self) -> int:
+        return hash((self.state, self.block_count))
+
+    def __repr__(self) -> str:
+        return f"SwapInStatus({self.state.value}, {self.block_count})"
