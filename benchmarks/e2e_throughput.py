@@ -8,7 +8,12 @@ and counts tokens without per-request queues, so it measures the daemon, not the
 Pacing mode (`--pacing`): speedup 1, 4 ranks under load; prints how late passes started
 against their planned deadlines (p50/p99/max), as the daemon measured them.
 
-    .venv/bin/python benchmarks/e2e_throughput.py [--requests 1024] [--pacing]
+`--http-port PORT` (0 = any free port) turns Prometheus metrics on and scrapes `/metrics` every
+`--scrape-interval` seconds during the run (0.1 s: far more often than any Prometheus), then
+checks `vllm:generation_tokens_total` against the tokens the client counted. Compare with a
+run without it to see what metrics cost.
+
+    .venv/bin/python benchmarks/e2e_throughput.py [--requests 1024] [--pacing] [--http-port 0]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -50,6 +56,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU a process has used (Linux /proc), or None elsewhere.
+
+    Less sensitive to other load on the machine than wall-clock throughput, so it is the number
+    to compare when a change costs a few percent.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start(endpoints: dict[str, str], extra: list[str]) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "engined.cli", "serve", "--log-format", "json"]
     for flag, value in endpoints.items():
@@ -73,8 +92,47 @@ async def counter(
         sub.close()
 
 
+async def http_get(port: int, path: str) -> tuple[bytes, float]:
+    """(body, seconds) of one GET over a fresh connection (the daemon closes it)."""
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"GET {path}: {head[:40]!r}")
+    return body, time.perf_counter() - start
+
+
+async def scraper(port: int, interval: float, latencies: list[float]) -> None:
+    while True:
+        _, seconds = await http_get(port, "/metrics")
+        latencies.append(seconds)
+        await asyncio.sleep(interval)
+
+
+def generation_tokens(body: bytes) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+        if sample.name == "vllm:generation_tokens_total"
+    )
+
+
 async def drive(
-    control: str, kv: str, fpm: str, total: int, concurrency: int, prompt: int, output: int
+    control: str,
+    kv: str,
+    fpm: str,
+    total: int,
+    concurrency: int,
+    prompt: int,
+    output: int,
+    http_port: int | None = None,
+    scrape_interval: float = 0.1,
 ) -> dict[str, float]:
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -95,6 +153,9 @@ async def drive(
         asyncio.create_task(counter(ctx, kv, counts, "kv")),
         asyncio.create_task(counter(ctx, fpm, counts, "fpm")),
     ]
+    scrapes: list[float] = []
+    if http_port is not None:
+        tasks.append(asyncio.create_task(scraper(http_port, scrape_interval, scrapes)))
     rng = random.Random(0)
     shared = [rng.randrange(50_000) for _ in range(prompt // 2)]
     bodies = [
@@ -138,17 +199,29 @@ async def drive(
             await task
     sock.close()
     ctx.term()
+    metrics: dict[str, float] = {}
+    if http_port is not None:
+        body, _ = await http_get(http_port, "/metrics")
+        scrapes.sort()
+        metrics = {
+            "scrapes": len(scrapes),
+            "scrape_p50_ms": scrapes[len(scrapes) // 2] * 1000 if scrapes else 0.0,
+            "scrape_max_ms": scrapes[-1] * 1000 if scrapes else 0.0,
+            "metric_tokens": generation_tokens(body),
+        }
     return {
         "elapsed": elapsed,
         "tokens": tokens,
         "requests": total,
         "kv": counts["kv"],
         "fpm": counts["fpm"],
+        **metrics,
     }
 
 
 def throughput(args: argparse.Namespace) -> None:
     tmp = tempfile.mkdtemp(prefix="engined-bench-")
+    http_port = args.http_port or (free_port() if args.http_port == 0 else None)
     for transport in ("ipc", "tcp"):
         if transport == "ipc":
             endpoints = {
@@ -173,6 +246,7 @@ def throughput(args: argparse.Namespace) -> None:
                 "16384",
                 "--max-num-seqs",
                 str(args.concurrency),
+                *(["--http-port", str(http_port)] if http_port is not None else []),
             ],
         )
         try:
@@ -185,8 +259,11 @@ def throughput(args: argparse.Namespace) -> None:
                     args.concurrency,
                     args.prompt,
                     args.output,
+                    http_port,
+                    args.scrape_interval,
                 )
             )
+            cpu = cpu_seconds(proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
@@ -200,6 +277,22 @@ def throughput(args: argparse.Namespace) -> None:
         print(f"[{transport}]   KV messages/s     {r['kv'] / e:>12,.0f}")
         print(f"[{transport}]   FPM messages/s    {r['fpm'] / e:>12,.0f}")
         print(f"[{transport}]   wall time         {e:>12.2f} s")
+        if cpu is not None:
+            # Includes start-up (about 0.2 s of imports), the same in every run.
+            print(
+                f"[{transport}]   daemon CPU        {cpu:>12.2f} s "
+                f"({cpu / r['tokens'] * 1e6:.2f} µs per output token)"
+            )
+        if http_port is not None:
+            print(
+                f"[{transport}]   /metrics          {r['scrapes']:.0f} scrapes during the run, "
+                f"p50 {r['scrape_p50_ms']:.1f} ms, max {r['scrape_max_ms']:.1f} ms"
+            )
+            check = "matches" if r["metric_tokens"] == r["tokens"] else "DIFFERS FROM"
+            print(
+                f"[{transport}]   generation_tokens_total {r['metric_tokens']:,.0f} {check} "
+                f"the client's {r['tokens']:,.0f}"
+            )
 
 
 async def pacing_run(
@@ -271,6 +364,10 @@ def main() -> None:
     parser.add_argument("--pacing", action="store_true")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--pacing-requests", type=int, default=256)
+    parser.add_argument(
+        "--http-port", type=int, default=None, help="serve and scrape /metrics (0 = a free port)"
+    )
+    parser.add_argument("--scrape-interval", type=float, default=0.1)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     pacing(args) if args.pacing else throughput(args)

@@ -83,6 +83,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     log_level: LogLevel = "info"
     # Port of the HTTP server for Prometheus /metrics and /health; None = no HTTP server.
     http_port: Port | None = None
+    # Address the HTTP server listens on; loopback by default, since /metrics is unauthenticated.
+    http_host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     # The simulation (engined.core.args); TOML table `[engine]`.
     engine: EngineArgs = _DEFAULT_ENGINE
 
@@ -327,6 +329,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-format", "log_format", "auto: json unless stderr is a TTY."),
     Flag("--log-level", "log_level", "Lowest level logged."),
     Flag("--http-port", "http_port", "Port for /metrics and /health" + _OFF + "."),
+    Flag("--http-host", "http_host", "Address the /metrics and /health server listens on."),
 )
 _FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(_FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

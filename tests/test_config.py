@@ -462,6 +462,7 @@ ISSUE_FLAGS = {
     "--log-format": "log_format",
     "--log-level": "log_level",
     "--http-port": "http_port",
+    "--http-host": "http_host",
 }
 
 

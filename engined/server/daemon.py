@@ -17,6 +17,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq
@@ -31,7 +32,12 @@ from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher
 from engined.server.logs import configure_logging
 from engined.server.sockets import SocketRegistry, make_socket
+from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
 from engined.wire import control as wire
+
+if TYPE_CHECKING:
+    from engined.server.http import HealthState, HttpServer
+    from engined.server.metrics import VllmMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +50,12 @@ CONTROL_HWM = 100_000
 
 class Daemon:
     def __init__(
-        self, config: DaemonConfig, *, on_ready: Callable[[Daemon], None] | None = None
+        self,
+        config: DaemonConfig,
+        *,
+        on_ready: Callable[[Daemon], None] | None = None,
+        notifier: AnyNotifier | None = None,
+        watchdog_s: float | None = None,
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -57,7 +68,15 @@ class Daemon:
         self._stop = asyncio.Event()
         self._force = False
         self._on_ready = on_ready
+        # systemd: READY/STATUS/WATCHDOG/STOPPING (engined.server.systemd); a no-op outside it.
+        self._notifier = notifier or NullNotifier()
+        self._watchdog_s = watchdog_s
+        self._status_tokens = 0
+        self._status_at = time.monotonic()
         self.started = False
+        # Prometheus /metrics and /health (engined.server.http), when `http_port` is set.
+        self.metrics: VllmMetrics | None = None
+        self.http: HttpServer | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -75,6 +94,16 @@ class Daemon:
     async def startup(self) -> None:
         cfg = self.config
         engine = cfg.engine
+        if cfg.http_port is not None:
+            # Imported here: prometheus_client adds ~20 ms to start-up, which a daemon without
+            # metrics (the default) should not pay.
+            from engined.server.http import HttpServer
+            from engined.server.metrics import VllmMetrics
+
+            # Bound first, so that /health answers 503 while the rest starts.
+            self.metrics = VllmMetrics.from_config(cfg)
+            self.http = HttpServer(self.metrics.registry, health=self.health)
+            await self.http.start(cfg.http_host, cfg.http_port)
         self._ctx = zmq.asyncio.Context()
         self._registry = registry = SocketRegistry()
         control_sock = make_socket(
@@ -152,6 +181,9 @@ class Daemon:
                 fpm_endpoints=fpm_endpoints,
             )
 
+        if self.metrics is not None:
+            for loop in self.loops:
+                self.metrics.attach(loop)
         self.control = ControlServer(
             control_sock,
             self.loops,
@@ -176,6 +208,10 @@ class Daemon:
             fpm_endpoints=fpm_endpoints,
             engine=_engine_summary(cfg),
         )
+        self._notifier.ready(status=self._status_line())
+        if self._notifier.enabled:
+            status = keepalive(self._notifier, self._status_line, watchdog_s=self._watchdog_s)
+            self._tasks.append(asyncio.create_task(status, name="systemd"))
         if self._on_ready is not None:
             self._on_ready(self)
 
@@ -199,6 +235,12 @@ class Daemon:
             log.error("fatal error", exc_info=exc)
         return EXIT_FAILURE
 
+    def health(self) -> HealthState:
+        """What /health reports: 503 until every socket is up, and again once draining starts."""
+        if self.control is not None and self.control.shutting_down:
+            return "draining"
+        return "serving" if self.started else "starting"
+
     def handle_exit(self, sig: int | None = None) -> None:
         """First signal: graceful shutdown. Second: skip the drain."""
         if self._stop.is_set():
@@ -212,6 +254,7 @@ class Daemon:
         control = self.control
         if control is not None:
             control.shutting_down = True
+            self._notifier.stopping(status=self._status_line())
             if drain:
                 await self._drain(control)
             control.cancel_all()
@@ -245,6 +288,8 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self.http is not None:
+            await self.http.close()
         for kv in self._publishers:
             await kv.close()
         if self._registry is not None:
@@ -252,6 +297,20 @@ class Daemon:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        self._notifier.close()
+
+    def _status_line(self) -> str:
+        """systemd's STATUS=, one line: load, and output tokens/s since the previous line."""
+        now = time.monotonic()
+        tokens = sum(loop.tokens_total for loop in self.loops)
+        rate = (tokens - self._status_tokens) / max(now - self._status_at, 1e-6)
+        self._status_tokens, self._status_at = tokens, now
+        metrics = [loop.core.metrics() for loop in self.loops]
+        line = (
+            f"{len(self.loops)} ranks, {sum(m.running for m in metrics)} running, "
+            f"{sum(m.waiting for m in metrics)} waiting, {rate:.0f} tokens/s"
+        )
+        return f"stopping: {line}" if self.control and self.control.shutting_down else line
 
 
 class _LateDelivery:
@@ -283,7 +342,11 @@ def _engine_summary(cfg: DaemonConfig) -> dict[str, object]:
 
 
 async def _serve(config: DaemonConfig) -> int:
-    daemon = Daemon(config)
+    daemon = Daemon(
+        config,
+        notifier=Notifier.from_env(os.environ),
+        watchdog_s=watchdog_interval(os.environ),
+    )
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:

@@ -60,6 +60,12 @@ class Delivery(Protocol):
 
 
 Job = Callable[[VllmCore], None]
+# Told of every pass that changed something, right after it ran: (rank, pass start ms, result).
+# Before pacing, so no await separates the core's new state from what observers saw, and their
+# work fits in the pass's modeled time. Prometheus metrics (engined.server.metrics) are one.
+PassObserver = Callable[[int, float, PassResult], None]
+# Told of every command applied without error: (rank, ms when `call` was made, command, effects).
+CommandObserver = Callable[[int, float, Command, CommandEffects], None]
 
 
 class EngineLoop:
@@ -94,6 +100,8 @@ class EngineLoop:
         # How late each pass started against its planned start, in ms (paced mode only).
         self.lateness_ms: deque[float] = deque(maxlen=100_000)
         self._next_start: float | None = None
+        self.pass_observers: list[PassObserver] = []
+        self.command_observers: list[CommandObserver] = []
 
     def lateness_summary(self) -> tuple[float, float, float]:
         """p50, p99 and max of pass-start lateness in ms (zeros before any paced pass)."""
@@ -117,6 +125,7 @@ class EngineLoop:
     async def call(self, command: Command) -> CommandEffects:
         """Apply a command at the next boundary; raises its CoreError if it failed."""
         future: asyncio.Future[CommandEffects] = asyncio.get_running_loop().create_future()
+        called_ms = self.now_ms()
 
         def job(core: VllmCore) -> None:
             try:
@@ -124,6 +133,8 @@ class EngineLoop:
             except CoreError as exc:
                 future.set_exception(exc)
                 return
+            for observer in self.command_observers:
+                observer(self.rank, called_ms, command, effects)
             future.set_result(effects)
             if effects.lifecycle_events:
                 self._delivery.deliver_lifecycle(self.rank, effects.lifecycle_events)
@@ -156,10 +167,13 @@ class EngineLoop:
             if core.is_empty():
                 continue
             before = core.metrics()
-            result = self._execute(self.now_ms())
+            start_ms = self.now_ms()
+            result = self._execute(start_ms)
             progressed = self._progressed(result, before)
             if not progressed:
                 continue
+            for observer in self.pass_observers:
+                observer(self.rank, start_ms, result)
             await self._pace(result.end_ms)
             self._publish(result)
 
