@@ -2,9 +2,9 @@
 
 The peers live in their own venv (`.venv-peers`, made by `.ci/run`, see
 `../shared/reference/real-peers.md` §1.1) so that Dynamo's pinned msgspec and pyzmq never
-touch ours: tests run them as subprocesses of that venv's python. `ENGINED_PEERS_PYTHON`
+touch ours: tests run them as subprocesses of that venv's python. `INTEROP_PEERS_PYTHON`
 points at another interpreter. Without peers the interop tests skip, except under CI
-(`CI=true`) or with `ENGINED_PEERS_PYTHON` set, where missing peers fail them.
+(`CI=true`) or with `INTEROP_PEERS_PYTHON` set, where missing peers fail them.
 
 Everything stays on the loopback: the daemon's sockets are ipc:// (Dynamo's ZMQ listener
 accepts any ZeroMQ endpoint), the indexer's HTTP API is reached on 127.0.0.1, and the
@@ -29,7 +29,7 @@ from typing import Any, Final
 import pytest
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
-PEERS_PYTHON_ENV: Final = "ENGINED_PEERS_PYTHON"
+PEERS_PYTHON_ENV: Final = "INTEROP_PEERS_PYTHON"
 DEFAULT_PEERS_PYTHON: Final = REPO_ROOT / ".venv-peers" / "bin" / "python"
 INSTALL_HINT: Final = (
     "python3 -m venv .venv-peers && .venv-peers/bin/pip install ai-dynamo-runtime==1.6.1 "
@@ -80,7 +80,7 @@ def require_peers() -> Path:
     """The peers venv's python.
 
     Without a working one the test skips, or fails when the peers are expected: under CI
-    (`CI=true`) or when `ENGINED_PEERS_PYTHON` names the interpreter (as `.ci/run` does).
+    (`CI=true`) or when `INTEROP_PEERS_PYTHON` names the interpreter (as `.ci/run` does).
     """
     python, why = _probe_peers()
     if python is None:
