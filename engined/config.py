@@ -32,6 +32,7 @@ import msgspec
 
 from engined.core.args import EngineArgs
 from engined.core.errors import InvalidArgsError
+from engined.core.offload.config import OffloadConfig
 
 LogFormat = Literal["auto", "console", "json"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -586,6 +587,12 @@ def _validate(layers: _Layers) -> DaemonConfig:
         engine = EngineArgs.from_mapping(layers.engine)
     except InvalidArgsError as error:
         # NOTE: the upstream message is kept verbatim so it can be searched in Dynamo's issues.
+        message = str(error)
+        raise layers.error(_engine_key(message), message) from None
+    try:
+        # Offload tiers are built per core; refuse an impossible shape before any is.
+        OffloadConfig.from_args(engine)
+    except InvalidArgsError as error:
         message = str(error)
         raise layers.error(_engine_key(message), message) from None
     config = msgspec.structs.replace(config, engine=engine)

@@ -118,13 +118,26 @@ class ReferenceIndexer:
     """
 
     def __init__(
-        self, block_size: int, *, check_local_hashes: bool = True, check_chain: bool = True
+        self,
+        block_size: int,
+        *,
+        check_local_hashes: bool = True,
+        check_chain: bool = True,
+        lower_tier_edges: bool = False,
     ) -> None:
+        """`lower_tier_edges`: index the CPU and STORAGE media as Dynamo's `LowerTierIndexer`
+        does, as continuation edges `(parent, local hash) -> block` that need no indexed
+        parent. Engines offload whatever their GPU pool evicts, leaves first, so a host-tier
+        block routinely arrives before (or without) its parent; routers walk the lower tiers
+        from the end of the device-tier match (`tier_overlap`). Every other check (shape,
+        hashes, duplicates, removal of unknown blocks) applies to those media unchanged.
+        """
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.check_local_hashes = check_local_hashes
         self.check_chain = check_chain
+        self.lower_tier_edges = lower_tier_edges
         self.violations: list[Violation] = []
         self._trees: dict[_Key, dict[int, int | None]] = {}
         self._last_event_id: dict[tuple[int, int], int] = {}
@@ -193,7 +206,8 @@ class ReferenceIndexer:
             )
             return False
         tree = self._trees.setdefault((worker_id, event.dp_rank, event.medium), {})
-        if parent is not None and parent not in tree:
+        rooted = not (self.lower_tier_edges and event.medium is not Medium.GPU)
+        if rooted and parent is not None and parent not in tree:
             self._violate(
                 "parent_block_not_found", event, worker_id, f"{where}: parent {parent} not indexed"
             )
@@ -293,6 +307,26 @@ class ReferenceIndexer:
 
     def num_blocks(self, worker_id: int = 0, dp_rank: int = 0, medium: Medium = Medium.GPU) -> int:
         return len(self._trees.get((worker_id, dp_rank, medium), ()))
+
+    def tier_overlap(
+        self, token_ids: Sequence[int], medium: Medium, worker_id: int = 0, dp_rank: int = 0
+    ) -> int:
+        """Blocks of a prompt found in a lower tier right after its device-tier match.
+
+        Dynamo's lower-tier query continues from where the GPU match of that worker ends and
+        counts consecutive blocks present in `medium`, each chained to the one before.
+        """
+        hashes = sequence_hashes(token_ids, self.block_size)
+        start = self.overlap(token_ids, worker_id, dp_rank)
+        tree = self._trees.get((worker_id, dp_rank, medium), {})
+        count = 0
+        prev = hashes[start - 1] if start else None
+        for h in hashes[start:]:
+            if h not in tree or tree[h] != prev:
+                break
+            count += 1
+            prev = h
+        return count
 
     def blocks(self, worker_id: int = 0, dp_rank: int = 0, medium: Medium = Medium.GPU) -> set[int]:
         return set(self._trees.get((worker_id, dp_rank, medium), ()))

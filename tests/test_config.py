@@ -255,6 +255,11 @@ def test_engine_not_a_table(tmp_path: Path) -> None:
             "engine.aic_nextn_accept_rates: invalid aic_nextn_accept_rates value",
         ),
         ({"engine.seed": True}, "engine.seed: Expected `int`, got `bool` - at `$.seed`"),
+        (
+            {"engine.num_g2_blocks": 8, "engine.num_g3_blocks": 8},
+            "engine.kv_bytes_per_token: G3/G4 offload requires kv_bytes_per_token so mocker "
+            "can size lower-tier transfers",
+        ),
     ],
 )
 def test_engine_errors_name_the_key(flags: dict[str, Any], message: str) -> None:

@@ -185,6 +185,34 @@ def test_parent_must_be_on_the_same_worker_rank_and_medium() -> None:
     assert indexer.num_blocks() == 1
 
 
+def test_lower_tier_edges_need_no_indexed_parent_but_keep_every_other_check() -> None:
+    """Offloaded blocks arrive leaf first: Dynamo's lower tiers index continuation edges."""
+    prompt = list(range(12))
+    seqs = sequence_hashes(prompt, BS)
+    indexer = apply(
+        [
+            stored(0, prompt[:8]),
+            stored(1, prompt, 2, medium=Medium.CPU),  # parent (block 1) is only on the GPU
+            stored(2, prompt, 1, medium=Medium.STORAGE),
+            stored(3, prompt, 2, medium=Medium.CPU),  # the same block again
+            removed(4, [seqs[0]], medium=Medium.CPU),  # never stored on the CPU
+        ],
+        lower_tier_edges=True,
+    )
+    assert indexer.kinds() == ["duplicate_store", "block_not_found"]
+    assert indexer.blocks(medium=Medium.CPU) == {seqs[2]}
+    # Lower tiers continue from the device-tier match: blocks 0-1 on the GPU, then block 2.
+    assert indexer.overlap(prompt) == 2
+    assert indexer.tier_overlap(prompt, Medium.CPU) == 1
+    assert indexer.tier_overlap(prompt, Medium.STORAGE) == 1
+    indexer.apply([removed(5, [seqs[1]])])
+    assert indexer.tier_overlap(prompt, Medium.CPU) == 0, "no chain from the GPU match"
+    assert indexer.tier_overlap(prompt, Medium.STORAGE) == 2
+    # The GPU tier keeps the router's rooted-tree rule.
+    strict = apply([stored(0, prompt, 2)], lower_tier_edges=True)
+    assert strict.kinds() == ["parent_block_not_found"]
+
+
 def test_invalid_block_when_parent_is_one_of_its_own_blocks() -> None:
     good = stored(0, list(range(8)))
     bad = BlockStored(

@@ -198,6 +198,14 @@ class BlockPool:
     def is_registered(self, key: int) -> bool:
         return key in self._registry
 
+    def parent_key_of(self, block_id: int) -> int | None:
+        """The lineage parent of the block's last registration.
+
+        Still valid for a slot `allocate` just took by evicting it (until the slot is
+        registered again): the offload tiers copy an evicted block with its lineage.
+        """
+        return self._parent_of[block_id]
+
     def acquire(self, block_id: int) -> None:
         """One more handle on a block that is already held."""
         assert self._refs[block_id] > 0, "acquire on an unheld block"

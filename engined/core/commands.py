@@ -22,7 +22,7 @@ from engined.core.errors import (
 )
 from engined.core.handoff import HeldDestination
 from engined.core.sequence import BlockMove, Sequence
-from engined.core.state import RequestState, RequestStatus
+from engined.core.state import OffloadDependency, RequestState, RequestStatus
 from engined.core.types import (
     APPLIED,
     NOOP,
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from engined.core.kv_manager import KvManager
     from engined.core.policy import AdmissionPolicy
     from engined.core.state import SchedulerState
+    from engined.core.swap_in import SwapInParking
 
 
 class CommandHandling:
@@ -76,6 +77,7 @@ class CommandHandling:
     pending_destinations: PendingDestinations
     destination_holds: DestinationHolds
     active_destinations: ActiveDestinations
+    swap_ins: SwapInParking
     capacity_generation: int
     _lifecycle: list[LifecycleEvent]
 
@@ -103,6 +105,38 @@ class CommandHandling:
 
     def apply_command(self, command: Command) -> CommandResult:
         return self.apply_command_effects(command).result
+
+    def apply_live_command(
+        self, command: Command, allow_destination_admission: bool, now_ms: float
+    ) -> CommandEffects:
+        """`apply_command_effects` at `now_ms`: an offload the command causes starts then.
+
+        Without offload tiers time plays no part in a command. With them, a command applied
+        between passes (a live daemon's) evicts at its own time, not at the last pass's.
+        """
+        offload = self.kv.offload
+        if offload is None:
+            return self.apply_command_effects(command, allow_destination_admission)
+        previous = offload.eviction_now_ms
+        offload.eviction_now_ms = now_ms
+        try:
+            return self.apply_command_effects(command, allow_destination_admission)
+        finally:
+            offload.eviction_now_ms = previous
+
+    def offload_dependency_live(self, req: RequestState) -> bool:
+        """Refresh `req`'s offload dependency; True while its offload is still in flight."""
+        dependency = req.offload_dependency
+        if dependency is None:
+            return False
+        offload = self.kv.offload
+        fresh = (
+            offload.engine.g1_offload_dependency(dependency.offload_id)
+            if offload is not None
+            else None
+        )
+        req.offload_dependency = OffloadDependency(*fresh) if fresh is not None else None
+        return fresh is not None
 
     def apply_command_effects(
         self, command: Command, allow_destination_admission: bool = True
@@ -181,6 +215,8 @@ class CommandHandling:
             if kv.num_active_blocks() < active_before:
                 self.capacity_generation += 1
             return
+        if self.swap_ins.by_request:
+            self.swap_ins.drop(kv, request_id)
         improved = req.seq.num_allocated_tokens > 0 or request_id in self.state.running_members
         ok = kv.apply_all(req.seq.free_moves())
         assert ok, "request drop cleanup must be infallible"
@@ -260,9 +296,15 @@ class CommandHandling:
         head = pending.front_due(generation)
         if head is None:
             return []
+        if self.offload_dependency_live(head.request):
+            pending.mark_front_attempted(generation)
+            return []
         reservation = self.kv.reserve_destination(head.request.seq)
         pending.mark_front_attempted(generation)
         if reservation is None:
+            blocked = self.kv.take_offload_blocked()
+            if blocked is not None:
+                head.request.offload_dependency = blocked
             return []
         pending.pop(head.handoff_id)
         self.destination_holds.insert(HeldDestination(head.handoff_id, head.request, reservation))

@@ -90,6 +90,7 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int]:
     decode_ms = _decode_ms(core, len(ready), total_len)
     running_members = state.running_members
     kv = core.kv
+    offload = kv.offload is not None
     emitted_any = False
     bs = core.block_size
     getrandbits = core.rng.getrandbits
@@ -117,6 +118,8 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int]:
         cleanup: list[BlockMove] = []
         emitted = completed = False
         while request_id in running_members:
+            if offload and core.offload_dependency_live(req):
+                break
             token, moves = seq.generate_token()
             completed = seq.generated >= seq.max_output_tokens
             if completed:
@@ -128,6 +131,11 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int]:
                 emitted = True
                 break
             seq.pop()
+            if offload:
+                blocked = kv.take_offload_blocked()
+                if blocked is not None:
+                    req.offload_dependency = blocked
+                    break
             victim = core.preempt()
             if victim is None or victim == request_id:
                 break
@@ -163,6 +171,9 @@ def _emit_speculative(
     kv = core.kv
     bs = core.block_size
     max_burst = 1 if core.is_prefill_worker else len(sampler.rates) + 1
+    offload = kv.offload is not None
+    if offload and any(core.offload_dependency_live(req) for req in ready):
+        return 0.0, signals, 0
     while True:
         required = 0
         for req in ready:
@@ -173,6 +184,13 @@ def _emit_speculative(
         reservation = kv.reserve_slots(required)
         if reservation is not None:
             break
+        if offload:
+            blocked = kv.take_offload_blocked()
+            if blocked is not None:
+                # The reservation evicted blocks still being copied out: nobody bursts.
+                for req in ready:
+                    req.offload_dependency = blocked
+                return 0.0, signals, 0
         if core.preempt() is None:
             return 0.0, signals, 0
         ready = [

@@ -11,15 +11,25 @@ and queues the events a real vLLM worker would publish for it:
   of the same allocation. Completion, preemption and cancel only make blocks inactive.
 
 With prefix caching off nothing is published and event ids never advance.
+
+With offload tiers attached (`attach_offload`), an allocation that evicts registered blocks
+goes through `KvOffload` instead (engined/core/kv_offload.py): the evicted blocks are copied
+to G2 before their slots can be reused, and the allocation may have to wait for that.
 """
 
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 from engined.core.block_pool import BlockPool
+from engined.core.kv_offload import KvOffload
 from engined.core.sequence import BlockMove, Deref, Promote, Sequence, Use
 from engined.core.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+if TYPE_CHECKING:
+    from engined.core.offload.engine import OffloadEngine
+    from engined.core.state import OffloadDependency
 
 _MASK64 = (1 << 64) - 1
 
@@ -59,14 +69,15 @@ class KvManager:
 
     __slots__ = (
         "_events",
-        "_registered",
         "active_full",
         "active_partial",
         "block_size",
         "dp_rank",
         "next_event_id",
+        "offload",
         "pool",
         "publish",
+        "registered",
     )
 
     def __init__(self, num_blocks: int, block_size: int, *, dp_rank: int, publish: bool) -> None:
@@ -78,9 +89,24 @@ class KvManager:
         # sequence hash -> [block id, handles held through this map]
         self.active_full: dict[int, list[int]] = {}
         # lineage key -> sequence hash, for every block registered here (published or not)
-        self._registered: dict[int, int] = {}
+        self.registered: dict[int, int] = {}
         self.next_event_id = 0
         self._events: list[KvEvent] = []
+        self.offload: KvOffload | None = None
+
+    def attach_offload(self, engine: OffloadEngine) -> None:
+        """Give this pool lower tiers. Blocks published before keep no router metadata."""
+        self.offload = KvOffload(engine)
+
+    def take_offload_blocked(self) -> OffloadDependency | None:
+        """The offload the last failed allocation must wait for (None: it simply failed)."""
+        return self.offload.take_blocked() if self.offload is not None else None
+
+    def _exhausted(self) -> bool:
+        """An allocation failed for want of blocks: it waits on no offload. Returns False."""
+        if self.offload is not None:
+            self.offload.blocked = None
+        return False
 
     # --- queries ------------------------------------------------------------------------
 
@@ -99,7 +125,7 @@ class KvManager:
         overlap = active = 0
         if seq.caching:
             active_full = self.active_full
-            registered = self._registered
+            registered = self.registered
             keys = seq.keys
             for i, h in enumerate(seq.hashes):
                 if h in active_full:
@@ -175,8 +201,15 @@ class KvManager:
             if got is None:
                 for block_id in matched:
                     pool.release(block_id)
-                return False
+                return self._exhausted()
             slots, evicted = got
+            if evicted and self.offload is not None:
+                settled = self.offload.settle(self, slots, evicted)
+                if settled is None:
+                    for block_id in matched:
+                        pool.release(block_id)
+                    return False
+                slots, evicted = settled, []
         self._commit_use(move, prepared, matched, slots)
         if fresh_partial:
             assert partial is not None
@@ -190,7 +223,7 @@ class KvManager:
     ) -> None:
         pool = self.pool
         active_full = self.active_full
-        registered = self._registered
+        registered = self.registered
         matched_set = set(matched)
         meta_parent = move.parent
         run_parent = meta_parent
@@ -200,7 +233,7 @@ class KvManager:
             block_id = prepared[i]
             if block_id >= 0:
                 if run:
-                    self._store_run(move, run, run_parent)
+                    self.store_run(move, run, run_parent)
                     run = []
                 entry = active_full.get(h)
                 if entry is None:
@@ -223,9 +256,9 @@ class KvManager:
             run.append(i)
             meta_parent = h
         if run:
-            self._store_run(move, run, run_parent)
+            self.store_run(move, run, run_parent)
 
-    def _store_run(self, move: Use, run: list[int], parent: int | None) -> None:
+    def store_run(self, move: Use, run: list[int], parent: int | None) -> None:
         if not self.publish:
             return
         bs = self.block_size
@@ -234,17 +267,18 @@ class KvManager:
         start = (move.first + first) * bs
         end = (move.first + last + 1) * bs
         local = move.local
-        self._events.append(
-            BlockStored(
-                self._take_event_id(),
-                self.dp_rank,
-                parent,
-                move.hashes[first : last + 1],
-                local[first : last + 1] if local is not None else [0] * len(run),
-                tokens[start:end].tolist() if tokens is not None else [],
-                bs,
-            )
+        event = BlockStored(
+            self.take_event_id(),
+            self.dp_rank,
+            parent,
+            move.hashes[first : last + 1],
+            local[first : last + 1] if local is not None else [0] * len(run),
+            tokens[start:end].tolist() if tokens is not None else [],
+            bs,
         )
+        self._events.append(event)
+        if self.offload is not None:
+            self.offload.remember(move.keys[first : last + 1], event)
 
     def deref(self, move: Deref) -> None:
         pool = self.pool
@@ -262,17 +296,18 @@ class KvManager:
         slot = self.active_partial.pop(move.partial)
         stored = self._commit_full(slot, move.hash, move.key, move.parent_key)
         if stored and self.publish:
-            self._events.append(
-                BlockStored(
-                    self._take_event_id(),
-                    self.dp_rank,
-                    move.parent,
-                    [move.hash],
-                    [move.local if move.local is not None else 0],
-                    move.tokens if move.tokens is not None else [],
-                    self.block_size,
-                )
+            event = BlockStored(
+                self.take_event_id(),
+                self.dp_rank,
+                move.parent,
+                [move.hash],
+                [move.local if move.local is not None else 0],
+                move.tokens if move.tokens is not None else [],
+                self.block_size,
             )
+            self._events.append(event)
+            if self.offload is not None:
+                self.offload.remember([move.key], event)
 
     def _commit_full(self, slot: int, h: int, key: int, parent_key: int | None) -> bool:
         """Make a filled slot the full block `h`; False when an identical block already existed."""
@@ -290,7 +325,7 @@ class KvManager:
             return False
         pool.register(slot, key, parent_key)
         self.active_full[h] = [slot, 1]
-        self._registered[key] = h
+        self.registered[key] = h
         return True
 
     # --- speculative decode reservations ------------------------------------------------
@@ -299,9 +334,12 @@ class KvManager:
         """Mutable slots set aside for a pass's MTP bursts; evictions are published now."""
         got = self.pool.allocate(count)
         if got is None:
+            self._exhausted()
             return None
         slots, evicted = got
         if evicted:
+            if self.offload is not None:
+                return self.offload.settle(self, slots, evicted)
             self._evictions(evicted)
         return slots
 
@@ -332,9 +370,17 @@ class KvManager:
         if got is None:
             for block_id in prefix:
                 pool.release(block_id)
+            self._exhausted()
             return None
         slots, evicted = got
         if evicted:
+            if self.offload is not None:
+                settled = self.offload.settle(self, slots, evicted)
+                if settled is None:
+                    for block_id in prefix:
+                        pool.release(block_id)
+                    return None
+                return DestinationReservation(prefix, settled, use)
             self._evictions(evicted)
         return DestinationReservation(prefix, slots, use)
 
@@ -368,21 +414,27 @@ class KvManager:
                     run_parent = meta_parent
                 run.append(i)
             elif run:
-                self._store_run(use, run, run_parent)
+                self.store_run(use, run, run_parent)
                 run = []
             meta_parent = h
         if run:
-            self._store_run(use, run, run_parent)
+            self.store_run(use, run, run_parent)
         if use.partial is not None:
             self.active_partial[use.partial] = next(slots)
 
     # --- eviction and reset -------------------------------------------------------------
 
     def _evictions(self, keys: list[int]) -> None:
-        registered = self._registered
-        hashes = [registered.pop(key) for key in keys if key in registered]
+        registered = self.registered
+        self.publish_removed([registered.pop(key) for key in keys if key in registered])
+
+    def publish_removed(self, hashes: list[int]) -> None:
         if hashes and self.publish:
-            self._events.append(BlockRemoved(self._take_event_id(), self.dp_rank, hashes))
+            self._events.append(BlockRemoved(self.take_event_id(), self.dp_rank, hashes))
+
+    def push_event(self, event: KvEvent) -> None:
+        """Queue an event built with `take_event_id()` (the offload tiers' events)."""
+        self._events.append(event)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, as vLLM's reset_prefix_cache does.
@@ -394,12 +446,14 @@ class KvManager:
             return False
         keys = self.pool.clear_inactive()
         for key in keys:
-            self._registered.pop(key, None)
+            self.registered.pop(key, None)
+        if self.offload is not None:
+            self.offload.forget(keys)
         if self.publish:
-            self._events.append(AllBlocksCleared(self._take_event_id(), self.dp_rank))
+            self._events.append(AllBlocksCleared(self.take_event_id(), self.dp_rank))
         return True
 
-    def _take_event_id(self) -> int:
+    def take_event_id(self) -> int:
         event_id = self.next_event_id
         self.next_event_id = event_id + 1
         return event_id

@@ -13,6 +13,12 @@ A pass is vLLM's `schedule()` and `update_from_output()` in one deterministic ca
    burst). The first token comes in the pass that completes the prompt.
 
 Time is data: the caller passes `now_ms`, the result carries the modeled `end_ms`.
+
+With offload tiers (G2 host, G3 disk; `num_g2_blocks` and `kv_bytes_per_token`), every pass
+first advances the tiers to `now_ms` and re-queues requests whose lower-tier prefix has
+landed (engined/core/swap_in.py); allocations that evict wait for the evicted blocks to be
+copied out instead of preempting (engined/core/kv_offload.py); a pass that could do nothing
+but wait for a transfer ends at the transfer's deadline. Without them none of this runs.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import random
 import sys
 
 from engined.core.args import EngineArgs, EngineType, PreemptionMode, WorkerType
-from engined.core.commands import CommandHandling
 from engined.core.emission import emit_ready_tokens
 from engined.core.errors import UnsupportedError
 from engined.core.fpm import ScheduledWork, build_snapshot
@@ -33,10 +38,15 @@ from engined.core.handoff import (
     SourceHolds,
 )
 from engined.core.kv_manager import KvManager, PrefillCost
+from engined.core.offload.config import OffloadConfig
+from engined.core.offload.engine import OffloadEngine
 from engined.core.perf_model import make_perf_model, scale_ms
 from engined.core.policy import AdmissionPolicy, Decision, TrtllmNoEvictPolicy
 from engined.core.speculative import SpeculativeSampler
 from engined.core.state import RequestStatus, SchedulerState
+from engined.core.swap_in import BLOCKED as SWAP_IN_BLOCKED
+from engined.core.swap_in import PARKED, SwapInParking
+from engined.core.tiers import TierHandling, tier_metrics
 from engined.core.types import (
     Admission,
     EngineMetrics,
@@ -58,7 +68,7 @@ BLOCKED = 1
 CURRENT_PREEMPTED = 2
 
 
-class VllmCore(CommandHandling):
+class VllmCore(TierHandling):
     """The scheduler of one data-parallel rank: requests, KV blocks, handoffs, passes."""
 
     def __init__(self, args: EngineArgs, *, dp_rank: int = 0, worker_id: int = 0) -> None:
@@ -91,6 +101,10 @@ class VllmCore(CommandHandling):
             dp_rank=dp_rank,
             publish=args.enable_prefix_caching,
         )
+        self.swap_ins = SwapInParking()
+        offload_config = OffloadConfig.from_args(args)
+        if offload_config is not None:
+            self.kv.attach_offload(OffloadEngine(offload_config))
         self.state = SchedulerState()
         self.rng = random.Random(args.seed * 1_000_003 + dp_rank)
         self._partial_ids = itertools.count().__next__
@@ -141,6 +155,8 @@ class VllmCore(CommandHandling):
             and not self.pending_destinations
             and not self.destination_holds
             and not self.active_destinations
+            and not self.swap_ins
+            and self.earliest_offload_deadline() is None
         )
 
     def num_requests(self) -> int:
@@ -159,16 +175,23 @@ class VllmCore(CommandHandling):
     def metrics(self) -> EngineMetrics:
         kv = self.kv
         active = kv.num_active_blocks()
-        return EngineMetrics(
+        waiting = (
+            len(self.state.waiting)
+            + len(self.pending_destinations)
+            + len(self.destination_holds)
+            + len(self.swap_ins)
+        )
+        metrics = EngineMetrics(
             self.dp_rank,
             active,
             kv.num_inactive_blocks(),
             self.num_blocks,
             active / self.num_blocks,
             len(self.state.running_members),
-            len(self.state.waiting) + len(self.pending_destinations) + len(self.destination_holds),
+            waiting,
             self.state.preemptions_total,
         )
+        return metrics if kv.offload is None else tier_metrics(metrics, kv.offload.engine)
 
     # --- the pass -----------------------------------------------------------------------
 
@@ -180,10 +203,17 @@ class VllmCore(CommandHandling):
         self._batch_count = self._batch_isl = self._batch_prefix = 0
         self._preempted_any = False
         self._cache_queries = self._cache_hits = 0
+        offload = self.kv.offload
+        if offload is not None:
+            self.swap_ins.tick_and_promote(self, now_ms)
+            # The blocks an offload frees belong to the running request that waited for
+            # them: no waiting request is admitted in a pass that starts with one (see
+            # `_running_waits_on_offload`), as no admission follows a preemption.
+            self._preempted_any = self._running_waits_on_offload()
 
         self._schedule_running()
 
-        admissions, rejected = self._admit_waiting()
+        admissions, rejected = self._admit_waiting(now_ms)
 
         prefill_ms = 0.0
         if self._batch_count:
@@ -195,6 +225,11 @@ class VllmCore(CommandHandling):
         for request_id in rejected:
             signals.append(OutputSignal(request_id, None, True, True))
         end_ms = decode_start + decode_ms
+        if offload is not None and end_ms <= now_ms:
+            # Stall-advance: nothing took time, so the next thing that can happen is a transfer.
+            deadline = offload.engine.earliest_pending_deadline()
+            if deadline is not None:
+                end_ms = max(deadline, now_ms)
         return PassResult(
             end_ms=end_ms,
             completed_requests=max(requests_before - len(state.requests), 0),
@@ -249,17 +284,39 @@ class VllmCore(CommandHandling):
             elif outcome == BLOCKED:
                 break
 
-    def _admit_waiting(self) -> tuple[list[Admission], list[str]]:
+    def _running_waits_on_offload(self) -> bool:
+        """Whether a running request waits on an offload, or its offload just ended.
+
+        NOTE: deviation from upstream. In 1.3.0 the request whose growth evicted blocks
+        waits for their copy to G2 while the waiting queue is admitted first in the next
+        pass: a request preempted to make that room is re-admitted onto the freed blocks,
+        preempted again when the waiter grows, and the two livelock (neither ever emits).
+        vLLM schedules running requests' new blocks before any admission; holding
+        admission back for that one pass does the same here. Refreshes the dependencies.
+        """
+        requests = self.state.requests
+        waited = False
+        for request_id in self.state.running:
+            req = requests[request_id]
+            if req.offload_dependency is not None:
+                waited = True
+                self.offload_dependency_live(req)
+        return waited
+
+    def _admit_waiting(self, now_ms: float) -> tuple[list[Admission], list[str]]:
         state = self.state
         requests = state.requests
         admissions: list[Admission] = []
         rejected: list[str] = []
         pending_head = bool(self.pending_destinations)
+        offload = self.kv.offload is not None
         while not self._preempted_any and len(state.running_members) < self.max_num_seqs:
             request_id = state.next_waiting(pending_head)
             if request_id is None:
                 break
             req = requests[request_id]
+            if offload and self.offload_dependency_live(req):
+                break
             cost: PrefillCost | None
             if req.prompt_is_prebuilt():
                 n = req.seq.num_input_tokens
@@ -277,6 +334,13 @@ class VllmCore(CommandHandling):
                     rejected.append(request_id)
                     self.drop_request(request_id)
                     continue
+                if offload and req.status is RequestStatus.WAITING:
+                    assert cost is not None
+                    parked = self.swap_ins.try_park(self, req, now_ms, cost)
+                    if parked == PARKED:
+                        continue
+                    if parked == SWAP_IN_BLOCKED:
+                        break
             outcome, tokens_used, cached = self._schedule(request_id, True, cost)
             if outcome != SCHEDULED:
                 break
@@ -311,6 +375,8 @@ class VllmCore(CommandHandling):
         desired = min(remaining, budget)
         if desired == 0 and remaining > 0:
             return BLOCKED, 0, cached
+        if req.offload_dependency is not None and self.offload_dependency_live(req):
+            return BLOCKED, 0, cached
         target = before + desired
         actual = target
         kv = self.kv
@@ -320,6 +386,12 @@ class VllmCore(CommandHandling):
             use = seq.prepare_allocation(target)
             if use is None or kv.use(use):
                 seq.num_allocated_tokens = target
+                break
+            blocked = kv.take_offload_blocked()
+            if blocked is not None:
+                # The eviction this allocation needs is being offloaded: wait for it.
+                req.offload_dependency = blocked
+                actual = before
                 break
             victim = self.preempt()
             if victim is None:
@@ -371,7 +443,20 @@ class VllmCore(CommandHandling):
             return None
         state = self.state
         order = reversed(state.running) if self.lifo else iter(state.running)
-        victim = next((u for u in order if state.requests[u].status is RequestStatus.RUNNING), None)
+        requests = state.requests
+        if self.kv.offload is None:
+            victim = next((u for u in order if requests[u].status is RequestStatus.RUNNING), None)
+        else:
+            # A request waiting on an offload is not preempted: its blocks free up by themselves.
+            victim = next(
+                (
+                    u
+                    for u in order
+                    if requests[u].status is RequestStatus.RUNNING
+                    and not self.offload_dependency_live(requests[u])
+                ),
+                None,
+            )
         if victim is None:
             return None
         req = state.requests[victim]

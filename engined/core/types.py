@@ -262,6 +262,24 @@ class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
     running: int
     waiting: int
     preemptions_total: int
+    # Lower tiers (zero without them): G2 host and G3 disk pools, as the G1 fields above.
+    g2_active_blocks: int = 0
+    g2_inactive_blocks: int = 0
+    g2_total_blocks: int = 0
+    g3_active_blocks: int = 0
+    g3_inactive_blocks: int = 0
+    g3_total_blocks: int = 0
+
+
+class OffloadTickEffects(msgspec.Struct, frozen=True):
+    """What advancing the offload tiers between passes produced (`VllmCore.tick_offload_only`).
+
+    `kv_events` are every KV event buffered since the last pass, the tick's lower-tier
+    Stored/Removed and swap-in GPU Stored included; publish them like a pass's.
+    """
+
+    kv_events: list[KvEvent]
+    lifecycle_events: list[LifecycleEvent]
 
 
 class PassResult(msgspec.Struct, frozen=True):

@@ -10,7 +10,10 @@ reply goes out when the command is applied. Each pass then runs in this order:
 3. outputs (one message per client), the FPM snapshot, lifecycle events.
 
 A rank with nothing to do sleeps on its wake event (publishing an FPM heartbeat each second);
-a pass that changed nothing also waits for the next command instead of spinning.
+a pass that changed nothing also waits for the next command instead of spinning. With offload
+tiers, such a rank also wakes at the earliest tier-transfer deadline (paced: sleeps until it;
+speedup 0: moves the virtual clock to it): a busy core then runs a pass, an empty one ticks
+its tiers (`tick_offload_only`) and publishes what landed.
 """
 
 from __future__ import annotations
@@ -129,7 +132,8 @@ class EngineLoop:
 
         def job(core: VllmCore) -> None:
             try:
-                effects = core.apply_command_effects(command)
+                # An offload the command causes starts when the command is applied.
+                effects = core.apply_live_command(command, True, self.now_ms())
             except CoreError as exc:
                 future.set_exception(exc)
                 return
@@ -165,6 +169,7 @@ class EngineLoop:
                 progressed = True
             self._drain_inbox()
             if core.is_empty():
+                self._tick_offload()
                 continue
             before = core.metrics()
             start_ms = self.now_ms()
@@ -243,12 +248,45 @@ class EngineLoop:
                 self._kv.publish(kv_events, self._wall_clock())
 
     async def _wait_for_work(self) -> None:
-        """Sleep until a command arrives, publishing FPM heartbeats while idle."""
+        """Sleep until a command arrives or a tier transfer is due, with FPM heartbeats."""
         self._next_start = None
         wake = self._wake
         while not wake.is_set():
+            timeout = HEARTBEAT_INTERVAL_S
+            due_in = self._offload_due_in()
+            if due_in is not None:
+                if due_in <= 0:
+                    await asyncio.sleep(0)  # due now: still let commands and other ranks in
+                    break
+                timeout = min(timeout, due_in)
             try:
-                await asyncio.wait_for(wake.wait(), HEARTBEAT_INTERVAL_S)
+                await asyncio.wait_for(wake.wait(), timeout)
             except TimeoutError:
                 self._fpm.maybe_heartbeat(self._clock())
         wake.clear()
+
+    def _offload_due_in(self) -> float | None:
+        """Seconds until the core's next tier-transfer deadline (None: no transfer).
+
+        At speedup 0 nothing waits for time: the virtual clock moves to the deadline.
+        """
+        deadline_ms = self.core.earliest_offload_deadline()
+        if deadline_ms is None:
+            return None
+        if not self._paced:
+            self._virtual_ms = max(self._virtual_ms, deadline_ms)
+            return 0.0
+        return self._start + deadline_ms / 1000.0 - self._clock()
+
+    def _tick_offload(self) -> None:
+        """Land the tier transfers due by now on an empty core and publish their events."""
+        core = self.core
+        deadline_ms = core.earliest_offload_deadline()
+        now_ms = self.now_ms()
+        if deadline_ms is None or now_ms < deadline_ms:
+            return
+        effects = core.tick_offload_only(now_ms)
+        if effects.kv_events:
+            self._kv.publish(effects.kv_events, self._wall_clock())
+        if effects.lifecycle_events:
+            self._delivery.deliver_lifecycle(self.rank, effects.lifecycle_events)

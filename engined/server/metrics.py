@@ -56,6 +56,7 @@ from engined.core.types import (
     Command,
     CommandEffects,
     DestinationAccepted,
+    EngineMetrics,
     PassResult,
     ReserveDestination,
     Submit,
@@ -273,6 +274,29 @@ class RankMetrics:
                 self._finish(request_id, when, "abort")
 
 
+def _tier_blocks(
+    labels: list[tuple[RankMetrics, list[str]]], gauges: Mapping[int, EngineMetrics]
+) -> GaugeMetricFamily:
+    """`engined:kv_tier_blocks{tier, state}`: blocks of the offload tiers (engined's own name;
+    vLLM has no such series). `vllm:kv_cache_usage_perc` stays the GPU pool's."""
+    family = GaugeMetricFamily(
+        "engined:kv_tier_blocks",
+        "KV blocks of the offload tiers (g2: host memory, g3: disk) by state.",
+        labels=(*LABELS, "tier", "state"),
+    )
+    for rank, values in labels:
+        g = gauges[rank.rank]
+        for tier, active, inactive, total in (
+            ("g2", g.g2_active_blocks, g.g2_inactive_blocks, g.g2_total_blocks),
+            ("g3", g.g3_active_blocks, g.g3_inactive_blocks, g.g3_total_blocks),
+        ):
+            if total:
+                family.add_metric([*values, tier, "active"], active)
+                family.add_metric([*values, tier, "inactive"], inactive)
+                family.add_metric([*values, tier, "free"], total - active - inactive)
+    return family
+
+
 def _live_count(core: VllmCore) -> int:
     """Requests a core still owns: queued or running, plus destinations not yet activated."""
     return len(core.state.requests) + len(core.pending_destinations) + len(core.destination_holds)
@@ -291,7 +315,10 @@ def cache_config_info(config: DaemonConfig) -> dict[str, str]:
         "block_size": str(engine.block_size),
         "cache_dtype": "auto",
         "enable_prefix_caching": str(bool(engine.enable_prefix_caching)),
-        "num_cpu_blocks": "None",
+        # vLLM's CPU blocks; here the G2 (host) tier, when offload tiers are on.
+        "num_cpu_blocks": str(engine.num_g2_blocks)
+        if engine.num_g2_blocks and engine.kv_bytes_per_token is not None
+        else "None",
         "num_gpu_blocks": str(engine.num_gpu_blocks),
         # Our --num-gpu-blocks is what Dynamo's mocker calls --num-gpu-blocks-override.
         "num_gpu_blocks_override": str(engine.num_gpu_blocks),
@@ -365,6 +392,8 @@ class VllmMetrics(Collector):
         yield running
         yield waiting
         yield usage
+        if any(snapshot.g2_total_blocks for snapshot in gauges.values()):
+            yield _tier_blocks(labels, gauges)
 
         counters: tuple[tuple[str, str, Callable[[RankMetrics], int]], ...] = (
             (

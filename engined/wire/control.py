@@ -207,6 +207,13 @@ class RankStats(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     lateness_p50_ms: float = 0.0
     lateness_p99_ms: float = 0.0
     lateness_max_ms: float = 0.0
+    # Offload tiers (0 without them): the G2 host and G3 disk pools, as the GPU fields above.
+    g2_active_blocks: int = 0
+    g2_inactive_blocks: int = 0
+    g2_total_blocks: int = 0
+    g3_active_blocks: int = 0
+    g3_inactive_blocks: int = 0
+    g3_total_blocks: int = 0
 
 
 class StatsReply(DirectReply, tag="stats"):

@@ -140,4 +140,10 @@ def rank_stats(
         lateness_p50_ms=lateness_ms[0],
         lateness_p99_ms=lateness_ms[1],
         lateness_max_ms=lateness_ms[2],
+        g2_active_blocks=metrics.g2_active_blocks,
+        g2_inactive_blocks=metrics.g2_inactive_blocks,
+        g2_total_blocks=metrics.g2_total_blocks,
+        g3_active_blocks=metrics.g3_active_blocks,
+        g3_inactive_blocks=metrics.g3_inactive_blocks,
+        g3_total_blocks=metrics.g3_total_blocks,
     )

@@ -297,6 +297,18 @@ class DynamoIndexer:
                     out[(int(worker), int(rank))] = int(tokens)
         return out
 
+    def query_tiers(self, token_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """`POST /query`'s per-instance detail: `gpu`, `cpu`, `disk`, ... matched TOKENS.
+
+        The flat `scores` count the device tier only; the lower tiers (host-pinned `cpu`,
+        `disk`) continue from where a worker's device match ends.
+        """
+        status, reply = self.http(
+            "POST", "/query", {"token_ids": list(token_ids), "model_name": self.model}
+        )
+        assert status == 200, f"{self.name}: /query -> {status} {reply}"
+        return {int(worker): detail for worker, detail in reply.get("instances", {}).items()}
+
     def dump_blocks(self) -> dict[tuple[int, int], set[int]]:
         """`GET /dump`: the device-tier block hashes per (instance_id, dp_rank), empty omitted.
 

@@ -1,0 +1,132 @@
+"""The pass loop wakes an idle core at its tier-transfer deadline and publishes what landed.
+
+With G3, every block a G1->G2 offload lands in G2 is copied on to G3 in the background. Here
+that copy is still in flight when the last request finishes: the core is empty, no command
+will come, and only the loop's deadline wake-up can land it and publish its STORAGE Stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from engined.core.args import EngineArgs, PerfModelKind
+from engined.core.scheduler import VllmCore
+from engined.core.types import (
+    BlockStored,
+    KvEvent,
+    LifecycleEvent,
+    Medium,
+    OutputSignal,
+    Request,
+    Submit,
+)
+from engined.server.engine_loop import EngineLoop
+from tests.reference_indexer import ReferenceIndexer
+
+BLOCK_SIZE = 4
+
+
+class Capture:
+    """Sinks of an EngineLoop without sockets, recording KV events and finished requests."""
+
+    def __init__(self) -> None:
+        self.kv_events: list[KvEvent] = []
+        # The loop's clock when each event was published.
+        self.published_at_ms: list[float] = []
+        self.finished: set[str] = set()
+        self.loop: EngineLoop | None = None
+
+    def publish(self, events: Any, ts: float = 0.0) -> None:
+        if isinstance(events, list):
+            assert self.loop is not None
+            self.kv_events.extend(events)
+            self.published_at_ms.extend(self.loop.now_ms() for _ in events)
+
+    def maybe_heartbeat(self, now: float) -> None:
+        pass
+
+    def deliver_outputs(self, rank: int, signals: list[OutputSignal]) -> None:
+        self.finished.update(s.request_id for s in signals if s.completed)
+
+    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
+        pass
+
+    def stored(self, medium: Medium) -> list[BlockStored]:
+        return [e for e in self.kv_events if isinstance(e, BlockStored) and e.medium is medium]
+
+    def stored_at_ms(self, medium: Medium) -> float:
+        (at,) = [
+            t
+            for e, t in zip(self.kv_events, self.published_at_ms, strict=True)
+            if isinstance(e, BlockStored) and e.medium is medium
+        ]
+        return at
+
+
+def offload_core(speedup_ratio: float) -> VllmCore:
+    """2 G1 blocks, 1 MB blocks, 1 GB/s links: each block hop takes 1 ms; passes take none."""
+    return VllmCore(
+        EngineArgs(
+            perf_model=PerfModelKind.FIXED,
+            fixed_prefill_ms_per_token=0.0,
+            fixed_pass_overhead_ms=0.0,
+            fixed_decode_ms_per_pass=0.0,
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=2,
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            enable_prefix_caching=True,
+            speedup_ratio=speedup_ratio,
+            num_g2_blocks=4,
+            num_g3_blocks=4,
+            kv_bytes_per_token=250_000,
+            bandwidth_g1_to_g2_gbps=1.0,
+            bandwidth_g2_to_g3_gbps=1.0,
+        )
+    )
+
+
+async def until(condition: Any, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("speedup_ratio", [0.0, 1.0])
+def test_idle_core_wakes_at_the_offload_deadline(speedup_ratio: float) -> None:
+    async def scenario() -> None:
+        core = offload_core(speedup_ratio)
+        capture = Capture()
+        loop = EngineLoop(
+            core, kv=capture, fpm=capture, delivery=capture, speedup_ratio=speedup_ratio
+        )
+        capture.loop = loop
+        runner = asyncio.create_task(loop.run())
+        # A's block is cached; B's first token needs A's slot: A goes G1 -> G2 -> G3.
+        await loop.call(Submit(Request(token_ids=[1, 2, 3, 4], max_tokens=1, request_id="a")))
+        await until(lambda: "a" in capture.finished)
+        await loop.call(Submit(Request(token_ids=[5, 6, 7, 8], max_tokens=1, request_id="b")))
+        await until(lambda: "b" in capture.finished)
+        await until(lambda: capture.stored(Medium.STORAGE))
+        assert core.is_empty()
+        assert core.earliest_offload_deadline() is None
+        # The G2 -> G3 copy starts at the tick that lands the block in G2 (published by the
+        # pass after it) and takes 1 ms; only the deadline wake-up can publish its landing.
+        hop_ms = capture.stored_at_ms(Medium.STORAGE) - capture.stored_at_ms(Medium.CPU)
+        if speedup_ratio == 0.0:
+            assert hop_ms == pytest.approx(1.0)
+        else:
+            assert hop_ms >= 0.9
+        indexer = ReferenceIndexer(BLOCK_SIZE, lower_tier_edges=True)
+        indexer.apply(capture.kv_events)
+        indexer.assert_clean()
+        assert indexer.tier_overlap([1, 2, 3, 4], Medium.CPU) == 1
+        assert indexer.tier_overlap([1, 2, 3, 4], Medium.STORAGE) == 1
+        loop.stop()
+        await runner
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
