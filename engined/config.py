@@ -292,6 +292,21 @@ FLAGS: tuple[Flag, ...] = (
         "engine.fixed_decode_ms_per_pass",
         "Fixed model: cost of a pass with decodes (ms).",
     ),
+    Flag(
+        "--num-g2-blocks",
+        "engine.num_g2_blocks",
+        'Host (G2) KV tier blocks per rank; needs --kv-bytes-per-token ("" = off).',
+    ),
+    Flag(
+        "--num-g3-blocks",
+        "engine.num_g3_blocks",
+        'Disk (G3) KV tier blocks, staged through G2 ("" = off).',
+    ),
+    Flag("--offload-batch-size", "engine.offload_batch_size", "Blocks per G1->G2 transfer."),
+    Flag("--bandwidth-g1-to-g2-gbps", "engine.bandwidth_g1_to_g2_gbps", "GPU->host GB/s."),
+    Flag("--bandwidth-g2-to-g1-gbps", "engine.bandwidth_g2_to_g1_gbps", "Host->GPU GB/s."),
+    Flag("--bandwidth-g2-to-g3-gbps", "engine.bandwidth_g2_to_g3_gbps", "Host->disk GB/s."),
+    Flag("--bandwidth-g3-to-g2-gbps", "engine.bandwidth_g3_to_g2_gbps", "Disk->host GB/s."),
     Flag("--model-name", "model_name", "Served model name."),
     Flag("--control-endpoint", "control_endpoint", "Control ROUTER.", _ENDPOINT),
     Flag(
