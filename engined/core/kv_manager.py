@@ -19,7 +19,6 @@ to G2 before their slots can be reused, and the allocation may have to wait for 
 
 from __future__ import annotations
 
-from array import array
 from typing import TYPE_CHECKING
 
 from engined.core.block_pool import BlockPool
@@ -457,7 +456,3 @@ class KvManager:
         event_id = self.next_event_id
         self.next_event_id = event_id + 1
         return event_id
-
-
-def block_tokens(tokens: array[int], block_size: int, index: int) -> list[int]:
-    return tokens[index * block_size : (index + 1) * block_size].tolist()
