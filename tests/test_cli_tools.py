@@ -688,3 +688,31 @@ def test_workload_is_seeded_and_shares_prefixes() -> None:
     assert a[0][:50] == b[0][:50]
     assert a[0][50:] != b[0][50:]
     assert a[1] == 4
+
+
+def test_stats_tier_rows_appear_only_with_tiers() -> None:
+    """1. Stats of two ranks without tiers: no tier rows.
+    2. The same with a G2 tier on rank 1: one row per rank with held/cached/total blocks.
+    """
+    from engined.tools.stats import tier_rows
+    from engined.wire.control import RankStats
+
+    def rank(n: int, **tiers: int) -> RankStats:
+        return RankStats(
+            dp_rank=n,
+            active_blocks=0,
+            inactive_blocks=0,
+            total_blocks=8,
+            kv_cache_usage=0.0,
+            running=0,
+            waiting=0,
+            preemptions_total=0,
+            passes_total=0,
+            **tiers,
+        )
+
+    assert tier_rows([rank(0), rank(1)]) == []
+    rows = tier_rows(
+        [rank(0), rank(1, g2_active_blocks=2, g2_inactive_blocks=5, g2_total_blocks=64)]
+    )
+    assert rows == [["0", "0", "0", "0", "0", "0", "0"], ["1", "2", "5", "64", "0", "0", "0"]]

@@ -74,6 +74,7 @@ async def stats(control_endpoint: str, timeout: float, out: Output) -> int:
             out.record(rank_record(rank))
         return EXIT_OK
     rows = [_row(rank) for rank in reply.ranks]
+    tiers = tier_rows(reply.ranks)
     if out.console is not None:
         table = Table(
             title=f"engined at {control_endpoint}",
@@ -87,10 +88,49 @@ async def stats(control_endpoint: str, timeout: float, out: Output) -> int:
         for row in rows:
             table.add_row(*row)
         out.render(table)
+        if tiers:
+            tier_table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+            for header in _TIER_HEADERS:
+                tier_table.add_column(header, justify="left" if header == "rank" else "right")
+            for row in tiers:
+                tier_table.add_row(*row)
+            out.render(tier_table)
     else:
         for line in table_text(_HEADERS, rows):
             out.line(line)
+        if tiers:
+            for line in table_text(_TIER_HEADERS, tiers):
+                out.line(line)
     return EXIT_OK
+
+
+_TIER_HEADERS = (
+    "rank",
+    "G2 held",
+    "G2 cached",
+    "G2 total",
+    "G3 held",
+    "G3 cached",
+    "G3 total",
+)
+
+
+def tier_rows(ranks: list[RankStats]) -> list[list[str]]:
+    """Host (G2) and disk (G3) tier blocks per rank; empty when no rank has a tier."""
+    if not any(r.g2_total_blocks or r.g3_total_blocks for r in ranks):
+        return []
+    return [
+        [
+            str(r.dp_rank),
+            str(r.g2_active_blocks),
+            str(r.g2_inactive_blocks),
+            str(r.g2_total_blocks),
+            str(r.g3_active_blocks),
+            str(r.g3_inactive_blocks),
+            str(r.g3_total_blocks),
+        ]
+        for r in ranks
+    ]
 
 
 def rank_record(rank: RankStats) -> dict[str, Any]:
