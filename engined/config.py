@@ -293,6 +293,11 @@ FLAGS: tuple[Flag, ...] = (
         "Fixed model: cost of a pass with decodes (ms).",
     ),
     Flag(
+        "--handoff-session-timeout-ms",
+        "engine.handoff_session_timeout_ms",
+        "A held source not released, or a destination not activated, is cancelled after this.",
+    ),
+    Flag(
         "--num-g2-blocks",
         "engine.num_g2_blocks",
         'Host (G2) KV tier blocks per rank; needs --kv-bytes-per-token ("" = off).',

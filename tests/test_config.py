@@ -452,6 +452,7 @@ ISSUE_FLAGS = {
     "--fixed-prefill-ms-per-token": "engine.fixed_prefill_ms_per_token",
     "--fixed-pass-overhead-ms": "engine.fixed_pass_overhead_ms",
     "--fixed-decode-ms-per-pass": "engine.fixed_decode_ms_per_pass",
+    "--handoff-session-timeout-ms": "engine.handoff_session_timeout_ms",
     "--num-g2-blocks": "engine.num_g2_blocks",
     "--num-g3-blocks": "engine.num_g3_blocks",
     "--offload-batch-size": "engine.offload_batch_size",

@@ -14,6 +14,7 @@ import asyncio
 import errno
 import functools
 import itertools
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
@@ -51,6 +52,8 @@ class HandoffRoute:
     rank: int
     identity: bytes
     request_id: str
+    # Monotonic time after which the handoff session is abandoned (None: not timed).
+    deadline: float | None = None
 
 
 class ControlServer:
@@ -63,6 +66,7 @@ class ControlServer:
         *,
         welcome: Callable[[], wire.Welcome],
         max_queued_requests: int,
+        handoff_timeout_s: float | None = None,
     ) -> None:
         self._sock = sock
         # Sends go through a synchronous shadow: NOBLOCK, errors raised at the call.
@@ -70,6 +74,7 @@ class ControlServer:
         self._loops = loops
         self._welcome = welcome
         self._max_queued = max_queued_requests
+        self._handoff_timeout_s = handoff_timeout_s
         self._decoder = wire.ControlDecoder()
         self._encode = msgspec.msgpack.Encoder().encode
         self._rr = itertools.cycle(range(len(loops)))
@@ -230,6 +235,7 @@ class ControlServer:
                 new_route = routes[msg.handoff_id] = HandoffRoute(rank, identity, request_id)  # type: ignore[union-attr]
                 if routes is self._destinations:
                     self._destination_requests[rank][request_id] = msg.handoff_id  # type: ignore[union-attr]
+                    new_route.deadline = self._handoff_deadline()
         owners = self._owners[rank]
         if request_id in owners:
             if new_route is not None and routes is not None:
@@ -293,12 +299,52 @@ class ControlServer:
         loop = self._loops[route.rank]
         effects = await loop.call(command)
         applied = isinstance(effects.result, core.Applied)
+        if applied and isinstance(msg, wire.ActivateDestination):
+            route.deadline = None
         if applied and not isinstance(msg, wire.ActivateDestination):
             routes.pop(msg.handoff_id, None)
             if routes is self._destinations:
                 self._destination_requests[route.rank].pop(route.request_id, None)
             self._end_dropped(route.rank, route.request_id, loop.core)
         self._reply(identity, wire.Applied(id=msg.id) if applied else wire.Noop(id=msg.id))
+
+    # --- handoff session timeout -------------------------------------------------------
+
+    def _handoff_deadline(self) -> float | None:
+        timeout = self._handoff_timeout_s
+        return None if timeout is None else time.monotonic() + timeout
+
+    async def expire_handoffs(self) -> None:
+        """Abandon handoff sessions whose coordinator went quiet (handoff_session_timeout_ms).
+
+        A held source not released, or a destination not activated, within the timeout is
+        cancelled as if the coordinator had sent cancel_source / cancel_destination, so a
+        vanished coordinator cannot pin KV blocks for the lifetime of the daemon.
+        """
+        timeout = self._handoff_timeout_s
+        if timeout is None:
+            return
+        interval = min(1.0, timeout / 2)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for routes, command in (
+                (self._sources, core.CancelSource),
+                (self._destinations, core.CancelDestination),
+            ):
+                for handoff_id, route in list(routes.items()):
+                    if route.deadline is None or route.deadline > now:
+                        continue
+                    route.deadline = None
+                    loop = self._loops[route.rank]
+                    effects = await loop.call(command(handoff_id))
+                    if isinstance(effects.result, core.Applied) and routes.get(handoff_id) is route:
+                        del routes[handoff_id]
+                        self._destination_requests[route.rank].pop(route.request_id, None)
+                        self._end_dropped(route.rank, route.request_id, loop.core)
+                        log.warning(
+                            "handoff timed out", handoff_id=handoff_id, request_id=route.request_id
+                        )
 
     def _end_dropped(self, rank: int, request_id: str, core_: VllmCore) -> None:
         """A command dropped a request another client may be streaming: end its stream."""
@@ -375,6 +421,8 @@ class ControlServer:
             route = routes.get(event.handoff_id)
             if route is not None and route.rank == rank:
                 per_client[route.identity].append(to_wire_lifecycle(event))
+                if isinstance(event, core.SourceHeld):
+                    route.deadline = self._handoff_deadline()
         for identity, batch in per_client.items():
             self._send(identity, wire.Lifecycle(dp_rank=rank, events=batch))
 

@@ -189,11 +189,15 @@ class Daemon:
             self.loops,
             welcome=welcome,
             max_queued_requests=cfg.max_queued_requests,
+            handoff_timeout_s=engine.handoff_session_timeout_ms / 1000.0,
         )
         controls.append(self.control)
         for kv in self._publishers:
             kv.start()
         self._tasks.append(asyncio.create_task(self.control.serve(), name="control"))
+        self._tasks.append(
+            asyncio.create_task(self.control.expire_handoffs(), name="handoff-timeouts")
+        )
         for loop in self.loops:
             self._tasks.append(asyncio.create_task(loop.run(), name=f"rank-{loop.rank}"))
         self.started = True
