@@ -10,7 +10,7 @@ working when a later daemon adds fields (msgspec's schema evolution rules).
 from __future__ import annotations
 
 import re
-from typing import Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias, get_args
 
 import msgspec
 
@@ -136,6 +136,9 @@ ClientMessage: TypeAlias = (
     | ResetPrefixCache
     | Ping
 )
+
+# The `type` tags of every client message, in declaration order (fuzzers, docs and tests).
+CLIENT_MESSAGE_TAGS: Final = tuple(str(c.__struct_config__.tag) for c in get_args(ClientMessage))
 
 # --- daemon -> client -----------------------------------------------------------------------
 

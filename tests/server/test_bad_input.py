@@ -517,20 +517,6 @@ def test_body_over_the_message_limit_drops_the_connection(daemon: DaemonProcess)
 # --- hypothesis: malformed messages interleaved with valid requests -------------------------
 
 DECODER = ControlDecoder()
-TAGS = [
-    "hello",
-    "submit",
-    "cancel",
-    "submit_handoff_prefill",
-    "release_source",
-    "cancel_source",
-    "reserve_destination",
-    "activate_destination",
-    "cancel_destination",
-    "stats",
-    "reset_prefix_cache",
-    "ping",
-]
 FIELDS = [
     "type",
     "id",

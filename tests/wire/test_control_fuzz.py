@@ -13,20 +13,6 @@ from engined.wire.control import ControlDecoder, WireError
 from tests.wire._paths import read_golden
 
 DECODER = ControlDecoder()
-TAGS = [
-    "hello",
-    "submit",
-    "cancel",
-    "submit_handoff_prefill",
-    "release_source",
-    "cancel_source",
-    "reserve_destination",
-    "activate_destination",
-    "cancel_destination",
-    "stats",
-    "reset_prefix_cache",
-    "ping",
-]
 FIELDS = [
     "id",
     "request",
@@ -57,7 +43,7 @@ msgpack_values = st.recursive(
 )
 # Maps shaped like messages, so examples get past the tag into field validation.
 message_like = st.fixed_dictionaries(
-    {"type": st.sampled_from(TAGS) | st.text(max_size=10)},
+    {"type": st.sampled_from(control.CLIENT_MESSAGE_TAGS) | st.text(max_size=10)},
     optional={
         name: msgpack_values
         | st.fixed_dictionaries(
@@ -113,3 +99,21 @@ def test_corrupted_valid_messages(data: st.DataObject) -> None:
         body[index] = data.draw(st.integers(min_value=0, max_value=255))
     cut = data.draw(st.integers(min_value=0, max_value=len(body)))
     _decode_or_wire_error(bytes(body[:cut]))
+
+
+def test_client_message_tags_cover_the_protocol() -> None:
+    """The fuzzer's tag list is derived from the message union: the twelve protocol v1 types."""
+    assert control.CLIENT_MESSAGE_TAGS == (
+        "hello",
+        "submit",
+        "cancel",
+        "submit_handoff_prefill",
+        "release_source",
+        "cancel_source",
+        "reserve_destination",
+        "activate_destination",
+        "cancel_destination",
+        "stats",
+        "reset_prefix_cache",
+        "ping",
+    )
