@@ -53,8 +53,12 @@ def _decode_ms(core: VllmCore, batch: int, total_len: int, reserved: int = 0) ->
     return scale_ms(raw, args.speedup_ratio * args.decode_speedup_ratio)
 
 
-def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int]:
-    """Returns (decode duration ms, signals, decode forwards)."""
+def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int, int]:
+    """Returns (decode duration ms, signals, decode forwards, output tokens).
+
+    Every signal after the token-less terminals carries a token, so the token count is
+    known without another pass over the signals.
+    """
     state = core.state
     requests = state.requests
     ready: list[RequestState] = []
@@ -84,9 +88,10 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int]:
         )
         core.complete_source(req, req.seq.free_moves())
     if not ready:
-        return 0.0, signals, 0
+        return 0.0, signals, 0, 0
     if core.sampler is not None:
-        return _emit_speculative(core, ready, signals)
+        decode_ms, signals, forwards = _emit_speculative(core, ready, signals)
+        return decode_ms, signals, forwards, len(signals) - len(finished)
     decode_ms = _decode_ms(core, len(ready), total_len)
     running_members = state.running_members
     kv = core.kv
@@ -154,11 +159,8 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int]:
         )
         if completed:
             core.complete_source(req, cleanup)
-    return (
-        (decode_ms if emitted_any else 0.0),
-        signals,
-        sum(1 for s in signals if s.token_id is not None),
-    )
+    num_tokens = len(signals) - len(finished)
+    return (decode_ms if emitted_any else 0.0), signals, num_tokens, num_tokens
 
 
 def _emit_speculative(

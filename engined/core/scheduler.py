@@ -221,7 +221,7 @@ class VllmCore(TierHandling):
             raw = self.perf.prefill_ms(n, self._batch_isl // n, self._batch_prefix // n)
             prefill_ms = scale_ms(raw, self.args.speedup_ratio)
         decode_start = now_ms + prefill_ms
-        decode_ms, signals, forwards = emit_ready_tokens(self)
+        decode_ms, signals, forwards, tokens = emit_ready_tokens(self)
         for request_id in rejected:
             signals.append(OutputSignal(request_id, None, True, True))
         end_ms = decode_start + decode_ms
@@ -241,9 +241,7 @@ class VllmCore(TierHandling):
             fpm=self._fpm((end_ms - now_ms) / 1000.0),
             prefix_cache_queries=self._cache_queries,
             prefix_cache_hits=self._cache_hits,
-            accept_length_output_tokens=sum(
-                1 for s in signals if not s.rejected and s.token_id is not None
-            ),
+            accept_length_output_tokens=tokens,
             accept_length_decode_forwards=forwards,
         )
 
