@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from engined.core.args import EngineArgs
+from engined.core.args import EngineArgs, EngineType
 from engined.core.errors import InvalidArgsError
 from engined.core.offload.config import OffloadConfig
 
@@ -67,6 +67,10 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_replay_endpoint: str | None = None
     # Replay keeps the last this many KV event messages per rank.
     kv_replay_buffer: Annotated[int, msgspec.Meta(ge=1)] = 10000
+    # Bytes of replay one replay client may have queued and unread; the rest follows as it reads.
+    kv_replay_client_bytes: Annotated[int, msgspec.Meta(ge=1)] = 8 * 1024 * 1024
+    # Bytes of KV event batches queued for one slow subscriber, per rank, before it misses some.
+    kv_events_buffer_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 * 1024 * 1024
     # First frame of every KV event message.
     kv_events_topic: str = ""
     # "vllm": vLLM >= 0.24 tagged maps; "vllm-array": vLLM 0.22/0.23 positional arrays.
@@ -76,7 +80,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # FPM `worker_id`; "" means the daemon uses f"{hostname}:{pid}" (resolved at startup).
     worker_id: str = ""
     # Most requests waiting to run per rank before `submit` answers `overloaded`; 0 = no limit.
-    max_queued_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # 16 batches of the default max_num_seqs (README "Limits and guarantees" says why).
+    max_queued_requests: Annotated[int, msgspec.Meta(ge=0)] = 4096
     # Seconds in-flight requests get to finish at shutdown before they are cancelled.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
     # "auto" logs JSON when stderr is not a TTY and console lines when it is.
@@ -110,7 +115,7 @@ class ConfigError(Exception):
 class _Scalar:
     """What a text value (environment, command line) must parse to for one key."""
 
-    kind: type  # bool, int, float or str
+    kind: type  # bool, int, float, str, or tuple (of ints, comma-separated in text)
     optional: bool  # None allowed, spelled "" in text
     choices: tuple[str, ...]  # closed set of strings (Literal or enum), else ()
 
@@ -134,6 +139,8 @@ def _scalar(annotation: Any) -> _Scalar | None:
         return _Scalar(str, optional, tuple(str(m.value) for m in annotation))
     if annotation in (bool, int, float, str):
         return _Scalar(annotation, optional, ())
+    if typing.get_origin(annotation) is tuple and typing.get_args(annotation) == (int, ...):
+        return _Scalar(tuple, optional, ())
     return None
 
 
@@ -215,7 +222,7 @@ class Flag:
         shape = _KEYS[self.key]
         if shape.choices:
             return "[" + "|".join(shape.choices) + "]"
-        return {bool: "BOOL", int: "INT", float: "FLOAT"}.get(shape.kind, "TEXT")
+        return {bool: "BOOL", int: "INT", float: "FLOAT", tuple: "INT,..."}.get(shape.kind, "TEXT")
 
 
 _ENDPOINT = "ENDPOINT"
@@ -224,7 +231,13 @@ _OFF = ' ("" = off)'
 # Spellings follow vLLM and Dynamo's mocker where they have one (`--data-parallel-size`,
 # `--nextn`); the rest are the key with dashes.
 FLAGS: tuple[Flag, ...] = (
-    Flag("--engine-type", "engine.engine_type", "Engine whose scheduler is simulated."),
+    # NOTE: sglang is an EngineType (mocker configs name it) but no core simulates it.
+    Flag(
+        "--engine-type",
+        "engine.engine_type",
+        "Engine whose scheduler is simulated.",
+        "[vllm|trtllm]",
+    ),
     Flag("--worker-type", "engine.worker_type", "Aggregated, or one side of disaggregation."),
     Flag("--num-gpu-blocks", "engine.num_gpu_blocks", "KV cache blocks per rank."),
     Flag(
@@ -276,6 +289,16 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--mtp-seed", "engine.aic_mtp_seed", "Seed of MTP acceptance sampling."),
     Flag("--seed", "engine.seed", "Seed of generated output tokens."),
+    Flag(
+        "--vocab-size",
+        "engine.vocab_size",
+        'Generated ids are drawn from [0, N), so a tokenizer can decode them ("" = raw u32).',
+    ),
+    Flag(
+        "--excluded-token-ids",
+        "engine.excluded_token_ids",
+        'Ids never generated (EOS, special tokens), comma-separated (e.g. "0,1,2").',
+    ),
     Flag("--perf-model", "engine.perf_model", "Pass timing model."),
     Flag(
         "--fixed-prefill-ms-per-token",
@@ -332,6 +355,16 @@ FLAGS: tuple[Flag, ...] = (
         _ENDPOINT,
     ),
     Flag("--kv-replay-buffer", "kv_replay_buffer", "KV event messages kept for replay, per rank."),
+    Flag(
+        "--kv-replay-client-bytes",
+        "kv_replay_client_bytes",
+        "Replay bytes one client may have unread; a client that stops reading is dropped.",
+    ),
+    Flag(
+        "--kv-events-buffer-bytes",
+        "kv_events_buffer_bytes",
+        "KV event bytes queued per slow subscriber, per rank, before it misses batches.",
+    ),
     Flag("--kv-events-topic", "kv_events_topic", "Topic frame of KV event messages."),
     Flag("--kv-events-format", "kv_events_format", "vllm: 0.24+ maps; vllm-array: 0.22/0.23."),
     Flag(
@@ -507,9 +540,9 @@ def _apply_toml(layers: _Layers, data: Mapping[str, Any], *, source: str) -> Non
                 if engine_name not in _ENGINE_TABLE_KEYS:
                     hint = _did_you_mean(engine_name, _ENGINE_TABLE_KEYS)
                     raise ConfigError(f"{key}: unknown key in {source}{hint}", key=key)
-                layers.set(key, _empty_is_none(key, engine_value), source)
+                layers.set(key, _empty_is_none(key, engine_value, source), source)
         elif name in _DAEMON_TABLE_KEYS:
-            layers.set(name, _empty_is_none(name, value), source)
+            layers.set(name, _empty_is_none(name, value, source), source)
         elif name in _ENGINE_TABLE_KEYS:
             raise ConfigError(
                 f"{name}: unknown top-level key in {source}; engine keys belong in the [engine] "
@@ -555,6 +588,8 @@ def _parse_text(key: str, text: str, *, source: str) -> Any:
         return None
     if shape.kind is str:
         return text
+    if shape.kind is tuple:
+        return _parse_int_list(key, text, source=source)
     stripped = text.strip()
     if shape.kind is bool:
         if stripped.lower() in _TRUE:
@@ -574,11 +609,28 @@ def _parse_text(key: str, text: str, *, source: str) -> Any:
     raise ConfigError(f"{key}: expected {expected}, got {text!r} (from {source})", key=key)
 
 
-def _empty_is_none(key: str, value: Any) -> Any:
-    """TOML has no null: "" stands for None in optional settings (see the module docstring)."""
+def _parse_int_list(key: str, text: str, *, source: str) -> tuple[int, ...]:
+    """Comma-separated integers, as `--nextn-accept-rates` takes floats; "" is the empty list."""
+    if not text.strip():
+        return ()
+    parts = [part.strip() for part in text.split(",")]
+    if all(_INT_TEXT.fullmatch(part) for part in parts):
+        return tuple(int(part) for part in parts)
+    raise ConfigError(
+        f"{key}: expected comma-separated integers, got {text!r} (from {source})", key=key
+    )
+
+
+def _empty_is_none(key: str, value: Any, source: str) -> Any:
+    """TOML has no null: "" stands for None in optional settings (see the module docstring).
+
+    A list setting also takes its command-line text form in TOML, so "" is the empty list.
+    """
     shape = _KEYS.get(key)
     if value == "" and shape is not None and shape.optional:
         return None
+    if isinstance(value, str) and shape is not None and shape.kind is tuple:
+        return _parse_int_list(key, value, source=source)
     return value
 
 
@@ -615,6 +667,12 @@ def _validate(layers: _Layers) -> DaemonConfig:
     except InvalidArgsError as error:
         message = str(error)
         raise layers.error(_engine_key(message), message) from None
+    if engine.engine_type is EngineType.SGLANG:
+        # VllmCore refuses it; refusing here makes it a bad setting (exit 2), not a crash.
+        raise layers.error(
+            "engine.engine_type",
+            "sglang is not supported: engined simulates the vllm and trtllm schedulers only",
+        )
     config = msgspec.structs.replace(config, engine=engine)
     if not math.isfinite(config.drain_timeout):
         raise layers.error("drain_timeout", f"must be finite, got {config.drain_timeout}")

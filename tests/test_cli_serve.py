@@ -104,6 +104,24 @@ def test_printed_config_loads_back(tmp_path: Path) -> None:
     assert again.exit_code == 0 and again.stdout == first.stdout
 
 
+def test_vocabulary_flags_and_env_reach_the_config(tmp_path: Path) -> None:
+    config = printed("--vocab-size", "32000", "--excluded-token-ids", "2,0")
+    assert (config["engine"]["vocab_size"], config["engine"]["excluded_token_ids"]) == (
+        32000,
+        [0, 2],
+    )
+    env = {"ENGINED_VOCAB_SIZE": "8", "ENGINED_EXCLUDED_TOKEN_IDS": "7"}
+    first = invoke("--print-config", env=env)
+    path = tmp_path / "printed.toml"
+    path.write_text(first.stdout)
+    again = invoke("--print-config", "--config", str(path))
+    assert again.exit_code == 0 and again.stdout == first.stdout
+    assert "vocab_size = 8\n" in first.stdout and "excluded_token_ids = [7]\n" in first.stdout
+    result = invoke("--print-config", "--vocab-size", "4", "--excluded-token-ids", "0,1,2,3")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: engine.excluded_token_ids: ")
+
+
 def test_bad_flag_value_exits_2_naming_the_key() -> None:
     result = invoke("--print-config", "--num-gpu-blocks", "0")
     assert result.exit_code == CONFIG_ERROR == 2

@@ -55,7 +55,7 @@ def test_defaults() -> None:
     assert (config.kv_replay_endpoint, config.kv_replay_buffer) == (None, 10000)
     assert (config.kv_events_topic, config.kv_events_format) == ("", "vllm")
     assert (config.fpm_endpoint, config.worker_id) == ("tcp://127.0.0.1:20380", "")
-    assert (config.max_queued_requests, config.drain_timeout) == (0, 30.0)
+    assert (config.max_queued_requests, config.drain_timeout) == (4096, 30.0)
     assert (config.log_format, config.log_level, config.http_port) == ("auto", "info", None)
 
 
@@ -404,7 +404,7 @@ def test_dump_config_of_defaults_round_trips(tmp_path: Path) -> None:
 
 def test_dump_config_round_trips(tmp_path: Path) -> None:
     engine = {
-        "engine_type": "sglang",
+        "engine_type": "trtllm",
         "max_num_seqs": None,
         "aic_nextn": 2,
         "aic_nextn_accept_rates": "0.9",
@@ -444,6 +444,8 @@ ISSUE_FLAGS = {
     "--nextn": "engine.aic_nextn",
     "--nextn-accept-rates": "engine.aic_nextn_accept_rates",
     "--seed": "engine.seed",
+    "--vocab-size": "engine.vocab_size",
+    "--excluded-token-ids": "engine.excluded_token_ids",
     "--decode-speedup-ratio": "engine.decode_speedup_ratio",
     "--kv-transfer-timing-mode": "engine.kv_transfer_timing_mode",
     "--max-model-len": "engine.max_model_len",
@@ -466,6 +468,8 @@ ISSUE_FLAGS = {
     "--kv-events-connect": "kv_events_connect",
     "--kv-replay-endpoint": "kv_replay_endpoint",
     "--kv-replay-buffer": "kv_replay_buffer",
+    "--kv-replay-client-bytes": "kv_replay_client_bytes",
+    "--kv-events-buffer-bytes": "kv_events_buffer_bytes",
     "--kv-events-topic": "kv_events_topic",
     "--kv-events-format": "kv_events_format",
     "--fpm-endpoint": "fpm_endpoint",
@@ -526,9 +530,94 @@ def test_switches_and_metavars() -> None:
         "--kv-events-connect",
     }
     assert by_name["--enable-prefix-caching"].negation == "--no-enable-prefix-caching"
-    assert by_name["--engine-type"].metavar == "[vllm|sglang|trtllm]"
+    assert by_name["--engine-type"].metavar == "[vllm|trtllm]"
     assert by_name["--log-format"].metavar == "[auto|console|json]"
     assert by_name["--block-size"].metavar == "INT"
     assert by_name["--fpm-endpoint"].metavar == "ENDPOINT"
     assert by_name["--data-parallel-size"].dest == "data_parallel_size"
     assert {by_name["--seed"].section, by_name["--seed"].key} == {"engine", "engine.seed"}
+
+
+# --- vocabulary -------------------------------------------------------------------------------
+
+
+def test_vocabulary_is_unset_by_default() -> None:
+    engine = load().engine
+    assert (engine.vocab_size, engine.excluded_token_ids) == (None, ())
+
+
+def test_vocabulary_from_each_layer(tmp_path: Path) -> None:
+    toml = "[engine]\nvocab_size = 32000\nexcluded_token_ids = [2, 0, 1]\n"
+    assert load(toml, tmp_path=tmp_path).engine.excluded_token_ids == (0, 1, 2)
+    env = {"ENGINED_VOCAB_SIZE": "151936", "ENGINED_EXCLUDED_TOKEN_IDS": "151643, 151645"}
+    engine = load(toml, env=env, tmp_path=tmp_path).engine
+    assert (engine.vocab_size, engine.excluded_token_ids) == (151936, (151643, 151645))
+    flags = {"engine.vocab_size": "100", "engine.excluded_token_ids": "7"}
+    engine = load(toml, env=env, flags=flags, tmp_path=tmp_path).engine
+    assert (engine.vocab_size, engine.excluded_token_ids) == (100, (7,))
+
+
+def test_vocabulary_empty_text_unsets(tmp_path: Path) -> None:
+    toml = '[engine]\nvocab_size = ""\nexcluded_token_ids = ""\n'
+    engine = load(toml, tmp_path=tmp_path).engine
+    assert (engine.vocab_size, engine.excluded_token_ids) == (None, ())
+    env = {"ENGINED_VOCAB_SIZE": "", "ENGINED_EXCLUDED_TOKEN_IDS": ""}
+    engine = load(
+        "[engine]\nvocab_size = 9\nexcluded_token_ids = [1]\n", env=env, tmp_path=tmp_path
+    )
+    assert (engine.engine.vocab_size, engine.engine.excluded_token_ids) == (None, ())
+
+
+def test_excluded_ids_take_text_in_toml(tmp_path: Path) -> None:
+    engine = load('[engine]\nexcluded_token_ids = "3,1"\n', tmp_path=tmp_path).engine
+    assert engine.excluded_token_ids == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"engine.vocab_size": "0"}, "engine.vocab_size: vocab_size must be in [1, 4294967296]"),
+        ({"engine.vocab_size": "big"}, "engine.vocab_size: expected an integer, got 'big'"),
+        (
+            {"engine.excluded_token_ids": "1,,2"},
+            "engine.excluded_token_ids: expected comma-separated integers, got '1,,2' "
+            "(from --excluded-token-ids)",
+        ),
+        (
+            {"engine.excluded_token_ids": "-1"},
+            "engine.excluded_token_ids: excluded_token_ids[0] must be >= 0, got -1",
+        ),
+        (
+            {"engine.vocab_size": "4", "engine.excluded_token_ids": "1,4"},
+            "engine.excluded_token_ids: excluded_token_ids[1] must be < vocab_size (4), got 4",
+        ),
+        (
+            {"engine.vocab_size": "2", "engine.excluded_token_ids": "0,1"},
+            "engine.excluded_token_ids: excluded_token_ids leave none of the 2 ids",
+        ),
+    ],
+)
+def test_vocabulary_errors_name_the_key(flags: dict[str, Any], message: str) -> None:
+    with raises(message) as info:
+        load(flags=flags)
+    assert info.value.key == message.split(":")[0]
+
+
+def test_vocabulary_toml_error_names_the_file(tmp_path: Path) -> None:
+    with raises("engine.excluded_token_ids: expected comma-separated integers, got 'x' (from "):
+        load('[engine]\nexcluded_token_ids = "x"\n', tmp_path=tmp_path)
+
+
+def test_vocabulary_print_config_round_trips(tmp_path: Path) -> None:
+    config = load(flags={"engine.vocab_size": "50", "engine.excluded_token_ids": "4,2"})
+    text = dump_config(config)
+    assert "vocab_size = 50\n" in text and "excluded_token_ids = [2, 4]\n" in text
+    assert round_trip(config, tmp_path) == config
+    unset = dump_config(DaemonConfig())
+    assert "# vocab_size = (unset)\n" in unset and "excluded_token_ids = []\n" in unset
+
+
+def test_vocabulary_flag_metavars() -> None:
+    by_name = {flag.name: flag for flag in FLAGS}
+    assert by_name["--vocab-size"].metavar == "INT"
+    assert by_name["--excluded-token-ids"].metavar == "INT,..."

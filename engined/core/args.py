@@ -23,6 +23,7 @@ import msgspec
 
 from engined.core.errors import InvalidArgsError
 from engined.core.types import KvTransferTimingMode
+from engined.core.vocab import canonical_excluded, vocabulary_error
 
 
 class EngineType(enum.StrEnum):
@@ -144,6 +145,10 @@ class EngineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     fixed_prefill_ms_per_token: float = 0.02
     fixed_pass_overhead_ms: float = 1.0
     fixed_decode_ms_per_pass: float = 10.0
+    # Unplanned output ids: uniform in [0, vocab_size) minus excluded_token_ids (engined/core/
+    # vocab.py); unset vocab_size keeps raw u32 ids.
+    vocab_size: int | None = None
+    excluded_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> EngineArgs:
@@ -191,7 +196,7 @@ class EngineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return args.normalized()
 
     def normalized(self) -> EngineArgs:
-        """Fill engine defaults, validate, and canonicalise the MTP accept rates.
+        """Fill engine defaults, validate, canonicalise the MTP accept rates and excluded ids.
 
         Returns:
             A new instance; normalising it again returns an equal one.
@@ -201,9 +206,12 @@ class EngineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         """
         args = self._materialized()
         _check_ranges(args)
-        error = _schema_error(args)
+        error = _schema_error(args) or vocabulary_error(args.vocab_size, args.excluded_token_ids)
         if error is not None:
             raise InvalidArgsError(error)
+        args = msgspec.structs.replace(
+            args, excluded_token_ids=canonical_excluded(args.excluded_token_ids)
+        )
         if args.aic_nextn is not None:
             rates = _normalize_rates(args.aic_nextn, args.aic_nextn_accept_rates)
             args = msgspec.structs.replace(

@@ -1,4 +1,4 @@
-"""Commands a core accepts between passes: submit, cancel, and the handoff commands.
+"""Commands a core accepts between passes: submit, cancel, the handoff commands, vocabulary.
 
 Every command either succeeds with a typed result or raises a `CoreError` having changed
 nothing. Commands that free capacity retry the head of the pending-destination FIFO at once,
@@ -39,12 +39,14 @@ from engined.core.types import (
     ReleaseSource,
     Request,
     ReserveDestination,
+    SetVocabulary,
     SourceHeld,
     Submit,
     SubmitHandoffPrefill,
     Submitted,
     TransferTiming,
 )
+from engined.core.vocab import Vocabulary, vocabulary_error
 
 if TYPE_CHECKING:
     from engined.core.args import EngineArgs
@@ -72,6 +74,7 @@ class CommandHandling:
     state: SchedulerState
     policy: AdmissionPolicy
     rng: random.Random
+    vocab: Vocabulary
     _partial_ids: Callable[[], int]
     source_holds: SourceHolds
     pending_destinations: PendingDestinations
@@ -100,6 +103,7 @@ class CommandHandling:
             rng=self.rng,
             next_partial_id=self._partial_ids,
             planned=planned,
+            vocab=self.vocab,
         )
         return RequestState(request_id, seq, status)
 
@@ -170,6 +174,8 @@ class CommandHandling:
                 result = self._activate_destination(handoff_id)
             case CancelDestination(handoff_id):
                 result = self._cancel_destination(handoff_id)
+            case SetVocabulary(vocab_size, excluded):
+                result = self._set_vocabulary(vocab_size, excluded)
         if result is APPLIED and allow_destination_admission:
             lifecycle.extend(self.retry_pending_destinations())
         return CommandEffects(result, lifecycle)
@@ -245,6 +251,13 @@ class CommandHandling:
             self._lifecycle.append(SourceHeld(handoff_id, request_id, timing))
         self.active_destinations.discard_request(request_id)
         self.capacity_generation += 1
+
+    def _set_vocabulary(self, vocab_size: int | None, excluded: tuple[int, ...]) -> CommandResult:
+        error = vocabulary_error(vocab_size, excluded)
+        if error is not None:
+            raise InvalidRequestError(error)
+        self.vocab.configure(vocab_size, excluded)
+        return APPLIED
 
     # --- sources ------------------------------------------------------------------------
 

@@ -99,6 +99,7 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int, i
     emitted_any = False
     bs = core.block_size
     getrandbits = core.rng.getrandbits
+    draw = core.vocab.draw
     append = signals.append
     for req in ready:
         request_id = req.request_id
@@ -113,7 +114,7 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int, i
         ):
             # The common decode step, inlined: same draw and effect as `generate_token` for a
             # token that neither opens a block nor ends the request.
-            token = getrandbits(32)
+            token = getrandbits(32) if draw is None else draw()
             tokens.append(token)
             seq.generated += 1
             append(OutputSignal(request_id, token, False))

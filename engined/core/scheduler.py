@@ -59,6 +59,7 @@ from engined.core.types import (
     Submit,
     Submitted,
 )
+from engined.core.vocab import Vocabulary
 
 _UNBOUNDED = sys.maxsize
 _MASK64 = (1 << 64) - 1
@@ -107,6 +108,7 @@ class VllmCore(TierHandling):
             self.kv.attach_offload(OffloadEngine(offload_config))
         self.state = SchedulerState()
         self.rng = random.Random(args.seed * 1_000_003 + dp_rank)
+        self.vocab = Vocabulary(self.rng, args.vocab_size, args.excluded_token_ids)
         self._partial_ids = itertools.count().__next__
         self.sampler = (
             SpeculativeSampler(args.nextn_accept_rates, (args.aic_mtp_seed + worker_id) & _MASK64)

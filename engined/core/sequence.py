@@ -18,6 +18,7 @@ from array import array
 from collections.abc import Callable
 
 from engined.core.hashing import HASH_SEED, lineage_key
+from engined.core.vocab import Vocabulary
 
 import xxhash  # isort: skip
 
@@ -111,6 +112,7 @@ class Sequence:
     __slots__ = (
         "_next_partial_id",
         "_rng",
+        "_vocab",
         "block_size",
         "caching",
         "emit_token_ids",
@@ -138,6 +140,7 @@ class Sequence:
         next_partial_id: Callable[[], int],
         planned: list[int] | None = None,
         emit_token_ids: bool = True,
+        vocab: Vocabulary | None = None,
     ) -> None:
         assert block_size >= 2, "invalid ActiveSequence"
         self.block_size = block_size
@@ -150,6 +153,8 @@ class Sequence:
         self.emit_token_ids = emit_token_ids and caching
         self.planned = planned
         self._rng = rng
+        # The core's shared range, so a vocabulary change reaches running requests.
+        self._vocab = vocab
         self._next_partial_id = next_partial_id
         n_full = len(tokens) // block_size
         self.hashes: list[int] = []
@@ -233,7 +238,12 @@ class Sequence:
             "Cannot generate more tokens: reached max_output_tokens limit"
         )
         planned = self.planned
-        token = planned[self.generated] if planned is not None else self._rng.getrandbits(32)
+        if planned is not None:
+            token = planned[self.generated]
+        elif self._vocab is None or self._vocab.draw is None:
+            token = self._rng.getrandbits(32)
+        else:
+            token = self._vocab.draw()
         moves = self._push(token)
         if self.generated == self.max_output_tokens:
             moves.append(self._free_for_tokens(len(self.tokens)))
