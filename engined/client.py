@@ -18,7 +18,7 @@ import contextlib
 import enum
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self, TypeAlias, TypeVar
@@ -43,6 +43,7 @@ from engined.wire.control import (
     FinishReason,
     Hello,
     Lifecycle,
+    Load,
     Noop,
     Output,
     OutputEntry,
@@ -52,11 +53,14 @@ from engined.wire.control import (
     ReplyDecoder,
     ReserveDestination,
     ResetPrefixCache,
+    SetFpmWorkerId,
+    SetVocabulary,
     Stats,
     StatsReply,
     Submit,
     SubmitHandoffPrefill,
     Submitted,
+    WatchLoad,
     Welcome,
     WireError,
     WireLifecycleEvent,
@@ -150,6 +154,7 @@ class EngineClient:
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
         self._handoffs: dict[str, asyncio.Queue[_LifecycleItem]] = {}
         self._lifecycle: asyncio.Queue[_LifecycleItem] = asyncio.Queue(LIFECYCLE_FEED_SIZE)
+        self._on_load: Callable[[Load], None] | None = None
         self._failure: BaseException | None = None
         self._closed = False
         self._reader = asyncio.get_running_loop().create_task(
@@ -425,6 +430,37 @@ class EngineClient:
         msg = ResetPrefixCache(dp_rank=dp_rank, id=self._next_id())
         return await self._call(msg, Applied, timeout)
 
+    async def set_vocabulary(
+        self,
+        vocab_size: int | None,
+        excluded_token_ids: Sequence[int] = (),
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> Applied:
+        """Draw generated ids from `[0, vocab_size)` minus `excluded_token_ids`, every rank."""
+        msg = SetVocabulary(
+            vocab_size=vocab_size, excluded_token_ids=list(excluded_token_ids), id=self._next_id()
+        )
+        return await self._call(msg, Applied, timeout)
+
+    async def set_fpm_worker_id(
+        self, worker_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied:
+        """Stamp every rank's forward-pass metrics with `worker_id` from now on."""
+        return await self._call(
+            SetFpmWorkerId(worker_id=worker_id, id=self._next_id()), Applied, timeout
+        )
+
+    async def watch_load(
+        self, on_load: Callable[[Load], None], *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied:
+        """Call `on_load` (from the reader task) with every `load` message from now on.
+
+        The daemon sends each rank's load at once, then whenever it changes.
+        """
+        self._on_load = on_load
+        return await self._call(WatchLoad(id=self._next_id()), Applied, timeout)
+
     async def send_raw(
         self, body: bytes, *, timeout: float | None = DEFAULT_TIMEOUT
     ) -> DirectReply:
@@ -605,6 +641,9 @@ class EngineClient:
                 for event in msg.events:
                     self._handoff_queue(event.handoff_id).put_nowait(event)
                     _put_dropping_oldest(self._lifecycle, event)
+            case Load():
+                if self._on_load is not None:
+                    self._on_load(msg)
             case DirectReply():
                 self._resolve(msg)
 

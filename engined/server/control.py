@@ -29,6 +29,8 @@ from engined.core import types as core
 from engined.core.errors import CoreError
 from engined.core.scheduler import VllmCore
 from engined.server.engine_loop import EngineLoop
+from engined.server.load import LoadWatch
+from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire
 from engined.wire.convert import group_outputs, rank_stats, to_core_request, to_wire_lifecycle
 from engined.wire.errors import WireError
@@ -65,6 +67,7 @@ class ControlServer:
         loops: list[EngineLoop],
         *,
         welcome: Callable[[], wire.Welcome],
+        settings: RuntimeSettings,
         max_queued_requests: int,
         handoff_timeout_s: float | None = None,
     ) -> None:
@@ -73,6 +76,8 @@ class ControlServer:
         self._send_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._loops = loops
         self._welcome = welcome
+        self._settings = settings
+        self._load = LoadWatch(loops, self._send)
         self._max_queued = max_queued_requests
         self._handoff_timeout_s = handoff_timeout_s
         self._decoder = wire.ControlDecoder()
@@ -148,6 +153,14 @@ class ControlServer:
                 self._spawn(self._handoff_command(identity, msg, self._destinations))
             case wire.ResetPrefixCache():
                 self._spawn(self._reset_prefix_cache(identity, msg))
+            case wire.SetVocabulary():
+                self._spawn(self._set_vocabulary(identity, msg))
+            case wire.SetFpmWorkerId():
+                self._settings.set_fpm_worker_id(msg.worker_id)
+                self._reply(identity, wire.Applied(id=msg.id))
+            case wire.WatchLoad():
+                self._reply(identity, wire.Applied(id=msg.id))
+                self._load.watch(identity)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -379,6 +392,18 @@ class ControlServer:
         else:
             self._reply(identity, wire.Applied(id=msg.id))
 
+    async def _set_vocabulary(self, identity: bytes, msg: wire.SetVocabulary) -> None:
+        """Every rank or none: the cores validate alike, so only the first can refuse."""
+        command = core.SetVocabulary(msg.vocab_size, tuple(msg.excluded_token_ids))
+        for loop in self._loops:
+            try:
+                await loop.call(command)
+            except CoreError as exc:
+                self._error(identity, msg.id, exc.code, str(exc))
+                return
+        self._settings.vocabulary_applied(msg.vocab_size, msg.excluded_token_ids)
+        self._reply(identity, wire.Applied(id=msg.id))
+
     def stats(self, msg_id: int | str | None = None) -> wire.StatsReply:
         return wire.StatsReply(
             id=msg_id,
@@ -470,6 +495,7 @@ class ControlServer:
         """Cancel everything the client owns on every rank, once."""
         self._gone.add(identity)
         self._delimited.pop(identity, None)
+        self._load.forget(identity)
         cancelled = 0
         for rank, owners in enumerate(self._owners):
             mine = [rid for rid, owner in owners.items() if owner == identity]

@@ -25,12 +25,14 @@ import zmq.asyncio
 
 import engined
 from engined.config import DaemonConfig, endpoint_for_rank
+from engined.core.args import EngineArgs
 from engined.core.scheduler import VllmCore
 from engined.server.control import ControlServer
 from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher
 from engined.server.logs import configure_logging
+from engined.server.settings import RuntimeSettings
 from engined.server.sockets import SocketRegistry, make_socket
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
 from engined.wire import control as wire
@@ -121,6 +123,7 @@ class Daemon:
         kv_endpoints: list[str] = []
         replay_endpoints: list[str] = []
         fpm_endpoints: list[str] = []
+        fpms: list[FpmPublisher | NullFpmPublisher] = []
         controls: list[ControlServer] = []
         for rank in range(engine.dp_size):
             kv_endpoint = endpoint_for_rank(cfg.kv_events_endpoint, rank)
@@ -155,6 +158,7 @@ class Daemon:
                 fpm_endpoints.append(fpm.endpoint)
             else:
                 fpm = NullFpmPublisher()
+            fpms.append(fpm)
             core = VllmCore(engine, dp_rank=rank, worker_id=rank)
             self.loops.append(
                 EngineLoop(
@@ -165,6 +169,13 @@ class Daemon:
                     speedup_ratio=engine.speedup_ratio,
                 )
             )
+
+        settings = RuntimeSettings(
+            vocab_size=engine.vocab_size,
+            excluded_token_ids=engine.excluded_token_ids,
+            fpm_worker_id=self.worker_id,
+            fpm=fpms,
+        )
 
         def welcome() -> wire.Welcome:
             return wire.Welcome(
@@ -179,6 +190,16 @@ class Daemon:
                 kv_events_endpoints=kv_endpoints,
                 kv_replay_endpoints=replay_endpoints,
                 fpm_endpoints=fpm_endpoints,
+                max_num_seqs=engine.max_num_seqs,
+                max_num_batched_tokens=engine.max_num_batched_tokens,
+                max_model_len=_context_length(engine),
+                enable_prefix_caching=engine.enable_prefix_caching,
+                kv_events_topic=cfg.kv_events_topic,
+                kv_events_format=cfg.kv_events_format,
+                vocab_size=settings.vocab_size,
+                excluded_token_ids=list(settings.excluded_token_ids),
+                fpm_worker_id=settings.fpm_worker_id,
+                speedup_ratio=engine.speedup_ratio,
             )
 
         if self.metrics is not None:
@@ -188,6 +209,7 @@ class Daemon:
             control_sock,
             self.loops,
             welcome=welcome,
+            settings=settings,
             max_queued_requests=cfg.max_queued_requests,
             handoff_timeout_s=engine.handoff_session_timeout_ms / 1000.0,
         )
@@ -328,6 +350,14 @@ class _LateDelivery:
 
     def deliver_lifecycle(self, rank: int, events: list) -> None:  # type: ignore[type-arg]
         self._controls[0].deliver_lifecycle(rank, events)
+
+
+def _context_length(engine: EngineArgs) -> int:
+    """The longest prompt + output a request may have: the pool caps `max_model_len`."""
+    capacity = engine.num_gpu_blocks * engine.block_size
+    if engine.max_model_len is None:
+        return capacity
+    return min(engine.max_model_len, capacity)
 
 
 def _engine_summary(cfg: DaemonConfig) -> dict[str, object]:

@@ -48,6 +48,8 @@ class FpmSink(Protocol):
     @property
     def tasks(self) -> tuple[asyncio.Task[None], ...]: ...
 
+    worker_id: str
+
 
 class FpmPublisher:
     """PUB socket of one rank; every message, heartbeat or not, takes the next seq.
@@ -97,6 +99,15 @@ class FpmPublisher:
     def next_seq(self) -> int:
         """The seq (= counter_id) of the next message."""
         return self._next_seq
+
+    @property
+    def worker_id(self) -> str:
+        """The `worker_id` of every message from now on (a Dynamo worker sets its own)."""
+        return self._worker_id
+
+    @worker_id.setter
+    def worker_id(self, value: str) -> None:
+        self._worker_id = value
 
     @property
     def next_heartbeat_at(self) -> float:
@@ -194,6 +205,7 @@ class NullFpmPublisher:
     """The publisher when forward-pass metrics are off: same interface, does nothing."""
 
     endpoint: str | None = None
+    worker_id: str = ""
 
     @property
     def next_seq(self) -> int:

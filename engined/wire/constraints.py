@@ -35,3 +35,11 @@ HandoffIdStr = Annotated[str, Meta(min_length=1, description="1 to 256 bytes of 
 MessageId = Annotated[
     int | str, Meta(description="Echoed in the direct reply; a string is at most 128 bytes.")
 ]
+
+# A tokenizer's vocabulary size: generated ids are drawn from [0, vocab_size).
+VocabSize = Annotated[
+    int, Meta(ge=1, le=U32_LIMIT, description="Generated ids are drawn from [0, vocab_size).")
+]
+
+# An FPM worker id (Dynamo stamps the decimal connection id): at most 256 UTF-8 bytes.
+WorkerIdStr = Annotated[str, Meta(min_length=1, description="1 to 256 bytes of UTF-8.")]

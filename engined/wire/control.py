@@ -23,6 +23,8 @@ from engined.wire.constraints import (
     PromptTokenIds,
     RequestIdStr,
     TokenId,
+    VocabSize,
+    WorkerIdStr,
 )
 
 # Re-exported: callers of ControlDecoder catch WireError from here.
@@ -33,6 +35,7 @@ PROTOCOL_VERSION: Final = 1
 REQUEST_ID_MAX_BYTES: Final = 256
 HANDOFF_ID_MAX_BYTES: Final = 256
 MESSAGE_ID_MAX_BYTES: Final = 128
+WORKER_ID_MAX_BYTES: Final = 256
 
 FinishReason: TypeAlias = Literal["length", "rejected", "cancelled"]
 
@@ -122,6 +125,35 @@ class Ping(ClientMessageBase, tag="ping"):
     pass
 
 
+class SetVocabulary(ClientMessageBase, tag="set_vocabulary"):
+    """Draw generated ids from `[0, vocab_size)` without `excluded_token_ids`, on every rank.
+
+    A front end that detokenizes (Dynamo's) needs ids its tokenizer knows, and outputs that
+    never hit its EOS; `vocab_size` nil restores random u32 ids. Affects tokens drawn after it.
+    """
+
+    vocab_size: VocabSize | None
+    excluded_token_ids: list[TokenId] = msgspec.field(default_factory=list)
+
+
+class SetFpmWorkerId(ClientMessageBase, tag="set_fpm_worker_id"):
+    """Stamp every rank's forward-pass metrics with `worker_id` from now on.
+
+    Dynamo's planner joins FPM with the worker that relays it by this id, which only the
+    worker knows (its endpoint's connection id), so the worker tells the daemon.
+    """
+
+    worker_id: WorkerIdStr
+
+
+class WatchLoad(ClientMessageBase, tag="watch_load"):
+    """Stream `load` messages to this client: one per rank now, then one whenever it changes.
+
+    A KV router needs each rank's used blocks as they change; pushing them after the pass
+    that changed them is both prompter and cheaper than polling `stats`.
+    """
+
+
 ClientMessage: TypeAlias = (
     Hello
     | Submit
@@ -135,6 +167,9 @@ ClientMessage: TypeAlias = (
     | Stats
     | ResetPrefixCache
     | Ping
+    | SetVocabulary
+    | SetFpmWorkerId
+    | WatchLoad
 )
 
 # The `type` tags of every client message, in declaration order (fuzzers, docs and tests).
@@ -173,6 +208,20 @@ class Welcome(DirectReply, tag="welcome"):
     kv_events_endpoints: list[str]
     kv_replay_endpoints: list[str]
     fpm_endpoints: list[str]
+    # Added in 0.2 (clients built before ignore them): what a front end registering the
+    # engine needs (Dynamo's model card), and the current vocabulary and FPM worker id.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool | None = None
+    kv_events_topic: str | None = None
+    kv_events_format: str | None = None
+    vocab_size: int | None = None
+    excluded_token_ids: list[int] | None = None
+    fpm_worker_id: str | None = None
+    # Wall time = modeled time / speedup_ratio (0: as fast as possible); a coordinator that
+    # waits out a modeled KV transfer needs it.
+    speedup_ratio: float | None = None
 
 
 class Submitted(DirectReply, tag="submitted"):
@@ -272,6 +321,17 @@ class DestinationReservedEvent(
 WireLifecycleEvent: TypeAlias = SourceHeldEvent | DestinationReservedEvent
 
 
+class Load(DaemonMessageBase, tag="load", gc=False):
+    """A rank's KV load, streamed to `watch_load` clients after a pass or command changed it."""
+
+    dp_rank: int
+    active_blocks: int
+    total_blocks: int
+    kv_cache_usage: float
+    running: int
+    waiting: int
+
+
 class Lifecycle(DaemonMessageBase, tag="lifecycle"):
     dp_rank: int
     events: list[WireLifecycleEvent]
@@ -288,6 +348,7 @@ DaemonMessage: TypeAlias = (
     | ErrorReply
     | Output
     | Lifecycle
+    | Load
 )
 
 # --- rules Meta cannot express --------------------------------------------------------------
@@ -336,6 +397,8 @@ def _check_fields(msg: ClientMessage) -> None:
             check_handoff_id(msg.handoff_id)
         case Cancel():
             check_request_id(msg.request_id, "$.request_id")
+        case SetFpmWorkerId():
+            _check_utf8_max(msg.worker_id, WORKER_ID_MAX_BYTES, "worker_id", "$.worker_id")
         case _:
             pass
 

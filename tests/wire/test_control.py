@@ -36,6 +36,10 @@ CLIENT_MESSAGES: list[control.ClientMessage] = [
     control.ResetPrefixCache(),
     control.ResetPrefixCache(dp_rank=1),
     control.Ping(id="p"),
+    control.SetVocabulary(vocab_size=1000, excluded_token_ids=[0, 1, 2]),
+    control.SetVocabulary(id=4, vocab_size=None),
+    control.SetFpmWorkerId(worker_id="10477718404275941139"),
+    control.WatchLoad(id=9),
 ]
 
 DAEMON_MESSAGES: list[control.DaemonMessage] = [
@@ -102,6 +106,9 @@ DAEMON_MESSAGES: list[control.DaemonMessage] = [
             ),
         ],
     ),
+    control.Load(
+        dp_rank=1, active_blocks=7, total_blocks=64, kv_cache_usage=0.109375, running=2, waiting=0
+    ),
 ]
 
 
@@ -130,6 +137,9 @@ def test_tags_are_the_protocols_snake_case_names() -> None:
         "stats",
         "reset_prefix_cache",
         "ping",
+        "set_vocabulary",
+        "set_fpm_worker_id",
+        "watch_load",
     }
     daemon = {msgspec.msgpack.decode(control.encode_reply(m))["type"] for m in DAEMON_MESSAGES}
     assert daemon == {
@@ -143,6 +153,7 @@ def test_tags_are_the_protocols_snake_case_names() -> None:
         "error",
         "output",
         "lifecycle",
+        "load",
     }
 
 
@@ -264,6 +275,31 @@ BAD_MESSAGE_CASES = [
         "nested too deeply",
         id="deep-nesting",
     ),
+    pytest.param(
+        encode({"type": "set_vocabulary"}),
+        "missing required field `vocab_size`",
+        id="vocabulary-missing-size",
+    ),
+    pytest.param(
+        encode({"type": "set_vocabulary", "vocab_size": "1000"}),
+        r"Expected `int \| null`, got `str` - at `\$\.vocab_size`",
+        id="vocabulary-size-str",
+    ),
+    pytest.param(
+        encode({"type": "set_vocabulary", "vocab_size": 10, "excluded_token_ids": 2}),
+        r"Expected `array`, got `int` - at `\$\.excluded_token_ids`",
+        id="vocabulary-excluded-int",
+    ),
+    pytest.param(
+        encode({"type": "set_fpm_worker_id", "worker_id": 7}),
+        r"Expected `str`, got `int` - at `\$\.worker_id`",
+        id="worker-id-int",
+    ),
+    pytest.param(
+        encode({"type": "watch_load", "rank": 0}),
+        "unknown field `rank`",
+        id="watch-load-unknown-key",
+    ),
 ]
 
 INVALID_REQUEST_CASES = [
@@ -346,6 +382,31 @@ INVALID_REQUEST_CASES = [
         encode({"type": "ping", "id": "é" * 65}),
         r"`id` must be at most 128 bytes of UTF-8, got 130 - at `\$\.id`",
         id="id-130-bytes-65-chars",
+    ),
+    pytest.param(
+        encode({"type": "set_vocabulary", "vocab_size": 0}),
+        r"Expected `int` >= 1 - at `\$\.vocab_size`",
+        id="vocabulary-size-0",
+    ),
+    pytest.param(
+        encode({"type": "set_vocabulary", "vocab_size": 2**32 + 1}),
+        r"Expected `int` <= 4294967296 - at `\$\.vocab_size`",
+        id="vocabulary-size-over-u32",
+    ),
+    pytest.param(
+        encode({"type": "set_vocabulary", "vocab_size": 10, "excluded_token_ids": [-1]}),
+        r"Expected `int` >= 0 - at `\$\.excluded_token_ids\[0\]`",
+        id="vocabulary-excluded-negative",
+    ),
+    pytest.param(
+        encode({"type": "set_fpm_worker_id", "worker_id": ""}),
+        r"length >= 1 - at `\$\.worker_id`",
+        id="worker-id-empty",
+    ),
+    pytest.param(
+        encode({"type": "set_fpm_worker_id", "worker_id": "w" * 257}),
+        r"`worker_id` must be at most 256 bytes of UTF-8, got 257 - at `\$\.worker_id`",
+        id="worker-id-257",
     ),
 ]
 

@@ -22,6 +22,9 @@ FIELDS = [
     "max_tokens",
     "output_token_ids",
     "dp_rank",
+    "vocab_size",
+    "excluded_token_ids",
+    "worker_id",
 ]
 
 scalars = (
@@ -102,7 +105,7 @@ def test_corrupted_valid_messages(data: st.DataObject) -> None:
 
 
 def test_client_message_tags_cover_the_protocol() -> None:
-    """The fuzzer's tag list is derived from the message union: the twelve protocol v1 types."""
+    """The fuzzer's tag list is derived from the message union: every protocol v1 type."""
     assert control.CLIENT_MESSAGE_TAGS == (
         "hello",
         "submit",
@@ -116,4 +119,7 @@ def test_client_message_tags_cover_the_protocol() -> None:
         "stats",
         "reset_prefix_cache",
         "ping",
+        "set_vocabulary",
+        "set_fpm_worker_id",
+        "watch_load",
     )
