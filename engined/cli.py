@@ -579,6 +579,25 @@ def bench(
     _run(json_lines, lambda out: tool.bench(options, out))
 
 
+@app.command(
+    "dynamo-worker",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def dynamo_worker(ctx: typer.Context) -> None:
+    """Serve an engined daemon behind NVIDIA Dynamo (needs engined[dynamo]; --help for flags).
+
+    The flags are Dynamo's own workers' (--model-path, --served-model-name,
+    --disaggregation-mode, --namespace, --component, --endpoint, --discovery-backend,
+    --request-plane, --event-plane), plus --control-endpoint.
+    """
+    # NOTE: the worker parses its own flags with argparse, as Dynamo's workers do, so this
+    # command only passes them on; `python -m engined.dynamo` is the same program.
+    from engined.dynamo.worker import main as worker_main
+
+    raise typer.Exit(worker_main(ctx.args))
+
+
 def main() -> None:
     """Console-script entry point (`engined`)."""
     app()

@@ -1,0 +1,410 @@
+"""Dynamo's `generate` endpoint on top of an engined daemon, in the three disaggregation modes.
+
+Dynamo hands the worker a preprocessed request (token ids, stop conditions, routing) and
+a `Context`, and streams back chunks shaped as Rust's `LLMEngineOutput`: `token_ids` and
+`index` on every chunk, `finish_reason` and `completion_usage` on the last. The handler maps
+that onto the control protocol (one engined request per Dynamo request, its id the
+context's) and owns the request until it ends: whichever way the Dynamo side goes away (the
+context is stopped or killed, the response stream is dropped), the engined request is
+cancelled once and its KV freed.
+
+Prefill/decode follows Dynamo 1.6.1's PrefillRouter: a prefill worker runs the prompt as a
+handoff source (`submit_handoff_prefill`, max_tokens 1) and returns `disaggregated_params`
+naming the handoff, its daemon and rank; the decode worker reserves a destination for it,
+waits out the modeled transfer, activates it, releases the source on the prefill daemon (as
+vLLM's decode side frees the prefill's blocks) and streams the decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import structlog
+
+from engined.client import ClientClosedError, EngineClient, EngineError
+from engined.dynamo.args import DisaggregationMode
+from engined.wire.control import DestinationReservedEvent, OutputEntry
+
+log = structlog.get_logger(__name__)
+
+# The key under `disaggregated_params` that carries engined's handoff (other engines' keys
+# never collide with it).
+PARAMS_KEY: Final = "engined"
+# Bounds each control call; the daemon answers commands within one pass.
+CALL_TIMEOUT_S: Final = 30.0
+
+# engined error code -> HTTP status the frontend returns (vLLM's choices: a bad request is
+# 400, an engine that cannot take more work right now is 503).
+_HTTP_STATUS: Final = {
+    "invalid_request": 400,
+    "capacity": 400,
+    "duplicate_request": 409,
+    "unsupported": 400,
+    "overloaded": 503,
+    "shutting_down": 503,
+    "bad_message": 500,
+}
+
+
+class RequestFailed(Exception):
+    """A request the daemon refused; `status` is the HTTP status the client should get."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def refusal(exc: EngineError) -> RequestFailed:
+    return RequestFailed(_HTTP_STATUS.get(exc.code, 500), f"engined {exc.code}: {exc.message}")
+
+
+Context = Any  # dynamo._core.Context: id(), async_killed_or_stopped(), is_stopped()
+Chunk = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the handler needs of the daemon it forwards to."""
+
+    control_endpoint: str
+    context_length: int
+    speedup_ratio: float
+
+
+class _Usage:
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.cached_tokens: int | None = None
+
+    def add(self, entry: OutputEntry) -> None:
+        self.completion_tokens += len(entry.token_ids)
+        if self.cached_tokens is None and entry.cached_tokens is not None:
+            self.cached_tokens = entry.cached_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0},
+        }
+
+
+def _chunk(entry: OutputEntry, usage: _Usage) -> Chunk:
+    chunk: Chunk = {"token_ids": entry.token_ids, "index": 0}
+    if entry.finished:
+        if entry.finish_reason == "rejected":
+            raise RequestFailed(
+                400, "engined rejected the request: it can never be scheduled on this engine"
+            )
+        chunk["finish_reason"] = entry.finish_reason
+        chunk["completion_usage"] = usage.as_dict()
+    return chunk
+
+
+class RequestHandler:
+    """Serves `generate` for one daemon; `connect` opens clients to prefill daemons."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        mode: DisaggregationMode,
+        limits: Limits,
+        *,
+        connect: Callable[[str], Awaitable[EngineClient]],
+    ) -> None:
+        self._client = client
+        self._mode = mode
+        self._limits = limits
+        self._connect = connect
+        self._peers: dict[str, EngineClient] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()
+        self.in_flight = 0
+
+    async def close(self) -> None:
+        if self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
+        for peer in self._peers.values():
+            await peer.close()
+        self._peers.clear()
+
+    async def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+        """Dynamo's handler: an async generator of `LLMEngineOutput` chunks."""
+        self.in_flight += 1
+        try:
+            if self._mode is DisaggregationMode.PREFILL:
+                source = self._prefill(request, context)
+            elif self._mode is DisaggregationMode.DECODE and request.get("prefill_result"):
+                source = self._decode(request, context)
+            else:
+                source = self._aggregated(request, context)
+            async for chunk in source:
+                yield chunk
+        except RequestFailed as exc:
+            raise _http_error(exc) from None
+        except ClientClosedError:
+            raise _http_error(RequestFailed(503, "the engined daemon went away")) from None
+        finally:
+            self.in_flight -= 1
+
+    # --- the three modes ------------------------------------------------------------------
+
+    async def _aggregated(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+        token_ids, max_tokens, dp_rank = self._parse(request)
+        request_id = _request_id(context)
+        try:
+            submitted = await self._client.submit(
+                token_ids,
+                max_tokens,
+                request_id=request_id,
+                dp_rank=dp_rank,
+                timeout=CALL_TIMEOUT_S,
+            )
+        except EngineError as exc:
+            raise refusal(exc) from None
+        usage = _Usage(len(token_ids))
+        async for chunk in self._stream(submitted.request_id, usage, context):
+            yield chunk
+
+    async def _prefill(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+        token_ids, _, dp_rank = self._parse(request)
+        handoff_id = request_id = _request_id(context)
+        try:
+            submitted = await self._client.submit_handoff_prefill(
+                handoff_id,
+                token_ids,
+                1,
+                request_id=request_id,
+                dp_rank=dp_rank,
+                timeout=CALL_TIMEOUT_S,
+            )
+        except EngineError as exc:
+            raise refusal(exc) from None
+        usage = _Usage(len(token_ids))
+        delay_ms = 0.0
+        last: Chunk | None = None
+        async for chunk, entry in self._entries(submitted.request_id, usage, context):
+            if entry.handoff_delay_ms is not None:
+                delay_ms = entry.handoff_delay_ms
+            last = chunk
+        if last is None or last.get("finish_reason") != "length":
+            # Cancelled before the prompt was done: nothing is held, nothing to release.
+            self._spawn_cleanup(self._cancel_source(handoff_id))
+            if last is not None:
+                yield last
+            return
+        # The source is held from the pass that finished the prompt; taking the event also
+        # forgets the client's queue for this handoff.
+        try:
+            await self._client.next_lifecycle(handoff_id, timeout=CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise RequestFailed(
+                500, f"engined never held the source of handoff {handoff_id}"
+            ) from None
+        last["disaggregated_params"] = {
+            PARAMS_KEY: {
+                "handoff_id": handoff_id,
+                "control_endpoint": self._limits.control_endpoint,
+                "dp_rank": submitted.dp_rank,
+                "handoff_delay_ms": delay_ms,
+                "speedup_ratio": self._limits.speedup_ratio,
+            }
+        }
+        yield last
+
+    async def _decode(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+        token_ids, max_tokens, dp_rank = self._parse(request)
+        prefill_result = request["prefill_result"]
+        params = _handoff_params(prefill_result)
+        handoff_id = params["handoff_id"]
+        peer = await self._peer(params["control_endpoint"])
+        request_id = _request_id(context)
+        activated = False
+        try:
+            try:
+                accepted = await self._client.reserve_destination(
+                    handoff_id,
+                    token_ids,
+                    max_tokens,
+                    request_id=request_id,
+                    dp_rank=dp_rank,
+                    timeout=CALL_TIMEOUT_S,
+                )
+            except EngineError as exc:
+                raise refusal(exc) from None
+            reserved = await self._until_stopped(
+                self._client.next_lifecycle(handoff_id, timeout=None), context
+            )
+            if not isinstance(reserved, DestinationReservedEvent):
+                return
+            wait_s = _transfer_wait_s(params)
+            if (
+                wait_s > 0
+                and await self._until_stopped(asyncio.sleep(wait_s, True), context) is None
+            ):
+                return
+            await self._client.activate_destination(handoff_id, timeout=CALL_TIMEOUT_S)
+            activated = True
+            await peer.release_source(handoff_id, timeout=CALL_TIMEOUT_S)
+        finally:
+            if not activated:
+                self._spawn_cleanup(self._abandon_handoff(handoff_id, peer))
+        usage = _Usage(len(token_ids))
+        usage.cached_tokens = _prefill_cached_tokens(prefill_result)
+        async for chunk in self._stream(accepted.request_id, usage, context):
+            yield chunk
+
+    # --- streaming and ownership ------------------------------------------------------------
+
+    async def _stream(
+        self, request_id: str, usage: _Usage, context: Context
+    ) -> AsyncIterator[Chunk]:
+        async for chunk, _ in self._entries(request_id, usage, context):
+            yield chunk
+
+    async def _entries(
+        self, request_id: str, usage: _Usage, context: Context
+    ) -> AsyncIterator[tuple[Chunk, OutputEntry]]:
+        """The request's chunks; cancels it in the daemon if the Dynamo side goes first."""
+        watcher = asyncio.ensure_future(self._cancel_when_stopped(request_id, context))
+        finished = False
+        try:
+            async for entry in self._client.outputs(request_id, timeout=None):
+                usage.add(entry)
+                finished = entry.finished
+                yield _chunk(entry, usage), entry
+        finally:
+            watcher.cancel()
+            if not finished:
+                # The consumer went away (the stream was dropped) or the context stopped.
+                self._spawn_cleanup(self._cancel(request_id))
+
+    async def _cancel_when_stopped(self, request_id: str, context: Context) -> None:
+        await context.async_killed_or_stopped()
+        await self._cancel(request_id)
+
+    async def _cancel(self, request_id: str) -> None:
+        with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
+            await self._client.cancel(request_id, timeout=CALL_TIMEOUT_S)
+
+    async def _cancel_source(self, handoff_id: str) -> None:
+        with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
+            await self._client.cancel_source(handoff_id, timeout=CALL_TIMEOUT_S)
+
+    async def _abandon_handoff(self, handoff_id: str, peer: EngineClient) -> None:
+        """Before activation: both sides of the handoff are cancelled, each once."""
+        with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
+            await self._client.cancel_destination(handoff_id, timeout=CALL_TIMEOUT_S)
+        with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
+            await peer.cancel_source(handoff_id, timeout=CALL_TIMEOUT_S)
+
+    async def _until_stopped(self, awaitable: Awaitable[Any], context: Context) -> Any:
+        """`awaitable`'s result, or None if the context stops first."""
+        work = asyncio.ensure_future(awaitable)
+        stop = asyncio.ensure_future(context.async_killed_or_stopped())
+        try:
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            return None
+        finally:
+            work.cancel()
+            stop.cancel()
+
+    def _spawn_cleanup(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _peer(self, endpoint: str) -> EngineClient:
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            peer = self._peers[endpoint] = await self._connect(endpoint)
+        return peer
+
+    # --- request fields ---------------------------------------------------------------------
+
+    def _parse(self, request: dict[str, Any]) -> tuple[list[int], int, int | None]:
+        token_ids = request.get("token_ids")
+        if not isinstance(token_ids, list) or not token_ids:
+            raise RequestFailed(400, "token_ids: expected a non-empty list of token ids")
+        stop = request.get("stop_conditions") or {}
+        max_tokens = stop.get("max_tokens")
+        if max_tokens is None:
+            # vLLM's default: whatever room the context leaves.
+            max_tokens = max(self._limits.context_length - len(token_ids), 0)
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise RequestFailed(
+                400, f"stop_conditions.max_tokens: expected an int >= 0, got {max_tokens!r}"
+            )
+        min_tokens = stop.get("min_tokens")
+        if isinstance(min_tokens, int) and min_tokens > max_tokens:
+            raise RequestFailed(
+                400, f"stop_conditions.min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})"
+            )
+        routing = request.get("routing") or {}
+        dp_rank = routing.get("dp_rank")
+        if dp_rank is not None and (not isinstance(dp_rank, int) or dp_rank < 0):
+            raise RequestFailed(400, f"routing.dp_rank: expected an int >= 0, got {dp_rank!r}")
+        return token_ids, max_tokens, dp_rank
+
+
+def _request_id(context: Context) -> str:
+    if context is not None:
+        with contextlib.suppress(Exception):
+            value = context.id()
+            if isinstance(value, str) and value:
+                return value
+    return str(uuid.uuid4())
+
+
+def _handoff_params(prefill_result: Any) -> dict[str, Any]:
+    params = (prefill_result or {}).get("disaggregated_params") or {}
+    ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    if not isinstance(ours, dict) or not isinstance(ours.get("handoff_id"), str):
+        raise RequestFailed(
+            400,
+            "prefill_result.disaggregated_params carries no engined handoff: the prefill "
+            "worker is not an engined dynamo-worker",
+        )
+    if not isinstance(ours.get("control_endpoint"), str):
+        raise RequestFailed(
+            400, "prefill_result.disaggregated_params.engined.control_endpoint: missing"
+        )
+    return ours
+
+
+def _transfer_wait_s(params: dict[str, Any]) -> float:
+    """The modeled KV transfer time in wall seconds (none at speedup 0)."""
+    delay_ms = params.get("handoff_delay_ms") or 0.0
+    speedup = params.get("speedup_ratio") or 0.0
+    if (
+        not isinstance(delay_ms, int | float)
+        or not isinstance(speedup, int | float)
+        or speedup <= 0
+    ):
+        return 0.0
+    return max(float(delay_ms), 0.0) / 1000.0 / float(speedup)
+
+
+def _prefill_cached_tokens(prefill_result: Any) -> int:
+    details = (prefill_result or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and cached >= 0 else 0
+
+
+def _http_error(exc: RequestFailed) -> Exception:
+    """Dynamo's HttpError (the frontend answers with its status), imported where it exists."""
+    try:
+        from dynamo.llm.exceptions import HttpError
+    except ImportError:  # pragma: no cover - the worker always runs with Dynamo
+        return exc
+    error: Exception = HttpError(exc.status, exc.message)
+    return error

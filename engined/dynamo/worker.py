@@ -1,0 +1,265 @@
+"""Start-up, registration and shutdown of the Dynamo worker (`engined dynamo-worker`).
+
+What `dynamo.vllm` does for a vLLM engine, done for an engined daemon: read the engine's
+real limits (here the daemon's `welcome`), register the model card with them, point one
+`KvEventPublisher` and one `FpmEventRelay` per data-parallel rank at the daemon's PUB
+sockets, publish each rank's used blocks for the router, and serve `generate` until SIGTERM.
+Every start-up failure is a `SetupError` printed as one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any, Final
+
+import structlog
+
+from engined.client import ClientClosedError, EngineClient, EngineError
+from engined.dynamo.args import DisaggregationMode, WorkerArgs, parse_args
+from engined.dynamo.handler import Limits, RequestHandler
+from engined.dynamo.model import (
+    SetupError,
+    check_role,
+    context_length,
+    read_model,
+    reconcile_vocabulary,
+)
+from engined.server.logs import configure_logging
+from engined.wire.control import Load, Welcome
+
+log = structlog.get_logger(__name__)
+
+READY_LINE: Final = "engined dynamo-worker ready"
+# Liveness of the daemon: a DEALER never notices a dead peer by itself, so the worker pings.
+# Load and tokens are pushed by the daemon; only this question needs asking.
+PING_INTERVAL_S: Final = 2.0
+PING_TIMEOUT_S: Final = 5.0
+INSTALL_HINT: Final = (
+    "engined dynamo-worker needs NVIDIA Dynamo's runtime: pip install 'engined[dynamo]' "
+    "(ai-dynamo-runtime 1.6.1), or `python -m dynamo.frontend` users: pip install "
+    "ai-dynamo-runtime==1.6.1 beside engined"
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the worker; exit status 0 after SIGTERM, 1 on a start-up failure, 2 on usage."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging("auto", "info")
+    try:
+        import dynamo._core  # noqa: F401
+    except ImportError:
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    except SetupError as exc:
+        print(f"engined dynamo-worker: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: WorkerArgs) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - ai-dynamo-runtime depends on uvloop
+        return asyncio.run(serve(args))
+    status: int = uvloop.run(serve(args))
+    return status
+
+
+async def _hello(client: EngineClient, args: WorkerArgs) -> Welcome:
+    try:
+        return await client.hello(timeout=args.connect_timeout)
+    except TimeoutError:
+        raise SetupError(
+            f"no engined daemon answered at {args.control_endpoint} within "
+            f"{args.connect_timeout:g} s: start one with `engined serve --control-endpoint "
+            f"{args.control_endpoint}` (or pass --control-endpoint)"
+        ) from None
+
+
+async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]:
+    """Check the daemon against the model and adapt its vocabulary; (welcome, context)."""
+    model = read_model(args.model_path)
+    welcome = await _hello(client, args)
+    check_role(args.disaggregation_mode.value, welcome)
+    if welcome.max_num_seqs is None:
+        raise SetupError(
+            f"the daemon at {args.control_endpoint} (engined {welcome.version}) is too old "
+            "for dynamo-worker: upgrade it"
+        )
+    vocabulary = reconcile_vocabulary(model, welcome)
+    if vocabulary.apply:
+        try:
+            await client.set_vocabulary(vocabulary.vocab_size, vocabulary.excluded_token_ids)
+        except EngineError as exc:
+            raise SetupError(f"the daemon refused the model's vocabulary: {exc.message}") from None
+        log.info(
+            "vocabulary set on the daemon",
+            vocab_size=vocabulary.vocab_size,
+            excluded_token_ids=list(vocabulary.excluded_token_ids),
+        )
+    return welcome, context_length(model, welcome)
+
+
+def _runtime_config(welcome: Welcome, context: int) -> Any:
+    from dynamo.llm import ModelRuntimeConfig
+
+    config = ModelRuntimeConfig()
+    config.context_length = context
+    config.total_kv_blocks = welcome.num_gpu_blocks  # per rank, as Dynamo wants it
+    config.max_num_seqs = welcome.max_num_seqs
+    config.max_num_batched_tokens = welcome.max_num_batched_tokens
+    config.data_parallel_start_rank = 0
+    config.data_parallel_size = welcome.dp_size
+    config.enable_local_indexer = False
+    config.kv_event_publishing_enabled = bool(welcome.enable_prefix_caching)
+    # The frontend refuses prompts (and prompt + max_tokens) past the context up front, as
+    # dynamo.vllm asks it to (`dynamo/vllm/capacity.py`).
+    budget = {
+        "combined_limit": context,
+        "reject_prompt_overflow": True,
+        "reject_total_overflow": True,
+    }
+    config.set_engine_specific("token_budget", json.dumps(budget))
+    return config
+
+
+def _publishers(endpoint: Any, welcome: Welcome) -> list[Any]:
+    """One KV event publisher and one FPM relay per rank, subscribed to the daemon's PUBs."""
+    from dynamo.llm import FpmEventRelay, KvEventPublisher
+
+    made: list[Any] = []
+    if welcome.enable_prefix_caching:
+        for rank, kv_endpoint in enumerate(welcome.kv_events_endpoints):
+            made.append(
+                KvEventPublisher(
+                    endpoint=endpoint,
+                    kv_block_size=welcome.block_size,
+                    dp_rank=rank,
+                    zmq_endpoint=kv_endpoint,
+                    zmq_topic=welcome.kv_events_topic or "",
+                )
+            )
+    for fpm_endpoint in welcome.fpm_endpoints:
+        made.append(FpmEventRelay(endpoint=endpoint, zmq_endpoint=fpm_endpoint))
+    return made
+
+
+async def _watch_daemon(client: EngineClient, endpoint: str, gone: asyncio.Event) -> None:
+    misses = 0
+    while True:
+        await asyncio.sleep(PING_INTERVAL_S)
+        try:
+            await client.ping(timeout=PING_TIMEOUT_S)
+            misses = 0
+        except (TimeoutError, ClientClosedError):
+            misses += 1
+            if misses >= 2:
+                log.error("the engined daemon stopped answering; shutting down", endpoint=endpoint)
+                gone.set()
+                return
+
+
+async def serve(args: WorkerArgs) -> int:
+    from dynamo.llm import ModelInput, ModelType, WorkerMetricsPublisher, WorkerType, register_model
+    from dynamo.runtime import DistributedRuntime
+
+    client = await EngineClient.connect(args.control_endpoint)
+    publishers: list[Any] = []
+    handler: RequestHandler | None = None
+    try:
+        welcome, context = await _attach(client, args)
+        loop = asyncio.get_running_loop()
+        runtime = DistributedRuntime(
+            loop, args.discovery_backend, args.request_plane, event_plane=args.event_plane
+        )
+        endpoint = runtime.endpoint(args.endpoint_path)
+        worker_id = endpoint.connection_id()
+        # The planner joins FPM with this worker by the id dynamo.vllm stamps: the endpoint's.
+        await client.set_fpm_worker_id(str(worker_id))
+        name = args.served_model_name or welcome.model_name
+        handler = RequestHandler(
+            client,
+            args.disaggregation_mode,
+            Limits(args.control_endpoint, context, welcome.speedup_ratio or 0.0),
+            connect=EngineClient.connect,
+        )
+        publishers = _publishers(endpoint, welcome)
+        metrics = WorkerMetricsPublisher()
+        await metrics.create_endpoint(endpoint)
+
+        def on_load(load: Load) -> None:
+            metrics.publish(load.dp_rank, kv_used_blocks=load.active_blocks)
+
+        await client.watch_load(on_load)
+        mode = args.disaggregation_mode
+        if mode is DisaggregationMode.PREFILL:
+            # ModelType.Prefill is the legacy marker older frontends detect prefill by.
+            model_type, worker_type = ModelType.Prefill, WorkerType.Prefill
+            needs = [[WorkerType.Decode]]
+        elif mode is DisaggregationMode.DECODE:
+            model_type = ModelType.Chat | ModelType.Completions
+            worker_type, needs = WorkerType.Decode, [[WorkerType.Prefill]]
+        else:
+            model_type = ModelType.Chat | ModelType.Completions
+            worker_type, needs = WorkerType.Aggregated, []
+        try:
+            await register_model(
+                ModelInput.Tokens,
+                model_type,
+                endpoint,
+                str(args.model_path),
+                name,
+                worker_type=worker_type,
+                needs=needs,
+                kv_cache_block_size=welcome.block_size,
+                runtime_config=_runtime_config(welcome, context),
+            )
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise SetupError(f"Dynamo refused to register the model: {exc}") from None
+        gone = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, runtime.shutdown)
+        watcher = asyncio.ensure_future(_watch_daemon(client, args.control_endpoint, gone))
+        shutdown_on_loss = asyncio.ensure_future(_shutdown_when(gone, runtime, client))
+        log.info(
+            READY_LINE,
+            model=name,
+            endpoint=args.endpoint_path,
+            worker_id=worker_id,
+            mode=mode.value,
+            dp_size=welcome.dp_size,
+            block_size=welcome.block_size,
+            context_length=context,
+        )
+        try:
+            await endpoint.serve_endpoint(
+                handler.generate, graceful_shutdown=True, metrics_labels=[("model", name)]
+            )
+        finally:
+            watcher.cancel()
+            shutdown_on_loss.cancel()
+        log.info("engined dynamo-worker stopped", in_flight=handler.in_flight)
+        return 1 if gone.is_set() else 0
+    finally:
+        for publisher in publishers:
+            with contextlib.suppress(Exception):
+                publisher.shutdown()
+        if handler is not None:
+            await handler.close()
+        await client.close()
+
+
+async def _shutdown_when(gone: asyncio.Event, runtime: Any, client: EngineClient) -> None:
+    await gone.wait()
+    # Closing the client ends every stream with ClientClosedError (HTTP 503), so the drain
+    # does not wait for a daemon that is not there.
+    await client.close()
+    runtime.shutdown()
