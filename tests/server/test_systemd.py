@@ -344,7 +344,7 @@ def installed_units(tmp_path: Path, *names: str) -> list[Path]:
     out = []
     for name in names:
         text = (UNITS / name).read_text()
-        assert "ExecStart=/usr/local/bin/engined serve" in text
+        assert "ExecStart=/usr/local/bin/engined " in text
         target = tmp_path / name
         target.write_text(text.replace("/usr/local/bin/engined", str(engined)))
         out.append(target)
@@ -368,9 +368,28 @@ def verify(analyze: str, *units: Path | str, cwd: Path) -> str:
 
 def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     analyze = systemd_analyze()
-    single, template = installed_units(tmp_path, "engined.service", "engined@.service")
-    assert (
-        verify(analyze, single, template.with_name("engined@prefill.service"), cwd=tmp_path) == ""
+    single, template, worker = installed_units(
+        tmp_path, "engined.service", "engined@.service", "engined-dynamo-worker@.service"
+    )
+    instances = (
+        template.with_name("engined@prefill.service"),
+        worker.with_name("engined-dynamo-worker@prefill.service"),
+    )
+    assert verify(analyze, single, *instances, cwd=tmp_path) == ""
+
+
+def test_the_dynamo_worker_unit_is_bound_to_its_daemon_with_the_same_sandbox() -> None:
+    def sandbox(name: str) -> list[str]:
+        text = (UNITS / name).read_text()
+        section = text[text.index("# --- sandbox") : text.index("[Install]")]
+        return [line for line in section.splitlines() if line and not line.startswith("#")]
+
+    assert sandbox("engined-dynamo-worker@.service") == sandbox("engined@.service")
+    worker = (UNITS / "engined-dynamo-worker@.service").read_text().splitlines()
+    assert "BindsTo=engined@%i.service" in worker
+    assert "WantedBy=engined@%i.service" in worker
+    assert any(
+        line.startswith("ExecStart=/usr/local/bin/engined dynamo-worker ") for line in worker
     )
 
 
