@@ -208,7 +208,7 @@ class Welcome(DirectReply, tag="welcome"):
     kv_events_endpoints: list[str]
     kv_replay_endpoints: list[str]
     fpm_endpoints: list[str]
-    # Added in 0.2 (clients built before ignore them): what a front end registering the
+    # Added later in v1 (older clients ignore them): what a front end registering the
     # engine needs (Dynamo's model card), and the current vocabulary and FPM worker id.
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
