@@ -9,6 +9,11 @@ reply goes out when the command is applied. Each pass then runs in this order:
    `speedup_ratio == 0` there is no waiting and the clock is virtual),
 3. outputs (one message per client), the FPM snapshot, lifecycle events.
 
+Every pass yields to the event loop at least once, even when the rank runs late and its
+deadline has already passed: the control socket, the other ranks, the publishers, HTTP,
+signals and the systemd watchdog all share this thread, and a rank that never awaited would
+starve them for as long as it stayed behind.
+
 A rank with nothing to do sleeps on its wake event (publishing an FPM heartbeat each second);
 a pass that changed nothing also waits for the next command instead of spinning. With offload
 tiers, such a rank also wakes at the earliest tier-transfer deadline (paced: sleeps until it;
@@ -21,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
@@ -42,6 +47,11 @@ log = structlog.get_logger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 # Lead before a pass deadline where the loop stops sleeping and yields until the deadline.
 PRECISE_WAKE_S = 0.0015
+# Pass-start lateness percentiles are re-sorted at most this often (seconds of `clock`), so a
+# client polling `stats` costs a sort of the window per interval, not per message.
+LATENESS_SUMMARY_TTL_S = 0.1
+
+Sleep = Callable[[float], Awaitable[None]]
 
 
 class KvSink(Protocol):
@@ -83,8 +93,14 @@ class EngineLoop:
         delivery: Delivery,
         speedup_ratio: float,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Sleep | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock` (seconds) and `sleep` (waits that many seconds of `clock`) are the loop's
+        time; the defaults are the monotonic clock and the event loop's timers, and a test
+        passes a virtual clock and its sleep to run paced passes without waiting. A custom
+        `clock` without a `sleep` keeps the event loop's timers (and their precision wait).
+        """
         self.core = core
         self.rank = core.dp_rank
         self._kv = kv
@@ -92,6 +108,7 @@ class EngineLoop:
         self._delivery = delivery
         self._paced = speedup_ratio > 0
         self._clock = clock
+        self._sleep = sleep
         self._wall_clock = wall_clock
         self._inbox: deque[Job] = deque()
         self._wake = asyncio.Event()
@@ -102,17 +119,36 @@ class EngineLoop:
         self.tokens_total = 0
         # How late each pass started against its planned start, in ms (paced mode only).
         self.lateness_ms: deque[float] = deque(maxlen=100_000)
+        self._lateness_summary: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._lateness_at: tuple[int, float] | None = None  # (passes_total, clock) of it
         self._next_start: float | None = None
         self.pass_observers: list[PassObserver] = []
         self.command_observers: list[CommandObserver] = []
 
     def lateness_summary(self) -> tuple[float, float, float]:
-        """p50, p99 and max of pass-start lateness in ms (zeros before any paced pass)."""
+        """p50, p99 and max of pass-start lateness in ms (zeros before any paced pass).
+
+        Exact when no pass ran since the last call; otherwise at most LATENESS_SUMMARY_TTL_S
+        old, since sorting the 100,000-pass window costs ~10 ms and `stats` is a cheap message.
+        """
+        now = self._clock()
+        cached = self._lateness_at
+        if cached is not None and (
+            cached[0] == self.passes_total or now - cached[1] < LATENESS_SUMMARY_TTL_S
+        ):
+            return self._lateness_summary
+        self._lateness_at = (self.passes_total, now)
         if not self.lateness_ms:
-            return 0.0, 0.0, 0.0
-        ordered = sorted(self.lateness_ms)
-        n = len(ordered)
-        return ordered[n // 2], ordered[min(n - 1, (99 * n) // 100)], ordered[-1]
+            self._lateness_summary = (0.0, 0.0, 0.0)
+        else:
+            ordered = sorted(self.lateness_ms)
+            n = len(ordered)
+            self._lateness_summary = (
+                ordered[n // 2],
+                ordered[min(n - 1, (99 * n) // 100)],
+                ordered[-1],
+            )
+        return self._lateness_summary
 
     # --- commands -----------------------------------------------------------------------
 
@@ -205,21 +241,34 @@ class EngineLoop:
         )
 
     async def _pace(self, end_ms: float) -> None:
-        if self._paced:
-            self._next_start = end_ms
-            deadline = self._start + end_ms / 1000.0
-            clock = self._clock
-            # NOTE: epoll rounds timeouts up to whole milliseconds, so a plain sleep wakes up
-            # to 1 ms late. Sleep to just before the deadline, then yield until it passes
-            # (other ranks and the control socket still run while we yield).
-            delay = deadline - clock() - PRECISE_WAKE_S
-            if delay > 0:
-                await asyncio.sleep(delay)
-            while clock() < deadline:
-                await asyncio.sleep(0)
-        else:
+        """Wait for the pass's modeled end; always yields at least once (see the module doc)."""
+        if not self._paced:
             self._virtual_ms = max(self._virtual_ms, end_ms)
-            # Let the control socket and other ranks run between back-to-back passes.
+            await asyncio.sleep(0)
+            return
+        self._next_start = end_ms
+        delay = (end_ms - self.now_ms()) / 1000.0
+        if delay <= 0:
+            # Late: no waiting, but the rest of the daemon gets its turn before the next pass.
+            await asyncio.sleep(0)
+        elif self._sleep is not None:
+            await self._sleep(delay)
+        else:
+            await self._precise_sleep(self._start + end_ms / 1000.0)
+
+    async def _precise_sleep(self, deadline: float) -> None:
+        """Sleep on the event loop's timers until `clock()` reaches `deadline`.
+
+        NOTE: epoll rounds timeouts up to whole milliseconds, so a plain sleep wakes up to
+        1 ms late. The timer is set PRECISE_WAKE_S early and the rest is yielded away: only
+        that last stretch (under 1.5 ms) re-polls, and other tasks run while it does. A rank
+        that is on time spends it; a late one never gets here.
+        """
+        clock = self._clock
+        delay = deadline - clock() - PRECISE_WAKE_S
+        if delay > 0:
+            await asyncio.sleep(delay)
+        while clock() < deadline:
             await asyncio.sleep(0)
 
     def _publish(self, result: PassResult) -> None:
@@ -259,16 +308,32 @@ class EngineLoop:
                     await asyncio.sleep(0)  # due now: still let commands and other ranks in
                     break
                 timeout = min(timeout, due_in)
-            try:
-                await asyncio.wait_for(wake.wait(), timeout)
-            except TimeoutError:
+            if not await self._wait_event(wake, timeout):
                 self._fpm.maybe_heartbeat(self._clock())
         wake.clear()
+
+    async def _wait_event(self, event: asyncio.Event, timeout: float) -> bool:
+        """Whether `event` was set within `timeout` seconds of the loop's clock."""
+        if self._sleep is None:
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except TimeoutError:
+                return False
+            return True
+        waiter = asyncio.ensure_future(event.wait())
+        timer = asyncio.ensure_future(self._sleep(timeout))
+        try:
+            await asyncio.wait((waiter, timer), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            timer.cancel()
+        return event.is_set()
 
     def _offload_due_in(self) -> float | None:
         """Seconds until the core's next tier-transfer deadline (None: no transfer).
 
-        At speedup 0 nothing waits for time: the virtual clock moves to the deadline.
+        Measured with `now_ms`, as `_tick_offload` is, so "due" means the same to both. At
+        speedup 0 nothing waits for time: the virtual clock moves to the deadline.
         """
         deadline_ms = self.core.earliest_offload_deadline()
         if deadline_ms is None:
@@ -276,7 +341,7 @@ class EngineLoop:
         if not self._paced:
             self._virtual_ms = max(self._virtual_ms, deadline_ms)
             return 0.0
-        return self._start + deadline_ms / 1000.0 - self._clock()
+        return (deadline_ms - self.now_ms()) / 1000.0
 
     def _tick_offload(self) -> None:
         """Land the tier transfers due by now on an empty core and publish their events."""
