@@ -38,6 +38,10 @@ from engined.wire.errors import WireError
 log = structlog.get_logger(__name__)
 
 DELIMITER = b""
+# A turn of ControlServer.serve: the most messages it reads, and the most time it spends
+# (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
+CONTROL_TURN_MESSAGES = 64
+CONTROL_TURN_S = 0.002
 
 
 def split_envelope(frames: list[bytes]) -> tuple[bytes, bool, bytes] | None:
@@ -101,8 +105,23 @@ class ControlServer:
     # --- reading ------------------------------------------------------------------------
 
     async def serve(self) -> None:
+        """Read and dispatch client messages, yielding to the event loop between turns.
+
+        A turn is at most CONTROL_TURN_MESSAGES messages or CONTROL_TURN_S seconds. NOTE:
+        while messages are queued, pyzmq's recv returns a completed future and awaiting it
+        does not yield; unbounded, a burst of pings or garbage held every pass, publisher,
+        signal and watchdog ping until it was drained. The ROUTER fair-queues its peers, so
+        a flooder's backlog delays the flooder, not the other clients.
+        """
         sock = self._sock
+        turn_ends = time.perf_counter() + CONTROL_TURN_S
+        read = 0
         while True:
+            if read == CONTROL_TURN_MESSAGES or time.perf_counter() >= turn_ends:
+                await asyncio.sleep(0)
+                read = 0
+                turn_ends = time.perf_counter() + CONTROL_TURN_S
+            read += 1
             frames = await sock.recv_multipart()
             envelope = split_envelope(frames)
             if envelope is None:

@@ -1,0 +1,322 @@
+"""No client, and no late rank, keeps the event loop from the rest of the daemon (issue 10, 1-2).
+
+Everything of a daemon shares one event loop: the ranks' passes, the control reader, the
+publishers, HTTP, signals and the systemd watchdog. These tests show that each gets its turn:
+
+1. A burst of 100,000 pings from one client while another streams: the control reader
+   handles at most CONTROL_TURN_MESSAGES of them between two passes, the stream finishes long
+   before the burst is drained, and the watchdog task keeps running.
+2. A paced rank whose passes run late still yields once per pass.
+3. A real daemon at speedup 1 whose every pass is late answers a ping while requests are in
+   flight, and SIGTERM with `--drain-timeout 1` cancels them instead of waiting for the work.
+
+Order and counts are asserted, not wall-clock intervals: which of two things happened first,
+how many messages were handled between two passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engined.client import EngineClient
+from engined.core.args import EngineArgs, PerfModelKind
+from engined.core.scheduler import VllmCore
+from engined.core.types import PassResult, Request, Submit
+from engined.server.control import CONTROL_TURN_MESSAGES, ControlServer
+from engined.server.daemon import CONTROL_HWM
+from engined.server.engine_loop import EngineLoop
+from engined.server.fpm_publisher import NullFpmPublisher
+from engined.server.kv_publisher import NullKvPublisher
+from engined.server.settings import RuntimeSettings
+from engined.server.sockets import make_socket
+from engined.server.systemd import NullNotifier, keepalive
+from engined.wire import control as wire
+from tests.server.daemon_harness import DaemonProcess
+from tests.server.virtual_clock import VirtualClock
+
+BURST = 100_000
+STREAM_TOKENS = 300
+
+
+def fast_args(**overrides: Any) -> EngineArgs:
+    fields: dict[str, Any] = {
+        "perf_model": PerfModelKind.FIXED,
+        "fixed_prefill_ms_per_token": 0.0,
+        "fixed_pass_overhead_ms": 0.0,
+        "fixed_decode_ms_per_pass": 1.0,
+        "block_size": 16,
+        "num_gpu_blocks": 256,
+        "speedup_ratio": 0.0,
+    }
+    fields.update(overrides)
+    return EngineArgs(**fields)
+
+
+class CountingNotifier(NullNotifier):
+    """systemd's side of the watchdog, as a counter."""
+
+    def __init__(self) -> None:
+        self.watchdogs = 0
+
+    def watchdog(self) -> bool:
+        self.watchdogs += 1
+        return True
+
+
+def welcome() -> wire.Welcome:
+    return wire.Welcome(
+        protocol=wire.PROTOCOL_VERSION,
+        version="test",
+        engine_type="vllm",
+        worker_type="aggregated",
+        block_size=16,
+        num_gpu_blocks=256,
+        dp_size=1,
+        model_name="m",
+        kv_events_endpoints=[],
+        kv_replay_endpoints=[],
+        fpm_endpoints=[],
+    )
+
+
+def flood(endpoint: str, count: int) -> None:
+    """One client's burst of pings, sent as fast as libzmq takes them (a thread)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, count)
+    sock.connect(endpoint)
+    ping = msgspec.msgpack.encode({"type": "ping"})
+    try:
+        for _ in range(count):
+            sock.send(ping)
+        # Read the pongs, so the daemon's replies never back up.
+        for _ in range(count):
+            sock.recv()
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_a_ping_burst_yields_to_passes_and_to_other_clients(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        endpoint = f"ipc://{tmp_path}/control"
+        ctx = zmq.asyncio.Context()
+        sock = make_socket(
+            ctx,
+            zmq.ROUTER,
+            endpoint,
+            bind=True,
+            sndhwm=CONTROL_HWM,
+            rcvhwm=CONTROL_HWM,
+            router_mandatory=True,
+        )
+        core = VllmCore(fast_args())
+        loops: list[EngineLoop] = []
+        handled = 0  # control messages dispatched so far
+        # (messages dispatched when the pass ran, stream entries received by then)
+        passes: list[int] = []
+        stream_done_at: int | None = None
+        control: ControlServer | None = None
+
+        class Delivery:
+            def deliver_outputs(self, rank: int, signals: list[Any]) -> None:
+                assert control is not None
+                control.deliver_outputs(rank, signals)
+
+            def deliver_lifecycle(self, rank: int, events: list[Any]) -> None:
+                assert control is not None
+                control.deliver_lifecycle(rank, events)
+
+        loop = EngineLoop(
+            core,
+            kv=NullKvPublisher(),
+            fpm=NullFpmPublisher(),
+            delivery=Delivery(),
+            speedup_ratio=0.0,
+        )
+        loops.append(loop)
+        loop.pass_observers.append(lambda rank, now_ms, result: passes.append(handled))
+        control = ControlServer(
+            sock,
+            loops,
+            welcome=welcome,
+            settings=RuntimeSettings(
+                vocab_size=None, excluded_token_ids=(), fpm_worker_id="w", fpm=[]
+            ),
+            max_queued_requests=0,
+        )
+        dispatch = control._dispatch
+
+        def counting_dispatch(identity: bytes, msg: wire.ClientMessage) -> None:
+            nonlocal handled
+            handled += 1
+            dispatch(identity, msg)
+
+        control._dispatch = counting_dispatch  # type: ignore[method-assign]
+        notifier = CountingNotifier()
+        tasks = [
+            asyncio.create_task(control.serve()),
+            asyncio.create_task(loop.run()),
+            asyncio.create_task(keepalive(notifier, str, watchdog_s=0.001)),
+        ]
+        client = await EngineClient.connect(endpoint, ctx=ctx)
+        try:
+            await client.ping()
+            flooder = threading.Thread(target=flood, args=(endpoint, BURST))
+            flooder.start()
+            # The burst is under way once the first of its pings was handled.
+            while handled < 2:
+                await asyncio.sleep(0)
+            watchdogs_before = notifier.watchdogs
+            await client.submit(list(range(64)), STREAM_TOKENS, request_id="stream")
+            async for entry in client.outputs("stream"):
+                if entry.finished:
+                    stream_done_at = handled
+            assert stream_done_at is not None
+            # The stream ran to its end while the burst was still being read ...
+            assert stream_done_at < BURST / 2, stream_done_at
+            # ... the watchdog task kept its turns ...
+            assert notifier.watchdogs > watchdogs_before
+            await asyncio.to_thread(flooder.join, 60)
+            assert not flooder.is_alive()
+            # ... and no pass waited for more than one bounded turn of the reader. (The ping
+            # and submit of the streaming client are two more messages per turn at most.)
+            gaps = [later - earlier for earlier, later in itertools.pairwise(passes)]
+            assert len(passes) >= STREAM_TOKENS
+            assert max(gaps) <= CONTROL_TURN_MESSAGES, max(gaps)
+        finally:
+            await client.close()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            sock.close(linger=0)
+            ctx.term()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_a_late_rank_yields_once_per_pass() -> None:
+    """Passes that take 5 ms of the clock for 1 ms of modeled time: every deadline has passed
+    when the pass ends, and the loop still lets another task run before the next pass."""
+
+    async def scenario() -> None:
+        clock = VirtualClock()
+        core = VllmCore(fast_args(speedup_ratio=1.0))
+        sink = NullFpmPublisher()
+
+        class Delivery:
+            finished = asyncio.Event()
+
+            def deliver_outputs(self, rank: int, signals: list[Any]) -> None:
+                if any(s.completed for s in signals):
+                    self.finished.set()
+
+            def deliver_lifecycle(self, rank: int, events: list[Any]) -> None:
+                pass
+
+        delivery = Delivery()
+        loop = EngineLoop(
+            core,
+            kv=NullKvPublisher(),
+            fpm=sink,
+            delivery=delivery,
+            speedup_ratio=1.0,
+            clock=clock,
+            sleep=clock.sleep,
+        )
+        ticks = 0
+        seen: list[int] = []
+
+        def slow_pass(rank: int, now_ms: float, result: PassResult) -> None:
+            seen.append(ticks)
+            clock.now += 0.005
+
+        loop.pass_observers.append(slow_pass)
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        tasks = [asyncio.create_task(loop.run()), asyncio.create_task(ticker())]
+        try:
+            await loop.call(Submit(Request(token_ids=[1] * 16, max_tokens=50, request_id="r")))
+            await delivery.finished.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert len(seen) >= 50
+        assert min(loop.lateness_ms) > 0  # every pass after the first started late
+        assert all(b > a for a, b in itertools.pairwise(seen)), seen
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+LATE_DAEMON = (
+    "--speedup-ratio",
+    "1",
+    "--perf-model",
+    "fixed",
+    "--fixed-prefill-ms-per-token",
+    "0",
+    "--fixed-pass-overhead-ms",
+    "0",
+    # A pass models 1 µs, far less than it takes to run: every pass of the rank is late.
+    "--fixed-decode-ms-per-pass",
+    "0.001",
+    "--block-size",
+    "16",
+    "--num-gpu-blocks",
+    "8192",
+    "--drain-timeout",
+    "1",
+)
+
+
+def test_a_late_daemon_answers_control_and_signals_while_busy(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, list(LATE_DAEMON), None)
+    requests = [f"r{i}" for i in range(512)]
+
+    async def load_then_probe() -> dict[str, str | None]:
+        async with (
+            await EngineClient.connect(daemon.control) as streamer,
+            await EngineClient.connect(daemon.control) as prober,
+        ):
+            await asyncio.gather(
+                *(streamer.submit([i] * 16, 3000, request_id=r) for i, r in enumerate(requests))
+            )
+            # The rank is late from its first pass on; the probe is answered between passes.
+            await prober.ping(timeout=30)
+            stats = await prober.stats(timeout=30)
+            assert stats.ranks[0].running + stats.ranks[0].waiting > 0
+            assert stats.ranks[0].lateness_max_ms > 0
+            # SIGTERM is handled while the work is still there: the drain timeout ends it.
+            daemon.proc.send_signal(signal.SIGTERM)
+            reasons: dict[str, str | None] = {}
+            for request_id in requests:
+                async for entry in streamer.outputs(request_id, timeout=30):
+                    if entry.finished:
+                        reasons[request_id] = entry.finish_reason
+            return reasons
+
+    try:
+        daemon.wait_ready()
+        reasons = asyncio.run(load_then_probe())
+        assert daemon.stop(timeout=30) == 0
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.stop(signal.SIGKILL)
+    assert set(reasons) == set(requests)
+    assert "cancelled" in reasons.values(), daemon.log()
