@@ -277,6 +277,41 @@ class EngineClient:
             if item.finished:
                 return
 
+    async def output_batches(
+        self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> AsyncIterator[list[OutputEntry]]:
+        """Like `outputs`, but each item is every entry that had arrived by then, in order.
+
+        A consumer slower than the engine (a relay such as the Dynamo worker) then pays its
+        per-item cost once per backlog instead of once per pass, as vLLM's output collector
+        merges the deltas its consumer has not taken yet.
+        """
+        queue = self._stream_queue(request_id)
+        while True:
+            first = await self._get(queue, timeout)
+            batch: list[OutputEntry] = []
+            end = False
+            item: _StreamItem = first
+            while True:
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    raise item
+                if item is _End.END:
+                    end = True
+                    break
+                batch.append(item)
+                if item.finished or queue.empty():
+                    end = item.finished
+                    break
+                item = queue.get_nowait()
+            if end and self._streams.get(request_id) is queue:
+                del self._streams[request_id]
+            if batch:
+                yield batch
+            if end:
+                return
+
     async def stream(
         self,
         token_ids: Sequence[int],

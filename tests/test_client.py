@@ -346,6 +346,33 @@ class TestStreams:
             assert result_b.finish_reason == "length"
             assert result_b.num_outputs == 3
 
+    @async_test
+    async def test_output_batches_take_everything_queued_at_once(self, tmp_path: Path) -> None:
+        """1. a submit whose three outputs arrive before the caller reads; 2. a later one.
+
+        Result: the first read yields the two queued entries together, up to (not past) the
+        finished one, and the stream is forgotten once it ended.
+        """
+
+        def stream(msg: ClientMessage) -> list[DaemonMessage]:
+            if not isinstance(msg, Submit):
+                return basic(msg)
+            rid = msg.request.request_id or "?"
+            return [
+                Submitted(id=msg.id, request_id=rid, dp_rank=0),
+                Output(dp_rank=0, outputs=[entry(rid, [1], cached_tokens=16)]),
+                Output(dp_rank=0, outputs=[entry(rid, [2, 3])]),
+                Output(dp_rank=0, outputs=[entry(rid, [4], finished=True)]),
+            ]
+
+        async with daemon_and_client(tmp_path, stream) as (daemon, client):
+            await client.submit([1, 2], 4, request_id="r")
+            await client.ping()  # sent after the outputs: they are all queued by now
+            batches = await collect(client.output_batches("r"))
+            assert [[e.token_ids for e in batch] for batch in batches] == [[[1], [2, 3], [4]]]
+            assert batches[0][0].cached_tokens == 16
+            assert "r" not in client._streams
+
     @pytest.mark.parametrize("request_id", ["mine", None], ids=["client-id", "daemon-id"])
     @async_test
     async def test_outputs_that_beat_the_reply_are_kept(

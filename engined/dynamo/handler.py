@@ -97,6 +97,23 @@ class _Usage:
         }
 
 
+def _merge(batch: list[OutputEntry]) -> OutputEntry:
+    """Entries that queued up while the worker was busy, as one (one chunk to Dynamo)."""
+    last = batch[-1]
+    cached = next((e.cached_tokens for e in batch if e.cached_tokens is not None), None)
+    delay = next(
+        (e.handoff_delay_ms for e in reversed(batch) if e.handoff_delay_ms is not None), None
+    )
+    return OutputEntry(
+        request_id=last.request_id,
+        token_ids=[token for entry in batch for token in entry.token_ids],
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        cached_tokens=cached,
+        handoff_delay_ms=delay,
+    )
+
+
 def _chunk(entry: OutputEntry, usage: _Usage) -> Chunk:
     chunk: Chunk = {"token_ids": entry.token_ids, "index": 0}
     if entry.finished:
@@ -276,7 +293,8 @@ class RequestHandler:
         watcher = asyncio.ensure_future(self._cancel_when_stopped(request_id, context))
         finished = False
         try:
-            async for entry in self._client.outputs(request_id, timeout=None):
+            async for batch in self._client.output_batches(request_id, timeout=None):
+                entry = batch[0] if len(batch) == 1 else _merge(batch)
                 usage.add(entry)
                 finished = entry.finished
                 yield _chunk(entry, usage), entry
