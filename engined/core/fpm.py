@@ -3,8 +3,9 @@
 Prefill work is measured per request scheduled with prompt tokens in this pass: the chunk it
 computed, the prefix it already had, and (for the variance) its full prompt length. Decode
 work is every other scheduled request, measured by its sequence length at schedule time, so a
-request that completes in the pass still counts. Variances are Welford population variances,
-to match upstream to the last bit.
+request that completes in the pass still counts. Variances of the scheduled work are Welford
+population variances, to match upstream to the last bit; those of the queued requests are
+exact (engined/core/queued.py explains why they are not walked).
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ def welford(values: Iterable[int]) -> tuple[int, int, float]:
 
 def build_snapshot(
     scheduled: Iterable[ScheduledWork],
-    queued_prefill: list[int],
-    queued_decode: list[int],
+    queued_prefill: tuple[int, int, float],
+    queued_decode: tuple[int, int, float],
     wall_time_secs: float,
 ) -> FpmSnapshot:
+    """The snapshot of one pass; the queued halves are (count, sum, variance) of lengths,
+    tallied as requests queue (engined/core/queued.py) rather than walked each pass."""
     prefill_lengths: list[int] = []
     prefill_tokens = 0
     prefill_kv = 0
@@ -59,8 +62,8 @@ def build_snapshot(
             decode_lengths.append(work.sequence_len)
     n_prefill, _, var_prefill = welford(prefill_lengths)
     n_decode, sum_decode, var_decode = welford(decode_lengths)
-    n_qp, sum_qp, var_qp = welford(queued_prefill)
-    n_qd, sum_qd, var_qd = welford(queued_decode)
+    n_qp, sum_qp, var_qp = queued_prefill
+    n_qd, sum_qd, var_qd = queued_decode
     return FpmSnapshot(
         num_prefill_requests=n_prefill,
         sum_prefill_tokens=prefill_tokens,

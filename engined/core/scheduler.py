@@ -31,19 +31,21 @@ from engined.core.args import EngineArgs, EngineType, PreemptionMode, WorkerType
 from engined.core.emission import emit_ready_tokens
 from engined.core.errors import UnsupportedError
 from engined.core.fpm import ScheduledWork, build_snapshot
-from engined.core.handoff import (
-    ActiveDestinations,
-    DestinationHolds,
-    PendingDestinations,
-    SourceHolds,
-)
+from engined.core.handoff import ActiveDestinations, SourceHolds
 from engined.core.kv_manager import KvManager, PrefillCost
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.engine import OffloadEngine
 from engined.core.perf_model import make_perf_model, scale_ms
 from engined.core.policy import AdmissionPolicy, Decision, TrtllmNoEvictPolicy
+from engined.core.queued import (
+    QueuedLengths,
+    TalliedDestinationHolds,
+    TalliedPendingDestinations,
+    TalliedState,
+    waiting_class,
+)
 from engined.core.speculative import SpeculativeSampler
-from engined.core.state import RequestStatus, SchedulerState
+from engined.core.state import RequestStatus
 from engined.core.swap_in import BLOCKED as SWAP_IN_BLOCKED
 from engined.core.swap_in import PARKED, SwapInParking
 from engined.core.tiers import TierHandling, tier_metrics
@@ -106,7 +108,11 @@ class VllmCore(TierHandling):
         offload_config = OffloadConfig.from_args(args)
         if offload_config is not None:
             self.kv.attach_offload(OffloadEngine(offload_config))
-        self.state = SchedulerState()
+        # FPM's queued-request tallies, kept by the queues themselves (engined/core/queued.py).
+        self.queued = QueuedLengths()
+        self.state = TalliedState(
+            waiting_class(self.queued, lambda rid: rid in self.active_destinations.by_request)
+        )
         self.rng = random.Random(args.seed * 1_000_003 + dp_rank)
         self.vocab = Vocabulary(self.rng, args.vocab_size, args.excluded_token_ids)
         self._partial_ids = itertools.count().__next__
@@ -122,8 +128,8 @@ class VllmCore(TierHandling):
             decode_ms_per_pass=args.fixed_decode_ms_per_pass,
         )
         self.source_holds = SourceHolds()
-        self.pending_destinations = PendingDestinations()
-        self.destination_holds = DestinationHolds()
+        self.pending_destinations = TalliedPendingDestinations(self.queued.decode)
+        self.destination_holds = TalliedDestinationHolds(self.queued.decode)
         self.active_destinations = ActiveDestinations()
         # Bumped whenever capacity may have improved; a pending destination head that failed
         # to reserve is retried only after it moves.
@@ -473,24 +479,12 @@ class VllmCore(TierHandling):
         return victim
 
     def _fpm(self, wall_time_secs: float) -> FpmSnapshot:
-        requests = self.state.requests
-        active_dest = self.active_destinations.by_request
-        queued_prefill: list[int] = []
-        queued_decode: list[int] = []
-        for request_id in self.state.waiting:
-            req = requests[request_id]
-            if request_id in active_dest:
-                queued_decode.append(req.seq.num_input_tokens)
-            elif req.status is RequestStatus.WAITING:
-                queued_prefill.append(req.seq.num_input_tokens)
-            elif req.status is RequestStatus.PREEMPTED:
-                queued_decode.append(len(req.seq.tokens))
-        for pending in self.pending_destinations.queue.values():
-            queued_decode.append(pending.request.seq.num_input_tokens)
-        for held in self.destination_holds.by_handoff.values():
-            queued_decode.append(held.request.seq.num_input_tokens)
+        queued = self.queued
         return build_snapshot(
-            self._scheduled.values(), queued_prefill, queued_decode, wall_time_secs
+            self._scheduled.values(),
+            queued.prefill.summary(),
+            queued.decode.summary(),
+            wall_time_secs,
         )
 
     def take_lifecycle_events(self) -> list[LifecycleEvent]:

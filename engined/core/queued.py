@@ -1,0 +1,164 @@
+"""The queued-request half of a pass's forward-pass metrics, kept as requests queue and leave.
+
+FPM reports, per pass, the count, total and population variance of the lengths of the
+queued requests: prefills (fresh prompts) and decodes (preempted requests, activated or
+reserved disaggregation destinations). Walking the queues for that made every pass cost
+O(waiting requests), so a deep queue slowed every pass even though a pass admits only a few.
+Here each queue keeps integer tallies (count, sum, sum of squares), updated when a request
+enters or leaves it, and a pass reads them in O(1).
+
+A request's class and length are fixed while it waits (only a running request changes
+status or grows), so they are taken once, on entry. The variance is computed exactly from
+the integers and rounded once: the correctly rounded value, where Dynamo's Welford loop may
+differ in the last bit for three or more distinct lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engined.core.handoff import (
+    DestinationHolds,
+    HeldDestination,
+    PendingDestination,
+    PendingDestinations,
+)
+from engined.core.state import RequestState, RequestStatus, SchedulerState
+
+# (class, length) of a queued request: its tally and what it adds to it.
+QueuedAs = tuple["LengthTally", int]
+
+
+class LengthTally:
+    """Count, sum and population variance of a multiset of lengths, in O(1) per change."""
+
+    __slots__ = ("count", "squares", "total")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0
+        self.squares = 0
+
+    def add(self, length: int) -> None:
+        self.count += 1
+        self.total += length
+        self.squares += length * length
+
+    def remove(self, length: int) -> None:
+        self.count -= 1
+        self.total -= length
+        self.squares -= length * length
+
+    def summary(self) -> tuple[int, int, float]:
+        """(count, sum, population variance); the variance is 0.0 for no lengths."""
+        n = self.count
+        if n == 0:
+            return 0, 0, 0.0
+        # Exact in integers, one rounding in the division (Python's int / int is exact).
+        return n, self.total, (n * self.squares - self.total * self.total) / (n * n)
+
+
+class QueuedLengths:
+    """The two FPM tallies of one core: queued prefills and queued decodes."""
+
+    __slots__ = ("decode", "prefill")
+
+    def __init__(self) -> None:
+        self.prefill = LengthTally()
+        self.decode = LengthTally()
+
+
+class TalliedState(SchedulerState):
+    """SchedulerState whose waiting queue keeps the FPM tallies.
+
+    `queued_as(request)` names a waiting request's class and length, or None for a request
+    FPM does not count. It is asked when the request enters the queue.
+    """
+
+    __slots__ = ("_counted", "_queued_as")
+
+    def __init__(self, queued_as: Callable[[RequestState], QueuedAs | None]) -> None:
+        super().__init__()
+        self._queued_as = queued_as
+        self._counted: dict[str, QueuedAs] = {}
+
+    def push_waiting(self, request_id: str) -> None:
+        super().push_waiting(request_id)
+        self._count(request_id)
+
+    def prepend_waiting(self, request_id: str) -> None:
+        super().prepend_waiting(request_id)
+        self._count(request_id)
+
+    def remove_waiting(self, request_id: str) -> None:
+        counted = self._counted.pop(request_id, None)
+        if counted is not None:
+            counted[0].remove(counted[1])
+        super().remove_waiting(request_id)
+
+    def _count(self, request_id: str) -> None:
+        counted = self._queued_as(self.requests[request_id])
+        if counted is not None:
+            self._counted[request_id] = counted
+            counted[0].add(counted[1])
+
+
+class TalliedPendingDestinations(PendingDestinations):
+    """Destinations waiting for KV: each is a queued decode of its prompt length."""
+
+    __slots__ = ("_tally",)
+
+    def __init__(self, tally: LengthTally) -> None:
+        super().__init__()
+        self._tally = tally
+
+    def push(self, handoff_id: str, request: RequestState) -> None:
+        super().push(handoff_id, request)
+        self._tally.add(request.seq.num_input_tokens)
+
+    def pop(self, handoff_id: str) -> PendingDestination | None:
+        entry = super().pop(handoff_id)
+        if entry is not None:
+            self._tally.remove(entry.request.seq.num_input_tokens)
+        return entry
+
+
+class TalliedDestinationHolds(DestinationHolds):
+    """Destinations holding KV until activated: queued decodes too."""
+
+    __slots__ = ("_tally",)
+
+    def __init__(self, tally: LengthTally) -> None:
+        super().__init__()
+        self._tally = tally
+
+    def insert(self, held: HeldDestination) -> None:
+        super().insert(held)
+        self._tally.add(held.request.seq.num_input_tokens)
+
+    def pop(self, handoff_id: str) -> HeldDestination | None:
+        held = super().pop(handoff_id)
+        if held is not None:
+            self._tally.remove(held.request.seq.num_input_tokens)
+        return held
+
+
+def waiting_class(
+    lengths: QueuedLengths, is_active_destination: Callable[[str], bool]
+) -> Callable[[RequestState], QueuedAs | None]:
+    """How FPM counts a waiting request, as Dynamo's mocker does.
+
+    An activated destination is a decode of its prompt (its KV arrived by transfer); a fresh
+    request a prefill of its prompt; a preempted one a decode of everything it has so far.
+    """
+
+    def queued_as(req: RequestState) -> QueuedAs | None:
+        if is_active_destination(req.request_id):
+            return lengths.decode, req.seq.num_input_tokens
+        if req.status is RequestStatus.WAITING:
+            return lengths.prefill, req.seq.num_input_tokens
+        if req.status is RequestStatus.PREEMPTED:
+            return lengths.decode, len(req.seq.tokens)
+        return None
+
+    return queued_as
