@@ -299,6 +299,11 @@ FLAGS: tuple[Flag, ...] = (
         "engine.excluded_token_ids",
         'Ids never generated (EOS, special tokens), comma-separated (e.g. "0,1,2").',
     ),
+    Flag(
+        "--prefix-hit-rule",
+        "engine.prefix_hit_rule",
+        "vllm: a fully cached prompt recomputes its last block; mocker-1.3.0: it computes nothing.",
+    ),
     Flag("--perf-model", "engine.perf_model", "Pass timing model."),
     Flag(
         "--fixed-prefill-ms-per-token",

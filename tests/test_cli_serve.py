@@ -122,6 +122,17 @@ def test_vocabulary_flags_and_env_reach_the_config(tmp_path: Path) -> None:
     assert result.stderr.startswith("error: engine.excluded_token_ids: ")
 
 
+def test_prefix_hit_rule_flag_reaches_the_config() -> None:
+    assert printed()["engine"]["prefix_hit_rule"] == "vllm"
+    config = printed("--prefix-hit-rule", "mocker-1.3.0")
+    assert config["engine"]["prefix_hit_rule"] == "mocker-1.3.0"
+    env = {"ENGINED_PREFIX_HIT_RULE": "mocker-1.3.0"}
+    assert printed(env=env)["engine"]["prefix_hit_rule"] == "mocker-1.3.0"
+    result = invoke("--print-config", "--prefix-hit-rule", "full")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: engine.prefix_hit_rule: Invalid prefix_hit_rule")
+
+
 def test_bad_flag_value_exits_2_naming_the_key() -> None:
     result = invoke("--print-config", "--num-gpu-blocks", "0")
     assert result.exit_code == CONFIG_ERROR == 2

@@ -20,7 +20,7 @@ from engined.config import (
     env_name,
     load_config,
 )
-from engined.core.args import EngineArgs, EngineType, SglangArgs, WorkerType
+from engined.core.args import EngineArgs, EngineType, PrefixHitRule, SglangArgs, WorkerType
 
 
 def load(
@@ -446,6 +446,7 @@ ISSUE_FLAGS = {
     "--seed": "engine.seed",
     "--vocab-size": "engine.vocab_size",
     "--excluded-token-ids": "engine.excluded_token_ids",
+    "--prefix-hit-rule": "engine.prefix_hit_rule",
     "--decode-speedup-ratio": "engine.decode_speedup_ratio",
     "--kv-transfer-timing-mode": "engine.kv_transfer_timing_mode",
     "--max-model-len": "engine.max_model_len",
@@ -621,3 +622,55 @@ def test_vocabulary_flag_metavars() -> None:
     by_name = {flag.name: flag for flag in FLAGS}
     assert by_name["--vocab-size"].metavar == "INT"
     assert by_name["--excluded-token-ids"].metavar == "INT,..."
+
+
+# --- prefix-hit rule --------------------------------------------------------------------------
+
+
+def test_prefix_hit_rule_defaults_to_vllm() -> None:
+    assert load().engine.prefix_hit_rule is PrefixHitRule.VLLM
+
+
+def test_prefix_hit_rule_from_each_layer(tmp_path: Path) -> None:
+    toml = '[engine]\nprefix_hit_rule = "mocker-1.3.0"\n'
+    assert load(toml, tmp_path=tmp_path).engine.prefix_hit_rule is PrefixHitRule.MOCKER_1_3_0
+    env = {"ENGINED_PREFIX_HIT_RULE": "VLLM"}
+    assert load(toml, env=env, tmp_path=tmp_path).engine.prefix_hit_rule is PrefixHitRule.VLLM
+    flags = {"engine.prefix_hit_rule": "mocker-1.3.0"}
+    engine = load(toml, env=env, flags=flags, tmp_path=tmp_path).engine
+    assert engine.prefix_hit_rule is PrefixHitRule.MOCKER_1_3_0
+
+
+@pytest.mark.parametrize(
+    ("layer", "source"),
+    [
+        ({"env": {"ENGINED_PREFIX_HIT_RULE": "sglang"}}, "ENGINED_PREFIX_HIT_RULE"),
+        ({"flags": {"engine.prefix_hit_rule": "sglang"}}, "--prefix-hit-rule"),
+    ],
+)
+def test_prefix_hit_rule_refusal_names_key_and_layer(layer: dict[str, Any], source: str) -> None:
+    message = (
+        "engine.prefix_hit_rule: Invalid prefix_hit_rule 'sglang'. Must be 'vllm' or "
+        f"'mocker-1.3.0'. (from {source})"
+    )
+    with raises(message) as info:
+        load(**layer)
+    assert info.value.key == "engine.prefix_hit_rule"
+
+
+def test_prefix_hit_rule_toml_empty_string_is_refused(tmp_path: Path) -> None:
+    """Not optional: "" is no rule, and the message says which ones exist."""
+    with raises("engine.prefix_hit_rule: Invalid prefix_hit_rule ''"):
+        load('[engine]\nprefix_hit_rule = ""\n', tmp_path=tmp_path)
+
+
+def test_prefix_hit_rule_print_config_round_trips(tmp_path: Path) -> None:
+    assert 'prefix_hit_rule = "vllm"\n' in dump_config(DaemonConfig())
+    config = load(flags={"engine.prefix_hit_rule": "mocker-1.3.0"})
+    assert 'prefix_hit_rule = "mocker-1.3.0"\n' in dump_config(config)
+    assert round_trip(config, tmp_path) == config
+
+
+def test_prefix_hit_rule_flag_lists_its_choices() -> None:
+    flag = next(flag for flag in FLAGS if flag.name == "--prefix-hit-rule")
+    assert flag.metavar == "[vllm|mocker-1.3.0]"

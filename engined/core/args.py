@@ -48,6 +48,16 @@ class PerfModelKind(enum.StrEnum):
     FIXED = "fixed"
 
 
+class PrefixHitRule(enum.StrEnum):
+    """How much of a cached prompt counts as a prefix hit (engined/core/prefix_hit.py)."""
+
+    # vLLM's `get_computed_blocks` (and later upstream mocker): the hit stops one token short
+    # of the known sequence, in whole blocks, so a fully cached prompt recomputes its last block.
+    VLLM = "vllm"
+    # dynamo-mocker 1.3.0: every cached block is a hit, even when that leaves nothing to compute.
+    MOCKER_1_3_0 = "mocker-1.3.0"
+
+
 # Rust's `{:?}` spelling of EngineType, which upstream messages embed.
 _RUST_ENGINE_NAME = {
     EngineType.VLLM: "Vllm",
@@ -149,6 +159,7 @@ class EngineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # vocab.py); unset vocab_size keeps raw u32 ids.
     vocab_size: int | None = None
     excluded_token_ids: tuple[int, ...] = ()
+    prefix_hit_rule: PrefixHitRule = PrefixHitRule.VLLM
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> EngineArgs:
@@ -267,6 +278,10 @@ _ENUM_MESSAGES: dict[str, tuple[type[enum.StrEnum], str]] = {
     "kv_transfer_timing_mode": (
         KvTransferTimingMode,
         "Invalid kv_transfer_timing_mode '{}'. Must be 'full_prompt' or 'destination_missing'.",
+    ),
+    "prefix_hit_rule": (
+        PrefixHitRule,
+        "Invalid prefix_hit_rule '{}'. Must be 'vllm' or 'mocker-1.3.0'.",
     ),
 }
 

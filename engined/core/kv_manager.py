@@ -23,6 +23,10 @@ from typing import TYPE_CHECKING
 
 from engined.core.block_pool import BlockPool
 from engined.core.kv_offload import KvOffload
+
+# NOTE: PrefillCost moved to prefix_hit with the rule; re-exported for existing importers.
+from engined.core.prefix_hit import PrefillCost as PrefillCost
+from engined.core.prefix_hit import PrefixHit
 from engined.core.sequence import BlockMove, Deref, Promote, Sequence, Use
 from engined.core.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -31,22 +35,6 @@ if TYPE_CHECKING:
     from engined.core.state import OffloadDependency
 
 _MASK64 = (1 << 64) - 1
-
-
-class PrefillCost:
-    """What a prompt would cost now: cached tokens, and the part held by active blocks.
-
-    Only the active part shrinks the admission gate: inactive cached blocks already count as
-    available, and reviving them consumes that availability.
-    """
-
-    __slots__ = ("active_cached_tokens", "cached_tokens", "new_blocks", "new_tokens")
-
-    def __init__(self, new_blocks: int, new_tokens: int, cached: int, active_cached: int) -> None:
-        self.new_blocks = new_blocks
-        self.new_tokens = new_tokens
-        self.cached_tokens = cached
-        self.active_cached_tokens = active_cached
 
 
 class DestinationReservation:
@@ -75,12 +63,22 @@ class KvManager:
         "next_event_id",
         "offload",
         "pool",
+        "prefix_hit",
         "publish",
         "registered",
     )
 
-    def __init__(self, num_blocks: int, block_size: int, *, dp_rank: int, publish: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        dp_rank: int,
+        publish: bool,
+        prefix_hit: PrefixHit,
+    ) -> None:
         self.pool = BlockPool(num_blocks)
+        self.prefix_hit = prefix_hit
         self.block_size = block_size
         self.dp_rank = dp_rank
         self.publish = publish
@@ -121,6 +119,11 @@ class KvManager:
         return events
 
     def prefill_cost(self, seq: Sequence) -> PrefillCost:
+        """The cost under the core's prefix-hit rule (engined/core/prefix_hit.py)."""
+        return self.prefix_hit.cost(seq, *self._resident_prefix(seq))
+
+    def _resident_prefix(self, seq: Sequence) -> tuple[int, int]:
+        """(leading blocks of `seq` resident here, how many of them are active)."""
         overlap = active = 0
         if seq.caching:
             active_full = self.active_full
@@ -134,12 +137,7 @@ class KvManager:
                     overlap += 1
                 else:
                     break
-        bs = self.block_size
-        n_input = seq.num_input_tokens
-        cached = min(overlap * bs, n_input)
-        return PrefillCost(
-            seq.num_blocks - overlap, n_input - cached, cached, min(active * bs, n_input)
-        )
+        return overlap, active
 
     def active_block_ids(self, seq: Sequence) -> list[int]:
         ids = [self.active_full[h][0] for h in seq.hashes if h in self.active_full]
@@ -355,7 +353,14 @@ class KvManager:
             return DestinationReservation([], [], None)
         pool = self.pool
         prefix: list[int] = []
-        for i, h in enumerate(use.hashes):
+        hashes = use.hashes
+        if self.prefix_hit.recompute_last:
+            # The blocks beyond the hit are transferred like missing ones (vLLM's decode side
+            # asks the connector for everything after its own capped hit); activation then
+            # finds the resident copy and publishes nothing for it.
+            resident = self._resident_prefix(seq)[0]
+            hashes = hashes[: self.prefix_hit.hit_blocks(resident, seq)]
+        for i, h in enumerate(hashes):
             entry = self.active_full.get(h)
             if entry is not None:
                 pool.acquire(entry[0])

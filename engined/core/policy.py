@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from engined.core.kv_manager import KvManager, PrefillCost
+from engined.core.kv_manager import KvManager
+from engined.core.prefix_hit import PrefillCost
 from engined.core.sequence import Sequence
 
 

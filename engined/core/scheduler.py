@@ -37,6 +37,7 @@ from engined.core.offload.config import OffloadConfig
 from engined.core.offload.engine import OffloadEngine
 from engined.core.perf_model import make_perf_model, scale_ms
 from engined.core.policy import AdmissionPolicy, Decision, TrtllmNoEvictPolicy
+from engined.core.prefix_hit import PrefixHit
 from engined.core.queued import (
     QueuedLengths,
     TalliedDestinationHolds,
@@ -103,6 +104,7 @@ class VllmCore(TierHandling):
             args.block_size,
             dp_rank=dp_rank,
             publish=args.enable_prefix_caching,
+            prefix_hit=PrefixHit.from_args(args),
         )
         self.swap_ins = SwapInParking()
         offload_config = OffloadConfig.from_args(args)

@@ -22,7 +22,8 @@ from engined.core.offload.types import SwapInState
 
 if TYPE_CHECKING:
     from engined.core.commands import CommandHandling
-    from engined.core.kv_manager import KvManager, PrefillCost
+    from engined.core.kv_manager import KvManager
+    from engined.core.prefix_hit import PrefillCost
     from engined.core.state import RequestState
 
 NO_HIT = 0
@@ -70,7 +71,8 @@ class SwapInParking:
         offload = kv.offload
         assert offload is not None
         seq = req.seq
-        skip = cost.cached_tokens // core.block_size
+        # The resident prefix, not the hit: a block the rule recomputes is still in G1.
+        skip = cost.resident_tokens // core.block_size
         keys = seq.keys
         if skip >= len(keys):
             return NO_HIT

@@ -5,11 +5,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from engined.core.args import EngineArgs
+from engined.core.args import EngineArgs, PrefixHitRule
 from engined.core.scheduler import VllmCore
 from engined.core.types import PassResult, Request
 
 ROUTER_TEST_WORKER_ID = 23
+# Seed twins whose numbers follow 1.3.0's rule (a fully cached prefix is all hit) pin it.
+MOCKER_1_3_0 = PrefixHitRule.MOCKER_1_3_0
 
 
 def uid(n: int) -> str:

@@ -5,7 +5,14 @@ from __future__ import annotations
 from engined.core.args import PreemptionMode, WorkerType
 from engined.core.sequence import Sequence
 from engined.core.state import RequestState, RequestStatus
-from tests.core.factories import make_args, make_core, request, run_until_empty, uid
+from tests.core.factories import (
+    MOCKER_1_3_0,
+    make_args,
+    make_core,
+    request,
+    run_until_empty,
+    uid,
+)
 
 
 def test_planned_output_tokens_are_emitted_exactly() -> None:
@@ -360,6 +367,9 @@ def test_fifo_preemption_can_ping_pong_as_upstream() -> None:
             preemption_mode=PreemptionMode.FIFO,
             aic_nextn=1,
             aic_nextn_accept_rates="1",
+            # Under vLLM's rule a re-admitted victim hits its own generated blocks, the
+            # recompute shrinks and the ping-pong ends; the upstream quirk needs 1.3.0's.
+            prefix_hit_rule=MOCKER_1_3_0,
         )
     )
     core.receive(request("long", [0] * 15, 4, output_token_ids=[0] * 4))

@@ -1,9 +1,11 @@
 """Property: any workload drains to idle with a KV event stream a router accepts.
 
 Random arrivals over random passes, prompts sharing prefixes, block sizes 2-64, tiny pools,
-prefix caching on and off, MTP on and off, both preemption orders and both policies. After
-the last arrival the core runs until empty; then no block may stay active and the reference
-indexer must have seen no violation at all.
+prefix caching on and off, MTP on and off, both preemption orders, both policies, both
+prefix-hit rules and random vocabularies. After the last arrival the core runs until empty;
+then no block may stay active and the reference indexer must have seen no violation at all.
+Every output keeps to its plan or its vocabulary, and no prefix hit exceeds what its rule
+allows.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engined.core.args import EngineArgs, EngineType, PreemptionMode
+from engined.core.args import EngineArgs, EngineType, PreemptionMode, PrefixHitRule
 from engined.core.scheduler import VllmCore
 from engined.core.types import Request
 from tests.reference_indexer import ReferenceIndexer
@@ -23,6 +25,10 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
     num_blocks = draw(st.integers(3, 24))
     mtp = draw(st.booleans())
     engine = draw(st.sampled_from([EngineType.VLLM, EngineType.VLLM, EngineType.TRTLLM]))
+    vocab_size = draw(st.one_of(st.none(), st.integers(1, 6)))
+    excluded = draw(st.lists(st.integers(0, (vocab_size or 6) - 1), max_size=4))
+    if vocab_size is not None and len(set(excluded)) >= vocab_size:
+        excluded = excluded[:0]
     args = EngineArgs(
         engine_type=engine,
         block_size=block_size,
@@ -38,6 +44,9 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
         else None,
         speedup_ratio=0.0,
         seed=draw(st.integers(0, 3)),
+        prefix_hit_rule=draw(st.sampled_from(list(PrefixHitRule))),
+        vocab_size=vocab_size,
+        excluded_token_ids=tuple(excluded),
     )
     alphabet = st.integers(0, 3)
     prefixes = draw(
@@ -76,6 +85,9 @@ def test_every_workload_drains_with_clean_events(
     expected_tokens: dict[str, int] = {}
     emitted: dict[str, int] = {}
     finished: set[str] = set()
+    requests: dict[str, Request] = {}
+    outputs: dict[str, list[int]] = {}
+    recomputes = args.prefix_hit_rule is PrefixHitRule.VLLM and args.engine_type is EngineType.VLLM
     now = 0.0
     pass_no = 0
     pending = list(arrivals)
@@ -83,6 +95,7 @@ def test_every_workload_drains_with_clean_events(
         while pending and pending[0][0] <= pass_no:
             request = pending.pop(0)[1]
             core.receive(request)
+            requests[request.request_id or ""] = request
             max_tokens = request.max_tokens
             # Generation stops at the pool's capacity, vLLM's ceiling for max_model_len.
             cap = args.num_gpu_blocks * args.block_size
@@ -95,8 +108,15 @@ def test_every_workload_drains_with_clean_events(
         indexer.apply(result.kv_events)
         for signal in result.output_signals:
             assert signal.request_id not in finished, "output after the terminal signal"
+            prompt_len = len(requests[signal.request_id].token_ids)
+            if signal.cached_tokens is not None:
+                assert signal.cached_tokens % args.block_size == 0
+                assert signal.cached_tokens <= prompt_len
+                if recomputes and expected_tokens[signal.request_id] > 0:
+                    assert signal.cached_tokens < prompt_len, "vLLM's rule recomputes a token"
             if signal.token_id is not None:
                 emitted[signal.request_id] = emitted.get(signal.request_id, 0) + 1
+                outputs.setdefault(signal.request_id, []).append(signal.token_id)
             if signal.completed:
                 finished.add(signal.request_id)
                 produced = emitted.get(signal.request_id, 0)
@@ -118,6 +138,13 @@ def test_every_workload_drains_with_clean_events(
             core.cancel(request_id)
             finished.add(request_id)
     indexer.assert_clean()
+    for request_id, tokens in outputs.items():
+        planned = requests[request_id].output_token_ids
+        if planned is not None:
+            assert tokens == planned[: len(tokens)], "planned outputs are emitted as given"
+        else:
+            assert not set(tokens) & set(args.excluded_token_ids)
+            assert args.vocab_size is None or max(tokens) < args.vocab_size
     assert finished == set(expected_tokens)
     assert core.kv.num_active_blocks() == 0
     assert core.metrics().running == 0 and core.metrics().waiting == 0

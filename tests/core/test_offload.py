@@ -33,7 +33,7 @@ from engined.core.types import (
     Submit,
     SubmitHandoffPrefill,
 )
-from tests.core.factories import make_args, request, uid
+from tests.core.factories import MOCKER_1_3_0, make_args, request, uid
 
 MB = 1_000_000
 # Four seed tests park a prompt exactly as long as the whole G1 pool (1 block for 4 tokens,
@@ -452,7 +452,8 @@ def test_completed_swap_ins_reenter_front_preserving_order() -> None:
 
 def test_cold_request_with_g2_prefix_swaps_in_then_admits() -> None:
     block_size = 4
-    core = core_with(num_gpu_blocks=16, enable_prefix_caching=True)
+    # The whole aligned prompt is reused: 1.3.0's rule (vLLM's would report 12).
+    core = core_with(num_gpu_blocks=16, enable_prefix_caching=True, prefix_hit_rule=MOCKER_1_3_0)
     # 250 KB per block x 4 blocks at 1 GB/s = a 1.0 ms swap-in.
     engine = engine_with(
         block_size_tokens=block_size, block_size_bytes=250_000, bandwidth_g2_to_g1_gbps=1.0

@@ -2,7 +2,8 @@
 
 Random arrivals and cancels over passes at increasing times, prompts sharing prefixes, a
 small G1 pool (evictions everywhere), a small G2 and sometimes a G3, block bytes and links
-such that one block takes 0.2-4 ms to move, MTP on and off, prefix caching on. Offload ticks
+such that one block takes 0.2-4 ms to move, MTP on and off, prefix caching on, either
+prefix-hit rule, raw ids or a small vocabulary. Offload ticks
 (`tick_offload_only`) are interleaved with the passes. At the end every request has
 completed (or was cancelled), a final tick past every deadline leaves no transfer, the core is
 drained, no block is held in any tier, and the reference indexer, with lower tiers indexed as
@@ -14,7 +15,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engined.core.args import EngineArgs
+from engined.core.args import EngineArgs, PrefixHitRule
 from engined.core.scheduler import VllmCore
 from engined.core.types import BlockRemoved, BlockStored, Medium, Request
 from tests.reference_indexer import ReferenceIndexer
@@ -50,6 +51,9 @@ def workloads(
         bandwidth_g2_to_g1_gbps=draw(bandwidths),
         bandwidth_g2_to_g3_gbps=draw(bandwidths),
         bandwidth_g3_to_g2_gbps=draw(bandwidths),
+        prefix_hit_rule=draw(st.sampled_from(list(PrefixHitRule))),
+        vocab_size=draw(st.sampled_from([None, 4, 1000])),
+        excluded_token_ids=draw(st.sampled_from([(), (0, 1)])),
     )
     alphabet = st.integers(0, 3)
     prefixes = draw(
@@ -121,6 +125,9 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
             seen.add("offload dependency")
         for signal in result.output_signals:
             assert signal.request_id not in finished, "output after the terminal signal"
+            if signal.token_id is not None:
+                assert signal.token_id not in args.excluded_token_ids
+                assert args.vocab_size is None or signal.token_id < args.vocab_size
             if signal.completed:
                 finished.add(signal.request_id)
         now = max(result.end_ms, now + steps[pass_no % len(steps)])

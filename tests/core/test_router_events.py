@@ -21,6 +21,7 @@ from engined.core.scheduler import VllmCore
 from engined.core.state import RequestStatus
 from engined.core.types import BlockRemoved, BlockStored, KvEvent
 from tests.core.factories import (
+    MOCKER_1_3_0,
     ROUTER_TEST_WORKER_ID,
     make_args,
     make_core,
@@ -262,6 +263,8 @@ def test_mtp_preemption_recompute_drains_with_clean_events() -> None:
         preemption_mode=PreemptionMode.LIFO,
         aic_nextn=2,
         aic_nextn_accept_rates="0,1",
+        # The traced numbers are 1.3.0's: no recomputed (or MTP-dropped) prefix block.
+        prefix_hit_rule=MOCKER_1_3_0,
     )
     core: VllmCore = make_core(args, worker_id=ROUTER_TEST_WORKER_ID)
     for request_id, tokens in (
