@@ -365,7 +365,7 @@ class TestStreams:
                 Output(dp_rank=0, outputs=[entry(rid, [4], finished=True)]),
             ]
 
-        async with daemon_and_client(tmp_path, stream) as (daemon, client):
+        async with daemon_and_client(tmp_path, stream) as (_, client):
             await client.submit([1, 2], 4, request_id="r")
             await client.ping()  # sent after the outputs: they are all queued by now
             batches = await collect(client.output_batches("r"))
