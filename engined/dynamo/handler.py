@@ -419,10 +419,19 @@ def _prefill_cached_tokens(prefill_result: Any) -> int:
 
 
 def _http_error(exc: RequestFailed) -> Exception:
-    """Dynamo's HttpError (the frontend answers with its status), imported where it exists."""
+    """The Dynamo exception that reaches the HTTP client with the daemon's message.
+
+    Across the request plane Dynamo 1.6.1 keeps only an `HttpError`'s status, not its
+    message; `InvalidArgument` keeps the message and answers 400, as dynamo.vllm raises
+    for a request the engine refuses. Other statuses keep `HttpError`, so a 503 stays a 503.
+    """
     try:
-        from dynamo.llm.exceptions import HttpError
+        from dynamo.llm.exceptions import HttpError, InvalidArgument
     except ImportError:  # pragma: no cover - the worker always runs with Dynamo
         return exc
-    error: Exception = HttpError(exc.status, exc.message)
+    error: Exception = (
+        InvalidArgument(exc.message)
+        if 400 <= exc.status < 500
+        else HttpError(exc.status, exc.message)
+    )
     return error

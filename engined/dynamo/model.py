@@ -149,7 +149,7 @@ def check_role(mode: str, welcome: Welcome) -> None:
     if welcome.worker_type != expected:
         raise SetupError(
             f"--disaggregation-mode {mode} needs a daemon started with --worker-type "
-            f"{expected}, but the daemon at this endpoint is {welcome.worker_type!r}"
+            f"{expected}, but the daemon at this endpoint is {str(welcome.worker_type)!r}"
         )
 
 

@@ -464,18 +464,9 @@ def test_a_prompt_the_daemon_refuses_is_an_http_error(module: Module, strict: En
     assert_full_answer(answer, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "engined/dynamo/handler.py raises dynamo.llm.HttpError, whose message Dynamo 1.6.1 "
-        "does not carry from a worker to the frontend: the body says 'Bad Request' "
-        "(InvalidArgument would carry it)"
-    ),
-)
 def test_the_refusal_names_engined_s_reason(module: Module, strict: EnginedGroup) -> None:
     error = _refused(module, strict)
-    assert "engined" in error.body, error.body
+    assert "engined rejected the request" in error.body, error.body
 
 
 # --- start-up failures ----------------------------------------------------------------------
