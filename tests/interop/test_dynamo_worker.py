@@ -145,8 +145,7 @@ def kv_pair(module: Module) -> KvPair:
 
 @pytest.fixture(scope="module")
 def paced(module: Module) -> EnginedGroup:
-    pacing = ("--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "20")
-    return _group(module, "tiny-paced", "paced", [(*BLOCK_ARGS, *pacing)])
+    return _group(module, "tiny-paced", "paced", [(*BLOCK_ARGS, *PACING)])
 
 
 @pytest.fixture(scope="module")
@@ -155,26 +154,40 @@ def strict(module: Module) -> EnginedGroup:
     return _group(module, "tiny-strict", "strict", [(*FAST_ARGS, *budget)])
 
 
+PACING = ("--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "20")
+
+
 @pytest.fixture(scope="module")
 def disagg(module: Module) -> EnginedGroup:
-    cluster, namespace, model = module.cluster, "pd", "tiny-pd"
+    return _pd_group(module, "pd", FAST_ARGS)
+
+
+@pytest.fixture(scope="module")
+def paced_disagg(module: Module) -> EnginedGroup:
+    return _pd_group(module, "pdpaced", (*BLOCK_ARGS, *PACING))
+
+
+def _pd_group(module: Module, namespace: str, daemon_args: tuple[str, ...]) -> EnginedGroup:
+    cluster, model = module.cluster, f"tiny-{namespace}"
     prefill = cluster.engined_daemon(
-        *FAST_ARGS,
+        *daemon_args,
         "--worker-type",
         "prefill",
         "--kv-bytes-per-token",
         "131072",
         "--kv-transfer-bandwidth",
         "25",
-        name="pd-engined-prefill",
+        name=f"{namespace}-engined-prefill",
     )
-    decode = cluster.engined_daemon(*FAST_ARGS, "--worker-type", "decode", name="pd-engined-decode")
+    decode = cluster.engined_daemon(
+        *daemon_args, "--worker-type", "decode", name=f"{namespace}-engined-decode"
+    )
     # The decode worker's model is listed only once a prefill worker is there.
     workers = [
         add_worker(
             cluster,
             prefill,
-            name="pd-worker-prefill",
+            name=f"{namespace}-worker-prefill",
             model=model,
             namespace=namespace,
             disaggregation_mode="prefill",
@@ -182,7 +195,7 @@ def disagg(module: Module) -> EnginedGroup:
         add_worker(
             cluster,
             decode,
-            name="pd-worker-decode",
+            name=f"{namespace}-worker-decode",
             model=model,
             namespace=namespace,
             disaggregation_mode="decode",
@@ -436,6 +449,32 @@ def test_a_client_hanging_up_mid_stream_leaves_the_daemon_idle(
     # And the worker still serves.
     answer = ask(module.frontend, "completions", fresh_prompt(8), model=paced.model, max_tokens=2)
     assert_full_answer(answer, 2)
+
+
+def test_a_client_hanging_up_mid_decode_frees_both_sides_of_the_handoff(
+    module: Module, paced_disagg: EnginedGroup
+) -> None:
+    prefill, decode = paced_disagg.daemons
+    stream = AbandonedStream(
+        module.frontend,
+        {"model": paced_disagg.model, "prompt": fresh_prompt(100), "max_tokens": 2000},
+        timeout=STREAM_TIMEOUT_S,
+    )
+    try:
+        chunks = stream.read_chunks(3)
+        assert all(c["choices"][0]["text"] for c in chunks), chunks
+        assert [s.running for s in rank_stats(decode)] == [1], busy(rank_stats(decode))
+    finally:
+        stream.hang_up()
+    # The decode request is cancelled; the prefill's source was released at activation.
+    wait_idle(decode, IDLE_TIMEOUT_S)
+    wait_idle(prefill, IDLE_TIMEOUT_S)
+    answer = ask(
+        module.frontend, "completions", fresh_prompt(8), model=paced_disagg.model, max_tokens=2
+    )
+    assert_full_answer(answer, 2)
+    wait_idle(decode, IDLE_TIMEOUT_S)
+    wait_idle(prefill, IDLE_TIMEOUT_S)
 
 
 # --- a refused request ----------------------------------------------------------------------
