@@ -30,7 +30,7 @@ from engined.core.scheduler import VllmCore
 from engined.server.control import ControlServer
 from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
-from engined.server.kv_publisher import KvPublisher
+from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.logs import configure_logging
 from engined.server.settings import RuntimeSettings
 from engined.server.sockets import SocketRegistry, make_socket
@@ -125,6 +125,9 @@ class Daemon:
         fpm_endpoints: list[str] = []
         fpms: list[FpmPublisher | NullFpmPublisher] = []
         controls: list[ControlServer] = []
+        # The byte budgets of slow KV subscribers and replay clients become message bounds
+        # through the largest batch a pass can produce (engined.server.kv_publisher).
+        batch_bytes = max_batch_bytes(engine, cfg.kv_events_format)
         for rank in range(engine.dp_size):
             kv_endpoint = endpoint_for_rank(cfg.kv_events_endpoint, rank)
             replay = (
@@ -140,6 +143,9 @@ class Daemon:
                 dp_rank=rank,
                 replay_endpoint=replay,
                 replay_buffer=cfg.kv_replay_buffer,
+                buffer_bytes=cfg.kv_events_buffer_bytes,
+                replay_client_bytes=cfg.kv_replay_client_bytes,
+                batch_bytes=batch_bytes,
             )
             self._publishers.append(kv)
             kv_endpoints.append(kv.endpoint)
@@ -205,6 +211,7 @@ class Daemon:
         if self.metrics is not None:
             for loop in self.loops:
                 self.metrics.attach(loop)
+            self.metrics.watch_publishers(self._publishers)
         self.control = ControlServer(
             control_sock,
             self.loops,
@@ -233,6 +240,7 @@ class Daemon:
             kv_replay_endpoints=replay_endpoints,
             fpm_endpoints=fpm_endpoints,
             engine=_engine_summary(cfg),
+            limits=_limits(cfg, self._publishers, batch_bytes),
         )
         self._notifier.ready(status=self._status_line())
         if self._notifier.enabled:
@@ -358,6 +366,22 @@ def _context_length(engine: EngineArgs) -> int:
     if engine.max_model_len is None:
         return capacity
     return min(engine.max_model_len, capacity)
+
+
+def _limits(
+    cfg: DaemonConfig, publishers: list[KvPublisher], batch_bytes: int
+) -> dict[str, object]:
+    """The bounds in force (README "Limits and guarantees"), as the start-up log shows them."""
+    kv = publishers[0]
+    return {
+        "max_queued_requests": cfg.max_queued_requests,
+        "control_max_message_bytes": CONTROL_MAX_MESSAGE_BYTES,
+        "kv_batch_bytes_max": batch_bytes,
+        "kv_events_buffer_bytes": cfg.kv_events_buffer_bytes,
+        "kv_events_hwm": kv.hwm,
+        "kv_replay_client_bytes": cfg.kv_replay_client_bytes,
+        "kv_replay_hwm": kv.replay_hwm,
+    }
 
 
 def _engine_summary(cfg: DaemonConfig) -> dict[str, object]:

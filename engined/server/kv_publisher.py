@@ -3,41 +3,91 @@
 Frames and replay follow vLLM's `ZmqEventPublisher` (>= 0.26, the replay reply carries the
 topic): `[topic, seq(8B BE), payload]` per engine pass that produced events; a ROUTER answers
 `[identity, b"", start_seq]` with every buffered message from `start_seq` on, then the end
-marker. Unlike vLLM there is no publisher thread and no queue: `publish()` encodes and hands
-the message to libzmq without blocking, so the engine loop never waits for a subscriber.
+marker (engined.server.kv_replay). Unlike vLLM there is no publisher thread and no queue:
+`publish()` encodes and hands the message to libzmq without blocking, so the engine loop
+never waits for a subscriber.
+
+Slow subscribers cost bounded memory, and are dropped from, never waited for. libzmq bounds
+a subscriber's queue in messages (SNDHWM), so the message bound is derived from a byte
+budget: `buffer_bytes` divided by the largest batch a pass of this configuration can
+produce (`max_batch_bytes`). A subscriber whose queue is full misses batches, as with
+vLLM's publisher, until it has read half of it; it sees the seq gap and can replay. Each
+such overflow is counted (`overflows`) and logged sparsely.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-from collections import deque
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from typing import Final, Protocol
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from engined.core.types import KvEvent
-from engined.server.sockets import SocketRegistry, bound_endpoint, nonblocking_sender
-from engined.wire.errors import WireError
-from engined.wire.kv_events import (
-    REPLAY_END_FRAMES,
-    KvEventEncoder,
-    KvEventFormat,
-    read_seq,
-    seq_bytes,
-)
+from engined.core.args import EngineArgs
+from engined.core.offload.config import DEFAULT_OFFLOAD_BATCH_SIZE
+from engined.core.types import BlockRemoved, BlockStored, KvEvent, Medium
+from engined.server.kv_replay import STALL_TIMEOUT_S, ReplayBuffer, ReplayServer, Sleep
+from engined.server.sockets import SocketRegistry, bound_endpoint, overflow_aware_sender
+from engined.wire.kv_events import KvEventEncoder, KvEventFormat, seq_bytes
 
 log = structlog.get_logger()
 
-# vLLM's `KVEventsConfig.hwm`: a subscriber may lag this many batches before it loses some.
-DEFAULT_PUB_HWM: Final = 100_000
 DEFAULT_REPLAY_BUFFER: Final = 10_000
+DEFAULT_BUFFER_BYTES: Final = 64 * 1024 * 1024
+DEFAULT_REPLAY_CLIENT_BYTES: Final = 8 * 1024 * 1024
+# What `max_batch_bytes` is assumed to be when the caller does not know the configuration.
+DEFAULT_MAX_BATCH_BYTES: Final = 256 * 1024
 # A replay request is three small frames; anything bigger is not one.
 _REPLAY_MAX_MSG_SIZE: Final = 4096
+# Replay requests queued in libzmq before the reader takes them (each is ~20 bytes).
+_REPLAY_RCVHWM: Final = 1000
+# A u32 token id in msgpack takes at most 5 bytes (uint32), a block hash 9 (uint64).
+_MAX_TOKEN_ID: Final = 2**32 - 1
+_MAX_HASH: Final = 2**64 - 1
+
+
+def messages_within(budget_bytes: int, max_batch_bytes: int) -> int:
+    """The high-water mark (messages) that keeps a queue within `budget_bytes`: at least 1."""
+    return max(1, budget_bytes // max(1, max_batch_bytes))
+
+
+def max_batch_bytes(args: EngineArgs, fmt: KvEventFormat, dp_rank: int = 0) -> int:
+    """Bytes of the largest KV batch one pass of `args` is expected to produce, in `fmt`.
+
+    A pass schedules at most `max_num_batched_tokens` new tokens over at most `max_num_seqs`
+    requests, so it completes at most budget / block_size + max_num_seqs blocks (each request
+    may finish one partial block; speculative drafts add theirs), and its allocations evict
+    at most as many cached ones. With offload tiers, at most offload_batch_size² blocks are
+    in flight to a tier, landing (and evicting there) in the same pass at worst. That worst
+    case is encoded for real, one event per block (the most per-event overhead), with
+    5-byte token ids and 9-byte hashes. Not covered: the removals a command causes (a
+    destination reservation evicting for a whole prompt) ride on the next batch on top.
+    """
+    args = args.normalized()
+    block_size = args.block_size
+    pool = args.num_gpu_blocks
+    seqs = min(args.max_num_seqs or pool, pool)
+    budget = args.max_num_batched_tokens or pool * block_size
+    drafts = seqs * math.ceil((args.aic_nextn or 0) / block_size)
+    media = [(Medium.GPU, min(math.ceil(budget / block_size) + seqs + drafts, pool))]
+    if args.num_g2_blocks is not None and args.kv_bytes_per_token is not None:
+        in_flight = (args.offload_batch_size or DEFAULT_OFFLOAD_BATCH_SIZE) ** 2
+        media.append((Medium.CPU, min(in_flight, pool)))
+        if args.num_g3_blocks is not None:
+            media.append((Medium.STORAGE, min(in_flight, args.num_g2_blocks)))
+    one = [_MAX_HASH]
+    tokens = [_MAX_TOKEN_ID] * block_size
+    events: list[KvEvent] = []
+    for medium, blocks in media:
+        for n in range(blocks):
+            events.append(BlockStored(n, dp_rank, _MAX_HASH, one, one, tokens, block_size, medium))
+            events.append(BlockRemoved(n, dp_rank, one, medium))
+    return len(KvEventEncoder(fmt).encode_batch(1.0e9, events, dp_rank))
 
 
 class KvEventSink(Protocol):
@@ -57,8 +107,8 @@ class KvPublisher:
     """PUB socket (and optional replay ROUTER) of one rank.
 
     Invariants: seqs start at 0 and rise by 1 per published batch with no gaps, whether or
-    not libzmq delivered the message; the replay buffer holds the last `replay_buffer`
-    messages as `(seq, payload)`, each payload encoded exactly once.
+    not a subscriber got the message; the replay buffer holds the last `replay_buffer`
+    messages, each payload encoded exactly once.
 
     Args:
         ctx: asyncio context shared by the daemon's sockets.
@@ -72,8 +122,13 @@ class KvPublisher:
         replay_endpoint: where the replay ROUTER binds (always binds, like vLLM); None turns
             replay off and keeps no buffer.
         replay_buffer: how many messages replay can reach back.
-        hwm: PUB send high-water mark per subscriber; beyond it libzmq drops messages for
-            that subscriber (it sees a seq gap and can replay).
+        buffer_bytes: the most bytes of batches queued for one subscriber.
+        replay_client_bytes: the most bytes of replay queued for one replay client.
+        batch_bytes: the largest batch expected (`max_batch_bytes`); the two byte budgets
+            become high-water marks in messages through it.
+        hwm: an explicit PUB high-water mark in messages instead of the byte budget.
+        replay_stall_timeout_s: a replay that could send nothing for this long is abandoned.
+        clock, sleep: the replay server's time (stall timeout, retry backoff).
     """
 
     def __init__(
@@ -88,7 +143,13 @@ class KvPublisher:
         dp_rank: int,
         replay_endpoint: str | None,
         replay_buffer: int = DEFAULT_REPLAY_BUFFER,
-        hwm: int = DEFAULT_PUB_HWM,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        replay_client_bytes: int = DEFAULT_REPLAY_CLIENT_BYTES,
+        batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        hwm: int | None = None,
+        replay_stall_timeout_s: float = STALL_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
     ) -> None:
         if replay_buffer < 0:
             raise ValueError(f"replay_buffer must be >= 0, got {replay_buffer}")
@@ -96,36 +157,43 @@ class KvPublisher:
         self._topic = topic.encode("utf-8")
         self._dp_rank = dp_rank
         self._next_seq = 0
-        self._dropped = 0
-        self._dropping = False  # inside a run of refused sends (logged once per run)
+        self._overflows = 0
         self._log = log.bind(dp_rank=dp_rank)
-        # NOTE: with replay off nothing can read the buffer, so it keeps nothing (maxlen 0
-        # makes append a no-op: no branch on the hot path).
-        self._buffer: deque[tuple[int, bytes]] = deque(
-            maxlen=replay_buffer if replay_endpoint is not None else 0
+        # NOTE: with replay off nothing can read the buffer, so it keeps nothing.
+        self._buffer = ReplayBuffer(replay_buffer if replay_endpoint is not None else 0)
+        self.hwm = hwm if hwm is not None else messages_within(buffer_bytes, batch_bytes)
+        self._pub = registry.make(
+            ctx, zmq.PUB, endpoint, bind=bind, sndhwm=self.hwm, rcvhwm=self.hwm
         )
-
-        self._pub = registry.make(ctx, zmq.PUB, endpoint, bind=bind, sndhwm=hwm, rcvhwm=hwm)
-        self._send = nonblocking_sender(self._pub)
+        self._send = overflow_aware_sender(self._pub)
         self.endpoint = bound_endpoint(self._pub, endpoint) if bind else endpoint
 
-        self._replay: zmq.asyncio.Socket | None = None
+        self._replay: ReplayServer | None = None
         self.replay_endpoint: str | None = None
+        self.replay_hwm = messages_within(replay_client_bytes, batch_bytes)
         if replay_endpoint is not None:
-            # NOTE: SNDHWM fits two complete replays (vLLM >= 0.33 uses the same bound), so a
-            # reply never hits the HWM unless its client stopped reading; ROUTER_MANDATORY
-            # then makes that (and a vanished client) an error we log instead of a silent loss.
-            self._replay = registry.make(
+            # ROUTER_MANDATORY: a full client queue (it stopped reading) or a vanished client
+            # is an error the replay server sees, not a silent loss.
+            sock = registry.make(
                 ctx,
                 zmq.ROUTER,
                 replay_endpoint,
                 bind=True,
-                sndhwm=2 * (replay_buffer + 1),
-                rcvhwm=DEFAULT_PUB_HWM,
+                sndhwm=self.replay_hwm,
+                rcvhwm=_REPLAY_RCVHWM,
                 maxmsgsize=_REPLAY_MAX_MSG_SIZE,
                 router_mandatory=True,
             )
-            self.replay_endpoint = bound_endpoint(self._replay, replay_endpoint)
+            self.replay_endpoint = bound_endpoint(sock, replay_endpoint)
+            self._replay = ReplayServer(
+                sock,
+                self._buffer,
+                topic=self._topic,
+                dp_rank=dp_rank,
+                stall_timeout_s=replay_stall_timeout_s,
+                clock=clock,
+                sleep=sleep,
+            )
         self._replay_task: asyncio.Task[None] | None = None
 
     @property
@@ -134,9 +202,13 @@ class KvPublisher:
         return self._next_seq
 
     @property
-    def dropped(self) -> int:
-        """Batches libzmq refused (EAGAIN) and that only replay can still deliver."""
-        return self._dropped
+    def overflows(self) -> int:
+        """Times a subscriber's queue was full: it missed batches until it read half of it."""
+        return self._overflows
+
+    @property
+    def replay(self) -> ReplayServer | None:
+        return self._replay
 
     @property
     def tasks(self) -> tuple[asyncio.Task[None], ...]:
@@ -157,23 +229,25 @@ class KvPublisher:
         payload = self._encoder.encode_batch(ts, events, self._dp_rank)
         seq = self._next_seq
         self._next_seq = seq + 1
-        # Buffered before sending: a batch libzmq refuses is still recoverable by replay.
-        self._buffer.append((seq, payload))
+        # Buffered before sending: a batch a subscriber misses is still recoverable by replay.
+        self._buffer.append(seq, payload)
         if not self._send((self._topic, seq_bytes(seq), payload)):
-            # NOTE: libzmq's PUB drops silently per subscriber at its HWM, so EAGAIN is rare;
-            # log once per run of refusals, never per message.
-            if not self._dropping:
-                self._log.warning("kv event batch dropped", seq=seq)
-            self._dropped += 1
-            self._dropping = True
-        else:
-            self._dropping = False
+            self._overflows += 1
+            # NOTE: one line per power of two, so a subscriber that keeps falling behind
+            # cannot flood the log.
+            if self._overflows & (self._overflows - 1) == 0:
+                self._log.warning(
+                    "kv event subscriber fell behind; it misses batches until it catches up",
+                    seq=seq,
+                    overflows=self._overflows,
+                    hwm=self.hwm,
+                )
 
     def start(self) -> None:
         """Launch the replay server (when replay is on); needs a running event loop."""
         if self._replay is not None and self._replay_task is None:
             self._replay_task = asyncio.get_running_loop().create_task(
-                self.serve_replay(), name=f"kv-replay-{self._dp_rank}"
+                self._replay.serve(), name=f"kv-replay-{self._dp_rank}"
             )
             self._replay_task.add_done_callback(_log_task_failure)
 
@@ -189,61 +263,6 @@ class KvPublisher:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def serve_replay(self) -> None:
-        """Answer replay requests until cancelled.
-
-        A malformed request gets just the end marker (the client stops waiting at once) and
-        a warning; a client that vanished or stopped reading loses the rest of its reply.
-        Neither ends the task.
-        """
-        sock = self._replay
-        if sock is None:
-            raise RuntimeError("replay is disabled for this publisher")
-        while True:
-            frames: list[bytes] = await sock.recv_multipart()
-            try:
-                await self._answer(sock, frames)
-            except zmq.ZMQError as exc:
-                # EHOSTUNREACH: the client is gone; EAGAIN: its queue is full (it stopped
-                # reading). Either way only that reply is affected.
-                self._log.warning(
-                    "kv replay reply abandoned",
-                    identity=frames[0].hex() if frames else "",
-                    error=str(exc),
-                )
-
-    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
-        identity = frames[0]
-        start = _parse_replay_request(frames)
-        if start is None:
-            self._log.warning(
-                "malformed kv replay request",
-                identity=identity.hex(),
-                frames=len(frames),
-                sizes=[len(f) for f in frames[1:]],
-            )
-        else:
-            # Snapshot the part to send: publish() may append while a send yields.
-            buffer = self._buffer
-            # Seqs in the buffer are contiguous, so `start` maps to an index; clamp it, since
-            # a client may ask for any u64.
-            skip = min(max(0, start - buffer[0][0]), len(buffer)) if buffer else 0
-            for seq, payload in list(itertools.islice(buffer, skip, None)):
-                await sock.send_multipart(
-                    (identity, b"", self._topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK
-                )
-        await sock.send_multipart((identity, b"", *REPLAY_END_FRAMES), flags=zmq.NOBLOCK)
-
-
-def _parse_replay_request(frames: list[bytes]) -> int | None:
-    """The start seq of `[identity, b"", start_seq(8 bytes)]`, None when malformed."""
-    if len(frames) != 3 or frames[1] != b"":
-        return None
-    try:
-        return read_seq(frames[2])
-    except WireError:
-        return None
-
 
 def _log_task_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (exc := task.exception()) is not None:
@@ -255,6 +274,8 @@ class NullKvPublisher:
 
     endpoint: str | None = None
     replay_endpoint: str | None = None
+    replay: ReplayServer | None = None
+    overflows = 0
 
     @property
     def next_seq(self) -> int:

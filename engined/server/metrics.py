@@ -37,7 +37,7 @@ received the request.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -63,6 +63,7 @@ from engined.core.types import (
     SubmitHandoffPrefill,
     Submitted,
 )
+from engined.server.publisher_metrics import PublisherMetrics, WatchedPublisher
 
 if TYPE_CHECKING:
     from engined.config import DaemonConfig
@@ -355,6 +356,10 @@ class VllmMetrics(Collector):
         loop.pass_observers.append(rank.on_pass)
         self.ranks.append(rank)
         return rank
+
+    def watch_publishers(self, publishers: Sequence[WatchedPublisher]) -> None:
+        """Expose the KV publishers' slow-reader counters (engined.server.publisher_metrics)."""
+        self.registry.register(PublisherMetrics(self.model_name, publishers))
 
     def describe(self) -> list[Metric]:
         # NOTE: registering calls describe(); an empty list skips a collect() at start-up.

@@ -121,6 +121,35 @@ def nonblocking_sender(sock: zmq.asyncio.Socket) -> Callable[[Sequence[bytes]], 
     return send
 
 
+def overflow_aware_sender(sock: zmq.asyncio.Socket) -> Callable[[Sequence[bytes]], bool]:
+    """A never-blocking PUB send that reports when a subscriber could not take the message.
+
+    A PUB drops a message silently for a subscriber whose queue is at its high-water mark.
+    With XPUB_NODROP set, that send fails with EAGAIN instead (and reaches no one); it is then
+    repeated with XPUB_NODROP off, so every other subscriber still gets the message and the
+    full one drops it, exactly as a plain PUB would. Returns False when some subscriber missed
+    the message.
+
+    NOTE: libzmq stops writing to a full subscriber until it has read down to half its
+    queue, so from then until it catches up no further send fails: False marks the start of
+    each subscriber's overflow, not every message it misses.
+    """
+    sock.setsockopt(zmq.XPUB_NODROP, 1)
+    send = nonblocking_sender(sock)
+
+    def send_or_overflow(frames: Sequence[bytes]) -> bool:
+        if send(frames):
+            return True
+        sock.setsockopt(zmq.XPUB_NODROP, 0)
+        try:
+            send(frames)
+        finally:
+            sock.setsockopt(zmq.XPUB_NODROP, 1)
+        return False
+
+    return send_or_overflow
+
+
 class SocketRegistry:
     """Owns every socket of a daemon (or client) and closes them in reverse creation order.
 
