@@ -33,7 +33,7 @@ from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.logs import configure_logging
 from engined.server.settings import RuntimeSettings
-from engined.server.sockets import SocketRegistry, make_socket
+from engined.server.sockets import SocketRegistry
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
 from engined.wire import control as wire
 
@@ -108,7 +108,9 @@ class Daemon:
             await self.http.start(cfg.http_host, cfg.http_port)
         self._ctx = zmq.asyncio.Context()
         self._registry = registry = SocketRegistry()
-        control_sock = make_socket(
+        # NOTE: every bind goes through the registry, which refuses an ipc:// path a live
+        # socket owns (libzmq would silently take it over) and claims it (sockets.IpcClaim).
+        control_sock = registry.make(
             self._ctx,
             zmq.ROUTER,
             cfg.control_endpoint,
@@ -119,7 +121,6 @@ class Daemon:
             maxmsgsize=CONTROL_MAX_MESSAGE_BYTES,
             router_mandatory=True,
         )
-        registry.add(control_sock)
         kv_endpoints: list[str] = []
         replay_endpoints: list[str] = []
         fpm_endpoints: list[str] = []

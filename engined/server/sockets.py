@@ -8,6 +8,11 @@ by accident.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
+import socket
+import stat
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Final, Self
@@ -58,10 +63,14 @@ def make_socket(
 
     Raises:
         ValueError: `router_mandatory` on a socket that is not a ROUTER.
+        OSError: binding an `ipc://` path that a live socket owns, or that is not a socket
+            (see `check_ipc_path`).
         zmq.ZMQError: the bind or connect failed; the socket is closed before re-raising.
     """
     if router_mandatory and socket_type != zmq.ROUTER:
         raise ValueError(f"router_mandatory only applies to ROUTER sockets, not type {socket_type}")
+    if bind:
+        check_ipc_path(endpoint)
     sock = ctx.socket(socket_type)
     try:
         sock.setsockopt(zmq.SNDHWM, sndhwm)
@@ -81,6 +90,78 @@ def make_socket(
         sock.close(linger=0)
         raise
     return sock
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The filesystem path of an `ipc://` endpoint; None for tcp, abstract (`@`) or wildcard
+    names, which the kernel or libzmq already keep unique."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint.removeprefix("ipc://")
+    if not path or path.startswith("@") or "*" in path:
+        return None
+    return path
+
+
+def check_ipc_path(endpoint: str) -> None:
+    """Refuse to bind an `ipc://` path that a live socket owns, or that is not a socket.
+
+    libzmq unlinks whatever is at the path before binding there, so a second daemon given
+    the same endpoints would silently take them over from a running one (tcp refuses with
+    EADDRINUSE instead). A socket file nobody accepts on is stale (a killed daemon's) and
+    libzmq may replace it.
+
+    Raises:
+        OSError: EADDRINUSE when a process accepts connections there, EEXIST when the path
+            is not a socket (a file libzmq would delete).
+    """
+    path = ipc_path(endpoint)
+    if path is None:
+        return
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(errno.EEXIST, f"{endpoint}: {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return  # stale: nobody listens there
+    except OSError as exc:
+        # A full backlog (EAGAIN) or a timeout still means someone listens there.
+        raise OSError(errno.EADDRINUSE, f"{endpoint} is in use: {exc}") from None
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"{endpoint} is in use by another process")
+
+
+class IpcClaim:
+    """An exclusive lock on `<path>.lock` held while this process binds `path`.
+
+    `check_ipc_path` sees only a socket that is already listening; two daemons starting at
+    the same moment could both find the path free. The flock makes the check and the bind
+    one step per path. The lock file stays after exit (an unlocked one means nothing).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path + ".lock"
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise OSError(
+                errno.EADDRINUSE,
+                f"ipc://{path} is in use by another process (it holds {self.path})",
+            ) from None
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def bound_endpoint(sock: zmq.asyncio.Socket, fallback: str) -> str:
@@ -160,6 +241,7 @@ class SocketRegistry:
 
     def __init__(self) -> None:
         self._sockets: list[zmq.asyncio.Socket] = []
+        self._claims: list[IpcClaim] = []
         self._closed = False
 
     def make(
@@ -176,8 +258,15 @@ class SocketRegistry:
         router_mandatory: bool = False,
         routing_id: bytes | None = None,
     ) -> zmq.asyncio.Socket:
-        """`make_socket` with the same arguments, registering the result."""
+        """`make_socket` with the same arguments, registering the result.
+
+        A bound `ipc://` path is also claimed (`IpcClaim`) until `close()`.
+        """
         self._check_open()
+        path = ipc_path(endpoint) if bind else None
+        claim = IpcClaim(path) if path is not None else None
+        if claim is not None:
+            self._claims.append(claim)
         return self.add(
             make_socket(
                 ctx,
@@ -223,6 +312,8 @@ class SocketRegistry:
                 log.error("socket close failed", error=repr(exc))
                 if first_error is None:
                     first_error = exc
+        while self._claims:
+            self._claims.pop().release()
         if first_error is not None:
             raise first_error
 
