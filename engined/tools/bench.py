@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import random
 import time
 import uuid
-from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Literal
@@ -42,10 +40,11 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
 
 from engined.client import ClientClosedError, EngineClient, EngineError
 from engined.tools.args import DEFAULT_TIMEOUT
+from engined.tools.bench_report import Aborted, make_report, print_report
+from engined.tools.bench_report import percentile as percentile  # its home before the split
 from engined.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -53,7 +52,6 @@ from engined.tools.common import (
     ToolError,
     UsageError,
     control_client,
-    table_text,
     zmq_context,
 )
 from engined.tools.distributions import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, Distribution
@@ -62,6 +60,8 @@ from engined.tools.submit import VOCAB_SIZE
 
 DEFAULT_CONCURRENCY: Final = 8
 DEFAULT_REQUESTS: Final = 100
+# Seconds between liveness pings while the load runs (each waits up to min(--timeout, 10 s)).
+LIVENESS_INTERVAL_S: Final = 1.0
 _CANCEL_TIMEOUT_S: Final = 2.0
 
 
@@ -204,9 +204,8 @@ async def closed_loop(
     limit: int | None,
     deadline: float | None,
     done: Callable[[RequestResult], None],
-) -> list[RequestResult]:
+) -> None:
     """`concurrency` workers, each starting its next request when the last one finished."""
-    results: list[RequestResult] = []
     issued = 0
 
     async def worker() -> None:
@@ -217,12 +216,9 @@ async def closed_loop(
             index = issued
             issued += 1
             prompt, max_tokens = workload.next()
-            result = await run_one(index, prompt, max_tokens)
-            results.append(result)
-            done(result)
+            done(await run_one(index, prompt, max_tokens))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return results
 
 
 async def open_loop(
@@ -233,15 +229,13 @@ async def open_loop(
     limit: int | None,
     deadline: float | None,
     done: Callable[[RequestResult], None],
-) -> list[RequestResult]:
+) -> None:
     """Poisson arrivals at `rate`/s (seeded), each request started on time whatever is in flight."""
     arrivals = random.Random(f"engined-bench-{seed}-arrivals")
-    tasks: list[asyncio.Task[RequestResult]] = []
+    tasks: list[asyncio.Task[None]] = []
 
-    async def tracked(index: int, prompt: list[int], max_tokens: int) -> RequestResult:
-        result = await run_one(index, prompt, max_tokens)
-        done(result)
-        return result
+    async def tracked(index: int, prompt: list[int], max_tokens: int) -> None:
+        done(await run_one(index, prompt, max_tokens))
 
     next_at = time.perf_counter()
     try:
@@ -255,14 +249,37 @@ async def open_loop(
                 await asyncio.sleep(delay)
             prompt, max_tokens = workload.next()
             tasks.append(asyncio.create_task(tracked(len(tasks), prompt, max_tokens)))
-        return list(await asyncio.gather(*tasks))
+        await asyncio.gather(*tasks)
     finally:
         for task in tasks:
             task.cancel()
 
 
+async def watch_daemon(
+    client: EngineClient,
+    timeout: float,
+    *,
+    interval: float = LIVENESS_INTERVAL_S,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Return once the daemon stops answering `ping` within `timeout` (it is gone).
+
+    A DEALER never learns that its peer went away, so without this every request in flight,
+    and every one started after, would wait its whole --timeout: a vanished daemon took a
+    run of 200 requests at --timeout 2 97 s to notice, one request after another.
+    """
+    while True:
+        # Pacing the probes, not waiting for anything.
+        await sleep(interval)
+        try:
+            await client.ping(timeout=timeout)
+        except (TimeoutError, ClientClosedError):
+            return
+
+
 async def bench(options: BenchOptions, out: Output) -> int:
-    """Run the load, then print the report; exit 1 only when no request completed."""
+    """Run the load, then print the report; exit 1 when no request completed or the daemon
+    went away (what was measured until then is reported), 130 on Ctrl-C (likewise)."""
     if options.concurrency is not None and options.rate is not None:
         raise UsageError("--rate", "give either --concurrency (closed loop) or --rate (open loop)")
     concurrency = options.concurrency
@@ -279,10 +296,15 @@ async def bench(options: BenchOptions, out: Output) -> int:
         options.seed,
     )
     run_tag = uuid.uuid4().hex[:8]
+    mode: Literal["closed", "open"] = "closed" if concurrency is not None else "open"
+    results: list[RequestResult] = []
+    started = 0
 
     async with zmq_context() as ctx, control_client(ctx, options.control_endpoint) as client:
 
         def run_one(index: int, prompt: list[int], max_tokens: int) -> Awaitable[RequestResult]:
+            nonlocal started
+            started += 1
             return run_request(
                 client,
                 f"bench-{run_tag}-{index}",
@@ -296,182 +318,73 @@ async def bench(options: BenchOptions, out: Output) -> int:
         probe_timeout = min(options.timeout, DEFAULT_TIMEOUT)
         before = await fetch_stats(client, options.control_endpoint, probe_timeout)
         with _ProgressBar(out, limit) as progress:
+
+            def done(result: RequestResult) -> None:
+                results.append(result)
+                progress.advance(result)
+
             start = time.perf_counter()
             deadline = None if options.duration is None else start + options.duration
+            if concurrency is not None:
+                load = closed_loop(run_one, workload, concurrency, limit, deadline, done)
+            else:
+                assert options.rate is not None
+                load = open_loop(
+                    run_one, workload, options.rate, options.seed, limit, deadline, done
+                )
+
+            def report(aborted: Aborted | None, preemptions: int | None) -> dict[str, Any]:
+                return make_report(
+                    options,
+                    results,
+                    time.perf_counter() - start,
+                    preemptions,
+                    mode=mode,
+                    concurrency=concurrency,
+                    aborted=aborted,
+                    abandoned=started - len(results),
+                )
+
             try:
-                if concurrency is not None:
-                    results = await closed_loop(
-                        run_one, workload, concurrency, limit, deadline, progress.advance
-                    )
-                else:
-                    assert options.rate is not None
-                    results = await open_loop(
-                        run_one,
-                        workload,
-                        options.rate,
-                        options.seed,
-                        limit,
-                        deadline,
-                        progress.advance,
-                    )
+                gone = await _until_done_or_gone(load, watch_daemon(client, probe_timeout))
+            except asyncio.CancelledError:
+                # Ctrl-C (asyncio.run cancels the main task): report what was measured.
+                print_report(out, report("interrupted", None))
+                raise
             except ClientClosedError as error:
                 # The client's reader failed: every further request would fail the same way.
                 raise ToolError(f"lost the connection to the daemon: {error.__cause__!r}") from None
-            wall_s = time.perf_counter() - start
+        if gone:
+            print_report(out, report("daemon_gone", None))
+            raise ToolError(
+                f"the daemon at {options.control_endpoint} stopped answering (no pong within "
+                f"{probe_timeout:g} s); the report covers the run until then"
+            )
+        final = report(None, None)
         after = await fetch_stats(client, options.control_endpoint, options.timeout)
-
-    preemptions = sum(r.preemptions_total for r in after.ranks) - sum(
+    final["preemptions"] = sum(r.preemptions_total for r in after.ranks) - sum(
         r.preemptions_total for r in before.ranks
     )
-    report = make_report(
-        options,
-        results,
-        wall_s,
-        preemptions,
-        mode="closed" if concurrency is not None else "open",
-        concurrency=concurrency,
-    )
-    if out.json:
-        out.record(report)
-    else:
-        _print_report(out, report)
-    return EXIT_OK if report["requests"] > 0 else EXIT_FAILURE
+    print_report(out, final)
+    return EXIT_OK if final["requests"] > 0 else EXIT_FAILURE
 
 
-# --- the report -----------------------------------------------------------------------------
-
-
-def percentile(ordered: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) of sorted values, interpolated linearly (numpy's default)."""
-    if not ordered:
-        return None
-    pos = (len(ordered) - 1) * q / 100.0
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def summarize(values: Sequence[float]) -> dict[str, float | None]:
-    ordered = sorted(values)
-    return {
-        "mean": sum(ordered) / len(ordered) if ordered else None,
-        "p50": percentile(ordered, 50),
-        "p90": percentile(ordered, 90),
-        "p99": percentile(ordered, 99),
-        "max": ordered[-1] if ordered else None,
-    }
-
-
-def make_report(
-    options: BenchOptions,
-    results: Sequence[RequestResult],
-    wall_s: float,
-    preemptions: int,
-    *,
-    mode: Literal["closed", "open"],
-    concurrency: int | None,
-) -> dict[str, Any]:
-    """The report's stable keys; latencies in modeled ms (wall x speedup ratio)."""
-    ok = [r for r in results if r.error is None]
-    errors = Counter(r.error for r in results if r.error is not None)
-    to_ms = options.speedup_ratio * 1000.0
-    prompt_tokens = sum(r.prompt_tokens for r in ok)
-    output_tokens = sum(r.output_tokens for r in ok)
-    cached_tokens = sum(r.cached_tokens for r in ok)
-    per_s = 1.0 / wall_s if wall_s > 0 else 0.0
-    return {
-        "mode": mode,
-        "concurrency": concurrency,
-        "rate": options.rate,
-        "seed": options.seed,
-        "prompt_len": str(options.prompt_len),
-        "output_len": str(options.output_len),
-        "shared_prefix_ratio": options.shared_prefix_ratio,
-        "prefix_groups": options.prefix_groups,
-        "speedup_ratio": options.speedup_ratio,
-        "requests": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": dict(sorted(errors.items())),
-        "duration_s": wall_s,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "cached_tokens": cached_tokens,
-        "prefix_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
-        "requests_per_s": len(ok) * per_s,
-        "output_tokens_per_s": output_tokens * per_s,
-        "preemptions": preemptions,
-        "ttft_ms": summarize([r.ttft_s * to_ms for r in ok if r.ttft_s is not None]),
-        "itl_ms": summarize([x * to_ms for r in ok for x in r.itl_s]),
-        "e2e_ms": summarize([r.e2e_s * to_ms for r in ok if r.e2e_s is not None]),
-    }
-
-
-def _print_report(out: Output, report: dict[str, Any]) -> None:
-    load = (
-        f"closed loop, concurrency {report['concurrency']}"
-        if report["mode"] == "closed"
-        else f"open loop, {report['rate']:g} requests/s (Poisson)"
-    )
-    hit = report["prefix_hit_rate"]
-    errors = ", ".join(f"{code} {n}" for code, n in report["errors"].items())
-    summary = [
-        ("load", load),
-        (
-            "workload",
-            f"prompt {report['prompt_len']}, output {report['output_len']}, "
-            f"shared prefix {report['shared_prefix_ratio']:g} "
-            f"of {report['prefix_groups']} group(s)",
-        ),
-        (
-            "requests",
-            f"{report['requests']} completed, {report['failed']} failed"
-            + (f" ({errors})" if errors else ""),
-        ),
-        ("duration", f"{report['duration_s']:.3f} s (wall)"),
-        (
-            "throughput",
-            f"{report['requests_per_s']:.1f} requests/s, "
-            f"{report['output_tokens_per_s']:.1f} output tokens/s (wall)",
-        ),
-        (
-            "prefix hits",
-            "-"
-            if hit is None
-            else f"{hit * 100.0:.1f}% ({report['cached_tokens']} of {report['prompt_tokens']} "
-            "prompt tokens cached)",
-        ),
-        ("preemptions", str(report["preemptions"])),
-    ]
-    headers = ("latency (modeled ms)", "mean", "p50", "p90", "p99", "max")
-    rows = [
-        [name, *(_ms(report[key][stat]) for stat in ("mean", "p50", "p90", "p99", "max"))]
-        for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("e2e", "e2e_ms"))
-    ]
-    note = f"modeled = wall x speedup ratio {report['speedup_ratio']:g}"
-    if out.console is not None:
-        table = Table(show_header=False, title="engined bench", title_justify="left")
-        table.add_column(style="bold")
-        table.add_column()
-        for name, value in summary:
-            table.add_row(name, value)
-        out.render(table)
-        latency = Table(caption=note, caption_justify="left")
-        for header in headers:
-            latency.add_column(header, justify="left" if header == headers[0] else "right")
-        for row in rows:
-            latency.add_row(*row)
-        out.render(latency)
-        return
-    width = max(len(name) for name, _ in summary)
-    for name, value in summary:
-        out.line(f"{name.ljust(width)}  {value}")
-    for line in table_text(headers, rows):
-        out.line(line)
-    out.line(f"({note})")
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+async def _until_done_or_gone(
+    load: Coroutine[Any, Any, None], watch: Coroutine[Any, Any, None]
+) -> bool:
+    """Run the load while watching the daemon; True when the daemon went away first."""
+    load_task = asyncio.ensure_future(load)
+    watch_task = asyncio.ensure_future(watch)
+    try:
+        await asyncio.wait((load_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
+        if load_task.done():
+            load_task.result()  # raises what the load raised
+            return False
+        return True
+    finally:
+        for task in (load_task, watch_task):
+            task.cancel()
+        await asyncio.gather(load_task, watch_task, return_exceptions=True)
 
 
 class _ProgressBar:
