@@ -813,8 +813,9 @@ def test_second_sigterm_skips_the_drain(tmp_path: Path) -> None:
     2. SIGTERM; submit probes until one is refused (the drain has begun);
     3. SIGTERM again; read the rest of the stream; wait for the process.
 
-    Result: the stream ends with finish_reason "cancelled" and the process exits with code
-    0 within a few seconds, far sooner than the 30 s drain timeout.
+    Result: the stream ends with finish_reason "cancelled" after a handful of passes, where
+    the 30 s drain would have run ~3,000 more (counted in passes, not wall seconds, so a
+    loaded machine cannot fail it), and the process exits with code 0.
     """
 
     async def scenario(d: DaemonProcess) -> None:
@@ -824,15 +825,15 @@ def test_second_sigterm_skips_the_drain(tmp_path: Path) -> None:
             await anext(stream)
             d.proc.send_signal(signal.SIGTERM)
             probes = await submit_until_shutting_down(client)
-            second = time.monotonic()
             d.proc.send_signal(signal.SIGTERM)
             entries = [entry async for entry in stream]
             assert entries[-1].finish_reason == "cancelled"
+            # One entry per 10 ms pass: the drain (30 s) was skipped, not waited out.
+            assert len(entries) < 300, len(entries)
             for probe in probes:
                 gen = await client.collect(probe, timeout=WAIT_S)
                 assert gen.finish_reason in ("length", "cancelled")
-        assert await asyncio.to_thread(d.proc.wait, 5.0) == 0
-        assert time.monotonic() - second < 5.0
+        assert await asyncio.to_thread(d.proc.wait, WAIT_S) == 0
 
     with start_daemon(tmp_path, *PACED) as d:
         run(scenario(d))

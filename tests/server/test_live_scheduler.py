@@ -529,9 +529,10 @@ def test_productive_zero_duration_live_pass_continues_without_external_wake(
        caching, speedup 1000.
     2. Submit prompt [1] * 4 with 1 output; the submit reply is awaited, then the output.
 
-    Result: the request's output arrives within 1 s of the submit (the admission pass takes no
-    modeled time, yet the loop runs the next pass without waiting for another command), and it
-    is the request's finished entry with 1 token.
+    Result: the request's output arrives although no further command is sent (the admission
+    pass takes no modeled time, yet the loop runs the next pass without waiting for a command:
+    a loop that waited would never answer, so a generous timeout tells the two apart without
+    timing anything), and it is the request's finished entry with 1 token.
     """
     flags = [
         *engine_flags(
@@ -545,17 +546,14 @@ def test_productive_zero_duration_live_pass_continues_without_external_wake(
         "decode",
     ]
 
-    async def scenario(daemon: DaemonProcess) -> tuple[float, Generation]:
+    async def scenario(daemon: DaemonProcess) -> Generation:
         async with await EngineClient.connect(daemon.control) as client:
             await client.hello(timeout=WAIT_S)
-            start = time.monotonic()
-            gen = await client.generate([1] * 4, 1, request_id="req-31001", timeout=1.0)
-            return time.monotonic() - start, gen
+            return await client.generate([1] * 4, 1, request_id="req-31001", timeout=WAIT_S)
 
     with start_daemon(tmp_path, *flags) as daemon:
-        elapsed, gen = run(scenario(daemon))
+        gen = run(scenario(daemon))
 
-    assert elapsed < 1.0, elapsed
     assert gen.request_id == "req-31001"
     assert gen.finish_reason == "length"
     assert len(gen.token_ids) == 1
@@ -607,7 +605,9 @@ def test_fpm_sent_through_sink(tmp_path: Path) -> None:
     Result: the first message after the submit is the request's pass: 1 prefill request, 8
     prefill tokens, wall_time > 0. Every message has version 1, dp_rank 0 and counter_id ==
     its seq, seqs consecutive. After the request's passes (all with wall_time > 0), an
-    all-zero heartbeat (wall_time 0.0) arrives about a second after the last pass.
+    all-zero heartbeat (wall_time 0.0) follows. (That it comes a second after the last pass
+    is checked on a fake clock in test_publishers.py::test_heartbeat_deadlines; arrival times
+    at a subscriber on a shared machine cannot tell it.)
     """
     flags = engine_flags(
         block_size=4,
@@ -654,7 +654,5 @@ def test_fpm_sent_through_sink(tmp_path: Path) -> None:
     assert first.scheduled_requests.sum_prefill_tokens == 8
     assert first.wall_time > 0.0
     assert all(fpm.wall_time > 0.0 for _, fpm, _ in passes)
-    _, _, last_pass_at = passes[-1]
-    _, heartbeat, heartbeat_at = messages[-1]
+    _, heartbeat, _ = messages[-1]
     assert heartbeat.wall_time == 0.0
-    assert 0.5 <= heartbeat_at - last_pass_at <= 2.5, heartbeat_at - last_pass_at
