@@ -30,6 +30,7 @@ from engined.wire.constraints import (
 # Re-exported: callers of ControlDecoder catch WireError from here.
 from engined.wire.errors import ErrorCode as ErrorCode
 from engined.wire.errors import WireError as WireError
+from engined.wire.probe import probe_id
 
 PROTOCOL_VERSION: Final = 1
 REQUEST_ID_MAX_BYTES: Final = 256
@@ -417,12 +418,6 @@ _CONSTRAINT_FAILURE: Final = re.compile(r"^Expected `[^`]*` (?:of length )?[<>]=
 Body: TypeAlias = bytes | bytearray | memoryview
 
 
-class _IdProbe(msgspec.Struct):
-    """Reads only `id` (other keys ignored) to echo it in the error reply to a bad message."""
-
-    id: MessageId | None = None
-
-
 class ControlDecoder:
     """Decodes and validates client messages; build one per control socket.
 
@@ -433,7 +428,6 @@ class ControlDecoder:
 
     def __init__(self) -> None:
         self._decoder = msgspec.msgpack.Decoder(ClientMessage)
-        self._id_probe = msgspec.msgpack.Decoder(_IdProbe)
 
     def decode(self, body: Body) -> ClientMessage:
         """Decode one message body.
@@ -451,11 +445,18 @@ class ControlDecoder:
             )
             raise WireError(code, text, message_id=self._probe_id(body)) from None
         except msgspec.DecodeError as exc:
-            raise WireError("bad_message", f"Not a MessagePack message: {exc}") from None
+            # Invalid UTF-8 or truncation is a DecodeError, yet the id may still be readable.
+            raise WireError(
+                "bad_message",
+                f"Not a MessagePack message: {exc}",
+                message_id=self._probe_id(body),
+            ) from None
         except RecursionError:
             # NOTE: msgspec recurses even to skip a value, so deeply nested input raises
             # RecursionError; it is a malformed message like any other, not a daemon failure.
-            raise WireError("bad_message", "Message is nested too deeply") from None
+            raise WireError(
+                "bad_message", "Message is nested too deeply", message_id=self._probe_id(body)
+            ) from None
         if msg.id is not None:
             check_message_id(msg.id)
         try:
@@ -466,10 +467,7 @@ class ControlDecoder:
         return msg
 
     def _probe_id(self, body: Body) -> int | str | None:
-        try:
-            message_id = self._id_probe.decode(body).id
-        except (msgspec.DecodeError, RecursionError):
-            return None
+        message_id = probe_id(body)
         if message_id is None:
             return None
         try:
