@@ -130,10 +130,6 @@ class BlockPool:
         self.inactive = LineageIndex()
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def num_inactive(self) -> int:
         return self.inactive.count
 

@@ -43,6 +43,11 @@ def chain_hash(parent: int, local: int) -> int:
     return _xxh3(_pack_pair(parent, local), seed=HASH_SEED)
 
 
+def sequence_hash(parent: int | None, local: int) -> int:
+    """The sequence hash of a block whose local hash is `local`; `parent` None at the root."""
+    return local if parent is None else _xxh3(_pack_pair(parent, local), seed=HASH_SEED)
+
+
 def block_hashes(tokens: Sequence[int], block_size: int) -> tuple[list[int], list[int]]:
     """Local and sequence hashes of every full block of `tokens`."""
     data = token_bytes(tokens)

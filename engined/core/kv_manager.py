@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from engined.core.offload.engine import OffloadEngine
     from engined.core.state import OffloadDependency
 
-_MASK64 = (1 << 64) - 1
-
 
 class DestinationReservation:
     """KV held for an incoming transfer: a pinned cached prefix plus fresh unpublished slots."""

@@ -409,10 +409,14 @@ class VllmCore(TierHandling):
             self._undo_scheduled(victim)
             if victim == request_id:
                 return CURRENT_PREEMPTED, 0, cached
-        req.num_computed_tokens = actual
         tokens_used = actual - before
         if tokens_used == 0 and actual < length:
+            # A waiting request that could not start keeps no computed tokens: its prefix
+            # hit is looked up again at its next admission, and reported then.
+            if not from_waiting:
+                req.num_computed_tokens = actual
             return BLOCKED, 0, cached
+        req.num_computed_tokens = actual
         prompt_tokens = min(actual, prompt_len) - prompt_before
         self._scheduled[request_id] = ScheduledWork(
             tokens_used,

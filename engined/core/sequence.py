@@ -17,13 +17,8 @@ import random
 from array import array
 from collections.abc import Callable
 
-from engined.core.hashing import HASH_SEED, lineage_key
+from engined.core.hashing import block_hashes, lineage_key, local_block_hash, sequence_hash
 from engined.core.vocab import Vocabulary
-
-import xxhash  # isort: skip
-
-_xxh3 = xxhash.xxh3_64_intdigest
-_U64 = (1 << 64) - 1
 
 
 class Use:
@@ -162,23 +157,12 @@ class Sequence:
         self.parent_keys: list[int | None] = []
         self.local: list[int] = []
         if caching:
-            data = self.tokens.tobytes()
-            step = block_size * 4
-            parent = 0
-            for pos in range(n_full):
-                lh = _xxh3(data[pos * step : (pos + 1) * step], seed=HASH_SEED)
-                h = (
-                    lh
-                    if pos == 0
-                    else _xxh3(
-                        parent.to_bytes(8, "little") + lh.to_bytes(8, "little"), seed=HASH_SEED
-                    )
-                )
-                self.local.append(lh)
-                self.hashes.append(h)
-                self.parent_keys.append(self.keys[-1] if pos else None)
-                self.keys.append(lineage_key(pos, h))
-                parent = h
+            self.local, self.hashes = block_hashes(self.tokens, block_size)
+            keys = self.keys
+            parent_keys = self.parent_keys
+            for pos, h in enumerate(self.hashes):
+                parent_keys.append(keys[-1] if pos else None)
+                keys.append(lineage_key(pos, h))
         else:
             getrandbits = rng.getrandbits
             for pos in range(n_full):
@@ -205,7 +189,8 @@ class Sequence:
     def prepare_allocation(self, cumulative_tokens: int) -> Use | None:
         """The Use that extends the allocation to cover `cumulative_tokens`, or None.
 
-        Pure: stable until `commit_allocation`, so the caller may retry it after preempting.
+        Pure: stable until `num_allocated_tokens` moves, so the caller may retry it after
+        preempting.
         """
         bs = self.block_size
         n_full = len(self.hashes)
@@ -225,9 +210,6 @@ class Sequence:
             self.hashes[prev - 1] if prev > 0 else None,
             self.tokens if self.emit_token_ids else None,
         )
-
-    def commit_allocation(self, cumulative_tokens: int) -> None:
-        self.num_allocated_tokens = cumulative_tokens
 
     def generate_token(self) -> tuple[int, list[BlockMove]]:
         """Sample the next token; returns it with the block moves it requires.
@@ -263,15 +245,9 @@ class Sequence:
             parent = self.hashes[-1] if pos else None
             block = tokens[pos * bs : (pos + 1) * bs]
             if self.caching:
-                lh: int | None = _xxh3(block.tobytes(), seed=HASH_SEED)
+                lh: int | None = local_block_hash(block)
                 assert lh is not None
-                h = (
-                    lh
-                    if parent is None
-                    else _xxh3(
-                        parent.to_bytes(8, "little") + lh.to_bytes(8, "little"), seed=HASH_SEED
-                    )
-                )
+                h = sequence_hash(parent, lh)
                 self.local.append(lh)
                 parent_key = self.keys[-1] if pos else None
             else:

@@ -31,10 +31,6 @@ class Distribution:
             return rng.randint(int(self.a), int(self.b))
         return max(1, round(rng.gauss(self.a, self.b)))
 
-    @property
-    def is_fixed(self) -> bool:
-        return self.kind == "fixed"
-
     def __str__(self) -> str:
         if self.kind == "fixed":
             return f"fixed:{int(self.a)}"

@@ -215,12 +215,12 @@ def test_running_request_catches_up_decode_tail_before_promote() -> None:
     creation = seq.prepare_allocation(len(seq))
     assert creation is not None and creation.num_blocks == 2
     assert core.kv.use(creation)
-    seq.commit_allocation(len(seq))
+    seq.num_allocated_tokens = len(seq)
     for _ in range(6):
         _, moves = seq.generate_token()
         assert core.kv.apply_all(moves)
         if seq.generated < seq.max_output_tokens:
-            seq.commit_allocation(len(seq))
+            seq.num_allocated_tokens = len(seq)
     assert seq.num_allocated_tokens == 12
     assert core.kv.num_active_blocks() == 3
     assert core.kv.apply_all(seq.reset_with_moves())
@@ -228,7 +228,7 @@ def test_running_request_catches_up_decode_tail_before_promote() -> None:
     prompt_only = seq.prepare_allocation(seq.num_input_tokens)
     assert prompt_only is not None and prompt_only.num_blocks == 2
     assert core.kv.use(prompt_only)
-    seq.commit_allocation(seq.num_input_tokens)
+    seq.num_allocated_tokens = seq.num_input_tokens
     assert core.kv.num_active_blocks() == 2
 
     core.state.requests[rid] = RequestState(

@@ -647,3 +647,49 @@ def test_a_preempted_request_is_not_readmitted_onto_blocks_freed_for_a_waiter() 
         now = max(passes[-1].end_ms, now)
         assert len(passes) < 20, "the workload must drain"
     assert core.state.preemptions_total == 1
+
+
+def test_a_request_that_waits_on_an_offload_reports_its_cached_prefix() -> None:
+    """Issue 11's G2 defect: an admission that waits on a copy-out keeps its prefix hit.
+
+    bs 4, 5 G1 blocks, caching on, G2 at 1 ms per block.
+    1. Q (8 tokens, 1 output) then A (prompt P, 8 tokens, 1 output) run to completion:
+       Q's two blocks, then P's two, are inactive; one block is free.
+    2. C (P + 8 new tokens, 1 output) arrives. Admitting it revives P and needs two fresh
+       blocks: the free one and Q's leaf, whose eviction starts a G1->G2 copy.
+    3. Passes until C emits.
+
+    Expected: C waits for the copy (no token in the pass it was first tried), then runs and
+    its first output reports the 8 cached tokens of P, as it would without a G2 tier; the
+    pass that admits it counts them as prefix-cache hits (16 queried, 8 hit).
+    """
+    core = core_with(num_gpu_blocks=5, enable_prefix_caching=True)
+    attach_g1_offload_engine(core)
+    prefix = list(range(8))
+    now = 0.0
+    for request_id, tokens in (("q", list(range(100, 108))), ("a", prefix)):
+        core.receive(request(request_id, tokens, 1))
+        while not core.is_empty():
+            now = max(now, core.execute_pass(now).end_ms)
+    assert core.kv.num_inactive_blocks() == 4
+
+    core.receive(request("c", [*prefix, *range(200, 208)], 1))
+    first = core.execute_pass(now)
+    assert signals_of(first, "c") == []
+    waiting = core.state.requests["c"]
+    assert waiting.status is RequestStatus.WAITING
+    assert waiting.offload_dependency is not None, "the admission waits on the copy-out"
+
+    cached: list[int | None] = []
+    admitting = None
+    for _ in range(10):
+        now = max(now, core.earliest_offload_deadline() or now)
+        result = core.execute_pass(now)
+        if result.admissions:
+            admitting = result
+        cached += [s.cached_tokens for s in signals_of(result, "c")]
+        if core.is_empty():
+            break
+    assert cached == [8]
+    assert admitting is not None
+    assert (admitting.prefix_cache_queries, admitting.prefix_cache_hits) == (16, 8)

@@ -42,10 +42,6 @@ class BandwidthLink:
         self._transfer_ids: list[int] = []
         self._remaining: list[float] = []
 
-    @property
-    def active_count(self) -> int:
-        return len(self._transfer_ids)
-
     def is_idle(self) -> bool:
         return not self._transfer_ids
 

@@ -75,9 +75,6 @@ class Tier:
                 self._events.append(TierEvent(TierEventKind.REMOVED, self.medium, meta))
         return slots
 
-    def free_slot(self, slot: int) -> None:
-        self.pool.release_mutable(slot)
-
     def register(
         self, slot: int, key: int, parent_key: int | None, meta: BlockMeta | None = None
     ) -> int:
