@@ -22,7 +22,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import structlog
 
@@ -31,6 +31,7 @@ from engined.dynamo.args import DisaggregationMode
 from engined.wire.control import DestinationReservedEvent, OutputEntry
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 # The key under `disaggregated_params` that carries engined's handoff (other engines' keys
 # never collide with it).
@@ -176,16 +177,15 @@ class RequestHandler:
     async def _aggregated(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
         token_ids, max_tokens, dp_rank = self._parse(request)
         request_id = _request_id(context)
-        try:
-            submitted = await self._client.submit(
+        submitted = await _refusing(
+            self._client.submit(
                 token_ids,
                 max_tokens,
                 request_id=request_id,
                 dp_rank=dp_rank,
                 timeout=CALL_TIMEOUT_S,
             )
-        except EngineError as exc:
-            raise refusal(exc) from None
+        )
         usage = _Usage(len(token_ids))
         async for chunk in self._stream(submitted.request_id, usage, context):
             yield chunk
@@ -193,8 +193,8 @@ class RequestHandler:
     async def _prefill(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
         token_ids, _, dp_rank = self._parse(request)
         handoff_id = request_id = _request_id(context)
-        try:
-            submitted = await self._client.submit_handoff_prefill(
+        submitted = await _refusing(
+            self._client.submit_handoff_prefill(
                 handoff_id,
                 token_ids,
                 1,
@@ -202,8 +202,7 @@ class RequestHandler:
                 dp_rank=dp_rank,
                 timeout=CALL_TIMEOUT_S,
             )
-        except EngineError as exc:
-            raise refusal(exc) from None
+        )
         usage = _Usage(len(token_ids))
         delay_ms = 0.0
         last: Chunk | None = None
@@ -245,8 +244,8 @@ class RequestHandler:
         request_id = _request_id(context)
         activated = False
         try:
-            try:
-                accepted = await self._client.reserve_destination(
+            accepted = await _refusing(
+                self._client.reserve_destination(
                     handoff_id,
                     token_ids,
                     max_tokens,
@@ -254,8 +253,7 @@ class RequestHandler:
                     dp_rank=dp_rank,
                     timeout=CALL_TIMEOUT_S,
                 )
-            except EngineError as exc:
-                raise refusal(exc) from None
+            )
             reserved = await self._until_stopped(
                 self._client.next_lifecycle(handoff_id, timeout=None), context
             )
@@ -372,6 +370,14 @@ class RequestHandler:
         if dp_rank is not None and (not isinstance(dp_rank, int) or dp_rank < 0):
             raise RequestFailed(400, f"routing.dp_rank: expected an int >= 0, got {dp_rank!r}")
         return token_ids, max_tokens, dp_rank
+
+
+async def _refusing(call: Awaitable[T]) -> T:
+    """`call`'s result; an engined refusal becomes the RequestFailed the client is shown."""
+    try:
+        return await call
+    except EngineError as exc:
+        raise refusal(exc) from None
 
 
 def _request_id(context: Context) -> str:
