@@ -22,7 +22,7 @@ from engined.core.errors import (
 )
 from engined.core.handoff import HeldDestination
 from engined.core.sequence import BlockMove, Sequence
-from engined.core.state import OffloadDependency, RequestState, RequestStatus
+from engined.core.state import RequestState, RequestStatus
 from engined.core.types import (
     APPLIED,
     NOOP,
@@ -57,9 +57,9 @@ if TYPE_CHECKING:
         SourceHolds,
     )
     from engined.core.kv_manager import KvManager
+    from engined.core.offload.parking import SwapInParking
     from engined.core.policy import AdmissionPolicy
     from engined.core.state import SchedulerState
-    from engined.core.swap_in import SwapInParking
 
 
 class CommandHandling:
@@ -128,18 +128,14 @@ class CommandHandling:
         finally:
             offload.eviction_now_ms = previous
 
-    def offload_dependency_live(self, req: RequestState) -> bool:
+    def offload_wait_live(self, req: RequestState) -> bool:
         """Refresh `req`'s offload dependency; True while its offload is still in flight."""
-        dependency = req.offload_dependency
+        dependency = req.offload_wait
         if dependency is None:
             return False
         offload = self.kv.offload
-        fresh = (
-            offload.engine.g1_offload_dependency(dependency.offload_id)
-            if offload is not None
-            else None
-        )
-        req.offload_dependency = OffloadDependency(*fresh) if fresh is not None else None
+        fresh = offload.engine.offload_wait(dependency.lease_id) if offload is not None else None
+        req.offload_wait = fresh
         return fresh is not None
 
     def apply_command_effects(
@@ -309,15 +305,15 @@ class CommandHandling:
         head = pending.front_due(generation)
         if head is None:
             return []
-        if self.offload_dependency_live(head.request):
+        if self.offload_wait_live(head.request):
             pending.mark_front_attempted(generation)
             return []
         reservation = self.kv.reserve_destination(head.request.seq)
         pending.mark_front_attempted(generation)
         if reservation is None:
-            blocked = self.kv.take_offload_blocked()
+            blocked = self.kv.take_offload_wait()
             if blocked is not None:
-                head.request.offload_dependency = blocked
+                head.request.offload_wait = blocked
             return []
         pending.pop(head.handoff_id)
         self.destination_holds.insert(HeldDestination(head.handoff_id, head.request, reservation))

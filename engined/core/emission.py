@@ -124,7 +124,7 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int, i
         cleanup: list[BlockMove] = []
         emitted = completed = False
         while request_id in running_members:
-            if offload and core.offload_dependency_live(req):
+            if offload and core.offload_wait_live(req):
                 break
             token, moves = seq.generate_token()
             completed = seq.generated >= seq.max_output_tokens
@@ -138,9 +138,9 @@ def emit_ready_tokens(core: VllmCore) -> tuple[float, list[OutputSignal], int, i
                 break
             seq.pop()
             if offload:
-                blocked = kv.take_offload_blocked()
+                blocked = kv.take_offload_wait()
                 if blocked is not None:
-                    req.offload_dependency = blocked
+                    req.offload_wait = blocked
                     break
             victim = core.preempt()
             if victim is None or victim == request_id:
@@ -175,7 +175,7 @@ def _emit_speculative(
     bs = core.block_size
     max_burst = 1 if core.is_prefill_worker else len(sampler.rates) + 1
     offload = kv.offload is not None
-    if offload and any(core.offload_dependency_live(req) for req in ready):
+    if offload and any(core.offload_wait_live(req) for req in ready):
         return 0.0, signals, 0
     while True:
         required = 0
@@ -188,11 +188,11 @@ def _emit_speculative(
         if reservation is not None:
             break
         if offload:
-            blocked = kv.take_offload_blocked()
+            blocked = kv.take_offload_wait()
             if blocked is not None:
                 # The reservation evicted blocks still being copied out: nobody bursts.
                 for req in ready:
-                    req.offload_dependency = blocked
+                    req.offload_wait = blocked
                 return 0.0, signals, 0
         if core.preempt() is None:
             return 0.0, signals, 0

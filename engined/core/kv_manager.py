@@ -13,7 +13,7 @@ and queues the events a real vLLM worker would publish for it:
 With prefix caching off nothing is published and event ids never advance.
 
 With offload tiers attached (`attach_offload`), an allocation that evicts registered blocks
-goes through `KvOffload` instead (engined/core/kv_offload.py): the evicted blocks are copied
+goes through `KvOffload` instead (engined/core/offload/g1_glue.py): the evicted blocks are copied
 to G2 before their slots can be reused, and the allocation may have to wait for that.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engined.core.block_pool import BlockPool
-from engined.core.kv_offload import KvOffload
+from engined.core.offload.g1_glue import KvOffload
 
 # NOTE: PrefillCost moved to prefix_hit with the rule; re-exported for existing importers.
 from engined.core.prefix_hit import PrefillCost as PrefillCost
@@ -31,8 +31,8 @@ from engined.core.sequence import BlockMove, Deref, Promote, Sequence, Use
 from engined.core.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 if TYPE_CHECKING:
-    from engined.core.offload.engine import OffloadEngine
-    from engined.core.state import OffloadDependency
+    from engined.core.offload.tier_engine import TierEngine
+    from engined.core.offload.types import OffloadWait
 
 
 class DestinationReservation:
@@ -89,11 +89,11 @@ class KvManager:
         self._events: list[KvEvent] = []
         self.offload: KvOffload | None = None
 
-    def attach_offload(self, engine: OffloadEngine) -> None:
+    def attach_offload(self, engine: TierEngine) -> None:
         """Give this pool lower tiers. Blocks published before keep no router metadata."""
         self.offload = KvOffload(engine)
 
-    def take_offload_blocked(self) -> OffloadDependency | None:
+    def take_offload_wait(self) -> OffloadWait | None:
         """The offload the last failed allocation must wait for (None: it simply failed)."""
         return self.offload.take_blocked() if self.offload is not None else None
 

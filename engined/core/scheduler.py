@@ -16,8 +16,8 @@ Time is data: the caller passes `now_ms`, the result carries the modeled `end_ms
 
 With offload tiers (G2 host, G3 disk; `num_g2_blocks` and `kv_bytes_per_token`), every pass
 first advances the tiers to `now_ms` and re-queues requests whose lower-tier prefix has
-landed (engined/core/swap_in.py); allocations that evict wait for the evicted blocks to be
-copied out instead of preempting (engined/core/kv_offload.py); a pass that could do nothing
+landed (engined/core/offload/parking.py); allocations that evict wait for the evicted blocks to be
+copied out instead of preempting (engined/core/offload/g1_glue.py); a pass that could do nothing
 but wait for a transfer ends at the transfer's deadline. Without them none of this runs.
 """
 
@@ -34,7 +34,9 @@ from engined.core.fpm import ScheduledWork, build_snapshot
 from engined.core.handoff import ActiveDestinations, SourceHolds
 from engined.core.kv_manager import KvManager, PrefillCost
 from engined.core.offload.config import OffloadConfig
-from engined.core.offload.engine import OffloadEngine
+from engined.core.offload.parking import BLOCKED as SWAP_IN_BLOCKED
+from engined.core.offload.parking import PARKED, SwapInParking
+from engined.core.offload.tier_engine import TierEngine
 from engined.core.perf_model import make_perf_model, scale_ms
 from engined.core.policy import AdmissionPolicy, Decision, TrtllmNoEvictPolicy
 from engined.core.prefix_hit import PrefixHit
@@ -47,8 +49,6 @@ from engined.core.queued import (
 )
 from engined.core.speculative import SpeculativeSampler
 from engined.core.state import RequestStatus
-from engined.core.swap_in import BLOCKED as SWAP_IN_BLOCKED
-from engined.core.swap_in import PARKED, SwapInParking
 from engined.core.tiers import TierHandling, tier_metrics
 from engined.core.types import (
     Admission,
@@ -109,7 +109,7 @@ class VllmCore(TierHandling):
         self.swap_ins = SwapInParking()
         offload_config = OffloadConfig.from_args(args)
         if offload_config is not None:
-            self.kv.attach_offload(OffloadEngine(offload_config))
+            self.kv.attach_offload(TierEngine(offload_config))
         # FPM's queued-request tallies, kept by the queues themselves (engined/core/queued.py).
         self.queued = QueuedLengths()
         self.state = TalliedState(
@@ -306,9 +306,9 @@ class VllmCore(TierHandling):
         waited = False
         for request_id in self.state.running:
             req = requests[request_id]
-            if req.offload_dependency is not None:
+            if req.offload_wait is not None:
                 waited = True
-                self.offload_dependency_live(req)
+                self.offload_wait_live(req)
         return waited
 
     def _admit_waiting(self, now_ms: float) -> tuple[list[Admission], list[str]]:
@@ -323,7 +323,7 @@ class VllmCore(TierHandling):
             if request_id is None:
                 break
             req = requests[request_id]
-            if offload and self.offload_dependency_live(req):
+            if offload and self.offload_wait_live(req):
                 break
             cost: PrefillCost | None
             if req.prompt_is_prebuilt():
@@ -383,7 +383,7 @@ class VllmCore(TierHandling):
         desired = min(remaining, budget)
         if desired == 0 and remaining > 0:
             return BLOCKED, 0, cached
-        if req.offload_dependency is not None and self.offload_dependency_live(req):
+        if req.offload_wait is not None and self.offload_wait_live(req):
             return BLOCKED, 0, cached
         target = before + desired
         actual = target
@@ -395,10 +395,10 @@ class VllmCore(TierHandling):
             if use is None or kv.use(use):
                 seq.num_allocated_tokens = target
                 break
-            blocked = kv.take_offload_blocked()
+            blocked = kv.take_offload_wait()
             if blocked is not None:
                 # The eviction this allocation needs is being offloaded: wait for it.
-                req.offload_dependency = blocked
+                req.offload_wait = blocked
                 actual = before
                 break
             victim = self.preempt()
@@ -465,7 +465,7 @@ class VllmCore(TierHandling):
                     u
                     for u in order
                     if requests[u].status is RequestStatus.RUNNING
-                    and not self.offload_dependency_live(requests[u])
+                    and not self.offload_wait_live(requests[u])
                 ),
                 None,
             )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 
+from engined.core.offload.types import OffloadWait
 from engined.core.sequence import Sequence
 
 
@@ -15,17 +15,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
-
-
-class OffloadDependency(NamedTuple):
-    """The G1->G2 offload a request waits for instead of preempting (upstream's dependency).
-
-    `offload_id` is the offload lease; `deadline_ms` the earliest completion on the G1->G2
-    link when last refreshed (None for a transfer that carries no bytes).
-    """
-
-    offload_id: int
-    deadline_ms: float | None
 
 
 @dataclass(slots=True, eq=False)
@@ -39,7 +28,7 @@ class RequestState:
     cached_prefix_tokens: int | None = None
     cached_tokens_reported: bool = False
     # Set while an allocation of this request waits on a G1->G2 offload (offload tiers only).
-    offload_dependency: OffloadDependency | None = None
+    offload_wait: OffloadWait | None = None
 
     def prompt_is_prebuilt(self) -> bool:
         """An activated destination: its prompt KV arrived by transfer, nothing to prefill."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import msgspec
 
 from engined.core.commands import CommandHandling
-from engined.core.offload.engine import OffloadEngine
-from engined.core.swap_in import ParkedSwapIn
+from engined.core.offload.parking import ParkedSwapIn
+from engined.core.offload.tier_engine import TierEngine
 from engined.core.types import EngineMetrics, LifecycleEvent, OffloadTickEffects
 
 
@@ -25,7 +25,7 @@ class TierHandling(CommandHandling):
         """Requests parked on a lower-tier prefix copy, in park order."""
         return self.swap_ins.parked
 
-    def attach_offload_engine(self, engine: OffloadEngine) -> None:
+    def attach_offload_engine(self, engine: TierEngine) -> None:
         """Give this core lower tiers built elsewhere (tests; `args` build them otherwise)."""
         self.kv.attach_offload(engine)
 
@@ -53,7 +53,7 @@ class TierHandling(CommandHandling):
         return OffloadTickEffects(self.kv.take_events(), [])
 
 
-def tier_metrics(metrics: EngineMetrics, engine: OffloadEngine) -> EngineMetrics:
+def tier_metrics(metrics: EngineMetrics, engine: TierEngine) -> EngineMetrics:
     """`metrics` with the G2/G3 pool gauges filled in."""
     g2 = engine.g2.pool
     g3 = engine.g3.pool if engine.g3 is not None else None

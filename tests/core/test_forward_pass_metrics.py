@@ -207,7 +207,7 @@ def test_fpm_queued_requests() -> None:
 
     Expected: at least one request scheduled. Exact (§6.3-§6.5, §6.10): r1 is admitted and
     takes the whole budget of 8 tokens (2 blocks); r2 passes the admission gate (2 blocks
-    needed, 4 - 2 = 2 available) but gets 0 tokens (`desired == 0`: Blocked), so it stays
+    needed, 4 - 2 = 2 available) but gets 0 tokens (`desired == 0`: OffloadWait), so it stays
     Waiting, is not admitted, and is the one queued prefill of 8 tokens. r1 emits its only
     token and completes, freeing all its blocks.
     """

@@ -2,7 +2,7 @@
 
 Upstream's worker drains a pair of links (offload and onboard share one lock and one id
 counter) whenever it reserves a transfer on either, not only at ticks. Transfers that finish
-during such a drain are done, but their effects (G2 registration, source release, swap-in
+during such a drain are done, but their effects (G2 registration, source release, onboard
 status) surface at the next tick, when upstream settles its pipelines. A `Lane` keeps those
 early completions, in order, until the tick takes them, and reports the time it saw them as a
 deadline so a stall-advancing scheduler still ticks.

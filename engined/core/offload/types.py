@@ -8,6 +8,7 @@ and pins are opaque ints to the engine; it only holds them and returns each exac
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 from engined.core.types import Medium
 
@@ -77,13 +78,13 @@ class TierEvent:
         return f"TierEvent({self.kind.value}, {self.medium.value}, {self.block.seq_hash})"
 
 
-class ReapedSwapIn:
-    """A cancelled swap-in whose transfer ended: its G1 slots and prefix pins come back."""
+class ReapedOnboard:
+    """A cancelled onboard whose transfer ended: its G1 slots and prefix pins come back."""
 
-    __slots__ = ("pins", "slots", "swap_in_id")
+    __slots__ = ("onboard_id", "pins", "slots")
 
-    def __init__(self, swap_in_id: int, slots: list[int], pins: list[int]) -> None:
-        self.swap_in_id = swap_in_id
+    def __init__(self, onboard_id: int, slots: list[int], pins: list[int]) -> None:
+        self.onboard_id = onboard_id
         self.slots = slots
         self.pins = pins
 
@@ -93,43 +94,39 @@ class TickEffects:
 
     1. publish `events` (in order; they happened in this order in the tiers),
     2. free `released_g1_slots` (mutable slots: back to the free list) and, per reaped
-       swap-in, its `slots` (free) and `pins` (drop one handle each),
+       onboard, its `slots` (free) and `pins` (drop one handle each),
     3. bump the capacity generation by `released_count` when it is positive.
 
-    `completed_swap_ins` lists swap-ins whose G2->G1 transfer finished at this tick; their
+    `completed_onboards` lists onboards whose G2->G1 transfer finished at this tick; their
     status is COMPLETED until the caller takes them.
     """
 
-    __slots__ = ("completed_swap_ins", "events", "reaped_swap_ins", "released_g1_slots")
+    __slots__ = ("completed_onboards", "events", "reaped_onboards", "released_g1_slots")
 
     def __init__(self) -> None:
         self.events: list[TierEvent] = []
         self.released_g1_slots: list[int] = []
-        self.completed_swap_ins: list[int] = []
-        self.reaped_swap_ins: list[ReapedSwapIn] = []
+        self.completed_onboards: list[int] = []
+        self.reaped_onboards: list[ReapedOnboard] = []
 
     @property
     def released_count(self) -> int:
         """Upstream's `acknowledge_tick` count: source slots plus reaped slots and pins."""
-        reaped = sum(len(r.slots) + len(r.pins) for r in self.reaped_swap_ins)
+        reaped = sum(len(r.slots) + len(r.pins) for r in self.reaped_onboards)
         return len(self.released_g1_slots) + reaped
 
 
-class Blocked:
-    """The offload is in flight: wait for `lease_id` (upstream `BlockedOnOffload`).
+class OffloadWait(NamedTuple):
+    """An allocation waiting on an offload: the one name for it (upstream `BlockedOnOffload`).
 
-    `deadline_ms` is the earliest completion on the G1->G2 link (not necessarily one of
-    this lease's batches), which is what upstream exposes as the dependency's wake-up.
+    The engine returns it when evicted blocks are still being copied out of G1; the waiting
+    request keeps it (refreshed at each retry) instead of preempting. `lease_id` is the
+    offload lease; `deadline_ms` the earliest completion on the G1->G2 link (not necessarily
+    one of this lease's batches), upstream's wake-up; None for a transfer without bytes.
     """
 
-    __slots__ = ("deadline_ms", "lease_id")
-
-    def __init__(self, lease_id: int, deadline_ms: float | None) -> None:
-        self.lease_id = lease_id
-        self.deadline_ms = deadline_ms
-
-    def __repr__(self) -> str:
-        return f"Blocked(lease_id={self.lease_id}, deadline_ms={self.deadline_ms})"
+    lease_id: int
+    deadline_ms: float | None
 
 
 class RetryNow:
@@ -152,26 +149,26 @@ class RetryNow:
         return f"RetryNow(released={self.effects.released_count})"
 
 
-OffloadOutcome = Blocked | RetryNow
+OffloadOutcome = OffloadWait | RetryNow
 
 
-class SwapInState(enum.Enum):
+class OnboardState(enum.Enum):
     PENDING = "pending"
     COMPLETED = "completed"
     CANCELLED = "cancelled"
 
 
-class SwapInStatus:
-    """A swap-in's state and the number of blocks it will land (0 while staging from G3)."""
+class OnboardStatus:
+    """An onboard's state and the number of blocks it will land (0 while staging from G3)."""
 
     __slots__ = ("block_count", "state")
 
-    def __init__(self, state: SwapInState, block_count: int) -> None:
+    def __init__(self, state: OnboardState, block_count: int) -> None:
         self.state = state
         self.block_count = block_count
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, SwapInStatus):
+        if not isinstance(other, OnboardStatus):
             return NotImplemented
         return self.state is other.state and self.block_count == other.block_count
 
@@ -179,4 +176,4 @@ class SwapInStatus:
         return hash((self.state, self.block_count))
 
     def __repr__(self) -> str:
-        return f"SwapInStatus({self.state.value}, {self.block_count})"
+        return f"OnboardStatus({self.state.value}, {self.block_count})"

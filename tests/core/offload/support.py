@@ -6,7 +6,7 @@ from typing import Any
 
 from engined.core.hashing import lineage_key
 from engined.core.offload.config import OffloadConfig
-from engined.core.offload.engine import OffloadEngine
+from engined.core.offload.tier_engine import TierEngine
 from engined.core.offload.types import (
     BlockMeta,
     EvictedBlock,
@@ -55,8 +55,8 @@ def seed_config(**overrides: Any) -> OffloadConfig:
     return OffloadConfig(**fields)
 
 
-def engine(**overrides: Any) -> OffloadEngine:
-    built = OffloadEngine(seed_config(**overrides))
+def engine(**overrides: Any) -> TierEngine:
+    built = TierEngine(seed_config(**overrides))
     built.tick(0.0)
     return built
 
@@ -78,6 +78,6 @@ def summary(effects: TickEffects) -> tuple[object, ...]:
     return (
         tuple(described(effects.events)),
         tuple(effects.released_g1_slots),
-        tuple(effects.completed_swap_ins),
-        tuple((r.swap_in_id, tuple(r.slots), tuple(r.pins)) for r in effects.reaped_swap_ins),
+        tuple(effects.completed_onboards),
+        tuple((r.onboard_id, tuple(r.slots), tuple(r.pins)) for r in effects.reaped_onboards),
     )

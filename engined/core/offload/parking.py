@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engined.core.offload.types import SwapInState
+from engined.core.offload.types import OnboardState
 
 if TYPE_CHECKING:
     from engined.core.commands import CommandHandling
@@ -91,7 +91,7 @@ class SwapInParking:
             blocked = offload.take_blocked()
             if blocked is None:
                 return NO_HIT
-            req.offload_dependency = blocked
+            req.offload_wait = blocked
             return BLOCKED
         swap_in_id = engine.start_onboard(plan, slots, pins, now_ms)
         request_id = req.request_id
@@ -113,10 +113,10 @@ class SwapInParking:
             completed: list[tuple[ParkedSwapIn, int]] = []
             pending: list[ParkedSwapIn] = []
             for parked in self.parked:
-                status = engine.swap_in_status(parked.swap_in_id)
-                if status is None or status.state is SwapInState.CANCELLED:
+                status = engine.onboard_status(parked.swap_in_id)
+                if status is None or status.state is OnboardState.CANCELLED:
                     del self.by_request[parked.request_id]
-                elif status.state is SwapInState.COMPLETED:
+                elif status.state is OnboardState.COMPLETED:
                     completed.append((parked, status.block_count))
                 else:
                     pending.append(parked)
@@ -131,7 +131,7 @@ class SwapInParking:
         kv = core.kv
         offload = kv.offload
         assert offload is not None
-        taken = offload.engine.take_completed_swap_in(parked.swap_in_id)
+        taken = offload.engine.take_completed_onboard(parked.swap_in_id)
         assert taken is not None, "a completed swap-in must be takeable"
         slots, pins = taken
         req = core.state.requests[parked.request_id]
@@ -146,5 +146,5 @@ class SwapInParking:
         self.parked.remove(parked)
         offload = kv.offload
         assert offload is not None
-        offload.engine.cancel_swap_in(parked.swap_in_id)
+        offload.engine.cancel_onboard(parked.swap_in_id)
         return True

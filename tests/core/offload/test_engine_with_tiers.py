@@ -2,7 +2,7 @@
 
 mocker-1.3.0.md §9.7 lists the mechanics each test exercises. The seed builds its offload
 engine on a tokio runtime and seeds G2/G3 through kvbm `BlockManager`s; here the engine is
-pure (`OffloadEngine`) and `seed_g2`/`seed_g3` place the same metadata-free inactive blocks.
+pure (`TierEngine`) and `seed_g2`/`seed_g3` place the same metadata-free inactive blocks.
 `core.kv.use`/`deref` stand for the seed's `kv_manager.process(&MoveBlock)`.
 """
 
@@ -15,7 +15,7 @@ import pytest
 from engined.core.args import WorkerType
 from engined.core.errors import CoreError
 from engined.core.offload.config import OffloadConfig
-from engined.core.offload.engine import OffloadEngine
+from engined.core.offload.tier_engine import TierEngine
 from engined.core.scheduler import VllmCore
 from engined.core.sequence import Deref
 from engined.core.state import RequestStatus
@@ -57,21 +57,21 @@ def core_with(**overrides: Any) -> VllmCore:
     return VllmCore(make_args(**fields))
 
 
-def engine_with(**config: Any) -> OffloadEngine:
-    """`MockOffloadEngine::new(config)` then `engine.tick(0.0)`, as the seed's tests do."""
-    engine = OffloadEngine(OffloadConfig(**config))
+def engine_with(**config: Any) -> TierEngine:
+    """`MockTierEngine::new(config)` then `engine.tick(0.0)`, as the seed's tests do."""
+    engine = TierEngine(OffloadConfig(**config))
     engine.tick(0.0)
     return engine
 
 
-def seed_g2_blocks(core: VllmCore, engine: OffloadEngine, request_id: str, start: int = 0) -> None:
+def seed_g2_blocks(core: VllmCore, engine: TierEngine, request_id: str, start: int = 0) -> None:
     """Place the request's full blocks from `start` in G2, inactive and without metadata."""
     seq = core.state.requests[request_id].seq
     for key, parent in zip(seq.keys[start:], seq.parent_keys[start:], strict=True):
         engine.seed_g2(key, parent)
 
 
-def seed_g3_blocks(core: VllmCore, engine: OffloadEngine, request_id: str) -> None:
+def seed_g3_blocks(core: VllmCore, engine: TierEngine, request_id: str) -> None:
     seq = core.state.requests[request_id].seq
     for key, parent in zip(seq.keys, seq.parent_keys, strict=True):
         engine.seed_g3(key, parent)
@@ -111,7 +111,7 @@ def seed_inactive_g1_block(core: VllmCore) -> None:
 
 def attach_g1_offload_engine(core: VllmCore) -> None:
     """1 MB blocks over a 1 GB/s G1->G2 link in batches of 4: one block offload is 1 ms."""
-    engine = OffloadEngine(
+    engine = TierEngine(
         OffloadConfig(
             block_size_tokens=core.block_size,
             block_size_bytes=MB,
@@ -142,7 +142,7 @@ def test_decode_growth_waits_without_preempting() -> None:
     assert state.seq.generated == 0
     assert state.seq.num_allocated_tokens == 4
     assert state.num_computed_tokens == 4
-    dependency = state.offload_dependency
+    dependency = state.offload_wait
     assert dependency is not None, "decode growth must retain its exact offload dependency"
     deadline = dependency.deadline_ms
     assert deadline is not None, "active offload dependency must expose a virtual deadline"
@@ -158,7 +158,7 @@ def test_decode_growth_waits_without_preempting() -> None:
     state = core.state.requests[blocked]
     assert state.seq.generated == 1
     assert state.seq.num_allocated_tokens == 5
-    assert state.offload_dependency is None
+    assert state.offload_wait is None
     assert core.state.preemptions_total == 0
 
 
@@ -183,8 +183,8 @@ def test_speculative_decode_reservation_waits_without_preempting() -> None:
         assert req.seq.generated == 0
         assert req.num_preemptions == 0
         assert req.status is RequestStatus.RUNNING
-        assert req.offload_dependency is not None
-    dependency = core.state.requests[blocked].offload_dependency
+        assert req.offload_wait is not None
+    dependency = core.state.requests[blocked].offload_wait
     assert dependency is not None
     deadline = dependency.deadline_ms
     assert deadline is not None, "active offload dependency must expose a virtual deadline"
@@ -198,13 +198,13 @@ def test_speculative_decode_reservation_waits_without_preempting() -> None:
         req = core.state.requests[request_id]
         assert req.seq.generated == 6
         assert req.num_preemptions == 0
-        assert req.offload_dependency is None
+        assert req.offload_wait is None
     assert core.state.preemptions_total == 0
 
 
 def test_execute_pass_ticks_offload_engine_when_attached() -> None:
     core = core_with(num_gpu_blocks=8, enable_prefix_caching=False)
-    core.attach_offload_engine(OffloadEngine(OffloadConfig()))
+    core.attach_offload_engine(TierEngine(OffloadConfig()))
     assert core.earliest_offload_deadline() is None
     core.execute_pass(0.0)
     core.execute_pass(10.0)
@@ -225,7 +225,7 @@ def test_live_destination_eviction_uses_command_application_time() -> None:
         ),
         worker_id=7,
     )
-    engine = OffloadEngine(
+    engine = TierEngine(
         OffloadConfig(
             block_size_tokens=block_size, block_size_bytes=20 * MB, bandwidth_g1_to_g2_gbps=1.0
         )
@@ -426,7 +426,7 @@ def test_cancel_parked_swap_in_releases_ownership_and_isolates_uuid_reuse() -> N
     assert any(a.request_id == parked_id for a in replacement.admissions)
 
 
-def test_completed_swap_ins_reenter_front_preserving_order() -> None:
+def test_completed_onboards_reenter_front_preserving_order() -> None:
     core = core_with(num_gpu_blocks=2, max_num_seqs=2, enable_prefix_caching=True)
     engine = engine_with(block_size_tokens=4, block_size_bytes=MB, bandwidth_g2_to_g1_gbps=2.0)
     first_hit, second_hit, cold = uid(1), uid(2), uid(3)
@@ -541,7 +541,7 @@ def test_destination_reservation_retries_after_presence_filtered_offload() -> No
     assert core.kv.num_active_blocks() == 0
     assert core.kv.num_inactive_blocks() == 1
 
-    engine = OffloadEngine(OffloadConfig(block_size_tokens=block_size))
+    engine = TierEngine(OffloadConfig(block_size_tokens=block_size))
     engine.tick(now_ms)
     for key, parent in cached_keys:
         engine.seed_g2(key, parent)
@@ -635,7 +635,7 @@ def test_a_preempted_request_is_not_readmitted_onto_blocks_freed_for_a_waiter() 
     first = core.execute_pass(0.0)
     assert [a.request_id for a in first.admissions] == ["r0", "r1"]
     assert first.output_signals == []
-    assert core.state.requests["r0"].offload_dependency is not None
+    assert core.state.requests["r0"].offload_wait is not None
     assert core.state.requests["r1"].status is RequestStatus.PREEMPTED
     second = core.execute_pass(first.end_ms)
     assert second.admissions == [], "r1 may not take the blocks r0 waited for"
@@ -678,7 +678,7 @@ def test_a_request_that_waits_on_an_offload_reports_its_cached_prefix() -> None:
     assert signals_of(first, "c") == []
     waiting = core.state.requests["c"]
     assert waiting.status is RequestStatus.WAITING
-    assert waiting.offload_dependency is not None, "the admission waits on the copy-out"
+    assert waiting.offload_wait is not None, "the admission waits on the copy-out"
 
     cached: list[int | None] = []
     admitting = None

@@ -1,10 +1,10 @@
-"""G2 -> G1 swap-ins: PS sharing, staging G3 through G2, pins, cancellation, reaping."""
+"""G2 -> G1 onboards: PS sharing, staging G3 through G2, pins, cancellation, reaping."""
 
 from __future__ import annotations
 
 import pytest
 
-from engined.core.offload.types import Blocked, SwapInState, SwapInStatus
+from engined.core.offload.types import OffloadWait, OnboardState, OnboardStatus
 from engined.core.types import Medium
 from tests.core.offload.support import (
     described,
@@ -25,24 +25,24 @@ def test_g2_hit_swaps_in_at_the_ps_deadline() -> None:
     assert plan is not None
     assert plan.block_count == 1
     assert offload.g2.pool.num_active == 1
-    swap_in = offload.start_onboard(plan, [5], [], 0.0)
-    assert offload.swap_in_status(swap_in) == SwapInStatus(SwapInState.PENDING, 1)
+    onboard = offload.start_onboard(plan, [5], [], 0.0)
+    assert offload.onboard_status(onboard) == OnboardStatus(OnboardState.PENDING, 1)
     assert offload.earliest_pending_deadline() == 1.0
-    assert offload.tick(0.5).completed_swap_ins == []
+    assert offload.tick(0.5).completed_onboards == []
     done = offload.tick(1.0)
-    assert done.completed_swap_ins == [swap_in]
+    assert done.completed_onboards == [onboard]
     assert done.events == []
-    assert offload.swap_in_status(swap_in) == SwapInStatus(SwapInState.COMPLETED, 1)
+    assert offload.onboard_status(onboard) == OnboardStatus(OnboardState.COMPLETED, 1)
     assert offload.g2.pool.num_active == 1
-    assert offload.take_completed_swap_in(swap_in) == ([5], [])
+    assert offload.take_completed_onboard(onboard) == ([5], [])
     assert offload.g2.pool.num_active == 0
-    assert offload.swap_in_status(swap_in) is None
-    assert offload.take_completed_swap_in(swap_in) is None
+    assert offload.onboard_status(onboard) is None
+    assert offload.take_completed_onboard(onboard) is None
     assert offload.is_idle()
 
 
-def test_two_swap_ins_share_two_gbps_and_finish_together_in_order() -> None:
-    """Seed `completed_swap_ins_reenter_front_preserving_order`."""
+def test_two_onboards_share_two_gbps_and_finish_together_in_order() -> None:
+    """Seed `completed_onboards_reenter_front_preserving_order`."""
     offload = engine(bandwidth_g2_to_g1_gbps=2.0)
     offload.seed_g2(key(0, 1))
     offload.seed_g2(key(0, 2))
@@ -52,8 +52,8 @@ def test_two_swap_ins_share_two_gbps_and_finish_together_in_order() -> None:
         assert plan is not None
         ids.append(offload.start_onboard(plan, [slot], [], 0.0))
     assert offload.earliest_pending_deadline() == 1.0
-    assert offload.tick(0.99).completed_swap_ins == []
-    assert offload.tick(1.0).completed_swap_ins == ids
+    assert offload.tick(0.99).completed_onboards == []
+    assert offload.tick(1.0).completed_onboards == ids
 
 
 def test_prefix_hit_stops_at_the_first_g2_miss() -> None:
@@ -70,7 +70,7 @@ def test_prefix_hit_stops_at_the_first_g2_miss() -> None:
     assert offload.prepare_onboard([]) is None
 
 
-def test_four_swap_ins_of_four_blocks_on_four_gbps_finish_at_one_ms() -> None:
+def test_four_onboards_of_four_blocks_on_four_gbps_finish_at_one_ms() -> None:
     """Seed `equivalence_replayed_twice_with_g2_offload`: 4 x 4 x 250 KB on 4 GB/s."""
     offload = engine(bandwidth_g2_to_g1_gbps=4.0, block_size_bytes=250_000)
     keys = [key(i) for i in range(4)]
@@ -82,7 +82,7 @@ def test_four_swap_ins_of_four_blocks_on_four_gbps_finish_at_one_ms() -> None:
         assert plan is not None and plan.block_count == 4
         ids.append(offload.start_onboard(plan, [10 * request + i for i in range(4)], [], 0.0))
     assert offload.earliest_pending_deadline() == pytest.approx(1.0)
-    assert sorted(offload.tick(1.0).completed_swap_ins) == ids
+    assert sorted(offload.tick(1.0).completed_onboards) == ids
 
 
 def test_plan_must_get_exactly_its_slots_and_is_single_use() -> None:
@@ -109,19 +109,19 @@ def test_staged_g3_hit_takes_two_hops() -> None:
     plan = offload.prepare_onboard([key(0)])
     assert plan is not None and plan.is_staged and plan.block_count == 1
     assert offload.g2.reserved == 1
-    swap_in = offload.start_onboard(plan, [3], [9], 0.0)
-    assert offload.swap_in_status(swap_in) == SwapInStatus(SwapInState.PENDING, 0)
+    onboard = offload.start_onboard(plan, [3], [9], 0.0)
+    assert offload.onboard_status(onboard) == OnboardStatus(OnboardState.PENDING, 0)
     assert offload.earliest_pending_deadline() == 1.0
 
     staged = offload.tick(1.0)
-    assert staged.completed_swap_ins == []
-    assert offload.swap_in_status(swap_in) == SwapInStatus(SwapInState.PENDING, 1)
+    assert staged.completed_onboards == []
+    assert offload.onboard_status(onboard) == OnboardStatus(OnboardState.PENDING, 1)
     assert offload.g2.contains(key(0))
     assert offload.g2.reserved == 0
     assert offload.earliest_pending_deadline() == 2.0
 
-    assert offload.tick(2.0).completed_swap_ins == [swap_in]
-    assert offload.take_completed_swap_in(swap_in) == ([3], [9])
+    assert offload.tick(2.0).completed_onboards == [onboard]
+    assert offload.take_completed_onboard(onboard) == ([3], [9])
     assert offload.g2.pool.num_active == 0
     assert offload.g3 is not None and offload.g3.pool.num_active == 0
     assert offload.is_idle()
@@ -134,11 +134,11 @@ def test_staging_moves_the_g2_prefix_and_the_g3_run_together() -> None:
     offload.seed_g3(key(2), key(1))
     plan = offload.prepare_onboard([key(0), key(1), key(2), key(3)])
     assert plan is not None and plan.keys == [key(0), key(1), key(2)]
-    swap_in = offload.start_onboard(plan, [1, 2, 3], [], 0.0)
+    onboard = offload.start_onboard(plan, [1, 2, 3], [], 0.0)
     offload.tick(2.0)
-    assert offload.swap_in_status(swap_in) == SwapInStatus(SwapInState.PENDING, 3)
+    assert offload.onboard_status(onboard) == OnboardStatus(OnboardState.PENDING, 3)
     assert offload.earliest_pending_deadline() == 5.0
-    assert offload.tick(5.0).completed_swap_ins == [swap_in]
+    assert offload.tick(5.0).completed_onboards == [onboard]
 
 
 def test_staged_blocks_publish_in_g2_only_with_metadata_g2_still_has() -> None:
@@ -179,11 +179,11 @@ def test_staging_without_room_at_start_lands_the_g2_prefix_only() -> None:
     offload.seed_g3(key(1), key(0))
     plan = offload.prepare_onboard([key(0), key(1)])
     assert plan is not None and plan.is_staged and plan.block_count == 2
-    swap_in = offload.start_onboard(plan, [1, 2], [], 0.0)
-    assert offload.swap_in_status(swap_in) == SwapInStatus(SwapInState.PENDING, 1)
+    onboard = offload.start_onboard(plan, [1, 2], [], 0.0)
+    assert offload.onboard_status(onboard) == OnboardStatus(OnboardState.PENDING, 1)
     assert offload.g2.reserved == 0
-    assert offload.tick(1.0).completed_swap_ins == [swap_in]
-    assert offload.take_completed_swap_in(swap_in) == ([1, 2], [])
+    assert offload.tick(1.0).completed_onboards == [onboard]
+    assert offload.take_completed_onboard(onboard) == ([1, 2], [])
 
 
 def test_cancel_keeps_slots_and_pins_until_the_transfer_ends() -> None:
@@ -192,19 +192,19 @@ def test_cancel_keeps_slots_and_pins_until_the_transfer_ends() -> None:
     offload.seed_g2(key(2))
     plan = offload.prepare_onboard([key(2)])
     assert plan is not None
-    swap_in = offload.start_onboard(plan, [7], [0, 1], 0.0)
-    assert offload.cancel_swap_in(swap_in)
-    assert not offload.cancel_swap_in(swap_in)
-    assert offload.swap_in_status(swap_in) == SwapInStatus(SwapInState.CANCELLED, 1)
-    assert offload.take_completed_swap_in(swap_in) is None
+    onboard = offload.start_onboard(plan, [7], [0, 1], 0.0)
+    assert offload.cancel_onboard(onboard)
+    assert not offload.cancel_onboard(onboard)
+    assert offload.onboard_status(onboard) == OnboardStatus(OnboardState.CANCELLED, 1)
+    assert offload.take_completed_onboard(onboard) is None
     early = offload.tick(0.5)
-    assert early.reaped_swap_ins == [] and early.released_count == 0
+    assert early.reaped_onboards == [] and early.released_count == 0
     late = offload.tick(10.0)
-    assert late.completed_swap_ins == []
-    [reaped] = late.reaped_swap_ins
-    assert (reaped.swap_in_id, reaped.slots, reaped.pins) == (swap_in, [7], [0, 1])
+    assert late.completed_onboards == []
+    [reaped] = late.reaped_onboards
+    assert (reaped.onboard_id, reaped.slots, reaped.pins) == (onboard, [7], [0, 1])
     assert late.released_count == 3
-    assert offload.swap_in_status(swap_in) is None
+    assert offload.onboard_status(onboard) is None
     assert offload.g2.pool.num_active == 0
     assert offload.is_idle()
 
@@ -214,10 +214,10 @@ def test_cancel_after_completion_reaps_at_the_next_tick() -> None:
     offload.seed_g2(key(0))
     plan = offload.prepare_onboard([key(0)])
     assert plan is not None
-    swap_in = offload.start_onboard(plan, [4], [], 0.0)
-    assert offload.tick(1.0).completed_swap_ins == [swap_in]
-    assert offload.cancel_swap_in(swap_in)
-    assert [r.slots for r in offload.tick(1.0).reaped_swap_ins] == [[4]]
+    onboard = offload.start_onboard(plan, [4], [], 0.0)
+    assert offload.tick(1.0).completed_onboards == [onboard]
+    assert offload.cancel_onboard(onboard)
+    assert [r.slots for r in offload.tick(1.0).reaped_onboards] == [[4]]
 
 
 def test_cancel_while_staging_reaps_when_staging_lands() -> None:
@@ -225,29 +225,29 @@ def test_cancel_while_staging_reaps_when_staging_lands() -> None:
     offload.seed_g3(key(0))
     plan = offload.prepare_onboard([key(0)])
     assert plan is not None
-    swap_in = offload.start_onboard(plan, [6], [], 0.0)
-    offload.cancel_swap_in(swap_in)
+    onboard = offload.start_onboard(plan, [6], [], 0.0)
+    offload.cancel_onboard(onboard)
     landed = offload.tick(1.0)
-    assert [r.slots for r in landed.reaped_swap_ins] == [[6]]
+    assert [r.slots for r in landed.reaped_onboards] == [[6]]
     assert offload.g2.contains(key(0))
     assert offload.g2.pool.num_active == 0
     assert offload.earliest_pending_deadline() is None
 
 
-def test_unknown_swap_in_ids() -> None:
+def test_unknown_onboard_ids() -> None:
     offload = engine()
-    assert offload.swap_in_status(99) is None
-    assert not offload.cancel_swap_in(99)
-    assert offload.take_completed_swap_in(99) is None
+    assert offload.onboard_status(99) is None
+    assert not offload.cancel_onboard(99)
+    assert offload.take_completed_onboard(99) is None
 
 
-def test_offload_dependency_and_swap_in_share_one_id_space() -> None:
+def test_offload_wait_and_onboard_share_one_id_space() -> None:
     offload = engine(bandwidth_g2_to_g1_gbps=1.0)
     offload.seed_g2(key(0))
     plan = offload.prepare_onboard([key(0)])
     assert plan is not None
-    swap_in = offload.start_onboard(plan, [1], [], 0.0)
+    onboard = offload.start_onboard(plan, [1], [], 0.0)
     outcome = offload.enqueue_g1_evictions([evicted(2, 4)], 0.0)
-    assert isinstance(outcome, Blocked)
-    assert outcome.lease_id != swap_in
-    assert offload.g1_offload_dependency(swap_in) is None
+    assert isinstance(outcome, OffloadWait)
+    assert outcome.lease_id != onboard
+    assert offload.offload_wait(onboard) is None

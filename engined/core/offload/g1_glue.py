@@ -1,4 +1,4 @@
-"""The G1 side of the offload tiers: what the KV manager does with an attached `OffloadEngine`.
+"""The G1 side of the offload tiers: what the KV manager does with an attached `TierEngine`.
 
 The engine (engined/core/offload/) owns G2/G3 and the links; it never touches G1. This
 module is the glue mocker 1.3.0 keeps in its `KvManager` (mocker-1.3.0.md §9.3-§9.5):
@@ -30,16 +30,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engined.core.offload.engine import OffloadEngine
+from engined.core.offload.tier_engine import TierEngine
 from engined.core.offload.types import (
-    Blocked,
     BlockMeta,
     EvictedBlock,
+    OffloadWait,
     TickEffects,
     TierEventKind,
 )
 from engined.core.sequence import Sequence, Use
-from engined.core.state import OffloadDependency
 from engined.core.types import BlockRemoved, BlockStored
 
 if TYPE_CHECKING:
@@ -51,7 +50,7 @@ class KvOffload:
 
     __slots__ = ("blocked", "capacity_generation", "engine", "eviction_now_ms", "meta", "now_ms")
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: TierEngine) -> None:
         self.engine = engine
         # Router metadata of published G1 blocks, by lineage key (publishing on only).
         self.meta: dict[int, BlockMeta] = {}
@@ -60,7 +59,7 @@ class KvOffload:
         self.now_ms = 0.0
         self.eviction_now_ms: float | None = None
         # The offload the last failed allocation waits on; the caller takes it.
-        self.blocked: OffloadDependency | None = None
+        self.blocked: OffloadWait | None = None
         # Upstream's KvManager counter of released slots (distinct from the core's).
         self.capacity_generation = 0
 
@@ -145,8 +144,8 @@ class KvOffload:
                 pool.release_mutable(slot)
         now_ms = self.eviction_now_ms if self.eviction_now_ms is not None else self.now_ms
         outcome = self.engine.enqueue_g1_evictions(offered, now_ms)
-        if isinstance(outcome, Blocked):
-            self.blocked = OffloadDependency(outcome.lease_id, outcome.deadline_ms)
+        if isinstance(outcome, OffloadWait):
+            self.blocked = outcome
             return None
         self.apply(kv, outcome.effects)
         if not retry:
@@ -160,7 +159,7 @@ class KvOffload:
             return self._settle(kv, retried, evicted_again, retry=False)
         return retried
 
-    def take_blocked(self) -> OffloadDependency | None:
+    def take_blocked(self) -> OffloadWait | None:
         blocked = self.blocked
         self.blocked = None
         return blocked
@@ -199,7 +198,7 @@ class KvOffload:
         pool = kv.pool
         for slot in effects.released_g1_slots:
             pool.release_mutable(slot)
-        for reaped in effects.reaped_swap_ins:
+        for reaped in effects.reaped_onboards:
             for slot in reaped.slots:
                 pool.release_mutable(slot)
             for pin in reaped.pins:

@@ -1,4 +1,4 @@
-"""Swap-ins: a request's missing prefix copied back to G1 from G2, staging G3 through G2.
+"""Onboards: a request's missing prefix copied back to G1 from G2, staging G3 through G2.
 
 The upstream contract (`prepare_onboard_prefix` / `start_onboard_prefix`, coordinator
 leases):
@@ -8,29 +8,29 @@ leases):
   when the run is non-empty and G2 can reserve room for it, a *staging* plan; otherwise the
   G2 prefix alone (pinned), or nothing.
 * The caller reserves exactly `plan.block_count` destination G1 slots, then starts. A direct
-  swap-in is one G2->G1 transfer of `count * block_bytes` at `now`. A staged one first copies
+  onboard is one G2->G1 transfer of `count * block_bytes` at `now`. A staged one first copies
   the G3 run into freshly allocated G2 slots over the G3->G2 link (status Pending(0)); at the
   tick where that lands, the blocks are registered in G2 and the G2->G1 transfer of the
   whole prefix starts at that tick's `now`.
-* A completed swap-in keeps its slots and prefix pins until the caller takes them. A
+* A completed onboard keeps its slots and prefix pins until the caller takes them. A
   cancelled one keeps them until its own transfer ends, then is reaped at that tick.
-  Its G2 blocks stay pinned for the lifetime of the swap-in either way.
+  Its G2 blocks stay pinned for the lifetime of the onboard either way.
 
-Ordering rules: staged swap-ins whose staging lands in one tick start their G2->G1 transfers
-in swap-in id order; cancelled swap-ins are reaped in id order.
+Ordering rules: staged onboards whose staging lands in one tick start their G2->G1 transfers
+in onboard id order; cancelled onboards are reaped in id order.
 """
 
 from __future__ import annotations
 
 from engined.core.offload.lanes import LanePair
 from engined.core.offload.tier import Tier
-from engined.core.offload.types import ReapedSwapIn, SwapInState, SwapInStatus
+from engined.core.offload.types import OnboardState, OnboardStatus, ReapedOnboard
 
 
 class OnboardPlan:
     """A prepared lookup, not yet started: pins or a G2 reservation it must give back.
 
-    Start it with `OffloadEngine.start_onboard` or drop it with `abandon_onboard`; either
+    Start it with `TierEngine.start_onboard` or drop it with `abandon_onboard`; either
     spends it. `keys` are the keys it will land in G1, in order.
     """
 
@@ -65,7 +65,7 @@ class _Staging:
         self.transfer_id = -1
 
 
-class _SwapIn:
+class _Onboard:
     __slots__ = (
         "cancel_requested",
         "count",
@@ -78,20 +78,20 @@ class _SwapIn:
     )
 
     def __init__(
-        self, swap_in_id: int, slots: list[int], pins: list[int], g2_blocks: list[int]
+        self, onboard_id: int, slots: list[int], pins: list[int], g2_blocks: list[int]
     ) -> None:
-        self.id = swap_in_id
+        self.id = onboard_id
         self.slots = slots
         self.pins = pins
         self.g2_blocks = g2_blocks
         self.count = 0
-        self.state = SwapInState.PENDING
+        self.state = OnboardState.PENDING
         self.cancel_requested = False
         self.staging: _Staging | None = None
 
 
-class SwapIns:
-    """Every live swap-in of one engine, keyed by id."""
+class Onboards:
+    """Every live onboard of one engine, keyed by id."""
 
     __slots__ = (
         "_block_bytes",
@@ -114,11 +114,11 @@ class SwapIns:
         self.local = local
         self.shared = shared
         self._block_bytes = block_bytes
-        self._leases: dict[int, _SwapIn] = {}
-        self._by_onboard: dict[int, _SwapIn] = {}
-        self._by_stage: dict[int, _SwapIn] = {}
-        self._landed: list[_SwapIn] = []
-        self._cancelled: dict[int, _SwapIn] = {}
+        self._leases: dict[int, _Onboard] = {}
+        self._by_onboard: dict[int, _Onboard] = {}
+        self._by_stage: dict[int, _Onboard] = {}
+        self._landed: list[_Onboard] = []
+        self._cancelled: dict[int, _Onboard] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -164,7 +164,7 @@ class SwapIns:
 
     def start(
         self,
-        swap_in_id: int,
+        onboard_id: int,
         plan: OnboardPlan,
         slots: list[int],
         pins: list[int],
@@ -173,30 +173,30 @@ class SwapIns:
     ) -> None:
         if len(slots) != plan.block_count:
             raise ValueError(
-                f"swap-in needs {plan.block_count} destination slots, got {len(slots)}"
+                f"onboard needs {plan.block_count} destination slots, got {len(slots)}"
             )
         _spend(plan)
-        lease = _SwapIn(swap_in_id, list(slots), list(pins), list(plan.g2_blocks))
-        self._leases[swap_in_id] = lease
+        lease = _Onboard(onboard_id, list(slots), list(pins), list(plan.g2_blocks))
+        self._leases[onboard_id] = lease
         if plan.is_staged:
             self._start_staging(lease, plan, worker_ms)
         else:
             self._start_onboard(lease, now_ms)
 
-    def _start_onboard(self, lease: _SwapIn, now_ms: float) -> None:
+    def _start_onboard(self, lease: _Onboard, now_ms: float) -> None:
         lease.count = len(lease.g2_blocks)
         if lease.count == 0:
-            lease.state = SwapInState.COMPLETED
+            lease.state = OnboardState.COMPLETED
             return
         self.local.drain(now_ms)
         transfer_id = self.local.onboard.link.start(now_ms, lease.count * self._block_bytes)
         self._by_onboard[transfer_id] = lease
 
-    def _start_staging(self, lease: _SwapIn, plan: OnboardPlan, worker_ms: float) -> None:
+    def _start_staging(self, lease: _Onboard, plan: OnboardPlan, worker_ms: float) -> None:
         """Pin the G2 prefix and the G3 run, allocate G2 room, start the G3->G2 copy.
 
         Keys that vanished since prepare cut the plan short (the contiguous part is kept);
-        with nothing left to stage the swap-in proceeds from G2 alone.
+        with nothing left to stage the onboard proceeds from G2 alone.
         """
         g2 = self.g2
         g3 = self.g3
@@ -251,59 +251,59 @@ class SwapIns:
         self._landed.append(lease)
 
     def onboard_done(self, transfer_id: int) -> int | None:
-        """A G2->G1 copy finished; the swap-in id when someone still wants it."""
+        """A G2->G1 copy finished; the onboard id when someone still wants it."""
         lease = self._by_onboard.pop(transfer_id)
-        lease.state = SwapInState.COMPLETED
+        lease.state = OnboardState.COMPLETED
         return None if lease.cancel_requested else lease.id
 
     def pump(self, now_ms: float) -> None:
-        """Start the G2->G1 hop of every swap-in whose staging landed at this tick."""
+        """Start the G2->G1 hop of every onboard whose staging landed at this tick."""
         landed = sorted(self._landed, key=lambda lease: lease.id)
         self._landed = []
         for lease in landed:
             if lease.cancel_requested:
-                lease.state = SwapInState.CANCELLED
+                lease.state = OnboardState.CANCELLED
             else:
                 self._start_onboard(lease, now_ms)
 
-    def reap(self) -> list[ReapedSwapIn]:
-        """Give back cancelled swap-ins whose transfers have ended, in id order."""
-        reaped: list[ReapedSwapIn] = []
-        for swap_in_id in sorted(self._cancelled):
-            lease = self._cancelled[swap_in_id]
-            if lease.state is SwapInState.PENDING:
+    def reap(self) -> list[ReapedOnboard]:
+        """Give back cancelled onboards whose transfers have ended, in id order."""
+        reaped: list[ReapedOnboard] = []
+        for onboard_id in sorted(self._cancelled):
+            lease = self._cancelled[onboard_id]
+            if lease.state is OnboardState.PENDING:
                 continue
-            del self._cancelled[swap_in_id]
+            del self._cancelled[onboard_id]
             self._drop(lease)
-            reaped.append(ReapedSwapIn(swap_in_id, lease.slots, lease.pins))
+            reaped.append(ReapedOnboard(onboard_id, lease.slots, lease.pins))
         return reaped
 
     # --- caller-facing ------------------------------------------------------------------
 
-    def status(self, swap_in_id: int) -> SwapInStatus | None:
-        lease = self._leases.get(swap_in_id)
+    def status(self, onboard_id: int) -> OnboardStatus | None:
+        lease = self._leases.get(onboard_id)
         if lease is None:
             return None
         if lease.cancel_requested:
-            return SwapInStatus(SwapInState.CANCELLED, lease.count)
-        return SwapInStatus(lease.state, lease.count)
+            return OnboardStatus(OnboardState.CANCELLED, lease.count)
+        return OnboardStatus(lease.state, lease.count)
 
-    def take_completed(self, swap_in_id: int) -> tuple[list[int], list[int]] | None:
-        lease = self._leases.get(swap_in_id)
-        if lease is None or lease.cancel_requested or lease.state is not SwapInState.COMPLETED:
+    def take_completed(self, onboard_id: int) -> tuple[list[int], list[int]] | None:
+        lease = self._leases.get(onboard_id)
+        if lease is None or lease.cancel_requested or lease.state is not OnboardState.COMPLETED:
             return None
         self._drop(lease)
         return lease.slots, lease.pins
 
-    def cancel(self, swap_in_id: int) -> bool:
-        lease = self._leases.get(swap_in_id)
+    def cancel(self, onboard_id: int) -> bool:
+        lease = self._leases.get(onboard_id)
         if lease is None or lease.cancel_requested:
             return False
         lease.cancel_requested = True
-        self._cancelled[swap_in_id] = lease
+        self._cancelled[onboard_id] = lease
         return True
 
-    def _drop(self, lease: _SwapIn) -> None:
+    def _drop(self, lease: _Onboard) -> None:
         del self._leases[lease.id]
         for block_id in lease.g2_blocks:
             self.g2.release(block_id)

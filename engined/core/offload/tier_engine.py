@@ -1,19 +1,19 @@
-"""`OffloadEngine`: the observable contract of upstream `MockOffloadEngine`, in virtual time.
+"""`TierEngine`: the observable contract of upstream `MockTierEngine`, in virtual time.
 
 The KV manager owns one. It offers the engine the registered G1 blocks its allocations
-evict (G1 -> G2 offload), asks it for lower-tier prefix hits (G2 -> G1 swap-in, staging G3
+evict (G1 -> G2 offload), asks it for lower-tier prefix hits (G2 -> G1 onboard, staging G3
 through G2), and ticks it at every pass entry. The engine is pure: no clock, no I/O, no
 randomness; time is the `now_ms` each call is given, and replaying the same calls gives the
 same effects.
 
 Time. Pipeline transfers (G1->G2 batches, G2->G3 copies, G3->G2 staging) start at the
 worker's clock, which upstream stores in whole microseconds: `now_ms` truncated to 1e-3 ms.
-Swap-in G2->G1 transfers start at `now_ms` itself. Link completions use `now_ms` exactly.
+Onboard G2->G1 transfers start at `now_ms` itself. Link completions use `now_ms` exactly.
 
 Offload leases. One `enqueue_g1_evictions` call is one lease. Its evicted blocks are
 filtered (already in G2, or already on their way: PresenceFilter; no room left:
 CapacityReservationPolicy), the rest go out in batches. A lease lives until its last batch
-settles; `g1_offload_dependency` reports it until the tick that retires it.
+settles; `offload_wait` reports it until the tick that retires it.
 G1 source slots come back at the tick their batch lands (copied blocks) or at the tick the
 lease ends (filtered blocks), exactly once each.
 
@@ -37,11 +37,11 @@ one G3 pool (and its links) between every engine of a process.
 
 Ordering inside a tick: (1) advance all links; (2) land G1->G2 batches in completion order,
 then start queued batches; (3) land G2->G3 copies, start the queued one; (4) land G3->G2
-staging; (5) flip finished swap-ins to COMPLETED; (6) queue the G2->G3 copies of what
+staging; (5) flip finished onboards to COMPLETED; (6) queue the G2->G3 copies of what
 landed in (2), lease by lease in lease id order; (7) start the G2->G1 hop of staged
-swap-ins; (8) release source slots lease by lease in id order (landed slots in landing
+onboards; (8) release source slots lease by lease in id order (landed slots in landing
 order, then filtered ones in offer order), retire finished leases, reap cancelled
-swap-ins. Events are returned in the order they happened, including those raised between
+onboards. Events are returned in the order they happened, including those raised between
 ticks (G2 evictions when a batch or a staging copy allocates), which wait for the next tick.
 """
 
@@ -53,14 +53,14 @@ from engined.core.offload.config import OffloadConfig
 from engined.core.offload.lanes import LanePair
 from engined.core.offload.link import BandwidthLink
 from engined.core.offload.pipeline import Batch, Item, TransferPipeline
-from engined.core.offload.swap_in import OnboardPlan, SwapIns
 from engined.core.offload.tier import Tier
+from engined.core.offload.tier_onboard import OnboardPlan, Onboards
 from engined.core.offload.types import (
-    Blocked,
     EvictedBlock,
     OffloadOutcome,
+    OffloadWait,
+    OnboardStatus,
     RetryNow,
-    SwapInStatus,
     TickEffects,
     TierEvent,
 )
@@ -88,7 +88,7 @@ def worker_clock(now_ms: float) -> float:
     return int(max(now_ms, 0.0) * 1000.0) / 1000.0
 
 
-class OffloadEngine:
+class TierEngine:
     """Lower tiers of one engine: G2 (host) and optionally G3 (disk) with their links."""
 
     __slots__ = (
@@ -99,8 +99,8 @@ class OffloadEngine:
         "_leases",
         "_local",
         "_next_id",
+        "_onboards",
         "_shared",
-        "_swap_ins",
         "config",
         "g2",
         "g3",
@@ -130,7 +130,7 @@ class OffloadEngine:
             if self.g3 is not None and self._shared is not None
             else None
         )
-        self._swap_ins = SwapIns(self.g2, self.g3, self._local, self._shared, config.block_bytes)
+        self._onboards = Onboards(self.g2, self.g3, self._local, self._shared, config.block_bytes)
         self._leases: dict[int, _Lease] = {}
         self._dirty: dict[int, _Lease] = {}
         self._next_id = 1
@@ -148,27 +148,27 @@ class OffloadEngine:
         present = [d for d in deadlines if d is not None]
         return min(present) if present else None
 
-    def g1_offload_dependency(self, lease_id: int) -> tuple[int, float | None] | None:
-        """`(lease_id, earliest G1->G2 completion)` while the lease lives, else None."""
+    def offload_wait(self, lease_id: int) -> OffloadWait | None:
+        """The wait on `lease_id`, its deadline refreshed, while the lease lives; else None."""
         if lease_id not in self._leases:
             return None
-        return lease_id, self._local.offload.deadline()
+        return OffloadWait(lease_id, self._local.offload.deadline())
 
-    def swap_in_status(self, swap_in_id: int) -> SwapInStatus | None:
+    def onboard_status(self, onboard_id: int) -> OnboardStatus | None:
         """PENDING(count) / COMPLETED(count) / CANCELLED once cancel was asked; None if gone.
 
-        A staged swap-in reports PENDING(0) until its G3->G2 copy lands.
+        A staged onboard reports PENDING(0) until its G3->G2 copy lands.
         """
-        return self._swap_ins.status(swap_in_id)
+        return self._onboards.status(onboard_id)
 
     def is_idle(self) -> bool:
-        """No lease, no swap-in, no transfer: nothing a tick could change."""
+        """No lease, no onboard, no transfer: nothing a tick could change."""
         shared_idle = self._shared is None or self._shared.is_idle()
         g3_idle = self._g2_to_g3 is None or self._g2_to_g3.num_batches == 0
         return (
             not self._leases
             and not self._dirty
-            and len(self._swap_ins) == 0
+            and len(self._onboards) == 0
             and self._local.is_idle()
             and shared_idle
             and g3_idle
@@ -188,7 +188,7 @@ class OffloadEngine:
     def enqueue_g1_evictions(self, blocks: list[EvictedBlock], now_ms: float) -> OffloadOutcome:
         """Offer evicted G1 blocks to G2; the engine holds their slots until they are copied.
 
-        Returns `Blocked(lease, deadline)` while copies are in flight. When nothing has to
+        Returns `OffloadWait(lease, deadline)` while copies are in flight. When nothing has to
         wait (every block filtered, every batch failed, or no transfer left on the link),
         upstream ticks at once and the caller retries its allocation: `RetryNow(effects)`.
 
@@ -219,9 +219,9 @@ class OffloadEngine:
             self._dirty[lease.id] = lease
         if lease.outstanding == 0 or self._local.offload.link.is_idle():
             return RetryNow(self.tick(worker_ms))
-        return Blocked(lease.id, self._local.offload.deadline())
+        return OffloadWait(lease.id, self._local.offload.deadline())
 
-    # --- swap-in ------------------------------------------------------------------------
+    # --- onboard ------------------------------------------------------------------------
 
     def prepare_onboard(self, keys: list[int]) -> OnboardPlan | None:
         """A lower-tier hit for `keys` (the blocks after the cached G1 prefix), or None.
@@ -229,10 +229,10 @@ class OffloadEngine:
         A G2-only plan pins its G2 blocks now; a staging plan reserves G2 room for its G3
         run. Start it, or give it back with `abandon_onboard` when no G1 slots are free.
         """
-        return self._swap_ins.prepare(keys)
+        return self._onboards.prepare(keys)
 
     def abandon_onboard(self, plan: OnboardPlan) -> None:
-        self._swap_ins.abandon(plan)
+        self._onboards.abandon(plan)
 
     def start_onboard(
         self, plan: OnboardPlan, g1_slots: list[int], pins: list[int], now_ms: float
@@ -240,22 +240,22 @@ class OffloadEngine:
         """Start copying `plan` into `g1_slots` (exactly `plan.block_count` of them).
 
         `pins` are the caller's handles on the cached G1 prefix; the engine keeps slots and
-        pins until `take_completed_swap_in`, or until a cancelled swap-in is reaped. The
-        swap-in may land fewer blocks than slots (`SwapInStatus.block_count`) when its plan
-        was cut short; the caller frees the unused slots. Returns the swap-in id.
+        pins until `take_completed_onboard`, or until a cancelled onboard is reaped. The
+        onboard may land fewer blocks than slots (`OnboardStatus.block_count`) when its plan
+        was cut short; the caller frees the unused slots. Returns the onboard id.
         """
         worker_ms = worker_clock(now_ms)
-        swap_in_id = self._take_id()
-        self._swap_ins.start(swap_in_id, plan, g1_slots, pins, now_ms, worker_ms)
-        return swap_in_id
+        onboard_id = self._take_id()
+        self._onboards.start(onboard_id, plan, g1_slots, pins, now_ms, worker_ms)
+        return onboard_id
 
-    def take_completed_swap_in(self, swap_in_id: int) -> tuple[list[int], list[int]] | None:
-        """The `(slots, pins)` of a COMPLETED swap-in, which then ends; None otherwise."""
-        return self._swap_ins.take_completed(swap_in_id)
+    def take_completed_onboard(self, onboard_id: int) -> tuple[list[int], list[int]] | None:
+        """The `(slots, pins)` of a COMPLETED onboard, which then ends; None otherwise."""
+        return self._onboards.take_completed(onboard_id)
 
-    def cancel_swap_in(self, swap_in_id: int) -> bool:
-        """Give up on a swap-in; its slots and pins come back at the tick its copy ends."""
-        return self._swap_ins.cancel(swap_in_id)
+    def cancel_onboard(self, onboard_id: int) -> bool:
+        """Give up on an onboard; its slots and pins come back at the tick its copy ends."""
+        return self._onboards.cancel(onboard_id)
 
     # --- tick ---------------------------------------------------------------------------
 
@@ -282,7 +282,7 @@ class OffloadEngine:
             self._dirty[lease.id] = lease
         self._settle_failed(pipeline.start_queued(worker_ms))
 
-        swap_ins = self._swap_ins
+        onboards = self._onboards
         if shared is not None and self._g2_to_g3 is not None:
             g2 = self.g2
             for transfer_id in shared.offload.take():
@@ -290,12 +290,12 @@ class OffloadEngine:
                     g2.release(item.source)
             self._release_g2_sources(self._g2_to_g3.start_queued(worker_ms))
             for transfer_id in shared.onboard.take():
-                swap_ins.stage_landed(transfer_id)
+                onboards.stage_landed(transfer_id)
 
         for transfer_id in local.onboard.take():
-            swap_in_id = swap_ins.onboard_done(transfer_id)
-            if swap_in_id is not None:
-                effects.completed_swap_ins.append(swap_in_id)
+            onboard_id = onboards.onboard_done(transfer_id)
+            if onboard_id is not None:
+                effects.completed_onboards.append(onboard_id)
 
         dirty = [self._dirty[lease_id] for lease_id in sorted(self._dirty)]
         self._dirty.clear()
@@ -304,7 +304,7 @@ class OffloadEngine:
                 if lease.chain:
                     self._copy_to_g3(lease.chain, worker_ms)
                     lease.chain = []
-        swap_ins.pump(now_ms)
+        onboards.pump(now_ms)
 
         released = effects.released_g1_slots
         meta = self.g2.meta
@@ -318,7 +318,7 @@ class OffloadEngine:
             if lease.outstanding == 0:
                 released.extend(lease.filtered_slots)
                 del self._leases[lease.id]
-        effects.reaped_swap_ins = swap_ins.reap()
+        effects.reaped_onboards = onboards.reap()
         effects.events = self._events[:]
         self._events.clear()
         return effects

@@ -121,7 +121,7 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
         apply_checked(indexer, list(result.kv_events), seen)
         if core.requests_awaiting_swap_in:
             seen.add("parked swap-in")
-        if any(r.offload_dependency is not None for r in core.state.requests.values()):
+        if any(r.offload_wait is not None for r in core.state.requests.values()):
             seen.add("offload dependency")
         for signal in result.output_signals:
             assert signal.request_id not in finished, "output after the terminal signal"

@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engined.core.offload.config import OffloadConfig
-from engined.core.offload.engine import OffloadEngine
+from engined.core.offload.tier_engine import TierEngine
 from engined.core.offload.types import (
     EvictedBlock,
+    OnboardState,
     RetryNow,
-    SwapInState,
     TickEffects,
     TierEventKind,
 )
@@ -100,20 +100,20 @@ class Ledger:
                 assert block in seen, f"{event} removes an unknown block"
                 seen.remove(block)
         self.give_back(effects.released_g1_slots)
-        assert len(set(effects.completed_swap_ins)) == len(effects.completed_swap_ins)
-        for reaped in effects.reaped_swap_ins:
+        assert len(set(effects.completed_onboards)) == len(effects.completed_onboards)
+        for reaped in effects.reaped_onboards:
             self.give_back(reaped.slots + reaped.pins)
 
 
-def check_links(engine: OffloadEngine) -> None:
+def check_links(engine: TierEngine) -> None:
     for link in engine.links():
         assert all(r >= 0.0 for r in link.remaining_bytes())
 
 
 def run(config: OffloadConfig, ops: list[tuple[object, ...]], cancel_rest: bool) -> Ledger:
-    engine = OffloadEngine(config)
+    engine = TierEngine(config)
     ledger = Ledger()
-    swap_ins: list[int] = []
+    onboards: list[int] = []
     now = 0.0
     for op in ops:
         kind = op[0]
@@ -131,7 +131,7 @@ def run(config: OffloadConfig, ops: list[tuple[object, ...]], cancel_rest: bool)
                 ledger.apply(outcome.effects)
             else:
                 ledger.trace.append(("blocked", outcome.lease_id, outcome.deadline_ms))
-                assert engine.g1_offload_dependency(outcome.lease_id) is not None
+                assert engine.offload_wait(outcome.lease_id) is not None
         elif kind == "tick":
             step = op[1]
             assert isinstance(step, float)
@@ -148,24 +148,24 @@ def run(config: OffloadConfig, ops: list[tuple[object, ...]], cancel_rest: bool)
             if plan is not None:
                 slots = ledger.fresh(plan.block_count)
                 pins = ledger.fresh(num_pins)
-                swap_ins.append(engine.start_onboard(plan, slots, pins, now))
+                onboards.append(engine.start_onboard(plan, slots, pins, now))
         elif kind == "abandon":
             position = op[1]
             assert isinstance(position, int)
             plan = engine.prepare_onboard([key(position)])
             if plan is not None:
                 engine.abandon_onboard(plan)
-        elif kind == "cancel" and swap_ins:
+        elif kind == "cancel" and onboards:
             index = op[1]
             assert isinstance(index, int)
-            engine.cancel_swap_in(swap_ins.pop(index % len(swap_ins)))
-        elif kind == "take" and swap_ins:
+            engine.cancel_onboard(onboards.pop(index % len(onboards)))
+        elif kind == "take" and onboards:
             index = op[1]
             assert isinstance(index, int)
-            swap_in = swap_ins[index % len(swap_ins)]
-            taken = engine.take_completed_swap_in(swap_in)
+            onboard = onboards[index % len(onboards)]
+            taken = engine.take_completed_onboard(onboard)
             if taken is not None:
-                swap_ins.remove(swap_in)
+                onboards.remove(onboard)
                 ledger.give_back(taken[0] + taken[1])
         elif kind == "seed":
             position, lower = op[1], op[2]
@@ -176,17 +176,17 @@ def run(config: OffloadConfig, ops: list[tuple[object, ...]], cancel_rest: bool)
         check_links(engine)
 
     if cancel_rest:
-        for swap_in in swap_ins:
-            assert engine.cancel_swap_in(swap_in)
-        swap_ins.clear()
+        for onboard in onboards:
+            assert engine.cancel_onboard(onboard)
+        onboards.clear()
     for _ in range(1000):
-        for swap_in in list(swap_ins):
-            status = engine.swap_in_status(swap_in)
+        for onboard in list(onboards):
+            status = engine.onboard_status(onboard)
             assert status is not None
-            if status.state is SwapInState.COMPLETED:
-                taken = engine.take_completed_swap_in(swap_in)
+            if status.state is OnboardState.COMPLETED:
+                taken = engine.take_completed_onboard(onboard)
                 assert taken is not None
-                swap_ins.remove(swap_in)
+                onboards.remove(onboard)
                 ledger.give_back(taken[0] + taken[1])
         deadline = engine.earliest_pending_deadline()
         if deadline is None and engine.is_idle():
@@ -226,8 +226,8 @@ def test_identical_runs_give_identical_effects(
 
 
 def _scripted() -> list[object]:
-    """Two G1 offloads racing swap-ins through G2 and G3, recorded tick by tick."""
-    engine = OffloadEngine(
+    """Two G1 offloads racing onboards through G2 and G3, recorded tick by tick."""
+    engine = TierEngine(
         OffloadConfig(
             num_g2_blocks=4,
             num_g3_blocks=4,
@@ -243,11 +243,11 @@ def _scripted() -> list[object]:
     record: list[object] = []
     for position in range(4):
         engine.seed_g2(key(position), parent_key(position))
-    swap_ins = []
+    onboards = []
     for request in range(3):
         plan = engine.prepare_onboard([key(p) for p in range(4)])
         assert plan is not None
-        swap_ins.append(engine.start_onboard(plan, [10 * request + i for i in range(4)], [], 0.0))
+        onboards.append(engine.start_onboard(plan, [10 * request + i for i in range(4)], [], 0.0))
     outcome = engine.enqueue_g1_evictions(
         [EvictedBlock(100 + p, key(p, 77), None, meta(p)) for p in range(3)], 0.1
     )
@@ -255,8 +255,8 @@ def _scripted() -> list[object]:
     for now in (0.5, 0.8, 1.0, 1.5, 3.0, 6.0, 12.0):
         effects = engine.tick(now)
         record.append(summary(effects))
-        for swap_in in effects.completed_swap_ins:
-            record.append(engine.take_completed_swap_in(swap_in))
+        for onboard in effects.completed_onboards:
+            record.append(engine.take_completed_onboard(onboard))
     return record
 
 
