@@ -144,6 +144,7 @@ class ReplayServer:
                     self._request(await sock.recv_multipart())
                 await asyncio.sleep(0)
         finally:
+            self._waiting.clear()  # a stream that ends must not start another now
             for task in list(self._tasks):
                 task.cancel()
             if self._tasks:
