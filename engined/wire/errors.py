@@ -37,15 +37,22 @@ _MIN_LONG: Final = ECHO_MAX_BYTES // 4
 _LONG_QUOTED: Final = re.compile(rf"`([^`]{{{_MIN_LONG},}})`|'([^']{{{_MIN_LONG},}})'")
 
 
+_MARKER: Final = re.compile(r"…\(truncated, \d{1,20} bytes\)$")
+
+
 def truncate_utf8(text: str, limit: int) -> str:
     """`text` cut to at most `limit` UTF-8 bytes, marked `…(truncated, N bytes)` when cut.
 
-    The cut never splits a character; N is the size of the whole text in UTF-8 bytes.
+    The cut never splits a character; N is the size of the whole text in UTF-8 bytes. Text
+    already cut to the limit is left as it is, so bounding twice changes nothing.
     """
     if len(text) * 4 <= limit:
         return text
     raw = text.encode("utf-8", "surrogatepass")
     if len(raw) <= limit:
+        return text
+    marker = _MARKER.search(text)
+    if marker is not None and len(text[: marker.start()].encode("utf-8", "surrogatepass")) <= limit:
         return text
     kept = raw[:limit].decode("utf-8", "ignore")
     return f"{kept}…(truncated, {len(raw)} bytes)"

@@ -84,6 +84,16 @@ class TestEchoIsBounded:
             ReplyDecoder().decode(encode({"type": "z" * 50_000}))
         assert utf8_len(info.value.message) <= MESSAGE_MAX_BYTES + MARKER_MAX
 
+    @given(st.text(max_size=2000))
+    def test_bounding_twice_changes_nothing(self, text: str) -> None:
+        once = bound_message(text)
+        assert bound_message(once) == once
+        assert utf8_len(once) <= MESSAGE_MAX_BYTES + MARKER_MAX
+
+    def test_a_forged_marker_does_not_escape_the_bound(self) -> None:
+        forged = "z" * 100 + "…(truncated, " + "9" * 100_000 + " bytes)"
+        assert utf8_len(bound_message(forged)) <= MESSAGE_MAX_BYTES + MARKER_MAX
+
     @given(st.text(max_size=400), st.integers(min_value=0, max_value=300))
     def test_truncation_keeps_a_whole_character_prefix(self, text: str, limit: int) -> None:
         cut = truncate_utf8(text, limit)
