@@ -1,24 +1,24 @@
 """The control ROUTER: decode and validate client messages, dispatch them to ranks, and
 route every reply, output and lifecycle event back to the client that owns it.
 
-Ownership is explicit: a request belongs to the identity that submitted it, a handoff to the
-identity that registered it (per side: source or destination). Outputs of one pass are
-grouped per client, one `output` message each. Sends never block the engine: the socket is
-ROUTER_MANDATORY, so a vanished client is noticed at the first send to it, and its requests
-are cancelled and their KV freed, exactly once.
+Ownership (`engined.server.ownership`) is explicit: a request belongs to the identity that
+submitted it, a handoff to the identity that registered it (per side: source or
+destination), and every way a request ends early goes through one place that tells the
+owner exactly once. Outputs of one pass are grouped per client, one `output` message each.
+Sends never block the engine (`engined.server.clients`): a client that is gone or does not
+read is dropped, its requests are cancelled and their KV freed, and it is told what happened
+once it reads again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import itertools
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 
 import msgspec
 import structlog
@@ -28,16 +28,17 @@ import zmq.asyncio
 from engined.core import types as core
 from engined.core.errors import CoreError
 from engined.core.scheduler import VllmCore
+from engined.server.clients import DELIMITER, ClientTable, Episode
 from engined.server.engine_loop import EngineLoop
 from engined.server.load import LoadWatch
+from engined.server.ownership import HandoffRoute, Ownership
 from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire
 from engined.wire.convert import group_outputs, rank_stats, to_core_request, to_wire_lifecycle
-from engined.wire.errors import WireError
+from engined.wire.errors import WireError, bound_message
 
 log = structlog.get_logger(__name__)
 
-DELIMITER = b""
 # A turn of ControlServer.serve: the most messages it reads, and the most time it spends
 # (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
 CONTROL_TURN_MESSAGES = 64
@@ -51,15 +52,6 @@ def split_envelope(frames: list[bytes]) -> tuple[bytes, bool, bytes] | None:
     if len(frames) == 3 and frames[1] == DELIMITER:
         return frames[0], True, frames[2]
     return None
-
-
-@dataclass(slots=True)
-class HandoffRoute:
-    rank: int
-    identity: bytes
-    request_id: str
-    # Monotonic time after which the handoff session is abandoned (None: not timed).
-    deadline: float | None = None
 
 
 class ControlServer:
@@ -76,31 +68,41 @@ class ControlServer:
         handoff_timeout_s: float | None = None,
     ) -> None:
         self._sock = sock
-        # Sends go through a synchronous shadow: NOBLOCK, errors raised at the call.
-        self._send_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._loops = loops
         self._welcome = welcome
         self._settings = settings
-        self._load = LoadWatch(loops, self._send)
+        self._clients = ClientTable(
+            sock, in_flight=self._in_flight, dropped=self._dropped, recovered=self._recovered
+        )
+        self._ownership = Ownership(
+            loops,
+            notify=self._clients.send_terminals,
+            released=self._clients.settle,
+            handoff_timeout_s=handoff_timeout_s,
+        )
+        self._load = LoadWatch(loops, self._clients.send)
         self._max_queued = max_queued_requests
-        self._handoff_timeout_s = handoff_timeout_s
         self._decoder = wire.ControlDecoder()
-        self._encode = msgspec.msgpack.Encoder().encode
         self._rr = itertools.cycle(range(len(loops)))
-        self._delimited: dict[bytes, bool] = {}
-        # request id -> identity, per rank
-        self._owners: list[dict[str, bytes]] = [{} for _ in loops]
-        self._sources: dict[str, HandoffRoute] = {}
-        self._destinations: dict[str, HandoffRoute] = {}
-        # request id -> destination handoff id, per rank: the route ends with the request.
-        self._destination_requests: list[dict[str, str]] = [{} for _ in loops]
-        self._gone: set[bytes] = set()
         self.shutting_down = False
-        # Set whenever a request stops being owned; shutdown waits on it to drain.
-        self.owners_changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         # Set when a handler fails unexpectedly: a bug, which must end the daemon non-zero.
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    @property
+    def owners_changed(self) -> asyncio.Event:
+        """Set whenever a request stops being owned; shutdown waits on it to drain."""
+        return self._ownership.owners_changed
+
+    def client_state(self) -> dict[str, int]:
+        """The sizes of everything kept per client identity (tests, benchmarks)."""
+        return {
+            "tracked": self._clients.tracked,
+            "owning": self._ownership.clients(),
+            "watching": self._load.watchers,
+            "dropped": self._clients.episodes,
+            "notices": self._clients.notices,
+        }
 
     # --- reading ------------------------------------------------------------------------
 
@@ -113,6 +115,13 @@ class ControlServer:
         signal and watchdog ping until it was drained. The ROUTER fair-queues its peers, so
         a flooder's backlog delays the flooder, not the other clients.
         """
+        retry = self._spawn(self._clients.retry_slow())
+        try:
+            await self._read()
+        finally:
+            retry.cancel()
+
+    async def _read(self) -> None:
         sock = self._sock
         turn_ends = time.perf_counter() + CONTROL_TURN_S
         read = 0
@@ -127,7 +136,7 @@ class ControlServer:
             if envelope is None:
                 log.warning("bad envelope", frames=len(frames), identity=frames[0].hex())
                 if len(frames) >= 2:
-                    self._reply(
+                    self._clients.send(
                         frames[0],
                         wire.ErrorReply(
                             code="bad_message",
@@ -138,19 +147,23 @@ class ControlServer:
                     )
                 continue
             identity, delimited, body = envelope
-            self._delimited[identity] = delimited
-            self._gone.discard(identity)
+            writable = self._clients.arrived(identity, delimited)
             try:
                 msg = self._decoder.decode(body)
             except WireError as exc:
-                log.warning(
-                    "bad message", identity=identity.hex(), code=exc.code, error=exc.message
-                )
-                self._reply(
-                    identity, wire.ErrorReply(id=exc.message_id, code=exc.code, message=exc.message)
-                )
-                continue
-            self._dispatch(identity, msg)
+                if writable:
+                    log.warning(
+                        "bad message", identity=identity.hex(), code=exc.code, error=exc.message
+                    )
+                    self._error(identity, exc.message_id, exc.code, exc.message)
+                else:
+                    self._clients.unanswered(identity, exc.message_id)
+            else:
+                if writable:
+                    self._dispatch(identity, msg)
+                else:
+                    self._clients.unanswered(identity, msg.id)
+            self._clients.settle(identity)
 
     def _dispatch(self, identity: bytes, msg: wire.ClientMessage) -> None:
         match msg:
@@ -163,17 +176,19 @@ class ControlServer:
             case wire.Stats():
                 self._reply(identity, self.stats(msg.id))
             case wire.Submit() | wire.SubmitHandoffPrefill() | wire.ReserveDestination():
-                self._spawn(self._submit(identity, msg))
+                self._command(identity, self._submit(identity, msg))
             case wire.Cancel():
-                self._spawn(self._cancel(identity, msg))
+                self._command(identity, self._cancel(identity, msg))
             case wire.ReleaseSource() | wire.CancelSource():
-                self._spawn(self._handoff_command(identity, msg, self._sources))
+                routes = self._ownership.sources
+                self._command(identity, self._handoff_command(identity, msg, routes))
             case wire.ActivateDestination() | wire.CancelDestination():
-                self._spawn(self._handoff_command(identity, msg, self._destinations))
+                routes = self._ownership.destinations
+                self._command(identity, self._handoff_command(identity, msg, routes))
             case wire.ResetPrefixCache():
-                self._spawn(self._reset_prefix_cache(identity, msg))
+                self._command(identity, self._reset_prefix_cache(identity, msg))
             case wire.SetVocabulary():
-                self._spawn(self._set_vocabulary(identity, msg))
+                self._command(identity, self._set_vocabulary(identity, msg))
             case wire.SetFpmWorkerId():
                 self._settings.set_fpm_worker_id(msg.worker_id)
                 self._reply(identity, wire.Applied(id=msg.id))
@@ -181,10 +196,16 @@ class ControlServer:
                 self._reply(identity, wire.Applied(id=msg.id))
                 self._load.watch(identity)
 
-    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+    def _command(self, identity: bytes, coro: Coroutine[object, object, None]) -> None:
+        """Run a handler that awaits a rank; the client's state is kept until it replies."""
+        self._clients.hold(identity)
+        self._spawn(coro).add_done_callback(lambda _: self._clients.release(identity))
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -197,7 +218,9 @@ class ControlServer:
     # --- requests and commands ----------------------------------------------------------
 
     def _error(self, identity: bytes, msg_id: int | str | None, code: str, message: str) -> None:
-        self._reply(identity, wire.ErrorReply(id=msg_id, code=code, message=message))  # type: ignore[arg-type]
+        # Bounded: core messages quote ids, and nothing a client sent is echoed unbounded.
+        reply = wire.ErrorReply(id=msg_id, code=code, message=bound_message(message))  # type: ignore[arg-type]
+        self._reply(identity, reply)
 
     def _pick_rank(self, requested: int | None) -> int | None:
         if requested is None:
@@ -247,45 +270,37 @@ class ControlServer:
         if request.request_id is None:
             core_request = msgspec.structs.replace(core_request, request_id=request_id)
         routes: dict[str, HandoffRoute] | None = None
+        handoff_id = ""
         command: core.Command
         match msg:
             case wire.Submit():
                 command = core.Submit(core_request)
             case wire.SubmitHandoffPrefill():
-                routes = self._sources
+                routes, handoff_id = self._ownership.sources, msg.handoff_id
                 command = core.SubmitHandoffPrefill(msg.handoff_id, core_request)
             case wire.ReserveDestination():
-                routes = self._destinations
+                routes, handoff_id = self._ownership.destinations, msg.handoff_id
                 command = core.ReserveDestination(msg.handoff_id, core_request)
-        new_route: HandoffRoute | None = None
-        if routes is not None:
-            existing = routes.get(msg.handoff_id)  # type: ignore[union-attr]
-            if existing is not None:
-                # The core that owns the handoff id must see the duplicate and refuse it.
-                rank, loop = existing.rank, self._loops[existing.rank]
-            else:
-                new_route = routes[msg.handoff_id] = HandoffRoute(rank, identity, request_id)  # type: ignore[union-attr]
-                if routes is self._destinations:
-                    self._destination_requests[rank][request_id] = msg.handoff_id  # type: ignore[union-attr]
-                    new_route.deadline = self._handoff_deadline()
-        owners = self._owners[rank]
-        if request_id in owners:
-            if new_route is not None and routes is not None:
-                routes.pop(msg.handoff_id, None)  # type: ignore[union-attr]
-                self._destination_requests[rank].pop(request_id, None)
+        existing = None if routes is None else routes.get(handoff_id)
+        if existing is not None:
+            # The core that owns the handoff id must see the duplicate and refuse it.
+            rank, loop = existing.rank, self._loops[existing.rank]
+        ownership = self._ownership
+        if not ownership.claim(rank, request_id, identity):
             self._error(
                 identity, msg.id, "duplicate_request", f"request {request_id} is already active"
             )
             return
-        owners[request_id] = identity
+        new_route: HandoffRoute | None = None
+        if routes is not None and existing is None:
+            new_route = HandoffRoute(rank, identity, request_id)
+            ownership.add_route(routes, handoff_id, new_route)
         try:
             effects = await loop.call(command)
         except CoreError as exc:
-            if owners.get(request_id) is identity:
-                del owners[request_id]
-            if new_route is not None and routes is not None:
-                routes.pop(msg.handoff_id, None)  # type: ignore[union-attr]
-                self._destination_requests[rank].pop(request_id, None)
+            ownership.disown(rank, request_id, identity)
+            if routes is not None and new_route is not None and routes.get(handoff_id) is new_route:
+                ownership.drop_route(routes, handoff_id)
             self._error(identity, msg.id, exc.code, str(exc))
             return
         if isinstance(effects.result, core.DestinationAccepted):
@@ -296,13 +311,17 @@ class ControlServer:
             self._reply(identity, wire.Submitted(id=msg.id, request_id=request_id, dp_rank=rank))
 
     async def _cancel(self, identity: bytes, msg: wire.Cancel) -> None:
-        for rank, owners in enumerate(self._owners):
-            if msg.request_id in owners:
-                effects = await self._loops[rank].call(core.Cancel(msg.request_id))
-                if isinstance(effects.result, core.Applied):
-                    self._forget(rank, msg.request_id)
-                    self._reply(identity, wire.Applied(id=msg.id))
-                    return
+        """Any client may cancel any request (a router or coordinator must be able to).
+
+        The owner's stream ends with one `cancelled` terminal, sent before the canceller's
+        `applied`, so it comes first when the owner is the canceller.
+        """
+        for rank in self._ownership.ranks_owning(msg.request_id):
+            effects = await self._loops[rank].call(core.Cancel(msg.request_id))
+            if isinstance(effects.result, core.Applied):
+                self._ownership.end(rank, msg.request_id)
+                self._reply(identity, wire.Applied(id=msg.id))
+                return
         self._reply(identity, wire.Noop(id=msg.id))
 
     async def _handoff_command(
@@ -334,59 +353,14 @@ class ControlServer:
         if applied and isinstance(msg, wire.ActivateDestination):
             route.deadline = None
         if applied and not isinstance(msg, wire.ActivateDestination):
-            routes.pop(msg.handoff_id, None)
-            if routes is self._destinations:
-                self._destination_requests[route.rank].pop(route.request_id, None)
-            self._end_dropped(route.rank, route.request_id, loop.core)
+            if routes.get(msg.handoff_id) is route:
+                self._ownership.drop_route(routes, msg.handoff_id)
+            self._ownership.end_dropped(route.rank, route.request_id, loop.core)
         self._reply(identity, wire.Applied(id=msg.id) if applied else wire.Noop(id=msg.id))
 
-    # --- handoff session timeout -------------------------------------------------------
-
-    def _handoff_deadline(self) -> float | None:
-        timeout = self._handoff_timeout_s
-        return None if timeout is None else time.monotonic() + timeout
-
     async def expire_handoffs(self) -> None:
-        """Abandon handoff sessions whose coordinator went quiet (handoff_session_timeout_ms).
-
-        A held source not released, or a destination not activated, within the timeout is
-        cancelled as if the coordinator had sent cancel_source / cancel_destination, so a
-        vanished coordinator cannot pin KV blocks for the lifetime of the daemon.
-        """
-        timeout = self._handoff_timeout_s
-        if timeout is None:
-            return
-        interval = min(1.0, timeout / 2)
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            for routes, command in (
-                (self._sources, core.CancelSource),
-                (self._destinations, core.CancelDestination),
-            ):
-                for handoff_id, route in list(routes.items()):
-                    if route.deadline is None or route.deadline > now:
-                        continue
-                    route.deadline = None
-                    loop = self._loops[route.rank]
-                    effects = await loop.call(command(handoff_id))
-                    if isinstance(effects.result, core.Applied) and routes.get(handoff_id) is route:
-                        del routes[handoff_id]
-                        self._destination_requests[route.rank].pop(route.request_id, None)
-                        self._end_dropped(route.rank, route.request_id, loop.core)
-                        log.warning(
-                            "handoff timed out", handoff_id=handoff_id, request_id=route.request_id
-                        )
-
-    def _end_dropped(self, rank: int, request_id: str, core_: VllmCore) -> None:
-        """A command dropped a request another client may be streaming: end its stream."""
-        owner = self._owners[rank].get(request_id)
-        if owner is not None and request_id not in core_.state.requests:
-            self._forget(rank, request_id)
-            entry = wire.OutputEntry(
-                request_id=request_id, token_ids=[], finished=True, finish_reason="cancelled"
-            )
-            self._send(owner, wire.Output(dp_rank=rank, outputs=[entry]))
+        """Abandon handoff sessions whose coordinator went quiet (handoff_session_timeout_ms)."""
+        await self._ownership.expire_handoffs()
 
     async def _reset_prefix_cache(self, identity: bytes, msg: wire.ResetPrefixCache) -> None:
         ranks = range(len(self._loops)) if msg.dp_rank is None else [msg.dp_rank]
@@ -439,95 +413,55 @@ class ControlServer:
     # --- delivery (called by the engine loops) ------------------------------------------
 
     def deliver_outputs(self, rank: int, signals: list[core.OutputSignal]) -> None:
-        owners = self._owners[rank]
+        ownership = self._ownership
         per_client: dict[bytes, list[core.OutputSignal]] = defaultdict(list)
         for signal in signals:
-            owner = owners.get(signal.request_id)
+            owner = ownership.owner(rank, signal.request_id)
             if owner is not None:
                 per_client[owner].append(signal)
-            if signal.completed:
-                self._forget(rank, signal.request_id)
+                if signal.completed:
+                    ownership.finished(rank, signal.request_id)
         for identity, batch in per_client.items():
-            self._send(identity, wire.Output(dp_rank=rank, outputs=group_outputs(batch)))
-
-    def _forget(self, rank: int, request_id: str) -> None:
-        """A request ended: drop its owner and any destination route it had."""
-        if self._owners[rank].pop(request_id, None) is not None:
-            self.owners_changed.set()
-        handoff_id = self._destination_requests[rank].pop(request_id, None)
-        if handoff_id is not None:
-            self._destinations.pop(handoff_id, None)
+            self._reply(identity, wire.Output(dp_rank=rank, outputs=group_outputs(batch)))
+            self._clients.settle(identity)
 
     def deliver_lifecycle(self, rank: int, events: list[core.LifecycleEvent]) -> None:
+        ownership = self._ownership
         per_client: dict[bytes, list[wire.WireLifecycleEvent]] = defaultdict(list)
         for event in events:
-            routes = self._sources if isinstance(event, core.SourceHeld) else self._destinations
-            route = routes.get(event.handoff_id)
+            source = isinstance(event, core.SourceHeld)
+            route = (ownership.sources if source else ownership.destinations).get(event.handoff_id)
             if route is not None and route.rank == rank:
                 per_client[route.identity].append(to_wire_lifecycle(event))
-                if isinstance(event, core.SourceHeld):
-                    route.deadline = self._handoff_deadline()
+                if source:
+                    route.deadline = ownership.handoff_deadline()
         for identity, batch in per_client.items():
-            self._send(identity, wire.Lifecycle(dp_rank=rank, events=batch))
+            self._reply(identity, wire.Lifecycle(dp_rank=rank, events=batch))
 
     def cancel_all(self, finish_reason: str = "cancelled") -> None:
         """End every request still owned (shutdown after the drain timeout)."""
-        for rank, owners in enumerate(self._owners):
-            loop = self._loops[rank]
-            for request_id, identity in list(owners.items()):
-                loop.core.cancel(request_id)
-                entry = wire.OutputEntry(
-                    request_id=request_id, token_ids=[], finished=True, finish_reason="cancelled"
-                )
-                self._send(identity, wire.Output(dp_rank=rank, outputs=[entry]))
-                self._forget(rank, request_id)
+        self._ownership.end_all()
 
     def owned_requests(self) -> int:
-        return sum(len(owners) for owners in self._owners)
+        return self._ownership.owned_requests()
 
-    # --- sending ------------------------------------------------------------------------
+    # --- clients ------------------------------------------------------------------------
 
     def _reply(self, identity: bytes, msg: wire.DaemonMessage) -> None:
-        self._send(identity, msg)
+        self._clients.send(identity, msg)
 
-    def _send(self, identity: bytes, msg: wire.DaemonMessage) -> None:
-        if identity in self._gone:
-            return
-        body = self._encode(msg)
-        frames = [identity, DELIMITER, body] if self._delimited.get(identity) else [identity, body]
-        try:
-            self._send_sock.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            if exc.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
-                raise
-            self._client_gone(
-                identity, "unreachable" if exc.errno == errno.EHOSTUNREACH else "too slow"
-            )
-        finally:
-            # NOTE: the ZMQ FD is edge-triggered, and a send through the shadow may consume
-            # the edge announcing incoming messages, leaving serve()'s pending recv asleep
-            # with messages queued. Reading EVENTS through the asyncio socket reschedules it
-            # (pyzmq does the same after its own sends).
-            self._sock.get(zmq.EVENTS)
+    def _in_flight(self, identity: bytes) -> bool:
+        return self._ownership.holds(identity) or self._load.watching(identity)
 
-    def _client_gone(self, identity: bytes, why: str) -> None:
-        """Cancel everything the client owns on every rank, once."""
-        self._gone.add(identity)
-        self._delimited.pop(identity, None)
-        self._load.forget(identity)
-        cancelled = 0
-        for rank, owners in enumerate(self._owners):
-            mine = [rid for rid, owner in owners.items() if owner == identity]
-            for request_id in mine:
-                self._forget(rank, request_id)
-                self._loops[rank].post(functools.partial(_cancel_quietly, request_id))
-            cancelled += len(mine)
-        log.warning("client gone", identity=identity.hex(), reason=why, cancelled=cancelled)
+    def _dropped(self, identity: bytes, episode: Episode) -> None:
+        """A client cannot be written to: end what it owns, once; its terminals are kept."""
+        episode.watching = self._load.forget(identity)
+        episode.cancelled = self._ownership.end_client(identity)
+
+    def _recovered(self, identity: bytes, episode: Episode) -> None:
+        if episode.watching:
+            self._load.watch(identity)
 
 
 def _reset_into(future: asyncio.Future[bool], core_: VllmCore) -> None:
     future.set_result(core_.reset_prefix_cache())
-
-
-def _cancel_quietly(request_id: str, core_: VllmCore) -> None:
-    core_.cancel(request_id)

@@ -54,9 +54,15 @@ class LoadWatch:
             self._last[rank] = message
             self._send(identity, message)
 
-    def forget(self, identity: bytes) -> None:
-        """The client is gone: stop sending to it."""
-        self._watchers.discard(identity)
+    def watching(self, identity: bytes) -> bool:
+        return identity in self._watchers
+
+    def forget(self, identity: bytes) -> bool:
+        """The client is gone or dropped: stop sending to it; whether it was watching."""
+        if identity in self._watchers:
+            self._watchers.discard(identity)
+            return True
+        return False
 
     def _after_pass(self, rank: int, start_ms: float, result: PassResult) -> None:
         if self._watchers:

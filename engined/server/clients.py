@@ -1,0 +1,358 @@
+"""Per-client state of the control socket, the one way out to a client, and the slow-reader policy.
+
+Every message to a client leaves through `ClientTable.send`: NOBLOCK on a ROUTER_MANDATORY
+socket, so a send never blocks the engine and fails at once, either because the peer is
+gone (EHOSTUNREACH) or because it left SNDHWM messages unread (EAGAIN: the ROUTER's per-peer
+pipe is full). Either way the client is **dropped**: its requests are cancelled and their KV
+freed (it cannot take their outputs), and an *episode* starts, logged once. During the
+episode the daemon keeps what the client must still learn, its *notices*: one `cancelled`
+terminal per request that was ended, the direct replies and lifecycle events that could not
+be sent, the final entries of any output that could not be sent, and an `overloaded` error
+for each message it sends meanwhile (not processed: it would only add to the backlog). When
+the client can be written to again (retried every DROPPED_RETRY_S while it is slow, and
+whenever it sends a message) the notices are delivered in order and the episode ends; a
+`watch_load` client is subscribed again and gets every rank's load at once.
+
+Memory is bounded whatever clients do: per-identity state lives only while the identity has
+something in flight (a command being applied, a request, a handoff route, a load watch, an
+episode), at most MAX_DROPPED_CLIENTS episodes are remembered (the oldest is forgotten), and
+all episodes together keep at most MAX_NOTICES notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from engined.wire import control as wire
+
+log = structlog.get_logger(__name__)
+
+DELIMITER = b""
+# The most episodes remembered, and their notices all together (a notice is a message or,
+# for terminals and kept output entries, one entry: ~100-400 bytes).
+MAX_DROPPED_CLIENTS: Final = 1024
+MAX_NOTICES: Final = 65_536
+# The most `overloaded` replies kept for messages a client sends while dropped; the rest
+# are counted in the log line that ends the episode.
+MAX_UNANSWERED: Final = 1024
+# How often a client dropped for being slow is tried again, and the most terminals per
+# `output` message when they are delivered.
+DROPPED_RETRY_S: Final = 0.05
+TERMINALS_PER_MESSAGE: Final = 1024
+
+
+@dataclass(slots=True)
+class Client:
+    """What the daemon keeps about an identity while something of it is in flight."""
+
+    delimited: bool
+    # Commands of this client being applied (their replies are still to come).
+    busy: int = 0
+
+
+@dataclass(slots=True)
+class Episode:
+    """A dropped client, from the failed send to the delivery of its notices."""
+
+    reason: str  # "too slow" (EAGAIN) or "unreachable" (EHOSTUNREACH)
+    started: float
+    # Messages to deliver, in order, then terminals (rank, request id), then the load.
+    kept: deque[wire.DaemonMessage] = field(default_factory=deque)
+    terminals: list[tuple[int, str]] = field(default_factory=list)
+    watching: bool = False
+    cancelled: int = 0
+    unanswered: int = 0
+    ignored: int = 0  # unanswered beyond MAX_UNANSWERED
+    lost: int = 0  # notices past MAX_NOTICES
+    delivered: int = 0
+
+
+def _notice_size(msg: wire.DaemonMessage) -> int:
+    return len(msg.outputs) if isinstance(msg, wire.Output) else 1
+
+
+class ClientTable:
+    """The clients of one control ROUTER: framing, work in flight, dropped clients."""
+
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        *,
+        in_flight: Callable[[bytes], bool],
+        dropped: Callable[[bytes, Episode], None],
+        recovered: Callable[[bytes, Episode], None],
+    ) -> None:
+        self._sock = sock
+        # Sends go through a synchronous shadow: NOBLOCK, errors raised at the call.
+        self._send_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._in_flight = in_flight
+        self._dropped = dropped
+        self._recovered = recovered
+        self.limit = int(sock.get(zmq.SNDHWM))
+        self._clients: dict[bytes, Client] = {}
+        self._episodes: OrderedDict[bytes, Episode] = OrderedDict()
+        self._notices = 0
+        self._slow = asyncio.Event()
+
+    # --- state --------------------------------------------------------------------------
+
+    @property
+    def tracked(self) -> int:
+        """Identities with per-client state (in flight or dropped)."""
+        return len(self._clients)
+
+    @property
+    def episodes(self) -> int:
+        return len(self._episodes)
+
+    @property
+    def notices(self) -> int:
+        return self._notices
+
+    def is_dropped(self, identity: bytes) -> bool:
+        return identity in self._episodes
+
+    def arrived(self, identity: bytes, delimited: bool) -> bool:
+        """A message came from `identity`: track it; False while it stays dropped.
+
+        A dropped client that sends again may have read its backlog: its notices are
+        delivered now if they fit, and then its message is handled as any other.
+        """
+        client = self._clients.get(identity)
+        if client is None:
+            self._clients[identity] = Client(delimited)
+        else:
+            client.delimited = delimited
+        if identity in self._episodes:
+            self._flush(identity)
+        return identity not in self._episodes
+
+    def hold(self, identity: bytes) -> None:
+        """Something for `identity` is under way (a command): keep its state until released."""
+        client = self._clients.get(identity)
+        if client is not None:
+            client.busy += 1
+
+    def release(self, identity: bytes) -> None:
+        client = self._clients.get(identity)
+        if client is not None and client.busy:
+            client.busy -= 1
+        self.settle(identity)
+
+    def settle(self, identity: bytes) -> None:
+        """Free the identity's state if nothing of it is in flight any more."""
+        client = self._clients.get(identity)
+        if (
+            client is not None
+            and not client.busy
+            and identity not in self._episodes
+            and not self._in_flight(identity)
+        ):
+            del self._clients[identity]
+
+    # --- sending ------------------------------------------------------------------------
+
+    def send(self, identity: bytes, msg: wire.DaemonMessage) -> None:
+        """Send now, or keep it as a notice if the client is dropped (or is now)."""
+        episode = self._episodes.get(identity)
+        if episode is None:
+            reason = self._try_send(identity, msg)
+            if reason is None:
+                return
+            episode = self._drop(identity, reason)
+        self._keep(identity, episode, msg)
+
+    def send_terminals(self, identity: bytes, rank: int, request_ids: list[str]) -> None:
+        """Tell the owner its requests ended as `cancelled` (one terminal entry each)."""
+        episode = self._episodes.get(identity)
+        if episode is not None:
+            for request_id in request_ids:
+                if self._make_room(identity, episode, 1):
+                    episode.terminals.append((rank, request_id))
+                    self._notices += 1
+            return
+        for start in range(0, len(request_ids), TERMINALS_PER_MESSAGE):
+            chunk = request_ids[start : start + TERMINALS_PER_MESSAGE]
+            self.send(identity, _terminals(rank, chunk))
+
+    def unanswered(self, identity: bytes, msg_id: int | str | None) -> None:
+        """A dropped client's message was not handled: it gets `overloaded` once it reads."""
+        episode = self._episodes[identity]
+        episode.unanswered += 1
+        if episode.unanswered > MAX_UNANSWERED:
+            episode.ignored += 1
+            return
+        self._keep(
+            identity,
+            episode,
+            wire.ErrorReply(
+                id=msg_id,
+                code="overloaded",
+                message=(
+                    f"not processed: this client left more than {self.limit} messages unread, "
+                    "so it was dropped and its requests were cancelled; read, then send again"
+                ),
+            ),
+        )
+
+    def _try_send(self, identity: bytes, msg: wire.DaemonMessage) -> str | None:
+        """None when sent, else why the client cannot take it."""
+        body = self._encode(msg)
+        client = self._clients.get(identity)
+        delimited = client is not None and client.delimited
+        frames = [identity, DELIMITER, body] if delimited else [identity, body]
+        try:
+            self._send_sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                return "unreachable"
+            if exc.errno == zmq.EAGAIN:
+                return "too slow"
+            raise
+        finally:
+            # NOTE: the ZMQ FD is edge-triggered, and a send through the shadow may consume
+            # the edge announcing incoming messages, leaving serve()'s pending recv asleep
+            # with messages queued. Reading EVENTS through the asyncio socket reschedules it
+            # (pyzmq does the same after its own sends).
+            self._sock.get(zmq.EVENTS)
+        return None
+
+    # --- episodes -----------------------------------------------------------------------
+
+    def _drop(self, identity: bytes, reason: str) -> Episode:
+        episode = Episode(reason, time.monotonic())
+        self._episodes[identity] = episode
+        while len(self._episodes) > MAX_DROPPED_CLIENTS:
+            self._forget_oldest()
+        if reason == "too slow":
+            self._slow.set()
+        # Its requests end here; their terminals become notices of the new episode.
+        self._dropped(identity, episode)
+        log.warning(
+            "client gone",
+            identity=identity.hex(),
+            reason=reason,
+            cancelled=episode.cancelled,
+            **({"unread_limit": self.limit} if reason == "too slow" else {}),
+        )
+        return episode
+
+    def _keep(self, identity: bytes, episode: Episode, msg: wire.DaemonMessage) -> None:
+        match msg:
+            case wire.Load():
+                # Stale by the time the client reads; it gets fresh figures on recovery.
+                return
+            case wire.Output():
+                # Its requests were ended by the drop; only entries that were already final
+                # (their owners forgotten before the send) would otherwise be lost.
+                final = [entry for entry in msg.outputs if entry.finished]
+                if not final:
+                    return
+                msg = wire.Output(dp_rank=msg.dp_rank, outputs=final)
+        size = _notice_size(msg)
+        if self._make_room(identity, episode, size):
+            episode.kept.append(msg)
+            self._notices += size
+
+    def _make_room(self, identity: bytes, episode: Episode, size: int) -> bool:
+        while self._notices + size > MAX_NOTICES:
+            if not self._forget_oldest(but=identity):
+                episode.lost += size
+                return False
+        return True
+
+    def _forget_oldest(self, but: bytes | None = None) -> bool:
+        for identity in self._episodes:
+            if identity != but:
+                pending = _pending(self._episodes.pop(identity))
+                self._notices -= pending
+                log.info("dropped client forgotten", identity=identity.hex(), notices=pending)
+                self.settle(identity)
+                return True
+        return False
+
+    def _flush(self, identity: bytes) -> bool:
+        """Deliver the episode's notices in order; True once all are out (it has ended)."""
+        episode = self._episodes[identity]
+        while episode.kept:
+            if not self._deliver(identity, episode, episode.kept[0]):
+                return False
+            self._notices -= _notice_size(episode.kept.popleft())
+        while episode.terminals:
+            rank = episode.terminals[0][0]
+            count = 0
+            for other, _ in episode.terminals[:TERMINALS_PER_MESSAGE]:
+                if other != rank:
+                    break
+                count += 1
+            chunk = [request_id for _, request_id in episode.terminals[:count]]
+            if not self._deliver(identity, episode, _terminals(rank, chunk)):
+                return False
+            del episode.terminals[:count]
+            self._notices -= count
+        del self._episodes[identity]
+        log.info(
+            "client back",
+            identity=identity.hex(),
+            reason=episode.reason,
+            delivered=episode.delivered,
+            unanswered=episode.unanswered,
+            ignored=episode.ignored,
+            lost=episode.lost,
+            dropped_s=round(time.monotonic() - episode.started, 3),
+        )
+        self._recovered(identity, episode)
+        self.settle(identity)
+        return True
+
+    def _deliver(self, identity: bytes, episode: Episode, msg: wire.DaemonMessage) -> bool:
+        reason = self._try_send(identity, msg)
+        if reason is None:
+            episode.delivered += _notice_size(msg)
+            return True
+        episode.reason = reason
+        return False
+
+    async def retry_slow(self) -> None:
+        """Deliver the notices of clients dropped for being slow once they read again.
+
+        A client that stops sending as well would otherwise never learn what happened;
+        ZeroMQ tells nobody when a ROUTER peer's pipe has room again, so it is tried.
+        """
+        while True:
+            await self._slow.wait()
+            await asyncio.sleep(DROPPED_RETRY_S)
+            slow = [i for i, e in self._episodes.items() if e.reason == "too slow"]
+            for identity in slow:
+                if identity in self._episodes:
+                    self._flush(identity)
+            if not any(e.reason == "too slow" for e in self._episodes.values()):
+                self._slow.clear()
+
+
+def _pending(episode: Episode) -> int:
+    return sum(_notice_size(msg) for msg in episode.kept) + len(episode.terminals)
+
+
+def _terminals(rank: int, request_ids: list[str]) -> wire.Output:
+    return wire.Output(
+        dp_rank=rank,
+        outputs=[
+            wire.OutputEntry(
+                request_id=request_id, token_ids=[], finished=True, finish_reason="cancelled"
+            )
+            for request_id in request_ids
+        ],
+    )
