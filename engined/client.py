@@ -104,7 +104,12 @@ class ClientClosedError(ConnectionError):
 
 
 class _End(enum.Enum):
-    """Ends a stream without a finished entry (the client's own cancel was applied)."""
+    """Ends a stream once the client's own cancel was applied.
+
+    A current daemon sends the request's `cancelled` terminal before `applied`, so the
+    stream has ended on that entry already; an older one sends no terminal, and this marker
+    is what ends the stream.
+    """
 
     END = enum.auto()
 
@@ -120,7 +125,8 @@ class Generation:
     request_id: str
     dp_rank: int
     token_ids: list[int]
-    # None only when the stream ended without a finished entry (cancelled by this client).
+    # None only when the stream ended without a finished entry: this client's own cancel on
+    # an older daemon (a current one ends every stream with a terminal entry).
     finish_reason: FinishReason | None
     cached_tokens: int | None
     handoff_delay_ms: float | None
@@ -260,8 +266,10 @@ class EngineClient:
     ) -> AsyncIterator[OutputEntry]:
         """Yield the request's output entries until its finished one.
 
-        Ends early, without a finished entry, once this client's `cancel` of the request was
-        applied. `timeout` bounds the wait for each entry.
+        Whoever cancels the request (this client, another one, the daemon), the last entry
+        is a `cancelled` terminal; an older daemon sends none for this client's own cancel,
+        and the stream then ends once that cancel was applied. `timeout` bounds the wait
+        for each entry.
         """
         queue = self._stream_queue(request_id)
         while True:
@@ -385,7 +393,12 @@ class EngineClient:
     async def cancel(
         self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
     ) -> Applied | Noop:
-        """Cancel a request; once `applied`, its `outputs()` stream ends (no more output)."""
+        """Cancel a request, this client's or another's (a router may cancel any).
+
+        `applied` when it was active: its owner's stream ends with a `cancelled` terminal,
+        which comes before the `applied` when the owner is this client; no more output
+        follows. `noop` when it was unknown or had already ended.
+        """
         reply = await self._call_either(Cancel(request_id=request_id, id=self._next_id()), timeout)
         if isinstance(reply, Applied):
             queue = self._streams.pop(request_id, None)
