@@ -66,7 +66,10 @@ class Ownership:
         # request id -> destination handoff id, per rank: the route ends with the request.
         self._destination_requests: list[dict[str, str]] = [{} for _ in loops]
         # identity -> its (rank, request id)s, and its number of handoff routes.
-        self._requests_of: dict[bytes, set[tuple[int, str]]] = {}
+        # NOTE: a dict used as an ordered set: requests in the order they were claimed, which
+        # is the order of the waiting queue, so cancelling them in turn takes each from the
+        # queue's front (in any other order every cancel scans the queue: quadratic).
+        self._requests_of: dict[bytes, dict[tuple[int, str], None]] = {}
         self._routes_of: dict[bytes, int] = {}
         # Set whenever a request stops being owned; shutdown waits on it to drain.
         self.owners_changed = asyncio.Event()
@@ -98,7 +101,7 @@ class Ownership:
         if request_id in owners:
             return False
         owners[request_id] = identity
-        self._requests_of.setdefault(identity, set()).add((rank, request_id))
+        self._requests_of.setdefault(identity, {})[rank, request_id] = None
         return True
 
     def disown(self, rank: int, request_id: str, identity: bytes) -> None:
@@ -161,7 +164,7 @@ class Ownership:
             return None
         self.owners_changed.set()
         mine = self._requests_of[identity]
-        mine.discard((rank, request_id))
+        mine.pop((rank, request_id), None)
         if not mine:
             del self._requests_of[identity]
         handoff_id = self._destination_requests[rank].get(request_id)
@@ -194,7 +197,7 @@ class Ownership:
 
     def end_client(self, identity: bytes) -> int:
         """End every request `identity` owns, on every rank (it was dropped); the count."""
-        mine = sorted(self._requests_of.get(identity, ()))
+        mine = list(self._requests_of.get(identity, ()))
         per_rank: dict[int, list[str]] = {}
         for rank, request_id in mine:
             self._forget(rank, request_id)
