@@ -6,10 +6,11 @@ readers, cheapest first:
 1. A msgspec decoder of a struct holding only `id`: it skips every other key in C, and does
    not validate the strings it skips, so invalid UTF-8 or a wrong type elsewhere in the
    message does not hide the id.
-2. When the message is not whole msgpack (truncated, a reserved byte), a scan of the top-level
-   map that walks the pairs in order and stops at the first `id` key, so an id written before
-   the damage is still found. The scan skips values without decoding them, visits at most
-   SCAN_BUDGET msgpack items, and never recurses, so a hostile message cannot make it costly.
+2. When that fails (the message is not whole msgpack: truncated, a reserved byte; or msgspec
+   stopped at a non-string key first), a scan of the top-level map that walks the pairs in
+   order and stops at the first `id` key, so an id written before the damage is still
+   found. The scan skips values without decoding them, visits at most SCAN_BUDGET msgpack
+   items, and never recurses, so a hostile message cannot make it costly.
 """
 
 from __future__ import annotations
@@ -45,10 +46,9 @@ def probe_id(body: bytes | bytearray | memoryview) -> int | str | None:
     """
     try:
         return _PROBE.decode(body).id
-    except msgspec.ValidationError:
-        # A whole msgpack value: not a map, or an `id` of the wrong type. Nothing to echo.
-        return None
     except (msgspec.DecodeError, RecursionError):
+        # NOTE: ValidationError included: msgspec may meet a non-string key, say, before the
+        # damage that makes the message unreadable as a whole; the scan sorts that out.
         pass
     try:
         return _scan_id(memoryview(body).cast("B"))

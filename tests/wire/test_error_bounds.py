@@ -156,6 +156,10 @@ class TestIdIsFound:
         body += fixstr(b"request") + tail
         assert refused(body).message_id == 256
 
+    def test_a_non_string_key_before_the_damage(self) -> None:
+        body = b"\x83" + fixstr(b"id") + b"\x09" + fixstr(b"type") + fixstr(b"submit") + b"\x81"
+        assert refused(body).message_id == 9
+
     def test_nesting_too_deep_after_the_id(self) -> None:
         body = b"\x82" + fixstr(b"id") + b"\x04" + fixstr(b"type") + b"\x91" * 100_000
         assert refused(body).message_id == 4
