@@ -1,4 +1,4 @@
-"""Core throughput: a decode-heavy closed loop driven straight through `execute_pass`.
+"""Core throughput: a decode-heavy closed loop driven straight through `Engine.execute_pass`.
 
 256 requests in flight (prompt 512, output 256, block size 16, prefix caching on, half of
 each prompt shared within one of 8 prefix groups), no time scaling and no sleeping: this
@@ -16,8 +16,8 @@ import random
 import time
 
 from engined.core.args import EngineArgs
-from engined.core.scheduler import VllmCore
-from engined.core.types import Request
+from engined.core.engine import Engine
+from engined.core.types import Request, Submit
 
 
 def run(total_requests: int, concurrency: int, prompt: int, output: int, groups: int) -> None:
@@ -29,7 +29,7 @@ def run(total_requests: int, concurrency: int, prompt: int, output: int, groups:
         enable_prefix_caching=True,
         speedup_ratio=0.0,
     )
-    core = VllmCore(args)
+    core = Engine(args)
     rng = random.Random(0)
     prefixes = [[rng.randrange(50_000) for _ in range(prompt // 2)] for _ in range(groups)]
 
@@ -48,7 +48,7 @@ def run(total_requests: int, concurrency: int, prompt: int, output: int, groups:
 
     submitted = 0
     for _ in range(min(concurrency, total_requests)):
-        core.receive(make(submitted))
+        core.apply(Submit(make(submitted)), now_ms=0.0)
         submitted += 1
     passes = tokens = events = finished = 0
     now = 0.0
@@ -57,21 +57,20 @@ def run(total_requests: int, concurrency: int, prompt: int, output: int, groups:
         result = core.execute_pass(now)
         now = result.end_ms
         passes += 1
-        tokens += len(result.output_signals)
+        tokens += result.accept_length_output_tokens
         events += len(result.kv_events)
-        for signal in result.output_signals:
-            if signal.completed:
-                finished += 1
-                if submitted < total_requests:
-                    core.receive(make(submitted))
-                    submitted += 1
+        for _ in result.ended:
+            finished += 1
+            if submitted < total_requests:
+                core.apply(Submit(make(submitted)), now_ms=now)
+                submitted += 1
     elapsed = time.perf_counter() - start
     print(f"requests            {total_requests} (concurrency {concurrency})")
     print(f"passes              {passes}  ({passes / elapsed:,.0f} passes/s)")
     print(f"output tokens       {tokens}  ({tokens / elapsed:,.0f} tokens/s)")
     print(f"KV events           {events}  ({events / elapsed:,.0f} events/s)")
     print(f"wall time           {elapsed:.2f} s; modeled time {now / 1000:.1f} s")
-    assert core.kv.num_active_blocks() == 0
+    assert core.metrics().active_blocks == 0
 
 
 def main() -> None:

@@ -5,23 +5,23 @@ its KV is *held* (request gone, blocks still active) until the coordinator relea
 Destination side (decode worker): a reservation waits in a strict FIFO until its prompt's
 blocks can be reserved, is *held* until the transfer is done, and once activated runs as a
 prebuilt request. Each record exists exactly once, so every release frees exactly once.
+
+`HandoffBook` groups the four tables of one engine. Pending and held destinations are
+queued decodes for FPM, so they keep the decode tally (engined/core/queued.py) as they
+change.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from engined.core.errors import HandoffConflictError, handoff_repr
 from engined.core.kv_manager import DestinationReservation
+from engined.core.queued import LengthTally
 from engined.core.sequence import BlockMove
 from engined.core.state import RequestState
-
-
-class SourceStage(enum.Enum):
-    PENDING = "pending"
-    HELD = "held"
+from engined.core.views import SourceStage
 
 
 @dataclass(slots=True, eq=False)
@@ -86,13 +86,14 @@ class PendingDestination:
 
 
 class PendingDestinations:
-    """Strict FIFO of destinations waiting for KV capacity."""
+    """Strict FIFO of destinations waiting for KV capacity (queued decodes of their prompt)."""
 
-    __slots__ = ("by_request", "queue")
+    __slots__ = ("_tally", "by_request", "queue")
 
-    def __init__(self) -> None:
+    def __init__(self, tally: LengthTally) -> None:
         self.queue: OrderedDict[str, PendingDestination] = OrderedDict()
         self.by_request: dict[str, str] = {}
+        self._tally = tally
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -111,6 +112,7 @@ class PendingDestinations:
     def push(self, handoff_id: str, request: RequestState) -> None:
         self.queue[handoff_id] = PendingDestination(handoff_id, request)
         self.by_request[request.request_id] = handoff_id
+        self._tally.add(request.seq.num_input_tokens)
 
     def front_due(self, generation: int) -> PendingDestination | None:
         if not self.queue:
@@ -126,6 +128,7 @@ class PendingDestinations:
         entry = self.queue.pop(handoff_id, None)
         if entry is not None:
             del self.by_request[entry.request.request_id]
+            self._tally.remove(entry.request.seq.num_input_tokens)
         return entry
 
 
@@ -137,11 +140,14 @@ class HeldDestination:
 
 
 class DestinationHolds:
-    __slots__ = ("by_handoff", "by_request")
+    """Destinations holding KV until activated (queued decodes of their prompt)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_tally", "by_handoff", "by_request")
+
+    def __init__(self, tally: LengthTally) -> None:
         self.by_handoff: dict[str, HeldDestination] = {}
         self.by_request: dict[str, str] = {}
+        self._tally = tally
 
     def __len__(self) -> int:
         return len(self.by_handoff)
@@ -162,11 +168,13 @@ class DestinationHolds:
     def insert(self, held: HeldDestination) -> None:
         self.by_handoff[held.handoff_id] = held
         self.by_request[held.request.request_id] = held.handoff_id
+        self._tally.add(held.request.seq.num_input_tokens)
 
     def pop(self, handoff_id: str) -> HeldDestination | None:
         held = self.by_handoff.pop(handoff_id, None)
         if held is not None:
             del self.by_request[held.request.request_id]
+            self._tally.remove(held.request.seq.num_input_tokens)
         return held
 
 
@@ -199,3 +207,28 @@ class ActiveDestinations:
         handoff_id = self.by_request.pop(request_id, None)
         if handoff_id is not None:
             del self.by_handoff[handoff_id]
+
+
+class HandoffBook:
+    """The handoff tables of one engine: sources, pending, held and active destinations."""
+
+    __slots__ = ("active", "held", "pending", "sources")
+
+    def __init__(self, decode_tally: LengthTally) -> None:
+        self.sources = SourceHolds()
+        self.pending = PendingDestinations(decode_tally)
+        self.held = DestinationHolds(decode_tally)
+        self.active = ActiveDestinations()
+
+    def is_idle(self) -> bool:
+        """No handoff record at all (one of the conditions of `Engine.is_drained`)."""
+        return not (self.sources or self.pending or self.held or self.active)
+
+    def knows_request(self, request_id: str) -> bool:
+        """Whether a handoff record names `request_id` (a new request may not reuse it)."""
+        return (
+            request_id in self.sources.by_request
+            or request_id in self.pending.by_request
+            or request_id in self.held.by_request
+            or request_id in self.active.by_request
+        )

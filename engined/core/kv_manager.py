@@ -12,27 +12,24 @@ and queues the events a real vLLM worker would publish for it:
 
 With prefix caching off nothing is published and event ids never advance.
 
-With offload tiers attached (`attach_offload`), an allocation that evicts registered blocks
-goes through `KvOffload` instead (engined/core/offload/g1_glue.py): the evicted blocks are copied
-to G2 before their slots can be reused, and the allocation may have to wait for that.
+The events go to the rank's `KvEventLog`; the maps of held and registered blocks live in a
+`BlockRegistry` beside the pool.
+
+With offload tiers attached (`attach_tiers`), an allocation that evicts registered blocks
+goes through the G1 glue instead (engined/core/offload/g1_glue.py): the evicted blocks are
+copied to G2 before their slots can be reused, and the allocation may have to wait for that.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from engined.core.block_pool import BlockPool
-from engined.core.offload.g1_glue import KvOffload
-
-# NOTE: PrefillCost moved to prefix_hit with the rule; re-exported for existing importers.
-from engined.core.prefix_hit import PrefillCost as PrefillCost
-from engined.core.prefix_hit import PrefixHit
+from engined.core.kv_event_log import KvEventLog
+from engined.core.kv_registry import BlockRegistry
+from engined.core.offload.g1_glue import G1Glue
+from engined.core.offload.tier_engine import TierEngine
+from engined.core.prefix_hit import PrefillCost, PrefixHit
 from engined.core.sequence import BlockMove, Deref, Promote, Sequence, Use
-from engined.core.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-
-if TYPE_CHECKING:
-    from engined.core.offload.tier_engine import TierEngine
-    from engined.core.offload.types import OffloadWait
+from engined.core.types import KvEvent, OffloadWait
 
 
 class DestinationReservation:
@@ -53,17 +50,15 @@ class KvManager:
     """Block ownership of one rank: partial blocks, full-block handles, queued events."""
 
     __slots__ = (
-        "_events",
         "active_full",
         "active_partial",
         "block_size",
-        "dp_rank",
-        "next_event_id",
+        "log",
         "offload",
         "pool",
         "prefix_hit",
-        "publish",
         "registered",
+        "registry",
     )
 
     def __init__(
@@ -74,33 +69,37 @@ class KvManager:
         dp_rank: int,
         publish: bool,
         prefix_hit: PrefixHit,
+        tiers: TierEngine | None = None,
     ) -> None:
         self.pool = BlockPool(num_blocks)
         self.prefix_hit = prefix_hit
         self.block_size = block_size
-        self.dp_rank = dp_rank
-        self.publish = publish
-        self.active_partial: dict[int, int] = {}
-        # sequence hash -> [block id, handles held through this map]
-        self.active_full: dict[int, list[int]] = {}
-        # lineage key -> sequence hash, for every block registered here (published or not)
-        self.registered: dict[int, int] = {}
-        self.next_event_id = 0
-        self._events: list[KvEvent] = []
-        self.offload: KvOffload | None = None
+        self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=publish)
+        self.registry = BlockRegistry()
+        # The registry's maps, bound here for the hot paths.
+        self.active_partial = self.registry.active_partial
+        self.active_full = self.registry.active_full
+        self.registered = self.registry.registered
+        self.offload: G1Glue | None = None
+        if tiers is not None:
+            self.attach_tiers(tiers)
 
-    def attach_offload(self, engine: TierEngine) -> None:
+    def attach_tiers(self, engine: TierEngine) -> None:
         """Give this pool lower tiers. Blocks published before keep no router metadata."""
-        self.offload = KvOffload(engine)
+        self.offload = G1Glue(engine, self.pool, self.registry, self.log)
 
     def take_offload_wait(self) -> OffloadWait | None:
         """The offload the last failed allocation must wait for (None: it simply failed)."""
-        return self.offload.take_blocked() if self.offload is not None else None
+        return self.offload.take_wait() if self.offload is not None else None
+
+    def refresh_offload_wait(self, wait: OffloadWait) -> OffloadWait | None:
+        """`wait` refreshed while its offload is in flight; None once it ended."""
+        return self.offload.refresh(wait) if self.offload is not None else None
 
     def _exhausted(self) -> bool:
         """An allocation failed for want of blocks: it waits on no offload. Returns False."""
         if self.offload is not None:
-            self.offload.blocked = None
+            self.offload.wait = None
         return False
 
     # --- queries ------------------------------------------------------------------------
@@ -112,9 +111,7 @@ class KvManager:
         return self.pool.num_inactive
 
     def take_events(self) -> list[KvEvent]:
-        events = self._events
-        self._events = []
-        return events
+        return self.log.take()
 
     def prefill_cost(self, seq: Sequence) -> PrefillCost:
         """The cost under the core's prefix-hit rule (engined/core/prefix_hit.py)."""
@@ -199,7 +196,7 @@ class KvManager:
                 return self._exhausted()
             slots, evicted = got
             if evicted and self.offload is not None:
-                settled = self.offload.settle(self, slots, evicted)
+                settled = self.offload.settle(slots, evicted)
                 if settled is None:
                     for block_id in matched:
                         pool.release(block_id)
@@ -254,26 +251,9 @@ class KvManager:
             self.store_run(move, run, run_parent)
 
     def store_run(self, move: Use, run: list[int], parent: int | None) -> None:
-        if not self.publish:
-            return
-        bs = self.block_size
-        first, last = run[0], run[-1]
-        tokens = move.tokens
-        start = (move.first + first) * bs
-        end = (move.first + last + 1) * bs
-        local = move.local
-        event = BlockStored(
-            self.take_event_id(),
-            self.dp_rank,
-            parent,
-            move.hashes[first : last + 1],
-            local[first : last + 1] if local is not None else [0] * len(run),
-            tokens[start:end].tolist() if tokens is not None else [],
-            bs,
-        )
-        self._events.append(event)
-        if self.offload is not None:
-            self.offload.remember(move.keys[first : last + 1], event)
+        event = self.log.stored_run(move, run, parent)
+        if event is not None and self.offload is not None:
+            self.offload.remember(move.keys[run[0] : run[-1] + 1], event)
 
     def deref(self, move: Deref) -> None:
         pool = self.pool
@@ -289,19 +269,9 @@ class KvManager:
 
     def promote(self, move: Promote) -> None:
         slot = self.active_partial.pop(move.partial)
-        stored = self._commit_full(slot, move.hash, move.key, move.parent_key)
-        if stored and self.publish:
-            event = BlockStored(
-                self.take_event_id(),
-                self.dp_rank,
-                move.parent,
-                [move.hash],
-                [move.local if move.local is not None else 0],
-                move.tokens if move.tokens is not None else [],
-                self.block_size,
-            )
-            self._events.append(event)
-            if self.offload is not None:
+        if self._commit_full(slot, move.hash, move.key, move.parent_key):
+            event = self.log.stored_promoted(move)
+            if event is not None and self.offload is not None:
                 self.offload.remember([move.key], event)
 
     def _commit_full(self, slot: int, h: int, key: int, parent_key: int | None) -> bool:
@@ -334,7 +304,7 @@ class KvManager:
         slots, evicted = got
         if evicted:
             if self.offload is not None:
-                return self.offload.settle(self, slots, evicted)
+                return self.offload.settle(slots, evicted)
             self._evictions(evicted)
         return slots
 
@@ -377,7 +347,7 @@ class KvManager:
         slots, evicted = got
         if evicted:
             if self.offload is not None:
-                settled = self.offload.settle(self, slots, evicted)
+                settled = self.offload.settle(slots, evicted)
                 if settled is None:
                     for block_id in prefix:
                         pool.release(block_id)
@@ -428,15 +398,7 @@ class KvManager:
 
     def _evictions(self, keys: list[int]) -> None:
         registered = self.registered
-        self.publish_removed([registered.pop(key) for key in keys if key in registered])
-
-    def publish_removed(self, hashes: list[int]) -> None:
-        if hashes and self.publish:
-            self._events.append(BlockRemoved(self.take_event_id(), self.dp_rank, hashes))
-
-    def push_event(self, event: KvEvent) -> None:
-        """Queue an event built with `take_event_id()` (the offload tiers' events)."""
-        self._events.append(event)
+        self.log.removed([registered.pop(key) for key in keys if key in registered])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, as vLLM's reset_prefix_cache does.
@@ -451,11 +413,5 @@ class KvManager:
             self.registered.pop(key, None)
         if self.offload is not None:
             self.offload.forget(keys)
-        if self.publish:
-            self._events.append(AllBlocksCleared(self.take_event_id(), self.dp_rank))
+        self.log.cleared()
         return True
-
-    def take_event_id(self) -> int:
-        event_id = self.next_event_id
-        self.next_event_id = event_id + 1
-        return event_id

@@ -17,12 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engined.core.handoff import (
-    DestinationHolds,
-    HeldDestination,
-    PendingDestination,
-    PendingDestinations,
-)
 from engined.core.state import RequestState, RequestStatus, SchedulerState
 
 # (class, length) of a queued request: its tally and what it adds to it.
@@ -101,46 +95,6 @@ class TalliedState(SchedulerState):
         if counted is not None:
             self._counted[request_id] = counted
             counted[0].add(counted[1])
-
-
-class TalliedPendingDestinations(PendingDestinations):
-    """Destinations waiting for KV: each is a queued decode of its prompt length."""
-
-    __slots__ = ("_tally",)
-
-    def __init__(self, tally: LengthTally) -> None:
-        super().__init__()
-        self._tally = tally
-
-    def push(self, handoff_id: str, request: RequestState) -> None:
-        super().push(handoff_id, request)
-        self._tally.add(request.seq.num_input_tokens)
-
-    def pop(self, handoff_id: str) -> PendingDestination | None:
-        entry = super().pop(handoff_id)
-        if entry is not None:
-            self._tally.remove(entry.request.seq.num_input_tokens)
-        return entry
-
-
-class TalliedDestinationHolds(DestinationHolds):
-    """Destinations holding KV until activated: queued decodes too."""
-
-    __slots__ = ("_tally",)
-
-    def __init__(self, tally: LengthTally) -> None:
-        super().__init__()
-        self._tally = tally
-
-    def insert(self, held: HeldDestination) -> None:
-        super().insert(held)
-        self._tally.add(held.request.seq.num_input_tokens)
-
-    def pop(self, handoff_id: str) -> HeldDestination | None:
-        held = super().pop(handoff_id)
-        if held is not None:
-            self._tally.remove(held.request.seq.num_input_tokens)
-        return held
 
 
 def waiting_class(

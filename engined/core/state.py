@@ -1,20 +1,15 @@
-"""Request records and the waiting/running queues of one core."""
+"""Request records and the waiting/running queues of one engine."""
 
 from __future__ import annotations
 
-import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from engined.core.offload.types import OffloadWait
 from engined.core.sequence import Sequence
+from engined.core.types import OffloadWait, RequestStatus
 
-
-class RequestStatus(enum.Enum):
-    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
+__all__ = ["RequestState", "RequestStatus", "SchedulerState"]
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +30,21 @@ class RequestState:
         n = self.seq.num_input_tokens
         return self.num_computed_tokens >= n and self.seq.num_allocated_tokens >= n
 
+    def offload_wait_live(self, refresh: Callable[[OffloadWait], OffloadWait | None]) -> bool:
+        """Refresh the offload wait with `refresh`; True while its offload is in flight."""
+        wait = self.offload_wait
+        if wait is None:
+            return False
+        self.offload_wait = fresh = refresh(wait)
+        return fresh is not None
+
+    def take_cached_tokens(self) -> int | None:
+        """The prefix hit to report on this request's first output; None afterwards."""
+        if self.cached_tokens_reported:
+            return None
+        self.cached_tokens_reported = True
+        return self.cached_prefix_tokens
+
 
 class SchedulerState:
     """FIFO waiting queue, ordered running list, and the request records behind both.
@@ -51,6 +61,11 @@ class SchedulerState:
         self.running_members: set[str] = set()
         self.requests: dict[str, RequestState] = {}
         self.preemptions_total = 0
+
+    def enqueue(self, state: RequestState) -> None:
+        """A new (or newly activated) request joins the back of the waiting queue."""
+        self.requests[state.request_id] = state
+        self.push_waiting(state.request_id)
 
     def push_waiting(self, request_id: str) -> None:
         self.waiting.append(request_id)

@@ -2,15 +2,26 @@
 
 Everything here is a frozen msgspec Struct so the daemon can hand it to an encoder without
 copying, and so nothing the core returns can be mutated behind its back. Hot, numerous values
-(output signals, KV events) are `gc=False`: they hold no reference cycles, and skipping the
+(request outputs, KV events) are `gc=False`: they hold no reference cycles, and skipping the
 cycle collector matters when a pass emits hundreds of them.
+
+The shapes follow vLLM's v1 engine (`vllm/v1/engine/__init__.py`): a pass yields one
+`RequestOutput` per request that progressed (its new token ids, a `FinishReason` once it
+ends), and every call says which requests ended and why (`EndedRequest`). Read-only
+snapshots of the engine's state are in views.py.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+from typing import NamedTuple
 
 import msgspec
+
+# LEGACY: re-exported for the daemon until phase B (legacy_signals.py).
+from engined.core.legacy_signals import OutputSignal as OutputSignal
+from engined.core.legacy_signals import signals_of
 
 RequestId = str
 HandoffId = str
@@ -22,6 +33,42 @@ class Medium(enum.StrEnum):
     GPU = "GPU"
     CPU = "CPU"
     STORAGE = "STORAGE"
+
+
+class RequestStatus(enum.Enum):
+    """Where a request stands in the scheduler (vLLM's `RequestStatus`, the states it has here)."""
+
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, spelled as the control protocol spells `finish_reason`.
+
+    `LENGTH`: it produced its `max_tokens` (or reached `max_model_len`), vLLM's "length".
+    `REJECTED`: admission refused it (it could never run here). `CANCELLED`: a command
+    dropped it (cancel, cancel_source of a pending source, cancel_destination).
+    """
+
+    LENGTH = "length"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+
+
+class OffloadWait(NamedTuple):
+    """An allocation waiting on an offload: the one name for it (upstream `BlockedOnOffload`).
+
+    The tier engine returns it when evicted blocks are still being copied out of G1; the
+    waiting request keeps it (refreshed at each retry) instead of preempting. `lease_id` is
+    the offload lease; `deadline_ms` the earliest completion on the G1->G2 link (not
+    necessarily one of this lease's batches), upstream's wake-up; None for a transfer
+    without bytes. (engined/core/offload/__init__.py has the glossary.)
+    """
+
+    lease_id: int
+    deadline_ms: float | None
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,6 +138,14 @@ class SetVocabulary(msgspec.Struct, frozen=True):
     excluded_token_ids: tuple[int, ...] = ()
 
 
+class ResetPrefixCache(msgspec.Struct, frozen=True):
+    """Forget every cached block (vLLM's `reset_prefix_cache`), publishing AllBlocksCleared.
+
+    `Applied` when done; `Refused` while any block is in use, as vLLM refuses: the router
+    would be told to drop blocks still held.
+    """
+
+
 Command = (
     Submit
     | Cancel
@@ -101,6 +156,7 @@ Command = (
     | ActivateDestination
     | CancelDestination
     | SetVocabulary
+    | ResetPrefixCache
 )
 
 
@@ -125,7 +181,13 @@ class Noop(msgspec.Struct, frozen=True):
     """The command named nothing this core owns (unknown, or already released)."""
 
 
-CommandResult = Submitted | DestinationAccepted | Applied | Noop
+class Refused(msgspec.Struct, frozen=True):
+    """The command could not be carried out now and changed nothing (`reason` says why)."""
+
+    reason: str
+
+
+CommandResult = Submitted | DestinationAccepted | Applied | Noop | Refused
 
 APPLIED = Applied()
 NOOP = Noop()
@@ -148,15 +210,33 @@ class TransferTiming(msgspec.Struct, frozen=True):
     bandwidth_gb_s: float | None
 
     def delay_ms(self, destination_missing_tokens: int) -> float | None:
-        """Transfer time for the tokens the mode says must move, or None when unmodelled."""
+        """Transfer time for the tokens the mode says must move, or None when unmodelled.
+
+        Upstream's `HandoffTransferTiming::delay_ms`: `full_prompt` moves the whole prompt,
+        `destination_missing` the tokens the destination lacks (its reservation's
+        `transferable_prompt_tokens`). The coordinator of a handoff calls it once it has
+        both the source's `SourceHeld` and the destination's `DestinationReserved`.
+        """
         tokens = (
             self.full_prompt_tokens
             if self.mode is KvTransferTimingMode.FULL_PROMPT
             else destination_missing_tokens
         )
-        if self.kv_bytes_per_token is None or not self.bandwidth_gb_s or self.bandwidth_gb_s <= 0:
-            return None
-        return tokens * self.kv_bytes_per_token / (self.bandwidth_gb_s * 1e9) * 1000.0
+        return kv_transfer_ms(tokens, self.kv_bytes_per_token, self.bandwidth_gb_s)
+
+
+def kv_transfer_ms(
+    tokens: int, kv_bytes_per_token: int | None, bandwidth_gb_s: float | None
+) -> float | None:
+    """The modeled time to move `tokens` of KV, or None when the transfer is unmodelled.
+
+    The one formula of every KV transfer delay (upstream `compute_kv_transfer_delay`):
+    `tokens * bytes_per_token / (GB/s * 1e9)`, in ms; None without `kv_bytes_per_token` or
+    with a bandwidth unset or <= 0.
+    """
+    if kv_bytes_per_token is None or not bandwidth_gb_s or bandwidth_gb_s <= 0:
+        return None
+    return tokens * kv_bytes_per_token / (bandwidth_gb_s * 1e9) * 1000.0
 
 
 class SourceHeld(msgspec.Struct, frozen=True, tag="source_held", tag_field="kind"):
@@ -165,6 +245,15 @@ class SourceHeld(msgspec.Struct, frozen=True, tag="source_held", tag_field="kind
     handoff_id: HandoffId
     request_id: RequestId
     transfer_timing: TransferTiming
+
+    def transfer_delay_ms(self, reserved: DestinationReserved) -> float | None:
+        """The KV transfer time of this handoff once its destination `reserved` its KV.
+
+        What upstream's coordinator issues as `StartTransfer{delay_ms}`: the source's
+        timing applied to the destination's `transferable_prompt_tokens`
+        (`kv_transfer_timing_mode` decides whether those or the full prompt move).
+        """
+        return self.transfer_timing.delay_ms(reserved.transferable_prompt_tokens)
 
 
 class DestinationReserved(
@@ -180,27 +269,47 @@ class DestinationReserved(
 LifecycleEvent = SourceHeld | DestinationReserved
 
 
-class CommandEffects(msgspec.Struct, frozen=True):
-    result: CommandResult
-    lifecycle_events: list[LifecycleEvent]
+class EndedRequest(msgspec.Struct, frozen=True, gc=False):
+    """A request that left the core, and why. Its KV is freed (or held, for a source)."""
+
+    request_id: RequestId
+    reason: FinishReason
 
 
 # --- pass outputs ---------------------------------------------------------------------------
 
 
-class OutputSignal(msgspec.Struct, frozen=True, gc=False):
-    """One emitted token (or a token-less terminal) of one request.
+class RequestOutput(msgspec.Struct, frozen=True, gc=False):
+    """What one request produced in one pass (vLLM's `EngineCoreOutput`).
 
-    `cached_tokens` rides only on a request's first signal (prefix tokens found at its first
-    admission); `handoff_delay_ms` only on the terminal signal of a prefill worker.
+    `new_token_ids` are this pass's tokens (one, an MTP burst, or none for a token-less
+    end); `finish_reason` is set on the request's last output. `cached_tokens` rides only
+    on a request's first output (prefix tokens found at its first admission);
+    `handoff_delay_ms` only on the last output of a prefill worker's request (the modeled
+    transfer of its full prompt).
     """
 
     request_id: RequestId
-    token_id: int | None
-    completed: bool
-    rejected: bool = False
-    handoff_delay_ms: float | None = None
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
     cached_tokens: int | None = None
+    handoff_delay_ms: float | None = None
+
+
+class CommandEffects(msgspec.Struct, frozen=True):
+    """What applying one command did.
+
+    `lifecycle_events` are the handoff events it caused (a destination reserved, by the
+    command itself or by the pending-destination retry that follows every command);
+    `ended` the requests it dropped; `kv_events` the KV events it caused (publish them like
+    a pass's); `progressed` whether it changed anything at all.
+    """
+
+    result: CommandResult
+    lifecycle_events: list[LifecycleEvent]
+    ended: list[EndedRequest] = []
+    kv_events: list[KvEvent] = []
+    progressed: bool = True
 
 
 class Admission(msgspec.Struct, frozen=True, gc=False):
@@ -289,29 +398,33 @@ class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
     g3_total_blocks: int = 0
 
 
-class OffloadTickEffects(msgspec.Struct, frozen=True):
-    """What advancing the offload tiers between passes produced (`VllmCore.tick_offload_only`).
+class TierAdvance(msgspec.Struct, frozen=True):
+    """What advancing the offload tiers between passes produced (`Engine.advance_tiers`).
 
-    `kv_events` are every KV event buffered since the last pass, the tick's lower-tier
-    Stored/Removed and swap-in GPU Stored included; publish them like a pass's.
+    `kv_events` are the tick's lower-tier Stored/Removed and onboarding GPU Stored; publish
+    them like a pass's. `lifecycle_events` the destination the retry that follows reserved.
     """
 
     kv_events: list[KvEvent]
     lifecycle_events: list[LifecycleEvent]
 
+    @property
+    def progressed(self) -> bool:
+        return bool(self.kv_events or self.lifecycle_events)
 
-class PassResult(msgspec.Struct, frozen=True):
+
+class PassResult(msgspec.Struct, frozen=True, dict=True):
     """Everything one engine pass produced; the daemon publishes it, the core forgets it."""
 
     # Modeled end of the pass; the daemon paces to it and stamps outputs with it.
     end_ms: float
-    # Requests that left the core this pass (completed, rejected or dropped).
-    completed_requests: int
-    # Per-token outputs in emission order; the daemon groups them per client.
-    output_signals: list[OutputSignal]
+    # One output per request that produced tokens or ended, in emission order.
+    outputs: list[RequestOutput]
+    # Requests that left the core this pass (finished, rejected), and why.
+    ended: list[EndedRequest]
     # Waiting -> running transitions, for tracing and TTFT accounting.
     admissions: list[Admission]
-    # Handoff events produced by this pass (source holds).
+    # Handoff events of this pass: source holds, then the reservation its retry made.
     lifecycle_events: list[LifecycleEvent]
     # Gauges after the pass; the stats reply and Prometheus read them.
     metrics: EngineMetrics
@@ -319,9 +432,24 @@ class PassResult(msgspec.Struct, frozen=True):
     kv_events: list[KvEvent]
     # Forward-pass metrics of this pass.
     fpm: FpmSnapshot
+    # Whether the pass changed anything; one that did not waits for the next command.
+    progressed: bool = True
     # Prompt tokens looked up in the prefix cache by this pass's admissions, and those found.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     # MTP acceptance: visible output tokens and the decode forwards that produced them.
     accept_length_output_tokens: int = 0
     accept_length_decode_forwards: int = 0
+
+    # --- LEGACY VIEW: the daemon's pre-restructure shape (engined/core/legacy.py) ----------
+    # Removed when the shell consumes `outputs` and `ended` directly (issue 11, phase B).
+
+    @functools.cached_property
+    def output_signals(self) -> list[OutputSignal]:
+        """`outputs` as the old per-token signals (legacy_signals.py)."""
+        return signals_of(self.outputs)
+
+    @property
+    def completed_requests(self) -> int:
+        """How many requests left the core this pass (legacy; `len(ended)`)."""
+        return len(self.ended)

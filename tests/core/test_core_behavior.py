@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 from engined.core.args import PreemptionMode, WorkerType
-from engined.core.sequence import Sequence
-from engined.core.state import RequestState, RequestStatus
+from engined.core.state import RequestState
+from engined.core.types import (
+    AllBlocksCleared,
+    Applied,
+    Cancel,
+    FinishReason,
+    Refused,
+    RequestStatus,
+    ResetPrefixCache,
+)
 from tests.core.factories import (
     MOCKER_1_3_0,
+    active_blocks,
+    emitted_tokens,
+    finished,
+    inactive_blocks,
     make_args,
     make_core,
+    output_of,
     request,
     run_until_empty,
+    submit,
+    tokens_of,
     uid,
+    view,
 )
 
 
@@ -23,11 +39,11 @@ def test_planned_output_tokens_are_emitted_exactly() -> None:
     core = make_core()
     rid = uid(0xA11CE)
     planned = [101, 202, 303]
-    core.receive(request(rid, [1, 2], len(planned), output_token_ids=planned))
+    submit(core, request(rid, [1, 2], len(planned), output_token_ids=planned))
     emitted = []
     for step in range(len(planned)):
         result = core.execute_pass(float(step))
-        emitted += [s.token_id for s in result.output_signals if s.request_id == rid]
+        emitted += tokens_of(result, rid)
     assert emitted == planned
     assert core.is_empty()
 
@@ -35,24 +51,24 @@ def test_planned_output_tokens_are_emitted_exactly() -> None:
 def test_unified_pass_keeps_partial_prefill_in_running() -> None:
     """1. Budget 12, two 8-token prompts. 2. One pass.
     Result: r1 prefills fully and samples its first token (which allocates its third block at
-    once), r2 prefills 4 tokens and stays running: 1 signal, running [r1, r2], computed 8/4,
+    once), r2 prefills 4 tokens and stays running: 1 output, running [r1, r2], computed 8/4,
     4 active blocks.
     """
     core = make_core(make_args(max_num_batched_tokens=12))
     r1, r2 = uid(1), uid(2)
-    core.receive(request(r1, range(8), 2))
-    core.receive(request(r2, range(100, 108), 2))
+    submit(core, request(r1, range(8), 2))
+    submit(core, request(r2, range(100, 108), 2))
     result = core.execute_pass(0.0)
-    assert len(result.output_signals) == 1
-    assert len(core.state.waiting) == 0
+    assert len(result.outputs) == 1
+    assert len(core.queues().waiting) == 0
     assert result.metrics.running == 2
     assert result.metrics.waiting == 0
-    assert core.state.running == [r1, r2]
-    assert core.state.requests[r1].num_computed_tokens == 8
-    assert core.state.requests[r2].num_computed_tokens == 4
-    assert core.state.requests[r1].seq.generated == 1
-    assert core.state.requests[r2].status is RequestStatus.RUNNING
-    assert core.kv.num_active_blocks() == 4
+    assert core.queues().running == [r1, r2]
+    assert view(core, r1).num_computed_tokens == 8
+    assert view(core, r2).num_computed_tokens == 4
+    assert view(core, r1).output_tokens == 1
+    assert view(core, r2).status is RequestStatus.RUNNING
+    assert active_blocks(core) == 4
 
 
 def test_running_requests_consume_budget_before_waiting() -> None:
@@ -61,12 +77,12 @@ def test_running_requests_consume_budget_before_waiting() -> None:
     """
     core = make_core(make_args(num_gpu_blocks=16, max_num_batched_tokens=4))
     r1, r2 = uid(1), uid(2)
-    core.receive(request(r1, range(8), 2))
-    core.receive(request(r2, range(100, 108), 2))
+    submit(core, request(r1, range(8), 2))
+    submit(core, request(r2, range(100, 108), 2))
     core.execute_pass(0.0)
     result = core.execute_pass(1.0)
-    assert any(s.request_id == r1 for s in result.output_signals)
-    assert core.state.requests[r2].num_computed_tokens == 0
+    assert output_of(result, r1) is not None
+    assert view(core, r2).num_computed_tokens == 0
 
 
 def test_execute_pass_batches_two_ready_requests_together() -> None:
@@ -76,17 +92,17 @@ def test_execute_pass_batches_two_ready_requests_together() -> None:
     """
     core = make_core(make_args(num_gpu_blocks=16, max_num_seqs=4))
     r1, r2 = uid(101), uid(202)
-    core.receive(request(r1, [1] * 4, 1))
-    core.receive(request(r2, [2] * 4, 1))
+    submit(core, request(r1, [1] * 4, 1))
+    submit(core, request(r2, [2] * 4, 1))
     result = core.execute_pass(0.0)
     assert [a.request_id for a in result.admissions] == [r1, r2]
-    assert [s.request_id for s in result.output_signals] == [r1, r2]
+    assert [out.request_id for out in result.outputs] == [r1, r2]
     assert result.end_ms > 0.0
 
 
 def test_prefill_completion_emits_handoff_delay() -> None:
     """1. Prefill worker, 1 GB/s, 1e6 bytes per token, an 8-token prompt with one output.
-    Result: the completing signal carries a handoff delay of 8.0 ms.
+    Result: the completing output carries a handoff delay of 8.0 ms.
     """
     core = make_core(
         make_args(
@@ -98,22 +114,22 @@ def test_prefill_completion_emits_handoff_delay() -> None:
             kv_bytes_per_token=1_000_000,
         )
     )
-    core.receive(request(uid(81), [1] * 8, 1))
-    signal = core.execute_pass(0.0).output_signals[0]
-    assert signal.completed
-    assert signal.handoff_delay_ms == 8.0
+    submit(core, request(uid(81), [1] * 8, 1))
+    out = core.execute_pass(0.0).outputs[0]
+    assert out.finish_reason is FinishReason.LENGTH
+    assert out.handoff_delay_ms == 8.0
 
 
 def test_first_token_can_arrive_on_prompt_completion_pass() -> None:
     """An 8-token prompt within budget emits its first token in the pass that prefills it."""
     core = make_core()
     rid = uid(11)
-    core.receive(request(rid, range(8), 2))
+    submit(core, request(rid, range(8), 2))
     result = core.execute_pass(0.0)
-    assert len(result.output_signals) == 1
-    assert result.output_signals[0].request_id == rid
-    assert not result.output_signals[0].completed
-    assert core.state.requests[rid].seq.generated == 1
+    assert len(result.outputs) == 1
+    assert result.outputs[0].request_id == rid
+    assert result.outputs[0].finish_reason is None
+    assert view(core, rid).output_tokens == 1
 
 
 def test_preemption_requeues_newest_running_request() -> None:
@@ -126,8 +142,8 @@ def test_preemption_requeues_newest_running_request() -> None:
         make_args(max_num_batched_tokens=16, max_num_seqs=2, preemption_mode=PreemptionMode.LIFO)
     )
     r1, r2 = uid(1), uid(2)
-    core.receive(request(r1, range(8), 8))
-    core.receive(request(r2, range(100, 108), 8))
+    submit(core, request(r1, range(8), 8))
+    submit(core, request(r2, range(100, 108), 8))
     now = 0.0
     preemptions = 0
     passes = 0
@@ -139,11 +155,11 @@ def test_preemption_requeues_newest_running_request() -> None:
         if preemptions > 0:
             break
     assert passes == 5
-    victim = core.state.requests[r2]
+    victim = view(core, r2)
     assert victim.status is RequestStatus.PREEMPTED
     assert victim.num_computed_tokens == 0
     assert victim.num_preemptions == 1
-    assert core.state.waiting[0] == r2
+    assert core.queues().waiting[0] == r2
     assert preemptions == 1
 
 
@@ -156,16 +172,16 @@ def test_waiting_full_isl_gate_blocks_without_preemption_then_admits() -> None:
     """
     core = make_core(make_args(max_num_batched_tokens=16, preemption_mode=PreemptionMode.LIFO))
     holder, blocked, follower = uid(1), uid(2), uid(3)
-    core.receive(request(holder, range(16), 1))
-    core.receive(request(blocked, range(100, 112), 1))
-    core.receive(request(follower, range(200, 204), 1))
+    submit(core, request(holder, range(16), 1))
+    submit(core, request(blocked, range(100, 112), 1))
+    submit(core, request(follower, range(200, 204), 1))
     pass1 = core.execute_pass(0.0)
-    assert list(core.state.waiting) == [blocked, follower]
+    assert list(core.queues().waiting) == [blocked, follower]
     assert [a.request_id for a in pass1.admissions] == [holder]
-    assert any(s.request_id == holder and s.completed for s in pass1.output_signals)
-    assert core.state.requests[blocked].num_computed_tokens == 0
+    assert finished(pass1, holder)
+    assert view(core, blocked).num_computed_tokens == 0
     assert pass1.metrics.preemptions_total == 0
-    assert core.kv.num_active_blocks() == 0
+    assert active_blocks(core) == 0
     pass2 = core.execute_pass(max(pass1.end_ms, 1.0))
     assert blocked in [a.request_id for a in pass2.admissions]
     assert pass2.metrics.preemptions_total == 0
@@ -173,20 +189,21 @@ def test_waiting_full_isl_gate_blocks_without_preemption_then_admits() -> None:
 
 def test_fresh_request_larger_than_pool_is_rejected_and_follower_runs() -> None:
     """1. 4 blocks, a 20-token prompt (5 blocks) and a 4-token follower. 2. One pass.
-    Result: the oversized request ends with a completed+rejected signal and no token; the
-    follower is admitted in the same pass; no preemption.
+    Result: the oversized request ends with a rejected output and no token; the follower is
+    admitted in the same pass; no preemption.
     """
     core = make_core(make_args(num_gpu_blocks=4, max_num_batched_tokens=32, max_num_seqs=2))
     oversized, follower = uid(1), uid(2)
-    core.receive(request(oversized, range(20), 1))
-    core.receive(request(follower, range(100, 104), 1))
+    submit(core, request(oversized, range(20), 1))
+    submit(core, request(follower, range(100, 104), 1))
     result = core.execute_pass(0.0)
-    rejected = [s for s in result.output_signals if s.request_id == oversized]
-    assert len(rejected) == 1
-    assert rejected[0].completed and rejected[0].rejected and rejected[0].token_id is None
+    refused = [out for out in result.outputs if out.request_id == oversized]
+    assert len(refused) == 1
+    assert refused[0].finish_reason is FinishReason.REJECTED and refused[0].new_token_ids == []
+    assert (oversized, FinishReason.REJECTED) in [(e.request_id, e.reason) for e in result.ended]
     assert [a.request_id for a in result.admissions] == [follower]
     assert result.metrics.preemptions_total == 0
-    assert oversized not in core.state.requests
+    assert core.inspect(oversized) is None
 
 
 def test_running_request_catches_up_decode_tail_before_promote() -> None:
@@ -204,64 +221,58 @@ def test_running_request_catches_up_decode_tail_before_promote() -> None:
         )
     )
     rid = uid(99)
-    seq = Sequence(
-        list(range(6)),
-        16,
-        4,
-        caching=True,
-        rng=core.rng,
-        next_partial_id=core._partial_ids,
-    )
+    parts = core.parts
+    seq = parts.intake.build(request(rid, range(6), 16), rid, RequestStatus.RUNNING).seq
     creation = seq.prepare_allocation(len(seq))
     assert creation is not None and creation.num_blocks == 2
-    assert core.kv.use(creation)
+    assert parts.kv.use(creation)
     seq.num_allocated_tokens = len(seq)
     for _ in range(6):
         _, moves = seq.generate_token()
-        assert core.kv.apply_all(moves)
+        assert parts.kv.apply_all(moves)
         if seq.generated < seq.max_output_tokens:
             seq.num_allocated_tokens = len(seq)
     assert seq.num_allocated_tokens == 12
-    assert core.kv.num_active_blocks() == 3
-    assert core.kv.apply_all(seq.reset_with_moves())
-    assert core.kv.num_active_blocks() == 0
+    assert active_blocks(core) == 3
+    assert parts.kv.apply_all(seq.reset_with_moves())
+    assert active_blocks(core) == 0
     prompt_only = seq.prepare_allocation(seq.num_input_tokens)
     assert prompt_only is not None and prompt_only.num_blocks == 2
-    assert core.kv.use(prompt_only)
+    assert parts.kv.use(prompt_only)
     seq.num_allocated_tokens = seq.num_input_tokens
-    assert core.kv.num_active_blocks() == 2
+    assert active_blocks(core) == 2
 
-    core.state.requests[rid] = RequestState(
+    parts.state.requests[rid] = RequestState(
         rid, seq, RequestStatus.RUNNING, num_computed_tokens=9, num_preemptions=1
     )
-    core.state.running.append(rid)
-    core.state.running_members.add(rid)
+    parts.state.running.append(rid)
+    parts.state.running_members.add(rid)
     result = core.execute_pass(0.0)
-    req = core.state.requests[rid]
-    assert len(result.output_signals) == 1
+    req = view(core, rid)
+    assert len(result.outputs) == 1
     assert req.num_computed_tokens == 12
-    assert req.seq.num_allocated_tokens == 13
-    assert core.kv.num_active_blocks() == 4
+    assert req.num_allocated_tokens == 13
+    assert active_blocks(core) == 4
 
 
 def test_completion_returns_scheduler_to_idle() -> None:
     """Two 8-token prompts with two outputs each run to completion; nothing stays allocated."""
     core = make_core()
     for n in (1, 2):
-        core.receive(request(uid(n), range(8), 2))
+        submit(core, request(uid(n), range(8), 2))
     while not core.is_empty():
         core.execute_pass(0.0)
-    assert not core.state.waiting
-    assert not core.state.running
-    assert core.kv.num_active_blocks() == 0
+    assert not core.queues().waiting
+    assert not core.queues().running
+    assert active_blocks(core) == 0
 
 
 def test_mtp_batch_applies_request_bursts_in_stable_order() -> None:
     """1. MTP nextn 2 with rates 1,1 (every burst is 3 tokens); 'short' (max 5) and 'long'
     (max 8), 4-token prompts.
-    2. Pass 1: both prefill and burst 3 tokens each (6 signals).
+    2. Pass 1: both prefill and burst 3 tokens each (6 tokens).
     3. Pass 2: short emits its last 2 tokens (the second completes it), then long bursts 3.
-    Result: signals grouped per request in running order; long has generated 6 with one
+    Result: one output per request in running order; long has generated 6 with one
     dangling token; FPM counts 2 decode requests, not 5 tokens.
     """
     core = make_core(
@@ -274,28 +285,24 @@ def test_mtp_batch_applies_request_bursts_in_stable_order() -> None:
         )
     )
     short, long = uid(1), uid(2)
-    core.receive(request(short, range(4), 5))
-    core.receive(request(long, range(100, 104), 8))
+    submit(core, request(short, range(4), 5))
+    submit(core, request(long, range(100, 104), 8))
     first = core.execute_pass(0.0)
-    assert len(first.output_signals) == 6
+    assert emitted_tokens(first) == 6
     second = core.execute_pass(first.end_ms)
-    assert [(s.request_id, s.completed) for s in second.output_signals] == [
-        (short, False),
-        (short, True),
-        (long, False),
-        (long, False),
-        (long, False),
-    ]
-    req = core.state.requests[long]
-    assert req.seq.generated == 6
-    assert len(req.seq.tokens) - req.num_computed_tokens == 1
+    assert [
+        (out.request_id, len(out.new_token_ids), out.finish_reason) for out in second.outputs
+    ] == [(short, 2, FinishReason.LENGTH), (long, 3, None)]
+    req = view(core, long)
+    assert req.output_tokens == 6
+    assert req.num_tokens - req.num_computed_tokens == 1
     assert second.fpm.num_decode_requests == 2
 
 
 def test_mtp_releases_unused_block_reservations() -> None:
     """1. bs 2, MTP nextn 2 with rates 0,1 (bursts of 1), a 3-token prompt.
     2. One pass: prefill takes 2 blocks, the MTP reservation one more, the burst uses none.
-    Result: 1 signal, and the unused reserved block is returned: 2 active blocks.
+    Result: 1 token, and the unused reserved block is returned: 2 active blocks.
     """
     core = make_core(
         make_args(
@@ -307,43 +314,43 @@ def test_mtp_releases_unused_block_reservations() -> None:
         )
     )
     rid = uid(3)
-    core.receive(request(rid, range(3), 5))
+    submit(core, request(rid, range(3), 5))
     result = core.execute_pass(0.0)
-    assert len(result.output_signals) == 1
-    assert core.kv.num_active_blocks() == 2
-    req = core.state.requests[rid]
-    assert req.seq.generated == 1
-    assert len(req.seq.tokens) - req.num_computed_tokens == 1
+    assert emitted_tokens(result) == 1
+    assert active_blocks(core) == 2
+    req = view(core, rid)
+    assert req.output_tokens == 1
+    assert req.num_tokens - req.num_computed_tokens == 1
 
 
 def test_zero_output_request_completes_after_prefill_without_token() -> None:
     """max_tokens 0 (upstream 1.3.0 never completes it; we follow the later fix).
     1. A 6-token prompt with max_tokens 0. 2. One pass.
-    Result: one completed, non-rejected signal with no token, and every block freed.
+    Result: one output, finished by length, with no token, and every block freed.
     """
     core = make_core()
     rid = uid(5)
-    core.receive(request(rid, range(6), 0))
+    submit(core, request(rid, range(6), 0))
     result = core.execute_pass(0.0)
-    assert [(s.request_id, s.token_id, s.completed, s.rejected) for s in result.output_signals] == [
-        (rid, None, True, False)
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in result.outputs] == [
+        (rid, [], FinishReason.LENGTH)
     ]
     assert result.fpm.num_prefill_requests == 1
     assert result.fpm.num_decode_requests == 0
     assert core.is_empty()
-    assert core.kv.num_active_blocks() == 0
+    assert active_blocks(core) == 0
 
 
 def test_same_inputs_give_identical_runs() -> None:
-    """Two cores with the same args and inputs produce identical signals, events and times."""
+    """Two cores with the same args and inputs produce identical outputs, events and times."""
 
     def run() -> list[tuple[object, ...]]:
         core = make_core(make_args(enable_prefix_caching=True, num_gpu_blocks=10, seed=7))
         for n in range(6):
-            core.receive(request(uid(n), [n % 2] * 4 + list(range(n, n + 5)), 5))
+            submit(core, request(uid(n), [n % 2] * 4 + list(range(n, n + 5)), 5))
         out: list[tuple[object, ...]] = []
         for result in run_until_empty(core):
-            out.append((result.end_ms, result.output_signals, result.kv_events, result.fpm))
+            out.append((result.end_ms, result.outputs, result.kv_events, result.fpm))
         return out
 
     assert run() == run()
@@ -372,9 +379,9 @@ def test_fifo_preemption_can_ping_pong_as_upstream() -> None:
             prefix_hit_rule=MOCKER_1_3_0,
         )
     )
-    core.receive(request("long", [0] * 15, 4, output_token_ids=[0] * 4))
-    core.receive(request("short", [0] * 2, 2))
-    core.receive(request("single", [0] * 9, 1, output_token_ids=[0]))
+    submit(core, request("long", [0] * 15, 4, output_token_ids=[0] * 4))
+    submit(core, request("short", [0] * 2, 2))
+    submit(core, request("single", [0] * 9, 1, output_token_ids=[0]))
     now = 0.0
     totals = []
     for _ in range(40):
@@ -382,10 +389,11 @@ def test_fifo_preemption_can_ping_pong_as_upstream() -> None:
         now = result.end_ms
         totals.append(result.metrics.preemptions_total)
     assert totals[-10:] == list(range(totals[-10], totals[-10] + 10))
-    assert set(core.state.requests) == {"long", "short"}
+    queues = core.queues()
+    assert set(queues.waiting + queues.running) == {"long", "short"}
     for request_id in ("long", "short"):
-        core.cancel(request_id)
-    assert core.kv.num_active_blocks() == 0
+        assert core.apply(Cancel(request_id), now_ms=now).result == Applied()
+    assert active_blocks(core) == 0
 
 
 def test_reset_prefix_cache_clears_only_an_idle_pool() -> None:
@@ -395,20 +403,19 @@ def test_reset_prefix_cache_clears_only_an_idle_pool() -> None:
     Result: the second reset succeeds, publishes one AllBlocksCleared with the next event id,
     and a repeat of the first prompt finds nothing cached.
     """
-    from engined.core.types import AllBlocksCleared
-
     core = make_core(make_args(enable_prefix_caching=True, num_gpu_blocks=12))
-    core.receive(request("a", range(8), 1))
+    submit(core, request("a", range(8), 1))
     events = [e for r in run_until_empty(core) for e in r.kv_events]
-    assert core.kv.num_inactive_blocks() == 2
-    core.receive(request("b", range(100, 104), 2))
+    assert inactive_blocks(core) == 2
+    submit(core, request("b", range(100, 104), 2))
     events += core.execute_pass(0.0).kv_events
-    assert not core.reset_prefix_cache()
-    assert core.take_kv_events() == []
+    refused = core.apply(ResetPrefixCache(), now_ms=0.0)
+    assert isinstance(refused.result, Refused)
+    assert refused.kv_events == []
     events += [e for r in run_until_empty(core) for e in r.kv_events]
-    assert core.reset_prefix_cache()
-    cleared = core.take_kv_events()
-    assert cleared == [AllBlocksCleared(events[-1].event_id + 1, 0)]
-    assert core.kv.num_inactive_blocks() == 0
-    core.receive(request("c", range(8), 1))
+    reset = core.apply(ResetPrefixCache(), now_ms=0.0)
+    assert reset.result == Applied()
+    assert reset.kv_events == [AllBlocksCleared(events[-1].event_id + 1, 0)]
+    assert inactive_blocks(core) == 0
+    submit(core, request("c", range(8), 1))
     assert core.execute_pass(0.0).admissions[0].reused_input_tokens == 0

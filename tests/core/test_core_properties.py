@@ -14,8 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engined.core.args import EngineArgs, EngineType, PreemptionMode, PrefixHitRule
-from engined.core.scheduler import VllmCore
-from engined.core.types import Request
+from engined.core.engine import Engine
+from engined.core.types import Cancel, EndedRequest, FinishReason, Request
+from tests.core.factories import (
+    active_blocks,
+    submit,
+)
 from tests.reference_indexer import ReferenceIndexer
 
 
@@ -80,7 +84,7 @@ def test_every_workload_drains_with_clean_events(
     workload: tuple[EngineArgs, list[tuple[int, Request]]],
 ) -> None:
     args, arrivals = workload
-    core = VllmCore(args)
+    core = Engine(args)
     indexer = ReferenceIndexer(args.block_size)
     expected_tokens: dict[str, int] = {}
     emitted: dict[str, int] = {}
@@ -94,7 +98,7 @@ def test_every_workload_drains_with_clean_events(
     while pending or not core.is_empty():
         while pending and pending[0][0] <= pass_no:
             request = pending.pop(0)[1]
-            core.receive(request)
+            submit(core, request)
             requests[request.request_id or ""] = request
             max_tokens = request.max_tokens
             # Generation stops at the pool's capacity, vLLM's ceiling for max_model_len.
@@ -106,24 +110,28 @@ def test_every_workload_drains_with_clean_events(
         assert result.end_ms >= now
         now = result.end_ms
         indexer.apply(result.kv_events)
-        for signal in result.output_signals:
-            assert signal.request_id not in finished, "output after the terminal signal"
-            prompt_len = len(requests[signal.request_id].token_ids)
-            if signal.cached_tokens is not None:
-                assert signal.cached_tokens % args.block_size == 0
-                assert signal.cached_tokens <= prompt_len
-                if recomputes and expected_tokens[signal.request_id] > 0:
-                    assert signal.cached_tokens < prompt_len, "vLLM's rule recomputes a token"
-            if signal.token_id is not None:
-                emitted[signal.request_id] = emitted.get(signal.request_id, 0) + 1
-                outputs.setdefault(signal.request_id, []).append(signal.token_id)
-            if signal.completed:
-                finished.add(signal.request_id)
-                produced = emitted.get(signal.request_id, 0)
-                if signal.rejected:
+        assert len({out.request_id for out in result.outputs}) == len(result.outputs)
+        for out in result.outputs:
+            assert out.request_id not in finished, "output after the last output"
+            prompt_len = len(requests[out.request_id].token_ids)
+            if out.cached_tokens is not None:
+                assert out.cached_tokens % args.block_size == 0
+                assert out.cached_tokens <= prompt_len
+                if recomputes and expected_tokens[out.request_id] > 0:
+                    assert out.cached_tokens < prompt_len, "vLLM's rule recomputes a token"
+            if out.new_token_ids:
+                emitted[out.request_id] = emitted.get(out.request_id, 0) + len(out.new_token_ids)
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finished.add(out.request_id)
+                produced = emitted.get(out.request_id, 0)
+                if out.finish_reason is FinishReason.REJECTED:
                     assert produced == 0
                 else:
-                    assert produced == expected_tokens[signal.request_id]
+                    assert produced == expected_tokens[out.request_id]
+        assert {e.request_id for e in result.ended} == {
+            out.request_id for out in result.outputs if out.finish_reason is not None
+        }
         pass_no += 1
         if pass_no == 2000:
             break
@@ -134,8 +142,10 @@ def test_every_workload_drains_with_clean_events(
         # Cancelling what is left must still free everything.
         assert args.preemption_mode is PreemptionMode.FIFO, "workload did not drain"
         assert not pending
-        for request_id in list(core.state.requests):
-            core.cancel(request_id)
+        queues = core.queues()
+        for request_id in queues.waiting + queues.running:
+            effects = core.apply(Cancel(request_id), now_ms=now)
+            assert effects.ended == [EndedRequest(request_id, FinishReason.CANCELLED)]
             finished.add(request_id)
     indexer.assert_clean()
     for request_id, tokens in outputs.items():
@@ -146,7 +156,7 @@ def test_every_workload_drains_with_clean_events(
             assert not set(tokens) & set(args.excluded_token_ids)
             assert args.vocab_size is None or max(tokens) < args.vocab_size
     assert finished == set(expected_tokens)
-    assert core.kv.num_active_blocks() == 0
+    assert active_blocks(core) == 0
     assert core.metrics().running == 0 and core.metrics().waiting == 0
     if not args.enable_prefix_caching:
         assert indexer.ok_count("stored") == 0

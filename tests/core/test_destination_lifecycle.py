@@ -17,8 +17,8 @@ import uuid
 import pytest
 
 from engined.core.args import EngineArgs, EngineType, WorkerType
+from engined.core.engine import Engine
 from engined.core.errors import CoreError, UnsupportedError
-from engined.core.scheduler import VllmCore
 from engined.core.state import RequestStatus
 from engined.core.types import (
     APPLIED,
@@ -27,16 +27,26 @@ from engined.core.types import (
     CancelDestination,
     DestinationAccepted,
     DestinationReserved,
-    KvEvent,
-    PassResult,
     ReleaseSource,
     Request,
     ReserveDestination,
     SubmitHandoffPrefill,
     Submitted,
 )
-from tests.core.factories import make_args, request, uid
-from tests.reference_indexer import ReferenceIndexer, stored_hashes
+from tests.core.factories import (
+    Watched,
+    active_blocks,
+    destination_block_ids,
+    destination_is_held,
+    finished,
+    make_args,
+    request,
+    source_is_held,
+    submit,
+    uid,
+    view,
+)
+from tests.reference_indexer import stored_hashes
 
 
 def args(worker_type: WorkerType) -> EngineArgs:
@@ -50,29 +60,6 @@ def args(worker_type: WorkerType) -> EngineArgs:
     )
 
 
-class Watched:
-    """A core whose whole KV event stream goes to its own reference indexer, in order."""
-
-    def __init__(self, core: VllmCore) -> None:
-        self.core = core
-        self.indexer = ReferenceIndexer(core.block_size)
-
-    def execute(self, now_ms: float) -> PassResult:
-        result = self.core.execute_pass(now_ms)
-        self.indexer.apply(result.kv_events, worker_id=self.core.worker_id)
-        return result
-
-    def drain(self) -> list[KvEvent]:
-        """The seed's `drain_kv_events()`: events caused by commands outside a pass."""
-        events = self.core.take_kv_events()
-        self.indexer.apply(events, worker_id=self.core.worker_id)
-        return events
-
-    def assert_clean(self) -> None:
-        self.drain()
-        self.indexer.assert_clean()
-
-
 def assert_no_republished_stores(activation: list[int], later: list[int]) -> None:
     assert all(h not in activation for h in later)
 
@@ -80,7 +67,7 @@ def assert_no_republished_stores(activation: list[int], later: list[int]) -> Non
 def drive_source_to_hold(source: Watched, handoff_id: str, req: Request) -> None:
     """Submit a handoff prefill and run passes (at most 8) until it is held."""
     core = source.core
-    result = core.apply_command(SubmitHandoffPrefill(handoff_id, req))
+    result = source.command(SubmitHandoffPrefill(handoff_id, req))
     assert isinstance(result, Submitted)
     now_ms = 0.0
     for _ in range(8):
@@ -88,7 +75,7 @@ def drive_source_to_hold(source: Watched, handoff_id: str, req: Request) -> None
         if core.is_empty():
             break
     assert core.is_empty()
-    assert core.source_is_held(handoff_id)
+    assert source_is_held(core, handoff_id)
     assert not core.is_drained()
 
 
@@ -113,7 +100,7 @@ def test_destination_lifecycle_is_counted_once_as_queued_decode() -> None:
     second: 0 queued decodes, sum 0, waiting 0. The KV event stream is clean.
     """
     watched = Watched(
-        VllmCore(
+        Engine(
             make_args(
                 num_gpu_blocks=6,
                 max_num_batched_tokens=32,
@@ -125,8 +112,8 @@ def test_destination_lifecycle_is_counted_once_as_queued_decode() -> None:
     )
     core = watched.core
     held_handoff = uid(32_001)
-    held = core.apply_command_effects(
-        ReserveDestination(held_handoff, request(uid(32_002), [1] * 4, 1)), True
+    held = watched.apply(
+        ReserveDestination(held_handoff, request(uid(32_002), [1] * 4, 1)),
     )
     assert len(held.lifecycle_events) == 1
     assert core.metrics().waiting == 1
@@ -136,8 +123,8 @@ def test_destination_lifecycle_is_counted_once_as_queued_decode() -> None:
     assert held_snapshot.var_queued_decode_kv_tokens == 0.0
 
     pending_handoff = uid(32_003)
-    pending = core.apply_command_effects(
-        ReserveDestination(pending_handoff, request(uid(32_004), [2] * 24, 1)), True
+    pending = watched.apply(
+        ReserveDestination(pending_handoff, request(uid(32_004), [2] * 24, 1)),
     )
     assert pending.lifecycle_events == []
     assert core.metrics().waiting == 2
@@ -146,13 +133,13 @@ def test_destination_lifecycle_is_counted_once_as_queued_decode() -> None:
     assert mixed_snapshot.sum_queued_decode_kv_tokens == 28
     assert mixed_snapshot.var_queued_decode_kv_tokens == 100.0
 
-    assert core.apply_command(CancelDestination(pending_handoff)) == APPLIED
+    assert watched.command(CancelDestination(pending_handoff)) == APPLIED
     assert core.metrics().waiting == 1
 
-    core.receive(request(uid(32_005), [3] * 4, 2))
+    submit(core, request(uid(32_005), [3] * 4, 2))
     blocker = watched.execute(1.0)
     assert core.metrics().running == 1
-    assert core.apply_command(ActivateDestination(held_handoff)) == APPLIED
+    assert watched.command(ActivateDestination(held_handoff)) == APPLIED
     assert core.metrics().waiting == 1
 
     activated_pass = watched.execute(blocker.end_ms)
@@ -182,8 +169,8 @@ def test_destination_transfer_footprint_excludes_decode_headroom() -> None:
     """
 
     def footprint(max_tokens: int) -> int:
-        watched = Watched(VllmCore(args(WorkerType.DECODE)))
-        effects = watched.core.apply_command_effects(
+        watched = Watched(Engine(args(WorkerType.DECODE)))
+        effects = watched.apply(
             ReserveDestination(
                 str(uuid.uuid4()), request(str(uuid.uuid4()), range(10), max_tokens)
             ),
@@ -212,17 +199,18 @@ def test_handoff_prefill_to_reserved_decode_owns_kv_until_normal_admission() -> 
     2. Destination starts blocker 10004 (100..104, 3 outputs) at 1 ms: it holds the only slot.
     3. Source runs SubmitHandoffPrefill(10002, 10001) to its hold.
     4. Destination: ReserveDestination(10002, 10001), admission allowed.
-    5. Destination runs passes until the blocker completes (at most 16).
-    6. retry_pending_destinations().
+    5. Destination runs passes until the blocker completes (at most 16); the pending
+       destination is retried at the end of that pass, inside the engine.
     7. Destination starts activation blocker 10005 (200..204, 3 outputs).
     8. ActivateDestination(10002) on the destination.
     9. ReleaseSource(10002) on the source.
     10. Destination passes: blocked, blocker terminal, admitted, terminal.
 
     Expected: step 4 is DestinationAccepted(10001) with no lifecycle event (the slot is
-    taken), the destination is held but takes no blocks and publishes no Stored. Step 6
-    reserves it: one DestinationReserved(10002, 10001, 4) (block 0 is cached), more active
-    blocks, non-empty reserved block ids. Step 8 is Applied: no longer held, same occupancy,
+    taken), the destination is held but takes no blocks and publishes no Stored. The pass
+    that completes the blocker reserves it: one DestinationReserved(10002, 10001, 4) (block 0
+    is cached), more active blocks than the blocker left (none), non-empty reserved block
+    ids, no Stored. Step 8 is Applied: no longer held, same occupancy,
     request Waiting, the slot still taken, its block ids are the reserved ones, and Stored
     events are published now. Step 9 is Applied and drains the source. In step 10 the
     request stays Waiting on the reserved blocks until the activation blocker completes,
@@ -234,33 +222,33 @@ def test_handoff_prefill_to_reserved_decode_owns_kv_until_normal_admission() -> 
     handoff_id = uid(10_002)
     logical_tokens = list(range(8))
 
-    source = Watched(VllmCore(args(WorkerType.PREFILL), worker_id=31))
-    dest = Watched(VllmCore(args(WorkerType.DECODE), worker_id=32))
+    source = Watched(Engine(args(WorkerType.PREFILL), worker_id=31))
+    dest = Watched(Engine(args(WorkerType.DECODE), worker_id=32))
     destination = dest.core
 
-    destination.receive(request(uid(10_003), range(4), 1))
+    submit(destination, request(uid(10_003), range(4), 1))
     dest.execute(0.0)
     assert destination.is_empty()
     dest.drain()
 
     blocker_id = uid(10_004)
-    destination.receive(request(blocker_id, range(100, 104), 3))
+    submit(destination, request(blocker_id, range(100, 104), 3))
     blocker_first = dest.execute(1.0)
-    assert len(destination.state.running) == 1
+    assert len(destination.queues().running) == 1
     dest.drain()
 
     drive_source_to_hold(source, handoff_id, request(logical_id, logical_tokens, 2))
 
-    usage_before_reservation = destination.kv.num_active_blocks()
-    reserve = destination.apply_command_effects(
-        ReserveDestination(handoff_id, request(logical_id, logical_tokens, 2)), True
+    usage_before_reservation = active_blocks(destination)
+    reserve = dest.apply(
+        ReserveDestination(handoff_id, request(logical_id, logical_tokens, 2)),
     )
     assert reserve.result == DestinationAccepted(logical_id)
     assert reserve.lifecycle_events == []
-    assert destination.destination_is_held(handoff_id)
+    assert destination_is_held(destination, handoff_id)
     assert not destination.is_drained()
-    assert len(destination.state.running) == 1
-    assert destination.kv.num_active_blocks() == usage_before_reservation
+    assert len(destination.queues().running) == 1
+    assert active_blocks(destination) == usage_before_reservation
     assert stored_hashes(dest.drain()) == []
 
     now_ms = blocker_first.end_ms
@@ -268,62 +256,60 @@ def test_handoff_prefill_to_reserved_decode_owns_kv_until_normal_admission() -> 
     for _ in range(16):
         result = dest.execute(now_ms)
         now_ms = result.end_ms
-        if any(s.request_id == blocker_id and s.completed for s in result.output_signals):
+        if finished(result, blocker_id):
             blocker_completed = True
             break
+        assert result.lifecycle_events == []
     assert blocker_completed, "blocker request should complete"
-    usage_before_physical_reservation = destination.kv.num_active_blocks()
-    reserved = destination.retry_pending_destinations()
+    usage_before_physical_reservation = 0  # the completed blocker holds no block
+    reserved = result.lifecycle_events
     assert reserved == [DestinationReserved(handoff_id, logical_id, 4)]
-    assert destination.kv.num_active_blocks() > usage_before_physical_reservation
-    reserved_block_ids = destination.destination_block_ids(handoff_id)
+    assert active_blocks(destination) > usage_before_physical_reservation
+    reserved_block_ids = destination_block_ids(destination, handoff_id)
     assert reserved_block_ids
-    assert stored_hashes(dest.drain()) == []
+    assert stored_hashes(result.kv_events) == []
 
     activation_blocker_id = uid(10_005)
-    destination.receive(request(activation_blocker_id, range(200, 204), 3))
+    submit(destination, request(activation_blocker_id, range(200, 204), 3))
     activation_blocker_first = dest.execute(now_ms)
-    assert len(destination.state.running) == 1
-    occupancy_before_activation = destination.kv.num_active_blocks()
-    assert destination.apply_command(ActivateDestination(handoff_id)) == APPLIED
-    assert not destination.destination_is_held(handoff_id)
-    assert destination.kv.num_active_blocks() == occupancy_before_activation
-    assert destination.state.requests[logical_id].status is RequestStatus.WAITING
-    assert len(destination.state.running) == 1
-    assert destination.request_block_ids(logical_id) == reserved_block_ids
+    assert len(destination.queues().running) == 1
+    occupancy_before_activation = active_blocks(destination)
+    assert dest.command(ActivateDestination(handoff_id)) == APPLIED
+    assert not destination_is_held(destination, handoff_id)
+    assert active_blocks(destination) == occupancy_before_activation
+    assert view(destination, logical_id).status is RequestStatus.WAITING
+    assert len(destination.queues().running) == 1
+    assert view(destination, logical_id).block_ids == reserved_block_ids
     activation_stores = stored_hashes(dest.drain())
     assert activation_stores
 
-    assert source.core.apply_command(ReleaseSource(handoff_id)) == APPLIED
+    assert source.command(ReleaseSource(handoff_id)) == APPLIED
     assert source.core.is_empty()
     assert source.core.is_drained()
 
     blocked = dest.execute(activation_blocker_first.end_ms)
-    assert destination.state.requests[logical_id].status is RequestStatus.WAITING
-    assert destination.request_block_ids(logical_id) == reserved_block_ids
+    assert view(destination, logical_id).status is RequestStatus.WAITING
+    assert view(destination, logical_id).block_ids == reserved_block_ids
     assert_no_republished_stores(activation_stores, stored_hashes(blocked.kv_events))
 
     blocker_terminal = dest.execute(blocked.end_ms)
-    assert any(
-        s.request_id == activation_blocker_id and s.completed
-        for s in blocker_terminal.output_signals
-    )
-    assert destination.state.requests[logical_id].status is RequestStatus.WAITING
+    assert finished(blocker_terminal, activation_blocker_id)
+    assert view(destination, logical_id).status is RequestStatus.WAITING
 
     admitted = dest.execute(blocker_terminal.end_ms)
-    assert destination.state.requests[logical_id].status is RequestStatus.RUNNING
-    block_ids = destination.request_block_ids(logical_id)
+    assert view(destination, logical_id).status is RequestStatus.RUNNING
+    block_ids = view(destination, logical_id).block_ids
     assert block_ids[: len(reserved_block_ids)] == reserved_block_ids
-    seq = destination.state.requests[logical_id].seq
-    assert seq.num_allocated_tokens >= seq.num_input_tokens
+    seen = view(destination, logical_id)
+    assert seen.num_allocated_tokens >= seen.prompt_tokens
     assert_no_republished_stores(activation_stores, stored_hashes(admitted.kv_events))
 
     terminal = dest.execute(admitted.end_ms)
-    assert any(s.request_id == logical_id and s.completed for s in terminal.output_signals)
+    assert finished(terminal, logical_id)
     assert destination.is_empty()
     assert destination.is_drained()
-    assert not destination.destination_is_held(handoff_id)
-    assert destination.kv.num_active_blocks() == 0
+    assert not destination_is_held(destination, handoff_id)
+    assert active_blocks(destination) == 0
     source.assert_clean()
     dest.assert_clean()
     assert source.indexer.ok_count("stored") > 0
@@ -343,23 +329,23 @@ def test_destination_cancel_reaches_activated_request_exactly_once() -> None:
     """
     request_id = uid(10_101)
     handoff_id = uid(10_102)
-    watched = Watched(VllmCore(args(WorkerType.DECODE), worker_id=33))
+    watched = Watched(Engine(args(WorkerType.DECODE), worker_id=33))
     core = watched.core
 
-    reserve = core.apply_command_effects(
-        ReserveDestination(handoff_id, request(request_id, range(8), 4)), True
+    reserve = watched.apply(
+        ReserveDestination(handoff_id, request(request_id, range(8), 4)),
     )
     assert len(reserve.lifecycle_events) == 1
     assert isinstance(reserve.lifecycle_events[0], DestinationReserved)
-    assert core.apply_command(ActivateDestination(handoff_id)) == APPLIED
+    assert watched.command(ActivateDestination(handoff_id)) == APPLIED
     watched.execute(0.0)
-    assert request_id in core.state.requests
+    assert core.inspect(request_id) is not None
 
-    assert core.apply_command(CancelDestination(handoff_id)) == APPLIED
+    assert watched.command(CancelDestination(handoff_id)) == APPLIED
     assert core.is_empty()
     assert core.is_drained()
-    assert core.kv.num_active_blocks() == 0
-    assert core.apply_command(CancelDestination(handoff_id)) == NOOP
+    assert active_blocks(core) == 0
+    assert watched.command(CancelDestination(handoff_id)) == NOOP
     watched.assert_clean()
 
 
@@ -376,33 +362,33 @@ def test_cancel_running_destination_immediately_retries_pending_head() -> None:
     Step 4's effects hold exactly one DestinationReserved(10202, 10204); step 5 is Applied.
     The KV stream is clean.
     """
-    watched = Watched(VllmCore(args(WorkerType.DECODE)))
+    watched = Watched(Engine(args(WorkerType.DECODE)))
     core = watched.core
     running_handoff = uid(10_201)
     pending_handoff = uid(10_202)
     running_request = uid(10_203)
     pending_request = uid(10_204)
 
-    reserved = core.apply_command_effects(
-        ReserveDestination(running_handoff, request(running_request, range(4), 8)), True
+    reserved = watched.apply(
+        ReserveDestination(running_handoff, request(running_request, range(4), 8)),
     )
     assert len(reserved.lifecycle_events) == 1
-    assert core.apply_command(ActivateDestination(running_handoff)) == APPLIED
+    assert watched.command(ActivateDestination(running_handoff)) == APPLIED
     watched.execute(0.0)
     assert core.metrics().running == 1
 
-    pending = core.apply_command_effects(
-        ReserveDestination(pending_handoff, request(pending_request, range(100, 104), 2)), True
+    pending = watched.apply(
+        ReserveDestination(pending_handoff, request(pending_request, range(100, 104), 2)),
     )
     assert pending.lifecycle_events == []
 
-    canceled = core.apply_command_effects(CancelDestination(running_handoff), True)
+    canceled = watched.apply(CancelDestination(running_handoff))
     assert len(canceled.lifecycle_events) == 1
     (event,) = canceled.lifecycle_events
     assert isinstance(event, DestinationReserved)
     assert event.handoff_id == pending_handoff
     assert event.request_id == pending_request
-    assert core.apply_command(CancelDestination(pending_handoff)) == APPLIED
+    assert watched.command(CancelDestination(pending_handoff)) == APPLIED
     watched.assert_clean()
 
 
@@ -417,7 +403,7 @@ def test_trtllm_destination_reservation_fails_without_acquiring_kv() -> None:
     unchanged. The KV stream is clean.
     """
     watched = Watched(
-        VllmCore(
+        Engine(
             make_args(
                 engine_type=EngineType.TRTLLM,
                 num_gpu_blocks=12,
@@ -435,12 +421,12 @@ def test_trtllm_destination_reservation_fails_without_acquiring_kv() -> None:
     with pytest.raises(
         CoreError, match=re.escape("destination reservation is not supported for TRT-LLM")
     ) as error:
-        destination.apply_command(ReserveDestination(handoff_id, request(uid(10_006), range(8), 2)))
+        watched.command(ReserveDestination(handoff_id, request(uid(10_006), range(8), 2)))
     assert isinstance(error.value, UnsupportedError)
     assert str(error.value) == "destination reservation is not supported for TRT-LLM"
 
-    assert not destination.destination_is_held(handoff_id)
-    assert destination.kv.num_active_blocks() == 0
+    assert not destination_is_held(destination, handoff_id)
+    assert active_blocks(destination) == 0
     assert destination.is_drained()
     assert destination.metrics() == metrics_before
     watched.assert_clean()

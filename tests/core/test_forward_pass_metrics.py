@@ -1,7 +1,7 @@
 """Twins of the seed's `forward_pass_metrics` module (seed-vllm-scheduler-tests.rs), except
 `test_fpm_sent_through_sink`, which needs the live loop.
 
-Each test runs core passes directly (`VllmCore::new`: dp_rank 0, worker 0, no KV capture) and
+Each test runs core passes directly (`Engine::new`: dp_rank 0, worker 0, no KV capture) and
 checks the pass's FpmSnapshot. Where the seed is lenient, exact values are added, derived in the
 comments from mocker-1.3.0.md: §6.4 (what a pass schedules, `ScheduledWork`), §6.10 (FPM:
 prefills = scheduled work with prompt tokens, decodes = the rest measured by the sequence length
@@ -17,7 +17,16 @@ import pytest
 
 from engined.core.args import EngineArgs, PreemptionMode
 from engined.core.state import RequestStatus
-from tests.core.factories import make_args, make_core, request, uid
+from tests.core.factories import (
+    active_blocks,
+    finishes,
+    make_args,
+    make_core,
+    request,
+    submit,
+    uid,
+    view,
+)
 
 
 def fpm_args(**overrides: Any) -> EngineArgs:
@@ -43,7 +52,7 @@ def test_fpm_single_prefill_request() -> None:
     prefill 16.6229144639296 ms + decode 12.0890625 ms (2 active blocks of 16: p = 8/64).
     """
     core = make_core(fpm_args())
-    core.receive(request(uid(1), range(8), 1))
+    submit(core, request(uid(1), range(8), 1))
 
     result = core.execute_pass(0.0)
     fpm = result.fpm
@@ -80,7 +89,7 @@ def test_fpm_prefill_and_decode_mixed_batch() -> None:
 
     # r1: 4-token prompt, 3 output tokens
     r1 = uid(1)
-    core.receive(request(r1, range(4), 3))
+    submit(core, request(r1, range(4), 3))
 
     # Pass 1: prefill r1 (4 tokens) + first decode token
     pass1 = core.execute_pass(0.0)
@@ -89,11 +98,11 @@ def test_fpm_prefill_and_decode_mixed_batch() -> None:
     assert fpm1.sum_prefill_tokens == 4
     # Exact: nothing was running before r1, so no decode (§6.10).
     assert fpm1.num_decode_requests == 0
-    assert [(s.request_id, s.completed) for s in pass1.output_signals] == [(r1, False)]
+    assert finishes(pass1) == [(r1, False)]
 
     # r2: 4-token prompt arriving while r1 is decoding
     r2 = uid(2)
-    core.receive(request(r2, range(100, 104), 3))
+    submit(core, request(r2, range(100, 104), 3))
 
     # Pass 2: r1 decode + r2 prefill (mixed batch)
     pass2 = core.execute_pass(1.0)
@@ -109,7 +118,7 @@ def test_fpm_prefill_and_decode_mixed_batch() -> None:
     assert fpm2.sum_prefill_kv_tokens == 0
     assert fpm2.num_queued_prefill == 0
     assert fpm2.num_queued_decode == 0
-    assert [(s.request_id, s.completed) for s in pass2.output_signals] == [
+    assert finishes(pass2) == [
         (r1, False),
         (r2, False),
     ]
@@ -132,7 +141,7 @@ def test_fpm_completed_requests_metrics_correct() -> None:
 
     # Request with 4-token prompt and 1 output token: completes in 1 pass
     r1 = uid(1)
-    core.receive(request(r1, range(4), 1))
+    submit(core, request(r1, range(4), 1))
 
     result = core.execute_pass(0.0)
     fpm = result.fpm
@@ -141,14 +150,14 @@ def test_fpm_completed_requests_metrics_correct() -> None:
     # was removed from state before compute_fpm ran.
     assert fpm.num_prefill_requests == 1
     assert fpm.sum_prefill_tokens == 4
-    assert result.completed_requests > 0, "request should have completed"
+    assert len(result.ended) > 0, "request should have completed"
 
     # Exact values (see docstring; §6.3 completed_requests = requests_before - after).
-    assert result.completed_requests == 1
+    assert len(result.ended) == 1
     assert fpm.var_prefill_length == 0.0
     assert fpm.num_decode_requests == 0
-    assert [(s.request_id, s.completed) for s in result.output_signals] == [(r1, True)]
-    assert r1 not in core.state.requests
+    assert finishes(result) == [(r1, True)]
+    assert core.inspect(r1) is None
 
 
 def test_fpm_completed_decode_request_has_kv_context() -> None:
@@ -173,7 +182,7 @@ def test_fpm_completed_decode_request_has_kv_context() -> None:
     )
 
     r1 = uid(1)
-    core.receive(request(r1, range(4), 2))
+    submit(core, request(r1, range(4), 2))
 
     # Pass 1: prefill + first decode token
     core.execute_pass(0.0)
@@ -194,8 +203,8 @@ def test_fpm_completed_decode_request_has_kv_context() -> None:
     assert fpm2.sum_decode_kv_tokens == 5
     assert fpm2.num_prefill_requests == 0
     assert fpm2.sum_prefill_tokens == 0
-    assert pass2.completed_requests == 1
-    assert [(s.request_id, s.completed) for s in pass2.output_signals] == [(r1, True)]
+    assert len(pass2.ended) == 1
+    assert finishes(pass2) == [(r1, True)]
 
 
 def test_fpm_queued_requests() -> None:
@@ -222,8 +231,8 @@ def test_fpm_queued_requests() -> None:
     # r1 and r2 both have 8-token prompts but only 4 blocks available
     r1 = uid(1)
     r2 = uid(2)
-    core.receive(request(r1, range(8), 1))
-    core.receive(request(r2, range(100, 108), 1))
+    submit(core, request(r1, range(8), 1))
+    submit(core, request(r2, range(100, 108), 1))
 
     result = core.execute_pass(0.0)
     fpm = result.fpm
@@ -243,12 +252,12 @@ def test_fpm_queued_requests() -> None:
     assert fpm.var_queued_prefill_length == 0.0
     assert fpm.num_queued_decode == 0
     assert [a.request_id for a in result.admissions] == [r1]
-    assert [(s.request_id, s.completed) for s in result.output_signals] == [(r1, True)]
-    assert result.completed_requests == 1
-    assert list(core.state.waiting) == [r2]
-    assert core.state.requests[r2].status is RequestStatus.WAITING
-    assert core.state.requests[r2].num_computed_tokens == 0
-    assert core.kv.num_active_blocks() == 0
+    assert finishes(result) == [(r1, True)]
+    assert len(result.ended) == 1
+    assert list(core.queues().waiting) == [r2]
+    assert view(core, r2).status is RequestStatus.WAITING
+    assert view(core, r2).num_computed_tokens == 0
+    assert active_blocks(core) == 0
 
 
 def test_fpm_var_prefill_length_with_multiple_requests() -> None:
@@ -264,8 +273,8 @@ def test_fpm_var_prefill_length_with_multiple_requests() -> None:
     core = make_core(make_args(num_gpu_blocks=32, max_num_batched_tokens=32, max_num_seqs=4))
 
     # Two prefill requests with different prompt lengths
-    core.receive(request(uid(1), range(4), 1))  # prompt_len = 4
-    core.receive(request(uid(2), range(100, 112), 1))  # prompt_len = 12
+    submit(core, request(uid(1), range(4), 1))  # prompt_len = 4
+    submit(core, request(uid(2), range(100, 112), 1))  # prompt_len = 12
 
     result = core.execute_pass(0.0)
     fpm = result.fpm
@@ -280,7 +289,7 @@ def test_fpm_var_prefill_length_with_multiple_requests() -> None:
     assert fpm.sum_prefill_tokens == 16
     assert fpm.sum_prefill_kv_tokens == 0
     assert fpm.num_decode_requests == 0
-    assert result.completed_requests == 2
+    assert len(result.ended) == 2
 
 
 def test_fpm_chunked_prefill_reports_chunk_not_full_prompt() -> None:
@@ -296,7 +305,7 @@ def test_fpm_chunked_prefill_reports_chunk_not_full_prompt() -> None:
     (`sum_prefill_kv_tokens`); the first token comes only in pass 2, when the prompt is done.
     """
     core = make_core(make_args(num_gpu_blocks=16, max_num_batched_tokens=8, max_num_seqs=4))
-    core.receive(request(uid(1), range(16), 2))
+    submit(core, request(uid(1), range(16), 2))
 
     # Pass 1: first chunk
     pass1 = core.execute_pass(0.0)
@@ -331,8 +340,8 @@ def test_fpm_chunked_prefill_reports_chunk_not_full_prompt() -> None:
     assert fpm2.sum_prefill_kv_tokens == 8
     assert fpm1.num_decode_requests == 0
     assert fpm2.num_decode_requests == 0
-    assert pass1.output_signals == []
-    assert [(s.request_id, s.completed) for s in pass2.output_signals] == [(uid(1), False)]
+    assert pass1.outputs == []
+    assert finishes(pass2) == [(uid(1), False)]
 
 
 def test_fpm_preemption_creates_queued_decode() -> None:
@@ -369,18 +378,18 @@ def test_fpm_preemption_creates_queued_decode() -> None:
     r2 = uid(2)
 
     # r1: 4-token prompt, long output (stays running)
-    core.receive(request(r1, range(4), 20))
+    submit(core, request(r1, range(4), 20))
 
     # Prefill r1 and decode a few tokens to build up KV
     core.execute_pass(0.0)
     core.execute_pass(1.0)
     core.execute_pass(2.0)
     # Exact: 4 prompt + 3 sampled tokens in 2 blocks (§6.6 eager allocation at length 5).
-    assert len(core.state.requests[r1].seq.tokens) == 7
-    assert core.kv.num_active_blocks() == 2
+    assert view(core, r1).num_tokens == 7
+    assert active_blocks(core) == 2
 
     # r2: another request that will compete for KV
-    core.receive(request(r2, range(100, 116), 5))  # 16 tokens: will pressure KV
+    submit(core, request(r2, range(100, 116), 5))  # 16 tokens: will pressure KV
 
     # This pass should trigger preemption
     result = core.execute_pass(3.0)
@@ -400,7 +409,7 @@ def test_fpm_preemption_creates_queued_decode() -> None:
     # Exact values (see docstring).
     assert result.metrics.preemptions_total == 1
     assert [a.request_id for a in result.admissions] == [r2]
-    assert [(s.request_id, s.completed) for s in result.output_signals] == [(r1, False)]
+    assert finishes(result) == [(r1, False)]
     assert fpm.num_prefill_requests == 1
     assert fpm.sum_prefill_tokens == 16
     assert fpm.sum_prefill_kv_tokens == 0
@@ -413,12 +422,12 @@ def test_fpm_preemption_creates_queued_decode() -> None:
     assert fpm.var_queued_decode_kv_tokens == 0.0
     assert fpm.wall_time_secs == pytest.approx((16.744462816 + 34.01) / 1000, abs=1e-8)
 
-    preempted = core.state.requests[r2]
+    preempted = view(core, r2)
     assert preempted.status is RequestStatus.PREEMPTED
     assert preempted.num_preemptions == 1
     assert preempted.num_computed_tokens == 0
-    assert len(preempted.seq.tokens) == 16
-    assert preempted.seq.generated == 0
-    assert list(core.state.waiting) == [r2]
-    assert core.state.running == [r1]
-    assert core.kv.num_active_blocks() == 2
+    assert preempted.num_tokens == 16
+    assert preempted.output_tokens == 0
+    assert list(core.queues().waiting) == [r2]
+    assert core.queues().running == [r1]
+    assert active_blocks(core) == 2

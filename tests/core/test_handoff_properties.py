@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from engined.core.args import EngineType, PrefixHitRule, WorkerType
+from engined.core.engine import Engine
 from engined.core.errors import (
     CapacityError,
     CoreError,
@@ -25,7 +26,6 @@ from engined.core.errors import (
     HandoffConflictError,
     InvalidRequestError,
 )
-from engined.core.scheduler import VllmCore
 from engined.core.types import (
     APPLIED,
     NOOP,
@@ -37,6 +37,9 @@ from engined.core.types import (
     CommandEffects,
     DestinationAccepted,
     DestinationReserved,
+    EndedRequest,
+    FinishReason,
+    KvEvent,
     LifecycleEvent,
     ReleaseSource,
     Request,
@@ -47,10 +50,22 @@ from engined.core.types import (
     SubmitHandoffPrefill,
     Submitted,
 )
-from tests.core.factories import make_args, uid
+from engined.core.views import DestinationStage, RequestPlace
+from tests.core.factories import (
+    active_blocks,
+    destination_block_ids,
+    destination_is_held,
+    destination_stage,
+    make_args,
+    num_requests,
+    source_is_held,
+    source_is_registered,
+    uid,
+)
 from tests.reference_indexer import ReferenceIndexer
 
 PREFILL, DECODE = 0, 1
+DESTINATION_PLACES = (RequestPlace.PENDING_DESTINATION, RequestPlace.RESERVED_DESTINATION)
 NUM_REQUEST_IDS = 6
 NUM_HANDOFF_IDS = 6
 BASE_PROMPT = list(range(1000, 1064))
@@ -126,27 +141,19 @@ ops = st.one_of(
     st.tuples(st.just("submit_prefill"), cores, handoff_ids, request_ids, prompts, max_tokens),
     st.tuples(st.just("release_source"), cores, handoff_ids),
     st.tuples(st.just("cancel_source"), cores, handoff_ids),
-    st.tuples(
-        st.just("reserve"),
-        decode_cores,
-        handoff_ids,
-        request_ids,
-        prompts,
-        max_tokens,
-        st.booleans(),
-    ),
+    st.tuples(st.just("reserve"), decode_cores, handoff_ids, request_ids, prompts, max_tokens),
     # Reserve the destination of a source the prefill core reported held (same ids, prompt).
-    st.tuples(st.just("reserve_held"), st.integers(0, 7), st.booleans()),
+    st.tuples(st.just("reserve_held"), st.integers(0, 7)),
     st.tuples(st.just("activate"), decode_cores, handoff_ids),
     # Activate a destination some core reported reserved (it may be gone since).
     st.tuples(st.just("activate_reserved"), st.integers(0, 7)),
     st.tuples(st.just("activate_reserved"), st.integers(0, 7)),
     st.tuples(st.just("cancel_destination"), decode_cores, handoff_ids),
-    st.tuples(st.just("retry"), decode_cores),
+    st.tuples(st.just("advance_tiers"), decode_cores),
     # Move one handoff a step along the real protocol (submit, reserve, activate, release).
-    st.tuples(st.just("advance"), handoff_ids, request_ids, prompts, max_tokens, st.booleans()),
-    st.tuples(st.just("advance"), handoff_ids, request_ids, prompts, max_tokens, st.booleans()),
-    st.tuples(st.just("advance"), handoff_ids, request_ids, prompts, max_tokens, st.booleans()),
+    st.tuples(st.just("advance"), handoff_ids, request_ids, prompts, max_tokens),
+    st.tuples(st.just("advance"), handoff_ids, request_ids, prompts, max_tokens),
+    st.tuples(st.just("advance"), handoff_ids, request_ids, prompts, max_tokens),
     st.tuples(st.just("pass"), cores, st.integers(1, 8)),
     st.tuples(st.just("pass"), cores, st.integers(1, 8)),
     st.tuples(st.just("pass_both"), st.integers(1, 8)),
@@ -178,14 +185,14 @@ configs = st.fixed_dictionaries(
 class Side:
     """One core, its reference indexer and its clock."""
 
-    core: VllmCore
+    core: Engine
     indexer: ReferenceIndexer
     now_ms: float = 0.0
     # Request ids the core minted (commands without an id), for the final cleanup.
     minted: set[str] = field(default_factory=set)
 
-    def drain(self) -> None:
-        self.indexer.apply(self.core.take_kv_events(), worker_id=self.core.worker_id)
+    def index(self, events: list[KvEvent]) -> None:
+        self.indexer.apply(events, worker_id=self.core.worker_id)
 
 
 @dataclass
@@ -205,39 +212,38 @@ class Harness:
         h = getattr(command, "handoff_id", None)
         return (
             core.metrics(),
-            core.kv.num_active_blocks(),
-            core.num_requests(),
+            active_blocks(core),
+            num_requests(core),
             core.is_empty(),
             core.is_drained(),
-            None if h is None else core.source_is_registered(h),
-            None if h is None else core.source_is_held(h),
-            None if h is None else core.destination_is_held(h),
-            None if h is None else core.destination_block_ids(h),
+            None if h is None else source_is_registered(core, h),
+            None if h is None else source_is_held(core, h),
+            None if h is None else destination_is_held(core, h),
+            None if h is None else destination_block_ids(core, h),
         )
 
-    def command(self, index: int, command: Command, allow: bool = True) -> CommandEffects | None:
+    def command(self, index: int, command: Command) -> CommandEffects | None:
         """Apply one command and check what it did; None when it was (rightly) refused."""
         side = self.sides[index]
         core = side.core
-        side.drain()
         before = self.snapshot(side, command)
         registered_before = (
-            core.source_is_registered(command.handoff_id)
+            source_is_registered(core, command.handoff_id)
             if isinstance(command, ReleaseSource | CancelSource)
             else None
         )
         held_ids_before = (
-            core.destination_block_ids(command.handoff_id)
+            destination_block_ids(core, command.handoff_id)
             if isinstance(command, ActivateDestination)
             else None
         )
         dest_held_before = (
-            core.destination_is_held(command.handoff_id)
+            destination_is_held(core, command.handoff_id)
             if isinstance(command, CancelDestination)
             else None
         )
         try:
-            effects = core.apply_command_effects(command, allow)
+            effects = core.apply(command, now_ms=side.now_ms)
         except CoreError as error:
             note(f"  -> {type(error).__name__}: {error}")
             allowed = MAY_RAISE.get(type(command), ())
@@ -245,16 +251,16 @@ class Harness:
             patterns = ALLOWED_ERRORS[type(error)]
             assert any(re.fullmatch(p, str(error)) for p in patterns), f"message: {error}"
             assert self.snapshot(side, command) == before, "a failed command changed state"
-            assert core.take_kv_events() == [], "a failed command published KV events"
+            assert core.parts.kv.take_events() == [], "a failed command published KV events"
             return None
         note(f"  -> {effects.result!r} {effects.lifecycle_events!r}")
-        side.drain()
+        side.index(effects.kv_events)
         result = effects.result
         if result == NOOP:
             assert self.snapshot(side, command) == before, "a Noop command changed state"
             assert effects.lifecycle_events == []
-        if not allow:
-            assert effects.lifecycle_events == []
+            assert effects.kv_events == []
+            assert not effects.progressed
         if isinstance(command, ReserveDestination):
             request = command.request
             key = (index, command.handoff_id)
@@ -270,38 +276,41 @@ class Harness:
                     assert result.request_id == req.request_id
             case SubmitHandoffPrefill(h, req):
                 assert isinstance(result, Submitted)
-                assert core.source_is_registered(h)
+                assert source_is_registered(core, h)
                 if index == PREFILL and req.request_id is not None:
                     self.submitted_sources[(h, req.request_id)] = req
                 if req.request_id is None:
                     side.minted.add(result.request_id)
             case ReleaseSource(h) | CancelSource(h):
                 assert result == (APPLIED if registered_before else NOOP)
-                assert not core.source_is_registered(h)
+                assert not source_is_registered(core, h)
             case ReserveDestination(h, req):
                 assert isinstance(result, DestinationAccepted)
                 if req.request_id is not None:
                     assert result.request_id == req.request_id
                 else:
                     side.minted.add(result.request_id)
-                assert core.destination_is_held(h)
+                assert destination_is_held(core, h)
             case ActivateDestination(h):
                 assert result == (APPLIED if held_ids_before else NOOP)
-                assert not core.destination_block_ids(h)
+                assert not destination_block_ids(core, h)
                 if result == APPLIED:
-                    assert not core.destination_is_held(h)
+                    assert not destination_is_held(core, h)
                     if not effects.lifecycle_events:
                         # Activation commits reserved blocks; it can only dedup them away.
-                        assert core.kv.num_active_blocks() <= before[1]
+                        assert active_blocks(core) <= before[1]
             case CancelDestination(h):
                 if dest_held_before:
                     assert result == APPLIED
                 if result == APPLIED:
-                    assert not core.destination_is_held(h)
-                    assert not core.destination_block_ids(h)
+                    assert not destination_is_held(core, h)
+                    assert not destination_block_ids(core, h)
             case Cancel(rid):
-                assert result == (APPLIED if before[2] > core.num_requests() else NOOP)
-                assert rid not in core.state.requests
+                assert result == (APPLIED if before[2] > num_requests(core) else NOOP)
+                seen = core.inspect(rid)
+                assert seen is None or seen.place in DESTINATION_PLACES
+                if result == APPLIED:
+                    assert effects.ended == [EndedRequest(rid, FinishReason.CANCELLED)]
             case SetVocabulary():
                 assert result == APPLIED
         return effects
@@ -311,15 +320,15 @@ class Harness:
         bs = core.block_size
         for event in events:
             if isinstance(event, SourceHeld):
-                assert core.source_is_held(event.handoff_id)
+                assert source_is_held(core, event.handoff_id)
                 req = self.submitted_sources.get((event.handoff_id, event.request_id))
                 if index == PREFILL and req is not None:
                     self.held_sources.append((event.handoff_id, req))
             else:
                 assert isinstance(event, DestinationReserved)
                 self.reserved.append((index, event.handoff_id))
-                assert core.destination_is_held(event.handoff_id)
-                assert core.destination_block_ids(event.handoff_id)
+                assert destination_is_held(core, event.handoff_id)
+                assert destination_block_ids(core, event.handoff_id)
                 tokens = event.transferable_prompt_tokens
                 prompt_len, max_out = self.destination_prompts[(index, event.handoff_id)]
                 assert tokens % bs == 0
@@ -335,13 +344,11 @@ class Harness:
 
     def run_pass(self, index: int) -> None:
         side = self.sides[index]
-        side.drain()
         result = side.core.execute_pass(side.now_ms)
-        side.indexer.apply(result.kv_events, worker_id=side.core.worker_id)
+        side.index(result.kv_events)
         side.now_ms = max(side.now_ms, result.end_ms)
         self.check_lifecycle(index, result.lifecycle_events)
         assert result.metrics == side.core.metrics()
-        side.drain()
 
     def all_handoff_ids(self) -> list[str]:
         return [handoff_id(i) for i in range(NUM_HANDOFF_IDS)]
@@ -377,13 +384,13 @@ def run_op(h: Harness, op: tuple[Any, ...]) -> None:
             h.command(c, ReleaseSource(handoff_id(hid)))
         case ("cancel_source", c, hid):
             h.command(c, CancelSource(handoff_id(hid)))
-        case ("reserve", c, hid, rid, prompt, max_out, allow):
+        case ("reserve", c, hid, rid, prompt, max_out):
             req = make_request(rid, prompt, max_out)
-            h.command(c, ReserveDestination(handoff_id(hid), req), allow)
-        case ("reserve_held", k, allow):
+            h.command(c, ReserveDestination(handoff_id(hid), req))
+        case ("reserve_held", k):
             if h.held_sources:
                 hid, req = h.held_sources[k % len(h.held_sources)]
-                h.command(DECODE, ReserveDestination(hid, req), allow)
+                h.command(DECODE, ReserveDestination(hid, req))
         case ("activate", c, hid):
             h.command(c, ActivateDestination(handoff_id(hid)))
         case ("activate_reserved", k):
@@ -392,15 +399,16 @@ def run_op(h: Harness, op: tuple[Any, ...]) -> None:
                 h.command(c, ActivateDestination(hid))
         case ("cancel_destination", c, hid):
             h.command(c, CancelDestination(handoff_id(hid)))
-        case ("advance", hid_index, rid, prompt, max_out, allow):
-            advance(h, handoff_id(hid_index), make_request(rid, prompt, max_out), allow)
-        case ("retry", c):
+        case ("advance", hid_index, rid, prompt, max_out):
+            advance(h, handoff_id(hid_index), make_request(rid, prompt, max_out))
+        case ("advance_tiers", c):
+            # No tiers here: nothing lands, and the retry that follows finds nothing new.
             side = h.sides[c]
-            side.drain()
-            events = side.core.retry_pending_destinations()
-            note(f"  -> {events!r}")
-            side.drain()
-            h.check_lifecycle(c, events)
+            advanced = side.core.advance_tiers(side.now_ms)
+            note(f"  -> {advanced!r}")
+            side.index(advanced.kv_events)
+            assert not advanced.progressed
+            h.check_lifecycle(c, advanced.lifecycle_events)
         case ("pass", c, n):
             for _ in range(n):
                 h.run_pass(c)
@@ -414,22 +422,23 @@ def run_op(h: Harness, op: tuple[Any, ...]) -> None:
             raise AssertionError(f"unknown op {op!r}")
 
 
-def advance(h: Harness, hid: str, req: Request, allow: bool) -> None:
+def advance(h: Harness, hid: str, req: Request) -> None:
     """Take the next coordinator step of handoff `hid` (SourceFirst, as vLLM does)."""
     source, destination = h.sides[PREFILL].core, h.sides[DECODE].core
     held = [r for held_id, r in h.held_sources if held_id == hid]
-    if destination.destination_block_ids(hid):
+    if destination_block_ids(destination, hid):
         h.command(DECODE, ActivateDestination(hid))
-    elif destination.destination_is_held(hid):
-        side = h.sides[DECODE]
-        side.drain()
-        h.check_lifecycle(DECODE, destination.retry_pending_destinations())
-        side.drain()
-    elif source.source_is_held(hid) and hid in destination.active_destinations:
+    elif destination_is_held(destination, hid):
+        # Pending: the decode engine retries it after its next pass.
+        h.run_pass(DECODE)
+    elif (
+        source_is_held(source, hid)
+        and destination_stage(destination, hid) is DestinationStage.ACTIVE
+    ):
         h.command(PREFILL, ReleaseSource(hid))
-    elif source.source_is_held(hid) and held:
-        h.command(DECODE, ReserveDestination(hid, held[-1]), allow)
-    elif not source.source_is_registered(hid):
+    elif source_is_held(source, hid) and held:
+        h.command(DECODE, ReserveDestination(hid, held[-1]))
+    elif not source_is_registered(source, hid):
         h.command(PREFILL, SubmitHandoffPrefill(hid, req))
     else:
         h.run_pass(PREFILL)
@@ -456,9 +465,8 @@ def finish(h: Harness) -> None:
             h.run_pass(index)
     for side in h.sides:
         core = side.core
-        side.drain()
         assert core.is_drained()
-        assert core.kv.num_active_blocks() == 0
+        assert active_blocks(core) == 0
         assert core.metrics().active_blocks == 0
         assert core.metrics().running == 0
         assert core.metrics().waiting == 0
@@ -480,9 +488,10 @@ def test_random_handoff_sequences_keep_both_cores_consistent(
        (4-16 blocks, block size 2-8, caching on or off, 1-3 sequences, budget 4-32, either
        prefix-hit rule, raw ids or a small vocabulary).
     2. Run a random program of Submit/Cancel, SubmitHandoffPrefill, Release/CancelSource,
-       ReserveDestination (random, or for a source the prefill core reported held, with
-       admission allowed or not), Activate/CancelDestination, retry_pending_destinations and
-       passes, and SetVocabulary (valid or not), over small id pools (duplicates and unknown
+       ReserveDestination (random, or for a source the prefill core reported held),
+       Activate/CancelDestination, tier advances (the engine retries pending destinations
+       after every call) and passes, and SetVocabulary (valid or not), over small id pools
+       (duplicates and unknown
        ids, minted ids, empty prompts and negative max_tokens included), on either core.
     3. Release and cancel every handoff and request id left, then run passes until both cores
        are idle.
@@ -498,7 +507,7 @@ def test_random_handoff_sequences_keep_both_cores_consistent(
     """
     sides = []
     for worker_id, worker_type in ((1, WorkerType.PREFILL), (2, WorkerType.DECODE)):
-        core = VllmCore(make_args(worker_type=worker_type, **config), worker_id=worker_id)
+        core = Engine(make_args(worker_type=worker_type, **config), worker_id=worker_id)
         sides.append(Side(core, ReferenceIndexer(core.block_size)))
     h = Harness(sides)
     for op in program:

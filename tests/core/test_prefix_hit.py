@@ -13,15 +13,22 @@ from typing import Any
 import pytest
 
 from engined.core.args import EngineArgs, EngineType, PreemptionMode, PrefixHitRule, WorkerType
+from engined.core.engine import Engine
 from engined.core.errors import InvalidArgsError
-from engined.core.scheduler import VllmCore
 from engined.core.types import (
     ActivateDestination,
     DestinationReserved,
     PassResult,
     ReserveDestination,
 )
-from tests.core.factories import make_args, make_core, request, run_until_empty
+from tests.core.factories import (
+    active_blocks,
+    make_args,
+    make_core,
+    request,
+    run_until_empty,
+    submit,
+)
 from tests.reference_indexer import ReferenceIndexer
 
 VLLM = PrefixHitRule.VLLM
@@ -42,7 +49,7 @@ def cache_args(rule: PrefixHitRule, **overrides: Any) -> EngineArgs:
 
 
 class Watched:
-    def __init__(self, core: VllmCore) -> None:
+    def __init__(self, core: Engine) -> None:
         self.core = core
         self.indexer = ReferenceIndexer(core.block_size)
 
@@ -57,9 +64,9 @@ def repeat(args: EngineArgs, prompt_len: int, max_tokens: int = 2) -> tuple[Watc
     """Warm, drain, then run the repeat's admission pass; returns it."""
     watched = Watched(make_core(args))
     prompt = list(range(1000, 1000 + prompt_len))
-    watched.core.receive(request("warm", prompt, max_tokens))
+    submit(watched.core, request("warm", prompt, max_tokens))
     watched.run()
-    watched.core.receive(request("again", prompt, max_tokens))
+    submit(watched.core, request("again", prompt, max_tokens))
     first = watched.core.execute_pass(1e6)
     watched.indexer.apply(first.kv_events)
     watched.run(1e6)
@@ -74,13 +81,13 @@ CASES = [(128, 112), (129, 128), (100, 96), (16, 0), (17, 16), (15, 0), (32, 16)
 def test_vllm_rule_caps_the_hit_one_token_short(prompt_len: int, cached: int) -> None:
     watched, first = repeat(cache_args(VLLM), prompt_len)
     assert first.admissions[0].reused_input_tokens == cached
-    assert first.output_signals[0].cached_tokens == cached
+    assert first.outputs[0].cached_tokens == cached
     assert (first.prefix_cache_queries, first.prefix_cache_hits) == (prompt_len, cached)
     fpm = first.fpm
     assert (fpm.num_prefill_requests, fpm.num_decode_requests) == (1, 0)
     assert (fpm.sum_prefill_tokens, fpm.sum_prefill_kv_tokens) == (prompt_len - cached, cached)
     assert first.kv_events == [], "the recomputed block is reused, never stored again"
-    assert watched.core.kv.num_active_blocks() == 0
+    assert active_blocks(watched.core) == 0
 
 
 @pytest.mark.parametrize(("prompt_len", "vllm_cached"), CASES)
@@ -88,7 +95,7 @@ def test_mocker_rule_counts_every_cached_block(prompt_len: int, vllm_cached: int
     cached = prompt_len // 16 * 16
     _, first = repeat(cache_args(MOCKER), prompt_len)
     assert first.admissions[0].reused_input_tokens == cached
-    assert first.output_signals[0].cached_tokens == cached
+    assert first.outputs[0].cached_tokens == cached
     assert first.prefix_cache_hits == cached
     fpm = first.fpm
     if cached == prompt_len:
@@ -111,7 +118,7 @@ def test_both_rules_take_the_same_blocks_and_publish_the_same_events() -> None:
     for rule in (VLLM, MOCKER):
         watched = Watched(make_core(cache_args(rule)))
         for n in range(3):
-            watched.core.receive(request(f"r{n}", range(64), 3))
+            submit(watched.core, request(f"r{n}", range(64), 3))
         passes = watched.run()
         watched.indexer.assert_clean()
         streams.append([event for result in passes for event in result.kv_events])
@@ -121,14 +128,14 @@ def test_both_rules_take_the_same_blocks_and_publish_the_same_events() -> None:
 def test_repeat_while_the_first_holds_its_blocks_reuses_them() -> None:
     """The hit is active: the repeat needs no new full block, only its new partial."""
     core = make_core(cache_args(VLLM))
-    core.receive(request("a", range(64), 10))
+    submit(core, request("a", range(64), 10))
     core.execute_pass(0.0)
-    active = core.kv.num_active_blocks()
-    core.receive(request("b", range(64), 10))
+    active = active_blocks(core)
+    submit(core, request("b", range(64), 10))
     second = core.execute_pass(1.0)
     assert second.admissions[0].reused_input_tokens == 48
     assert second.kv_events == []
-    assert core.kv.num_active_blocks() == active + 1
+    assert active_blocks(core) == active + 1
 
 
 def test_active_recomputed_block_is_not_discounted_by_the_gate() -> None:
@@ -148,12 +155,12 @@ def test_active_recomputed_block_is_not_discounted_by_the_gate() -> None:
                 prefix_hit_rule=rule,
             )
         )
-        core.receive(request("holder", range(8), 3))
+        submit(core, request("holder", range(8), 3))
         core.execute_pass(0.0)
-        core.receive(request("repeat", range(8), 1))
+        submit(core, request("repeat", range(8), 1))
         admitted[rule] = [a.request_id for a in core.execute_pass(1.0).admissions]
         run_until_empty(core, 2.0)
-        assert core.kv.num_active_blocks() == 0
+        assert active_blocks(core) == 0
     assert admitted == {VLLM: [], MOCKER: ["repeat"]}
 
 
@@ -162,23 +169,23 @@ def test_mtp_drops_one_more_block(prompt_len: int, cached: int) -> None:
     args = cache_args(VLLM, aic_nextn=1, aic_nextn_accept_rates="1")
     _, first = repeat(args, prompt_len)
     assert first.admissions[0].reused_input_tokens == cached
-    assert first.output_signals[0].cached_tokens == cached
+    assert first.outputs[0].cached_tokens == cached
 
 
 def test_mtp_keeps_the_full_hit_under_mocker_rule() -> None:
     args = cache_args(MOCKER, aic_nextn=1, aic_nextn_accept_rates="1")
-    assert repeat(args, 128)[1].output_signals[0].cached_tokens == 128
+    assert repeat(args, 128)[1].outputs[0].cached_tokens == 128
 
 
 def test_zero_output_needs_no_logits_so_keeps_the_full_hit() -> None:
     _, first = repeat(cache_args(VLLM), 128, max_tokens=0)
-    assert first.output_signals[0].cached_tokens == 128
-    assert first.output_signals[0].completed and first.output_signals[0].token_id is None
+    assert first.outputs[0].cached_tokens == 128
+    assert first.outputs[0].finish_reason is not None and first.outputs[0].new_token_ids == []
 
 
 def test_trtllm_keeps_the_full_hit() -> None:
     _, first = repeat(cache_args(VLLM, engine_type=EngineType.TRTLLM), 128)
-    assert first.output_signals[0].cached_tokens == 128
+    assert first.outputs[0].cached_tokens == 128
 
 
 def test_preempted_request_finds_its_generated_blocks_under_vllm_rule() -> None:
@@ -198,10 +205,10 @@ def test_preempted_request_finds_its_generated_blocks_under_vllm_rule() -> None:
                 prefix_hit_rule=rule,
             )
         )
-        core.receive(request("old", [1, 2, 3, 4], 9))
-        core.receive(request("new", [100, 101, 102, 103], 9))
+        submit(core, request("old", [1, 2, 3, 4], 9))
+        submit(core, request("new", [100, 101, 102, 103], 9))
         passes = run_until_empty(core)
-        assert core.kv.num_active_blocks() == 0
+        assert active_blocks(core) == 0
         reused[rule] = [a.reused_input_tokens for p in passes for a in p.admissions][2:]
     assert reused == {VLLM: [8], MOCKER: [4]}
 
@@ -223,12 +230,12 @@ def test_fifo_ping_pong_case_drains_under_vllm_rule() -> None:
             aic_nextn_accept_rates="1",
         )
     )
-    core.receive(request("long", [0] * 15, 4, output_token_ids=[0] * 4))
-    core.receive(request("short", [0] * 2, 2))
-    core.receive(request("single", [0] * 9, 1, output_token_ids=[0]))
+    submit(core, request("long", [0] * 15, 4, output_token_ids=[0] * 4))
+    submit(core, request("short", [0] * 2, 2))
+    submit(core, request("single", [0] * 9, 1, output_token_ids=[0]))
     passes = run_until_empty(core)
     assert (len(passes), passes[-1].metrics.preemptions_total) == (15, 1)
-    assert core.kv.num_active_blocks() == 0
+    assert active_blocks(core) == 0
 
 
 # --- destinations -------------------------------------------------------------------------------
@@ -247,9 +254,11 @@ def destination_reserved(rule: PrefixHitRule, prompt_len: int) -> tuple[int, Wat
     watched = Watched(make_core(args))
     core = watched.core
     prompt = list(range(prompt_len))
-    core.receive(request("warm", prompt, 1))
+    submit(core, request("warm", prompt, 1))
     watched.run()
-    effects = core.apply_command_effects(ReserveDestination("h", request("dest", prompt, 2)))
+    effects = core.apply(ReserveDestination("h", request("dest", prompt, 2)), now_ms=0.0)
+    watched.indexer.apply(effects.kv_events)
+    assert effects.kv_events == [], "the reservation publishes nothing"
     reserved = [e for e in effects.lifecycle_events if isinstance(e, DestinationReserved)]
     assert len(reserved) == 1
     return reserved[0].transferable_prompt_tokens, watched
@@ -266,15 +275,16 @@ def test_destination_transfers_what_the_hit_leaves(
     tokens, watched = destination_reserved(rule, prompt_len)
     assert tokens == transferable
     core = watched.core
-    assert core.apply_command(ActivateDestination("h")) is not None
-    activation = core.take_kv_events()
+    activated = core.apply(ActivateDestination("h"), now_ms=0.0)
+    assert activated.result is not None
+    activation = activated.kv_events
     watched.indexer.apply(activation)
     assert activation == [], "the transferred block is resident: no second Stored"
     passes = watched.run(1e6)
-    first = next(s for p in passes for s in p.output_signals if s.request_id == "dest")
+    first = next(out for p in passes for out in p.outputs if out.request_id == "dest")
     assert first.cached_tokens == 0, "a prebuilt prompt came by transfer, under either rule"
     watched.indexer.assert_clean()
-    assert core.kv.num_active_blocks() == 0
+    assert active_blocks(core) == 0
 
 
 # --- EngineArgs ---------------------------------------------------------------------------------

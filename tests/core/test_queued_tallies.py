@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
+from engined.core.engine import Engine
 from engined.core.errors import CoreError
 from engined.core.fpm import welford
-from engined.core.scheduler import VllmCore
 from engined.core.state import RequestStatus
 from engined.core.types import (
     ActivateDestination,
@@ -32,6 +32,9 @@ from engined.core.types import (
     Request,
     ReserveDestination,
     Submit,
+)
+from tests.core.factories import (
+    submit,
 )
 
 
@@ -46,12 +49,11 @@ class CountingDeque(deque[str]):
 
 
 def test_a_pass_does_not_walk_a_deep_waiting_queue() -> None:
-    core = VllmCore(
-        EngineArgs(block_size=16, num_gpu_blocks=4096, max_num_seqs=4, speedup_ratio=0.0)
-    )
-    core.state.waiting = CountingDeque(core.state.waiting)
+    core = Engine(EngineArgs(block_size=16, num_gpu_blocks=4096, max_num_seqs=4, speedup_ratio=0.0))
+    state = core.parts.state
+    state.waiting = CountingDeque(state.waiting)
     for i in range(20_000):
-        core.receive(Request(token_ids=[i, i + 1], max_tokens=1_000, request_id=f"r{i}"))
+        submit(core, Request(token_ids=[i, i + 1], max_tokens=1_000, request_id=f"r{i}"))
     CountingDeque.iterations = 0
     now = 0.0
     for _ in range(50):
@@ -62,13 +64,14 @@ def test_a_pass_does_not_walk_a_deep_waiting_queue() -> None:
     assert result.fpm.sum_queued_prefill_tokens == 2 * (20_000 - 4)
 
 
-def walked(core: VllmCore) -> tuple[list[int], list[int]]:
+def walked(core: Engine) -> tuple[list[int], list[int]]:
     """Queued prefill and decode lengths, by walking the queues as the core used to."""
-    requests = core.state.requests
-    active = core.active_destinations.by_request
+    parts = core.parts
+    requests = parts.state.requests
+    active = parts.book.active.by_request
     prefill: list[int] = []
     decode: list[int] = []
-    for request_id in core.state.waiting:
+    for request_id in parts.state.waiting:
         req = requests[request_id]
         if request_id in active:
             decode.append(req.seq.num_input_tokens)
@@ -76,8 +79,8 @@ def walked(core: VllmCore) -> tuple[list[int], list[int]]:
             prefill.append(req.seq.num_input_tokens)
         elif req.status is RequestStatus.PREEMPTED:
             decode.append(len(req.seq.tokens))
-    decode += [p.request.seq.num_input_tokens for p in core.pending_destinations.queue.values()]
-    decode += [h.request.seq.num_input_tokens for h in core.destination_holds.by_handoff.values()]
+    decode += [p.request.seq.num_input_tokens for p in parts.book.pending.queue.values()]
+    decode += [h.request.seq.num_input_tokens for h in parts.book.held.by_handoff.values()]
     return prefill, decode
 
 
@@ -88,8 +91,9 @@ def exact(lengths: list[int]) -> tuple[int, int, float]:
     return n, total, (n * sum(x * x for x in lengths) - total * total) / (n * n)
 
 
-def check(core: VllmCore) -> None:
-    for tally, lengths in zip((core.queued.prefill, core.queued.decode), walked(core), strict=True):
+def check(core: Engine) -> None:
+    queued = core.parts.queued
+    for tally, lengths in zip((queued.prefill, queued.decode), walked(core), strict=True):
         summary = tally.summary()
         assert summary == exact(lengths)
         n, total, variance = welford(lengths)
@@ -143,7 +147,7 @@ def test_tallies_equal_the_walk_after_every_step(
     workload: tuple[EngineArgs, list[tuple[str, int, int]]],
 ) -> None:
     args, ops = workload
-    core = VllmCore(args)
+    core = Engine(args)
     now = 0.0
     for op, n, prompt in ops:
         tokens = [*PROMPTS[prompt], n]  # shared prefixes: cached, offloaded, swapped in
@@ -166,28 +170,30 @@ def test_tallies_equal_the_walk_after_every_step(
                 now += n  # tier transfers land while the rank idles
         if command is not None:
             with contextlib.suppress(CoreError):
-                core.apply_live_command(command, True, now)
+                core.apply(command, now_ms=now)
         check(core)
     for _ in range(200):
-        for handoff in list(core.destination_holds.by_handoff):
-            core.apply_live_command(ActivateDestination(handoff), True, now)
+        for handoff in list(core.parts.book.held.by_handoff):
+            core.apply(ActivateDestination(handoff), now_ms=now)
         now = max(core.execute_pass(now).end_ms, now + 1.0)
         check(core)
     # What could not finish (a destination that never fits blocks the queue, as upstream's
     # does) is cancelled; the tallies then read zero.
-    for handoff in [*core.pending_destinations.queue, *core.destination_holds.by_handoff]:
-        core.apply_live_command(CancelDestination(handoff), True, now)
+    for handoff in [*core.queues().pending_destinations, *core.parts.book.held.by_handoff]:
+        core.apply(CancelDestination(handoff), now_ms=now)
         check(core)
-    for request_id in list(core.state.requests):
-        core.apply_live_command(Cancel(request_id), True, now)
+    queues = core.queues()
+    for request_id in queues.waiting + queues.running + queues.parked:
+        core.apply(Cancel(request_id), now_ms=now)
         check(core)
-    assert core.queued.prefill.summary() == core.queued.decode.summary() == (0, 0, 0.0)
+    queued = core.parts.queued
+    assert queued.prefill.summary() == queued.decode.summary() == (0, 0, 0.0)
 
 
 def test_tallies_follow_a_parked_swap_in() -> None:
     """A request whose prefix only G2 holds leaves the queue while it is swapped in and comes
     back at its front; the tallies follow it out and in."""
-    core = VllmCore(
+    core = Engine(
         EngineArgs(
             block_size=4,
             num_gpu_blocks=2,
@@ -209,11 +215,11 @@ def test_tallies_follow_a_parked_swap_in() -> None:
     parked = 0
     # A's block is cached, evicted to G2 by B and C, and then A's prefix comes back.
     for i, tokens in enumerate([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4, 99]]):
-        core.receive(Request(token_ids=tokens, max_tokens=1, request_id=f"r{i}"))
+        submit(core, Request(token_ids=tokens, max_tokens=1, request_id=f"r{i}"))
         check(core)
         for _ in range(20):
             now = max(core.execute_pass(now).end_ms, now + 0.5)
             check(core)
-            parked = max(parked, len(core.requests_awaiting_swap_in))
+            parked = max(parked, len(core.queues().parked))
     assert parked == 1
     assert core.is_drained()

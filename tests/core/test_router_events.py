@@ -17,17 +17,21 @@ Exact values beyond the seed's assertions are derived in the comments from mocke
 from __future__ import annotations
 
 from engined.core.args import PreemptionMode
-from engined.core.scheduler import VllmCore
+from engined.core.engine import Engine
 from engined.core.state import RequestStatus
 from engined.core.types import BlockRemoved, BlockStored, KvEvent
 from tests.core.factories import (
     MOCKER_1_3_0,
     ROUTER_TEST_WORKER_ID,
+    active_blocks,
+    emitted_tokens,
     make_args,
     make_core,
     request,
     router_args,
+    submit,
     uid,
+    view,
 )
 from tests.reference_indexer import ReferenceIndexer, removed_event_count, stored_hashes
 
@@ -61,7 +65,7 @@ def test_vllm_pass_visibility_is_pass_start() -> None:
     nothing (§4.6).
     """
     core = make_core(router_args(), worker_id=ROUTER_TEST_WORKER_ID)
-    core.receive(request(uid(71), range(8), 2))
+    submit(core, request(uid(71), range(8), 2))
 
     result = core.execute_pass(0.0)
 
@@ -103,7 +107,7 @@ def test_completion_events_apply_cleanly() -> None:
     """
     indexer = ReferenceIndexer(BLOCK_SIZE)
     core = make_core(router_args(), worker_id=ROUTER_TEST_WORKER_ID)
-    core.receive(request(uid(41), range(8), 4))
+    submit(core, request(uid(41), range(8), 4))
 
     now_ms = 0.0
     saw_store = False
@@ -117,12 +121,12 @@ def test_completion_events_apply_cleanly() -> None:
         apply(indexer, result.kv_events)
         all_events += result.kv_events
         passes += 1
-        outputs += len(result.output_signals)
+        outputs += len(result.outputs)
         assert passes <= 100, "request did not complete"
 
     assert saw_store
     assert indexer.ok_count("stored") > 0
-    assert core.kv.num_active_blocks() == 0
+    assert active_blocks(core) == 0
     indexer.assert_clean()
 
     # Exact values (see docstring).
@@ -165,7 +169,7 @@ def test_preemption_recompute_events_apply_cleanly() -> None:
     r1 = uid(51)
     r2 = uid(52)
     for request_id, tokens in ((r1, range(8)), (r2, range(100, 108))):
-        core.receive(request(request_id, tokens, 8))
+        submit(core, request(request_id, tokens, 8))
 
     now_ms = 0.0
     saw_preemption = False
@@ -176,25 +180,25 @@ def test_preemption_recompute_events_apply_cleanly() -> None:
         now_ms = max(result.end_ms, now_ms + 1.0)
         apply(indexer, result.kv_events)
         events += result.kv_events
-        req = core.state.requests.get(r2)
-        if req is not None and req.status is RequestStatus.PREEMPTED:
+        seen = core.inspect(r2)
+        if seen is not None and seen.status is RequestStatus.PREEMPTED:
             saw_preemption = True
             preemption_pass = n
             break
 
     assert saw_preemption
-    req = core.state.requests[r2]
+    req = view(core, r2)
     assert req.status is RequestStatus.PREEMPTED
     assert req.num_computed_tokens == 0
     assert req.num_preemptions == 1
-    assert core.state.waiting[0] == r2
+    assert core.queues().waiting[0] == r2
 
     # Exact values up to the preemption (see docstring).
     assert preemption_pass == 5
     assert result.metrics.preemptions_total == 1
-    assert len(req.seq.tokens) == 12
-    assert req.seq.generated == 4
-    assert core.state.running == [r1]
+    assert req.num_tokens == 12
+    assert req.output_tokens == 4
+    assert core.queues().running == [r1]
     assert [type(e) for e in events] == [BlockStored, BlockStored, BlockStored]
     first, second, promoted = events
     assert isinstance(first, BlockStored)
@@ -227,7 +231,7 @@ def test_preemption_recompute_events_apply_cleanly() -> None:
     # Exact values of the recompute (see docstring).
     assert readmission_pass == 4
     assert reused_tokens == 8
-    assert r1 not in core.state.requests
+    assert core.inspect(r1) is None
     assert [type(e) for e in result.kv_events] == [BlockStored, BlockRemoved]
     assert indexer.ok_count("stored") == 4
     assert indexer.ok_count("removed") == 1
@@ -266,13 +270,13 @@ def test_mtp_preemption_recompute_drains_with_clean_events() -> None:
         # The traced numbers are 1.3.0's: no recomputed (or MTP-dropped) prefix block.
         prefix_hit_rule=MOCKER_1_3_0,
     )
-    core: VllmCore = make_core(args, worker_id=ROUTER_TEST_WORKER_ID)
+    core: Engine = make_core(args, worker_id=ROUTER_TEST_WORKER_ID)
     for request_id, tokens in (
         (uid(61), range(8)),
         (uid(62), range(100, 108)),
         (uid(63), range(200, 212)),
     ):
-        core.receive(request(request_id, tokens, 7))
+        submit(core, request(request_id, tokens, 7))
 
     now_ms = 0.0
     output_tokens = 0
@@ -286,7 +290,7 @@ def test_mtp_preemption_recompute_drains_with_clean_events() -> None:
             break
         result = core.execute_pass(now_ms)
         now_ms = max(result.end_ms, now_ms + 1.0)
-        output_tokens += len(result.output_signals)
+        output_tokens += emitted_tokens(result)
         saw_remove |= removed_event_count(result.kv_events) > 0
         removed_events += removed_event_count(result.kv_events)
         num_events += len(result.kv_events)
@@ -296,9 +300,9 @@ def test_mtp_preemption_recompute_drains_with_clean_events() -> None:
 
     assert core.is_empty()
     assert output_tokens == 21
-    assert not core.state.waiting
-    assert not core.state.running
-    assert core.kv.num_active_blocks() == 0
+    assert not core.queues().waiting
+    assert not core.queues().running
+    assert active_blocks(core) == 0
     assert saw_remove
     indexer.assert_clean()
 

@@ -13,14 +13,12 @@ import re
 import pytest
 
 from engined.core.args import EngineArgs, WorkerType
+from engined.core.engine import Engine
 from engined.core.errors import CoreError, DuplicateRequestError
-from engined.core.scheduler import VllmCore
 from engined.core.types import (
     APPLIED,
     NOOP,
     CancelSource,
-    KvEvent,
-    PassResult,
     ReleaseSource,
     Request,
     SourceHeld,
@@ -28,8 +26,16 @@ from engined.core.types import (
     SubmitHandoffPrefill,
     Submitted,
 )
-from tests.core.factories import make_args, uid
-from tests.reference_indexer import ReferenceIndexer
+from tests.core.factories import (
+    Watched,
+    active_blocks,
+    make_args,
+    num_requests,
+    source_is_held,
+    source_is_registered,
+    submit,
+    uid,
+)
 
 
 def args() -> EngineArgs:
@@ -48,29 +54,6 @@ def request(request_id: str) -> Request:
     return Request(token_ids=list(range(8)), max_tokens=2, request_id=request_id)
 
 
-class Watched:
-    """A core whose whole KV event stream goes to its own reference indexer, in order."""
-
-    def __init__(self, core: VllmCore) -> None:
-        self.core = core
-        self.indexer = ReferenceIndexer(core.block_size)
-
-    def execute(self, now_ms: float) -> PassResult:
-        result = self.core.execute_pass(now_ms)
-        self.indexer.apply(result.kv_events, worker_id=self.core.worker_id)
-        return result
-
-    def drain(self) -> list[KvEvent]:
-        """The seed's `drain_kv_events()`: events caused by commands outside a pass."""
-        events = self.core.take_kv_events()
-        self.indexer.apply(events, worker_id=self.core.worker_id)
-        return events
-
-    def assert_clean(self) -> None:
-        self.drain()
-        self.indexer.assert_clean()
-
-
 def test_terminal_completion_holds_source_without_freeing_kv() -> None:
     """Terminal completion of a handoff source holds its KV until ReleaseSource.
 
@@ -83,35 +66,35 @@ def test_terminal_completion_holds_source_without_freeing_kv() -> None:
     ReleaseSource frees every block; a second one is a no-op and frees nothing more. The KV
     event stream is clean.
     """
-    watched = Watched(VllmCore(args()))
+    watched = Watched(Engine(args()))
     core = watched.core
     request_id = uid(101)
     handoff_id = uid(201)
-    result = core.apply_command(SubmitHandoffPrefill(handoff_id, request(request_id)))
+    result = watched.command(SubmitHandoffPrefill(handoff_id, request(request_id)))
     assert result == Submitted(request_id)
 
     first = watched.execute(0.0)
-    assert not first.output_signals[0].completed
-    active_before_terminal = core.kv.num_active_blocks()
+    assert first.outputs[0].finish_reason is None
+    active_before_terminal = active_blocks(core)
     assert active_before_terminal > 0
 
     terminal = watched.execute(first.end_ms)
-    assert terminal.output_signals[0].completed
+    assert terminal.outputs[0].finish_reason is not None
     assert len(terminal.lifecycle_events) == 1
     held = terminal.lifecycle_events[0]
     assert isinstance(held, SourceHeld)
     assert held.handoff_id == handoff_id
     assert held.request_id == request_id
-    assert core.source_is_held(handoff_id)
-    assert request_id not in core.state.requests
-    assert core.kv.num_active_blocks() == active_before_terminal
+    assert source_is_held(core, handoff_id)
+    assert core.inspect(request_id) is None
+    assert active_blocks(core) == active_before_terminal
 
-    assert core.apply_command(ReleaseSource(handoff_id)) == APPLIED
-    assert not core.source_is_held(handoff_id)
-    assert core.kv.num_active_blocks() == 0
+    assert watched.command(ReleaseSource(handoff_id)) == APPLIED
+    assert not source_is_held(core, handoff_id)
+    assert active_blocks(core) == 0
 
-    assert core.apply_command(ReleaseSource(handoff_id)) == NOOP
-    assert core.kv.num_active_blocks() == 0
+    assert watched.command(ReleaseSource(handoff_id)) == NOOP
+    assert active_blocks(core) == 0
     assert core.is_drained()
     watched.assert_clean()
 
@@ -129,34 +112,34 @@ def test_cancel_and_early_release_cleanup_exactly_once() -> None:
     while pending unregisters it, so request 103 completes as a plain request: nothing is held
     and 0 blocks stay active. The KV event stream is clean.
     """
-    watched = Watched(VllmCore(args()))
+    watched = Watched(Engine(args()))
     core = watched.core
     first_id = uid(202)
-    core.apply_command(SubmitHandoffPrefill(first_id, request(uid(102))))
+    watched.command(SubmitHandoffPrefill(first_id, request(uid(102))))
     first = watched.execute(0.0)
     watched.execute(first.end_ms)
-    held_blocks = core.kv.num_active_blocks()
-    assert core.source_is_held(first_id)
+    held_blocks = active_blocks(core)
+    assert source_is_held(core, first_id)
 
-    assert core.apply_command(CancelSource(first_id)) == APPLIED
-    assert core.kv.num_active_blocks() == 0
-    assert core.apply_command(CancelSource(first_id)) == NOOP
-    assert core.kv.num_active_blocks() == 0
+    assert watched.command(CancelSource(first_id)) == APPLIED
+    assert active_blocks(core) == 0
+    assert watched.command(CancelSource(first_id)) == NOOP
+    assert active_blocks(core) == 0
     assert held_blocks > 0
 
     second_id = first_id
-    result = core.apply_command(SubmitHandoffPrefill(second_id, request(uid(103))))
+    result = watched.command(SubmitHandoffPrefill(second_id, request(uid(103))))
     assert result == Submitted(uid(103))
-    assert core.source_is_registered(second_id)
-    assert core.apply_command(ReleaseSource(second_id)) == APPLIED
-    assert not core.source_is_registered(second_id)
+    assert source_is_registered(core, second_id)
+    assert watched.command(ReleaseSource(second_id)) == APPLIED
+    assert not source_is_registered(core, second_id)
 
     first = watched.execute(0.0)
     terminal = watched.execute(first.end_ms)
-    assert terminal.output_signals[0].completed
+    assert terminal.outputs[0].finish_reason is not None
     assert terminal.lifecycle_events == []
-    assert not core.source_is_held(second_id)
-    assert core.kv.num_active_blocks() == 0
+    assert not source_is_held(core, second_id)
+    assert active_blocks(core) == 0
     assert core.is_drained()
     watched.assert_clean()
 
@@ -172,24 +155,24 @@ def test_active_request_id_is_rejected_before_source_hold_registration() -> None
     nothing: handoff 204 is not registered, the core still holds exactly one request, and the
     metrics and active block count are those after step 1.
     """
-    watched = Watched(VllmCore(args()))
+    watched = Watched(Engine(args()))
     core = watched.core
     request_id = uid(104)
     handoff_id = uid(204)
-    core.receive(request(request_id))
+    submit(core, request(request_id))
     metrics_before = core.metrics()
-    active_before = core.kv.num_active_blocks()
+    active_before = active_blocks(core)
     message = re.escape(f"request {request_id} is already active")
 
     with pytest.raises(CoreError, match=message) as submit_error:
-        core.apply_command(Submit(request(request_id)))
+        watched.command(Submit(request(request_id)))
     assert isinstance(submit_error.value, DuplicateRequestError)
     with pytest.raises(CoreError, match=message) as handoff_error:
-        core.apply_command(SubmitHandoffPrefill(handoff_id, request(request_id)))
+        watched.command(SubmitHandoffPrefill(handoff_id, request(request_id)))
     assert isinstance(handoff_error.value, DuplicateRequestError)
 
-    assert not core.source_is_registered(handoff_id)
-    assert core.num_requests() == 1
+    assert not source_is_registered(core, handoff_id)
+    assert num_requests(core) == 1
     assert core.metrics() == metrics_before
-    assert core.kv.num_active_blocks() == active_before
+    assert active_blocks(core) == active_before
     watched.assert_clean()

@@ -10,14 +10,23 @@ from typing import Any
 import pytest
 
 from engined.core.args import EngineArgs
+from engined.core.engine import Engine
 from engined.core.errors import InvalidArgsError, InvalidRequestError
-from engined.core.scheduler import VllmCore
 from engined.core.types import APPLIED, SetVocabulary
 from engined.core.vocab import VOCAB_SIZE_MAX, Vocabulary, vocabulary_error
-from tests.core.factories import make_args, make_core, request, router_args, uid
+from tests.core.factories import (
+    command,
+    make_args,
+    make_core,
+    request,
+    router_args,
+    submit,
+    tokens_of,
+    uid,
+)
 
 
-def outputs(core: VllmCore) -> dict[str, list[int]]:
+def outputs(core: Engine) -> dict[str, list[int]]:
     """Run `core` dry; every request's emitted token ids, in order."""
     tokens: dict[str, list[int]] = {}
     now = 0.0
@@ -26,16 +35,16 @@ def outputs(core: VllmCore) -> dict[str, list[int]]:
             return tokens
         result = core.execute_pass(now)
         now = max(now, result.end_ms)
-        for signal in result.output_signals:
-            if signal.token_id is not None:
-                tokens.setdefault(signal.request_id, []).append(signal.token_id)
+        for out in result.outputs:
+            if out.new_token_ids:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     raise AssertionError("core did not drain")
 
 
 def run(args: EngineArgs, prompts: int = 3, max_tokens: int = 40) -> dict[str, list[int]]:
     core = make_core(args)
     for n in range(prompts):
-        core.receive(request(uid(n), range(n, n + 6), max_tokens))
+        submit(core, request(uid(n), range(n, n + 6), max_tokens))
     return outputs(core)
 
 
@@ -52,7 +61,7 @@ def vocab_args(**overrides: Any) -> EngineArgs:
 def test_unset_vocabulary_draws_the_raw_u32_stream() -> None:
     """With caching on no block id consumes the RNG, so the outputs are its u32s in order."""
     core = make_core(router_args(seed=7))
-    core.receive(request("a", [1, 2, 3], 10))
+    submit(core, request("a", [1, 2, 3], 10))
     rng = random.Random(7 * 1_000_003)
     assert outputs(core) == {"a": [rng.getrandbits(32) for _ in range(10)]}
 
@@ -112,8 +121,8 @@ def test_same_seed_same_outputs_other_seed_other_outputs() -> None:
 
 def test_planned_outputs_are_emitted_as_given() -> None:
     core = make_core(vocab_args(vocab_size=4, excluded_token_ids=(0, 1, 2)))
-    core.receive(request("p", [1, 2, 3], 0, output_token_ids=[0, 1, 2, 99, 2**32 - 1]))
-    core.receive(request("r", [1, 2, 3], 5))
+    submit(core, request("p", [1, 2, 3], 0, output_token_ids=[0, 1, 2, 99, 2**32 - 1]))
+    submit(core, request("r", [1, 2, 3], 5))
     assert outputs(core) == {"p": [0, 1, 2, 99, 2**32 - 1], "r": [3] * 5}
 
 
@@ -130,13 +139,11 @@ def test_mtp_bursts_draw_from_the_vocabulary() -> None:
 
 def test_set_vocabulary_applies_to_tokens_drawn_after_it() -> None:
     core = make_core(vocab_args())
-    core.receive(request("a", [1, 2, 3], 12))
+    submit(core, request("a", [1, 2, 3], 12))
     before: list[int] = []
     while len(before) < 4:
-        before += [
-            s.token_id for s in core.execute_pass(0.0).output_signals if s.token_id is not None
-        ]
-    assert core.apply_command(SetVocabulary(4, (0, 1, 2))) is APPLIED
+        before += tokens_of(core.execute_pass(0.0), "a")
+    assert command(core, SetVocabulary(4, (0, 1, 2))) is APPLIED
     after = outputs(core)["a"]
     assert len(before) + len(after) == 12
     assert any(t >= 4 for t in before) and after == [3] * len(after)
@@ -144,24 +151,24 @@ def test_set_vocabulary_applies_to_tokens_drawn_after_it() -> None:
 
 def test_set_vocabulary_none_restores_raw_ids() -> None:
     core = make_core(vocab_args(vocab_size=3))
-    assert core.apply_command(SetVocabulary(None, ())) is APPLIED
-    core.receive(request("a", [1, 2, 3], 20))
+    assert command(core, SetVocabulary(None, ())) is APPLIED
+    submit(core, request("a", [1, 2, 3], 20))
     assert any(t >= 3 for t in outputs(core)["a"])
 
 
 def test_set_vocabulary_is_deterministic() -> None:
     def once() -> dict[str, list[int]]:
         core = make_core(vocab_args(seed=5))
-        core.receive(request("a", [1, 2, 3], 10))
+        submit(core, request("a", [1, 2, 3], 10))
         core.execute_pass(0.0)
-        core.apply_command(SetVocabulary(100, (7,)))
+        command(core, SetVocabulary(100, (7,)))
         return outputs(core)
 
     assert once() == once()
 
 
 @pytest.mark.parametrize(
-    ("command", "message"),
+    ("refused", "message"),
     [
         (SetVocabulary(0, ()), "vocab_size must be in [1, 4294967296], got 0"),
         (SetVocabulary(2**32 + 1, ()), "vocab_size must be in [1, 4294967296], got 4294967297"),
@@ -174,11 +181,11 @@ def test_set_vocabulary_is_deterministic() -> None:
         ),
     ],
 )
-def test_set_vocabulary_refusals_change_nothing(command: SetVocabulary, message: str) -> None:
+def test_set_vocabulary_refusals_change_nothing(refused: SetVocabulary, message: str) -> None:
     core = make_core(vocab_args(vocab_size=4, excluded_token_ids=(0, 1, 2)))
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
-        core.apply_command(command)
-    core.receive(request("a", [1, 2, 3], 6))
+        command(core, refused)
+    submit(core, request("a", [1, 2, 3], 6))
     assert outputs(core) == {"a": [3] * 6}
 
 

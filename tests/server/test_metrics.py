@@ -30,6 +30,7 @@ from prometheus_client.samples import Sample
 from engined.client import EngineClient, Generation
 from engined.config import DaemonConfig
 from engined.core.args import EngineArgs
+from engined.core.legacy import outputs_of
 from engined.core.scheduler import VllmCore
 from engined.core.types import (
     ActivateDestination,
@@ -38,6 +39,7 @@ from engined.core.types import (
     CancelDestination,
     Command,
     CommandEffects,
+    EndedRequest,
     FpmSnapshot,
     LifecycleEvent,
     OutputSignal,
@@ -104,11 +106,16 @@ def hand_pass(
     signals: list[OutputSignal],
     admissions: tuple[str, ...] = (),
 ) -> PassResult:
-    """A PassResult with only what the metrics read filled in."""
+    """A PassResult with only what the metrics read filled in (given as legacy signals)."""
+    outputs = outputs_of(signals)
     return PassResult(
         end_ms=end_ms,
-        completed_requests=sum(s.completed for s in signals),
-        output_signals=signals,
+        outputs=outputs,
+        ended=[
+            EndedRequest(out.request_id, out.finish_reason)
+            for out in outputs
+            if out.finish_reason is not None
+        ],
         admissions=[Admission(request_id, 0) for request_id in admissions],
         lifecycle_events=[],
         metrics=core.metrics(),

@@ -1,16 +1,17 @@
 """The G1 side of the offload tiers: what the KV manager does with an attached `TierEngine`.
 
-The engine (engined/core/offload/) owns G2/G3 and the links; it never touches G1. This
-module is the glue mocker 1.3.0 keeps in its `KvManager` (mocker-1.3.0.md §9.3-§9.5):
+The tier engine owns G2/G3 and the links; it never touches G1. This glue is what mocker
+1.3.0 keeps in its `KvManager` (mocker-1.3.0.md §9.3-§9.5). The KV manager owns it and
+builds it from its pool, its block registry and its event log; the glue never sees the
+manager itself.
 
-* Evicting allocations. With an engine attached, a G1 allocation that evicts registered
-  blocks does not complete: the evicted blocks are offered to G2 and their slots stay held
-  (active) until their copy has left G1. Every other slot of the allocation goes back to
-  the free list, the GPU Removed is published now, and the caller either waits on the
-  offload (`blocked`: the lease and its deadline) or, when nothing had to wait, retries the
-  whole allocation once.
+* Evicting allocations. With tiers attached, a G1 allocation that evicts registered blocks
+  does not complete: the evicted blocks are offered to G2 and their slots stay held (active)
+  until their copy has left G1. Every other slot of the allocation goes back to the free
+  list, the GPU Removed is published now, and the caller either waits on the offload
+  (`wait`: an `OffloadWait`) or, when nothing had to wait, retries the whole allocation once.
 * Ticks. Tick effects are applied in the engine's order: lower-tier events published (medium
-  CPU or STORAGE, ids from the manager's counter), G1 slots freed, pins dropped. NOTE: G3
+  CPU or STORAGE, ids from the rank's one counter), G1 slots freed, pins dropped. NOTE: G3
   events (STORAGE) are published as the G2 ones are; upstream's shared G3 registry raises
   none, so a Dynamo router never learns of its disk tier. Each medium's stream is a
   consistent set of continuation edges (`parent, local hash -> block`): a block arrives in a
@@ -19,49 +20,49 @@ module is the glue mocker 1.3.0 keeps in its `KvManager` (mocker-1.3.0.md §9.3-
 * Router metadata. A block offered to G2 carries the fields of its GPU Stored (sequence hash,
   parent hash, local hash, tokens), remembered here when that Stored is published. With
   publishing off nothing is remembered and the tiers publish nothing either.
-* Swap-in landing: the blocks of a completed G2->G1 copy are registered in G1 as inactive
+* Onboard landing: the blocks of a completed G2->G1 copy are registered in G1 as inactive
   blocks (GPU Stored for the new ones), ready to be hit by the request's next admission.
 
-Nothing here runs unless an engine is attached: the manager branches once per evicting
-allocation or published run, so a core without offload tiers pays nothing per token.
+Nothing here runs unless tiers are attached: the manager branches once per evicting
+allocation or published run, so an engine without offload tiers pays nothing per token.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from engined.core.block_pool import BlockPool
+from engined.core.kv_event_log import KvEventLog
+from engined.core.kv_registry import BlockRegistry
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.offload.types import (
     BlockMeta,
     EvictedBlock,
-    OffloadWait,
     TickEffects,
     TierEventKind,
 )
 from engined.core.sequence import Sequence, Use
-from engined.core.types import BlockRemoved, BlockStored
-
-if TYPE_CHECKING:
-    from engined.core.kv_manager import KvManager
+from engined.core.types import BlockStored, OffloadWait
 
 
-class KvOffload:
-    """An attached offload engine plus the G1 bookkeeping it needs."""
+class G1Glue:
+    """An attached tier engine plus the G1 bookkeeping it needs."""
 
-    __slots__ = ("blocked", "capacity_generation", "engine", "eviction_now_ms", "meta", "now_ms")
+    __slots__ = ("engine", "eviction_now_ms", "log", "meta", "now_ms", "pool", "registry", "wait")
 
-    def __init__(self, engine: TierEngine) -> None:
+    def __init__(
+        self, engine: TierEngine, pool: BlockPool, registry: BlockRegistry, log: KvEventLog
+    ) -> None:
         self.engine = engine
+        self.pool = pool
+        self.registry = registry
+        self.log = log
         # Router metadata of published G1 blocks, by lineage key (publishing on only).
         self.meta: dict[int, BlockMeta] = {}
-        # Worker time: the last tick's. Offloads start then unless a live command set
+        # Worker time: the last tick's. Offloads start then unless a command set
         # `eviction_now_ms` (its own application time) for the duration of the command.
         self.now_ms = 0.0
         self.eviction_now_ms: float | None = None
-        # The offload the last failed allocation waits on; the caller takes it.
-        self.blocked: OffloadWait | None = None
-        # Upstream's KvManager counter of released slots (distinct from the core's).
-        self.capacity_generation = 0
+        # The offload wait of the last failed allocation; the caller takes it.
+        self.wait: OffloadWait | None = None
 
     # --- metadata -----------------------------------------------------------------------
 
@@ -84,7 +85,7 @@ class KvOffload:
     def forget(self, keys: list[int]) -> None:
         """The prefix cache was reset: routers dropped every tier of this rank.
 
-        Blocks already in G2/G3 stay usable for swap-ins but publish nothing more, so no
+        Blocks already in G2/G3 stay usable for onboards but publish nothing more, so no
         Removed can name a block routers no longer hold.
         """
         for key in keys:
@@ -93,37 +94,46 @@ class KvOffload:
         if self.engine.g3 is not None:
             self.engine.g3.meta.clear()
 
+    # --- offload waits ------------------------------------------------------------------
+
+    def take_wait(self) -> OffloadWait | None:
+        wait = self.wait
+        self.wait = None
+        return wait
+
+    def refresh(self, wait: OffloadWait) -> OffloadWait | None:
+        """`wait` with its deadline refreshed while its lease lives; None once it ended."""
+        return self.engine.offload_wait(wait.lease_id)
+
     # --- evicting allocations -----------------------------------------------------------
 
-    def allocate(self, kv: KvManager, count: int) -> list[int] | None:
+    def allocate(self, count: int) -> list[int] | None:
         """`count` mutable G1 slots, offloading what they evict; None if they cannot be had.
 
-        On None, `blocked` says whether an offload is in flight (wait for it) or the pool is
+        On None, `wait` says whether an offload is in flight (wait for it) or the pool is
         simply full (preempt or give up).
         """
-        got = kv.pool.allocate(count)
+        got = self.pool.allocate(count)
         if got is None:
-            self.blocked = None
+            self.wait = None
             return None
         slots, evicted = got
-        return self.settle(kv, slots, evicted) if evicted else slots
+        return self.settle(slots, evicted) if evicted else slots
 
-    def settle(self, kv: KvManager, slots: list[int], evicted: list[int]) -> list[int] | None:
+    def settle(self, slots: list[int], evicted: list[int]) -> list[int] | None:
         """Offer the registered blocks an allocation evicted to G2 (mocker-1.3.0.md §9.3).
 
         `slots` is what `BlockPool.allocate` returned: the evicted blocks' slots are its
         tail, in eviction order. Returns the allocation's slots (unchanged when nothing
         registered was evicted, else those of the retried allocation), or None with every
-        slot and hit given back: then `blocked` holds the offload to wait for, if any.
+        slot and hit given back: then `wait` holds the offload to wait for, if any.
         """
-        self.blocked = None
-        return self._settle(kv, slots, evicted, retry=True)
+        self.wait = None
+        return self._settle(slots, evicted, retry=True)
 
-    def _settle(
-        self, kv: KvManager, slots: list[int], evicted: list[int], *, retry: bool
-    ) -> list[int] | None:
-        pool = kv.pool
-        registered = kv.registered
+    def _settle(self, slots: list[int], evicted: list[int], *, retry: bool) -> list[int] | None:
+        pool = self.pool
+        registered = self.registry.registered
         meta = self.meta
         base = len(slots) - len(evicted)
         offered: list[EvictedBlock] = []
@@ -137,7 +147,7 @@ class KvOffload:
             offered.append(EvictedBlock(slot, key, pool.parent_key_of(slot), meta.pop(key, None)))
         if not offered:
             return slots
-        kv.publish_removed(hashes)
+        self.log.removed(hashes)
         sources = {block.slot for block in offered}
         for slot in slots:
             if slot not in sources:
@@ -145,9 +155,9 @@ class KvOffload:
         now_ms = self.eviction_now_ms if self.eviction_now_ms is not None else self.now_ms
         outcome = self.engine.enqueue_g1_evictions(offered, now_ms)
         if isinstance(outcome, OffloadWait):
-            self.blocked = outcome
+            self.wait = outcome
             return None
-        self.apply(kv, outcome.effects)
+        self.apply(outcome.effects)
         if not retry:
             return None
         # Every slot of the first attempt is free again, so the retry evicts nothing more.
@@ -156,46 +166,33 @@ class KvOffload:
             return None
         retried, evicted_again = got
         if evicted_again:
-            return self._settle(kv, retried, evicted_again, retry=False)
+            return self._settle(retried, evicted_again, retry=False)
         return retried
-
-    def take_blocked(self) -> OffloadWait | None:
-        blocked = self.blocked
-        self.blocked = None
-        return blocked
 
     # --- ticks --------------------------------------------------------------------------
 
-    def tick(self, kv: KvManager, now_ms: float) -> None:
+    def tick(self, now_ms: float) -> None:
         """Advance the engine to `now_ms` and apply what finished."""
         self.now_ms = now_ms
-        self.apply(kv, self.engine.tick(now_ms))
+        self.apply(self.engine.tick(now_ms))
 
-    def apply(self, kv: KvManager, effects: TickEffects) -> None:
+    def apply(self, effects: TickEffects) -> None:
         """Publish a tick's tier events, then give its G1 slots and pins back (§9.4)."""
-        if effects.events and kv.publish:
-            bs = kv.block_size
-            dp_rank = kv.dp_rank
+        log = self.log
+        if effects.events and log.publish:
             for event in effects.events:
                 block = event.block
                 if event.kind is TierEventKind.STORED:
-                    kv.push_event(
-                        BlockStored(
-                            kv.take_event_id(),
-                            dp_rank,
-                            block.parent_hash,
-                            [block.seq_hash],
-                            [block.local_hash if block.local_hash is not None else 0],
-                            block.token_ids if block.token_ids is not None else [],
-                            bs,
-                            event.medium,
-                        )
+                    log.stored_block(
+                        block.parent_hash,
+                        block.seq_hash,
+                        block.local_hash,
+                        block.token_ids,
+                        event.medium,
                     )
                 else:
-                    kv.push_event(
-                        BlockRemoved(kv.take_event_id(), dp_rank, [block.seq_hash], event.medium)
-                    )
-        pool = kv.pool
+                    log.removed([block.seq_hash], event.medium)
+        pool = self.pool
         for slot in effects.released_g1_slots:
             pool.release_mutable(slot)
         for reaped in effects.reaped_onboards:
@@ -203,13 +200,12 @@ class KvOffload:
                 pool.release_mutable(slot)
             for pin in reaped.pins:
                 pool.release(pin)
-        self.capacity_generation += effects.released_count
 
-    # --- swap-in ------------------------------------------------------------------------
+    # --- onboard ------------------------------------------------------------------------
 
-    def pin_prefix(self, kv: KvManager, keys: list[int]) -> list[int] | None:
+    def pin_prefix(self, keys: list[int]) -> list[int] | None:
         """A handle on each cached G1 block of `keys` (all must be there), or None."""
-        pool = kv.pool
+        pool = self.pool
         pins: list[int] = []
         for key in keys:
             block_id = pool.match(key)
@@ -220,23 +216,24 @@ class KvOffload:
             pins.append(block_id)
         return pins
 
-    def release_pins(self, kv: KvManager, pins: list[int]) -> None:
+    def release_pins(self, pins: list[int]) -> None:
+        pool = self.pool
         for pin in pins:
-            kv.pool.release(pin)
+            pool.release(pin)
 
-    def land_swap_in(
-        self, kv: KvManager, seq: Sequence, skip: int, count: int, slots: list[int], pins: list[int]
+    def land_onboard(
+        self, seq: Sequence, skip: int, count: int, slots: list[int], pins: list[int]
     ) -> None:
-        """Register the `count` blocks a swap-in copied after the `skip` cached ones.
+        """Register the `count` blocks an onboard copied after the `skip` cached ones.
 
         Each lands as an inactive G1 block (a later admission hits it); a block that reached
         G1 another way meanwhile keeps its copy and the slot is freed. New blocks are
         published as GPU Stored runs, split where a block was already present, whose parent
         is the block before the run. Then the prefix pins are dropped.
         """
-        pool = kv.pool
-        active_full = kv.active_full
-        registered = kv.registered
+        pool = self.pool
+        active_full = self.registry.active_full
+        registered = self.registry.registered
         end = skip + count
         use = Use(
             skip,
@@ -257,7 +254,7 @@ class KvOffload:
             if block_hash in active_full or pool.is_registered(key):
                 pool.release_mutable(slot)
                 if run:
-                    kv.store_run(use, run, run_parent)
+                    self._store_run(use, run, run_parent)
                     run = []
                 parent = block_hash
                 continue
@@ -268,7 +265,12 @@ class KvOffload:
             run.append(j)
             parent = block_hash
         if run:
-            kv.store_run(use, run, run_parent)
+            self._store_run(use, run, run_parent)
         for slot in slots[count:]:
             pool.release_mutable(slot)
-        self.release_pins(kv, pins)
+        self.release_pins(pins)
+
+    def _store_run(self, use: Use, run: list[int], parent: int | None) -> None:
+        event = self.log.stored_run(use, run, parent)
+        if event is not None:
+            self.remember(use.keys[run[0] : run[-1] + 1], event)

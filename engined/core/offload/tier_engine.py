@@ -58,13 +58,12 @@ from engined.core.offload.tier_onboard import OnboardPlan, Onboards
 from engined.core.offload.types import (
     EvictedBlock,
     OffloadOutcome,
-    OffloadWait,
     OnboardStatus,
     RetryNow,
     TickEffects,
     TierEvent,
 )
-from engined.core.types import Medium
+from engined.core.types import Medium, OffloadWait
 
 
 class _Lease:

@@ -8,9 +8,8 @@ and pins are opaque ints to the engine; it only holds them and returns each exac
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
 
-from engined.core.types import Medium
+from engined.core.types import Medium, OffloadWait
 
 
 class BlockMeta:
@@ -114,19 +113,6 @@ class TickEffects:
         """Upstream's `acknowledge_tick` count: source slots plus reaped slots and pins."""
         reaped = sum(len(r.slots) + len(r.pins) for r in self.reaped_onboards)
         return len(self.released_g1_slots) + reaped
-
-
-class OffloadWait(NamedTuple):
-    """An allocation waiting on an offload: the one name for it (upstream `BlockedOnOffload`).
-
-    The engine returns it when evicted blocks are still being copied out of G1; the waiting
-    request keeps it (refreshed at each retry) instead of preempting. `lease_id` is the
-    offload lease; `deadline_ms` the earliest completion on the G1->G2 link (not necessarily
-    one of this lease's batches), upstream's wake-up; None for a transfer without bytes.
-    """
-
-    lease_id: int
-    deadline_ms: float | None
 
 
 class RetryNow:

@@ -16,8 +16,21 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engined.core.args import EngineArgs, PrefixHitRule
-from engined.core.scheduler import VllmCore
-from engined.core.types import BlockRemoved, BlockStored, Medium, Request
+from engined.core.engine import Engine
+from engined.core.types import (
+    BlockRemoved,
+    BlockStored,
+    Cancel,
+    EndedRequest,
+    FinishReason,
+    Medium,
+    Request,
+)
+from tests.core.factories import (
+    active_blocks,
+    submit,
+    view,
+)
 from tests.reference_indexer import ReferenceIndexer
 
 STEPS_MS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
@@ -90,8 +103,8 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
     ],
 ) -> None:
     args, arrivals, cancels, steps, ticks = workload
-    core = VllmCore(args)
-    assert core.kv.offload is not None, "the args ask for offload tiers"
+    core = Engine(args)
+    assert core.metrics().g2_total_blocks > 0, "the args ask for offload tiers"
     indexer = ReferenceIndexer(args.block_size, lower_tier_edges=True)
     finished: set[str] = set()
     cancelled: set[str] = set()
@@ -103,33 +116,39 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
     while pending or not core.is_empty():
         while pending and pending[0][0] <= pass_no:
             request = pending.pop(0)[1]
-            core.receive(request)
+            submit(core, request)
             received.add(request.request_id or "")
         for at_pass, n in cancels:
             request_id = f"r{n}"
-            if at_pass == pass_no and request_id in core.state.requests:
-                core.cancel(request_id)
+            if at_pass == pass_no and core.inspect(request_id) is not None:
+                cancel = core.apply(Cancel(request_id), now_ms=now)
+                assert cancel.ended == [EndedRequest(request_id, FinishReason.CANCELLED)]
+                apply_checked(indexer, list(cancel.kv_events), seen)
                 cancelled.add(request_id)
         if ticks[pass_no % len(ticks)]:
             # A tick at the coming pass's time, as an offline replay advances the tiers first.
             now += steps[(pass_no + 1) % len(steps)]
-            effects = core.tick_offload_only(now)
+            effects = core.advance_tiers(now)
             apply_checked(indexer, list(effects.kv_events), seen)
             assert effects.lifecycle_events == []
         result = core.execute_pass(now)
         assert result.end_ms >= now
         apply_checked(indexer, list(result.kv_events), seen)
-        if core.requests_awaiting_swap_in:
+        if core.queues().parked:
             seen.add("parked swap-in")
-        if any(r.offload_wait is not None for r in core.state.requests.values()):
-            seen.add("offload dependency")
-        for signal in result.output_signals:
-            assert signal.request_id not in finished, "output after the terminal signal"
-            if signal.token_id is not None:
-                assert signal.token_id not in args.excluded_token_ids
-                assert args.vocab_size is None or signal.token_id < args.vocab_size
-            if signal.completed:
-                finished.add(signal.request_id)
+        queues = core.queues()
+        if any(
+            view(core, r).offload_wait is not None
+            for r in queues.waiting + queues.running + queues.parked
+        ):
+            seen.add("offload wait")
+        for out in result.outputs:
+            assert out.request_id not in finished, "output after the last output"
+            for token_id in out.new_token_ids:
+                assert token_id not in args.excluded_token_ids
+                assert args.vocab_size is None or token_id < args.vocab_size
+            if out.finish_reason is not None:
+                finished.add(out.request_id)
         now = max(result.end_ms, now + steps[pass_no % len(steps)])
         pass_no += 1
         assert pass_no < 3000, "workload did not drain"
@@ -139,18 +158,19 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
         event(what)
     # Past every deadline: transfers still running (G1->G2 copies of the last evictions,
     # background G2->G3 copies, cancelled swap-ins) land and give everything back.
-    deadline = core.earliest_offload_deadline()
+    deadline = core.next_deadline()
     for _ in range(1000):
         if deadline is None:
             break
-        effects = core.tick_offload_only(max(deadline, now))
+        effects = core.advance_tiers(max(deadline, now))
         apply_checked(indexer, list(effects.kv_events), seen)
-        deadline = core.earliest_offload_deadline()
-    assert core.earliest_offload_deadline() is None
+        deadline = core.next_deadline()
+    assert core.next_deadline() is None
     assert core.is_drained()
-    assert core.requests_awaiting_swap_in == []
-    assert core.kv.num_active_blocks() == 0
-    offload = core.kv.offload
+    assert core.queues().parked == []
+    assert active_blocks(core) == 0
+    offload = core.parts.kv.offload
+    assert offload is not None
     assert offload.engine.is_idle()
     assert offload.engine.g2.pool.num_active == 0
     assert offload.engine.g3 is None or offload.engine.g3.pool.num_active == 0
@@ -159,7 +179,7 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
     assert metrics.g2_active_blocks == 0 and metrics.g3_active_blocks == 0
     indexer.assert_clean()
     # What the indexer holds per tier is exactly what each tier holds with metadata.
-    assert indexer.num_blocks() == len(core.kv.registered)
+    assert indexer.num_blocks() == len(core.parts.kv.registered)
     assert indexer.num_blocks(medium=Medium.CPU) == len(offload.engine.g2.meta)
     if offload.engine.g3 is not None:
         assert indexer.num_blocks(medium=Medium.STORAGE) == len(offload.engine.g3.meta)

@@ -6,8 +6,8 @@ import pytest
 
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.tier_engine import TierEngine
-from engined.core.offload.types import OffloadWait, RetryNow
-from engined.core.types import Medium
+from engined.core.offload.types import RetryNow
+from engined.core.types import Medium, OffloadWait
 from tests.core.offload.support import (
     MB,
     described,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engined.core.offload.types import OffloadWait, OnboardState, OnboardStatus
-from engined.core.types import Medium
+from engined.core.offload.types import OnboardState, OnboardStatus
+from engined.core.types import Medium, OffloadWait
 from tests.core.offload.support import (
     described,
     engine,

@@ -1,0 +1,481 @@
+"""`Engine`: one data-parallel rank of the vLLM scheduler that Dynamo's mocker 1.3.0 models.
+
+This file is the engine's whole contract. Everything is a call that returns what it did:
+
+* `apply(command, *, now_ms) -> CommandEffects`: a command between passes (submit, cancel,
+  the handoff commands, vocabulary, prefix-cache reset), with the requests it ended, the
+  handoff events and KV events it caused.
+* `execute_pass(now_ms) -> PassResult`: vLLM's `schedule()` and `update_from_output()` in
+  one deterministic call: one `RequestOutput` per request that produced tokens or ended,
+  the requests that ended and why, admissions, handoff and KV events, FPM, gauges, the
+  modeled end of the pass, and whether it progressed at all.
+* `advance_tiers(now_ms) -> TierAdvance`: the offload tiers' transfers due by `now_ms`
+  landed between passes; `next_deadline()` says when the next one is due.
+* `metrics()`, `is_empty()`, `is_drained()`; read-only `inspect(request_id)`,
+  `inspect_handoff(handoff_id)` and `queues()` for tests and tools.
+
+Time is data: every call takes `now_ms` from the caller, a pass returns its modeled
+`end_ms`, and the same calls give the same results. After every command, pass and tier
+advance the engine retries the head of its pending destinations itself.
+
+The engine is composed of parts that get their collaborators when built here, and never the
+engine: the request intake, the scheduler (engined/core/scheduling.py) with its preempter,
+the token emitter (emission.py), the finisher (finish.py), the commands (commands.py), the
+handoff book (handoff.py), the onboard parking (offload/parking.py), and the KV manager
+(kv_manager.py) with its event log and, with offload tiers, the tier engine's G1 glue.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import NamedTuple
+
+from engined.core.args import EngineArgs, EngineType, PreemptionMode
+from engined.core.capacity import CapacityGeneration
+from engined.core.commands import Commands
+from engined.core.emission import TokenEmitter
+from engined.core.errors import UnsupportedError
+from engined.core.finish import Finisher
+from engined.core.fpm import build_snapshot
+from engined.core.handoff import HandoffBook
+from engined.core.intake import RequestIntake
+from engined.core.kv_manager import KvManager
+from engined.core.offload.config import OffloadConfig
+from engined.core.offload.parking import OnboardParking
+from engined.core.offload.tier_engine import TierEngine
+from engined.core.pass_context import PassContext
+from engined.core.perf_model import make_perf_model
+from engined.core.policy import AdmissionPolicy, TrtllmNoEvictPolicy
+from engined.core.preemption import Preempter
+from engined.core.prefix_hit import PrefixHit
+from engined.core.queued import QueuedLengths, TalliedState, waiting_class
+from engined.core.scheduling import Scheduler
+from engined.core.speculative import SpeculativeSampler
+from engined.core.state import RequestState
+from engined.core.types import (
+    NOOP,
+    Command,
+    CommandEffects,
+    EndedRequest,
+    EngineMetrics,
+    FinishReason,
+    PassResult,
+    RequestOutput,
+    TierAdvance,
+)
+from engined.core.views import DestinationStage, HandoffView, QueueView, RequestPlace, RequestView
+from engined.core.vocab import Vocabulary
+
+_UNBOUNDED = sys.maxsize
+_MASK64 = (1 << 64) - 1
+
+
+class EngineParts(NamedTuple):
+    """The parts of one engine, for white-box tests that set up states no command reaches.
+
+    Not part of the contract: code outside tests goes through the `Engine` methods.
+    """
+
+    state: TalliedState
+    kv: KvManager
+    book: HandoffBook
+    parking: OnboardParking
+    intake: RequestIntake
+    queued: QueuedLengths
+    capacity: CapacityGeneration
+    scheduler: Scheduler
+    emitter: TokenEmitter
+    commands: Commands
+    finisher: Finisher
+    preempter: Preempter
+
+
+class Engine:
+    """The scheduler of one data-parallel rank: requests, KV blocks, handoffs, passes."""
+
+    __slots__ = (
+        "_book",
+        "_commands",
+        "_emitter",
+        "_kv",
+        "_parking",
+        "_parts",
+        "_queued",
+        "_scheduler",
+        "_state",
+        "args",
+        "block_size",
+        "dp_rank",
+        "num_blocks",
+        "worker_id",
+    )
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        dp_rank: int = 0,
+        worker_id: int = 0,
+        tiers: TierEngine | None = None,
+        fast_paths: bool = True,
+    ) -> None:
+        """Build the rank's engine from `args` (normalized here).
+
+        `tiers` gives it a tier engine built elsewhere (tests); otherwise `args` build one
+        when they ask for offload tiers (`OffloadConfig.from_args`). `fast_paths=False`
+        turns the hand-inlined decode steps off (the equivalence test only).
+
+        Raises:
+            InvalidArgsError: `args` fail validation.
+            UnsupportedError: `engine_type = sglang`.
+        """
+        args = args.normalized()
+        if args.engine_type is EngineType.SGLANG:
+            raise UnsupportedError("engine_type=sglang is not supported by the vLLM core")
+        self.args = args
+        self.dp_rank = dp_rank
+        self.worker_id = worker_id
+        self.block_size = bs = args.block_size
+        self.num_blocks = num_blocks = args.num_gpu_blocks
+        max_num_seqs = args.max_num_seqs or _UNBOUNDED
+        max_batched_tokens = args.max_num_batched_tokens or _UNBOUNDED
+        policy_cls = (
+            TrtllmNoEvictPolicy if args.engine_type is EngineType.TRTLLM else AdmissionPolicy
+        )
+        policy = policy_cls(
+            num_blocks,
+            bs,
+            None if args.enable_chunked_prefill else max_batched_tokens,
+            args.max_model_len,
+        )
+        if tiers is None:
+            offload_config = OffloadConfig.from_args(args)
+            tiers = TierEngine(offload_config) if offload_config is not None else None
+        kv = KvManager(
+            num_blocks,
+            bs,
+            dp_rank=dp_rank,
+            publish=args.enable_prefix_caching,
+            prefix_hit=PrefixHit.from_args(args),
+            tiers=tiers,
+        )
+        capacity = CapacityGeneration()
+        # FPM's queued-request tallies, kept by the queues themselves (engined/core/queued.py).
+        queued = QueuedLengths()
+        book = HandoffBook(queued.decode)
+        state = TalliedState(waiting_class(queued, book.active.by_request.__contains__))
+        rng = random.Random(args.seed * 1_000_003 + dp_rank)
+        vocab = Vocabulary(rng, args.vocab_size, args.excluded_token_ids)
+        intake = RequestIntake(
+            policy, block_size=bs, caching=args.enable_prefix_caching, rng=rng, vocab=vocab
+        )
+        sampler = (
+            SpeculativeSampler(args.nextn_accept_rates, (args.aic_mtp_seed + worker_id) & _MASK64)
+            if args.aic_nextn is not None
+            else None
+        )
+        perf = make_perf_model(
+            args.perf_model,
+            prefill_ms_per_token=args.fixed_prefill_ms_per_token,
+            pass_overhead_ms=args.fixed_pass_overhead_ms,
+            decode_ms_per_pass=args.fixed_decode_ms_per_pass,
+        )
+        parking = OnboardParking(state, kv, capacity)
+        finisher = Finisher(state, kv, book, parking, capacity, args)
+        preempter = Preempter(
+            state, kv, policy, capacity, lifo=args.preemption_mode is PreemptionMode.LIFO
+        )
+        scheduler = Scheduler(
+            args,
+            max_num_seqs=max_num_seqs,
+            max_batched_tokens=max_batched_tokens,
+            state=state,
+            kv=kv,
+            policy=policy,
+            parking=parking,
+            pending=book.pending,
+            finisher=finisher,
+            preempter=preempter,
+            perf=perf,
+            fast_paths=fast_paths,
+        )
+        emitter = TokenEmitter(
+            args,
+            state=state,
+            kv=kv,
+            preempter=preempter,
+            finisher=finisher,
+            sampler=sampler,
+            rng=rng,
+            vocab=vocab,
+            perf=perf,
+            fast_paths=fast_paths,
+        )
+        commands = Commands(
+            block_size=bs,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            intake=intake,
+            state=state,
+            kv=kv,
+            book=book,
+            finisher=finisher,
+            capacity=capacity,
+            policy=policy,
+            vocab=vocab,
+        )
+        self._state = state
+        self._kv = kv
+        self._book = book
+        self._parking = parking
+        self._queued = queued
+        self._scheduler = scheduler
+        self._emitter = emitter
+        self._commands = commands
+        self._parts = EngineParts(
+            state,
+            kv,
+            book,
+            parking,
+            intake,
+            queued,
+            capacity,
+            scheduler,
+            emitter,
+            commands,
+            finisher,
+            preempter,
+        )
+
+    @property
+    def parts(self) -> EngineParts:
+        """White-box access for tests (see `EngineParts`)."""
+        return self._parts
+
+    # --- commands -----------------------------------------------------------------------
+
+    def apply(self, command: Command, *, now_ms: float) -> CommandEffects:
+        """Apply one command at `now_ms`; raises its `CoreError` having changed nothing."""
+        outcome = self._commands.apply(command, now_ms)
+        kv_events = self._kv.take_events()
+        progressed = outcome.result is not NOOP or bool(outcome.lifecycle_events or kv_events)
+        return CommandEffects(
+            outcome.result, outcome.lifecycle_events, outcome.ended, kv_events, progressed
+        )
+
+    # --- the pass -----------------------------------------------------------------------
+
+    def execute_pass(self, now_ms: float) -> PassResult:
+        before = self.metrics()
+        ctx = PassContext(now_ms, self._scheduler.max_batched_tokens)
+        tiers = self._kv.offload
+        if tiers is not None:
+            self._parking.advance(now_ms)
+        scheduler = self._scheduler
+        scheduler.schedule(ctx)
+        prefill_ms = scheduler.prefill_ms(ctx)
+        decode_ms = self._emitter.emit(ctx)
+        outputs = ctx.outputs
+        ended = ctx.ended
+        for request_id in ctx.rejected:
+            outputs.append(RequestOutput(request_id, [], FinishReason.REJECTED))
+            ended.append(EndedRequest(request_id, FinishReason.REJECTED))
+        end_ms = now_ms + prefill_ms + decode_ms
+        if tiers is not None and end_ms <= now_ms:
+            # Stall-advance: nothing took time, so the next thing that can happen is a transfer.
+            deadline = tiers.engine.earliest_pending_deadline()
+            if deadline is not None:
+                end_ms = max(deadline, now_ms)
+        lifecycle = ctx.lifecycle
+        lifecycle += self._commands.retry_pending_destinations()
+        metrics = self.metrics()
+        kv_events = self._kv.take_events()
+        queued = self._queued
+        wall_time_secs = (end_ms - now_ms) / 1000.0
+        fpm = build_snapshot(
+            ctx.scheduled.values(),
+            queued.prefill.summary(),
+            queued.decode.summary(),
+            wall_time_secs,
+        )
+        progressed = bool(
+            outputs
+            or ctx.admissions
+            or kv_events
+            or lifecycle
+            or ended
+            or wall_time_secs > 0
+            or metrics != before
+        )
+        return PassResult(
+            end_ms,
+            outputs,
+            ended,
+            ctx.admissions,
+            lifecycle,
+            metrics,
+            kv_events,
+            fpm,
+            progressed,
+            ctx.cache_queries,
+            ctx.cache_hits,
+            ctx.output_tokens,
+            ctx.decode_forwards,
+        )
+
+    # --- offload tiers ------------------------------------------------------------------
+
+    def advance_tiers(self, now_ms: float) -> TierAdvance:
+        """Land the tier transfers due by `now_ms` between passes, then retry the pending
+        destination. A pass does this itself; call it when no pass runs (an idle engine
+        woken at `next_deadline()`). Without tiers it changes nothing."""
+        lifecycle = []
+        if self._kv.offload is not None:
+            self._parking.advance(now_ms)
+            lifecycle = self._commands.retry_pending_destinations()
+        return TierAdvance(self._kv.take_events(), lifecycle)
+
+    def next_deadline(self) -> float | None:
+        """The next time a tier transfer completes; None without tiers or transfers."""
+        tiers = self._kv.offload
+        return tiers.engine.earliest_pending_deadline() if tiers is not None else None
+
+    # --- state --------------------------------------------------------------------------
+
+    def is_empty(self) -> bool:
+        """No request is queued, running or parked (held sources and destinations aside)."""
+        return not self._state.requests
+
+    def is_drained(self) -> bool:
+        """Empty, no handoff record, and no tier transfer left to land."""
+        return (
+            not self._state.requests
+            and self._book.is_idle()
+            and not self._parking
+            and self.next_deadline() is None
+        )
+
+    def metrics(self) -> EngineMetrics:
+        kv = self._kv
+        state = self._state
+        book = self._book
+        active = kv.num_active_blocks()
+        waiting = len(state.waiting) + len(book.pending) + len(book.held) + len(self._parking)
+        num_blocks = self.num_blocks
+        tiers = kv.offload
+        if tiers is None:
+            return EngineMetrics(
+                self.dp_rank,
+                active,
+                kv.num_inactive_blocks(),
+                num_blocks,
+                active / num_blocks,
+                len(state.running_members),
+                waiting,
+                state.preemptions_total,
+            )
+        g2 = tiers.engine.g2.pool
+        g3 = tiers.engine.g3.pool if tiers.engine.g3 is not None else None
+        return EngineMetrics(
+            self.dp_rank,
+            active,
+            kv.num_inactive_blocks(),
+            num_blocks,
+            active / num_blocks,
+            len(state.running_members),
+            waiting,
+            state.preemptions_total,
+            g2.num_active,
+            g2.num_inactive,
+            g2.num_blocks,
+            g3.num_active if g3 is not None else 0,
+            g3.num_inactive if g3 is not None else 0,
+            g3.num_blocks if g3 is not None else 0,
+        )
+
+    # --- inspection ---------------------------------------------------------------------
+
+    def inspect(self, request_id: str) -> RequestView | None:
+        """A snapshot of one request, wherever the engine holds it; None if it does not."""
+        state = self._state
+        req = state.requests.get(request_id)
+        if req is not None:
+            if request_id in state.running_members:
+                place = RequestPlace.RUNNING
+            elif request_id in self._parking:
+                place = RequestPlace.PARKED
+            else:
+                place = RequestPlace.WAITING
+            return self._view(req, place)
+        book = self._book
+        handoff_id = book.pending.by_request.get(request_id)
+        if handoff_id is not None:
+            return self._view(
+                book.pending.queue[handoff_id].request, RequestPlace.PENDING_DESTINATION
+            )
+        handoff_id = book.held.by_request.get(request_id)
+        if handoff_id is not None:
+            return self._view(
+                book.held.by_handoff[handoff_id].request, RequestPlace.RESERVED_DESTINATION
+            )
+        return None
+
+    def _view(self, req: RequestState, place: RequestPlace) -> RequestView:
+        seq = req.seq
+        return RequestView(
+            request_id=req.request_id,
+            place=place,
+            status=req.status,
+            prompt_tokens=seq.num_input_tokens,
+            num_tokens=len(seq.tokens),
+            output_tokens=seq.generated,
+            max_output_tokens=seq.max_output_tokens,
+            num_computed_tokens=req.num_computed_tokens,
+            num_allocated_tokens=seq.num_allocated_tokens,
+            num_preemptions=req.num_preemptions,
+            cached_prefix_tokens=req.cached_prefix_tokens,
+            offload_wait=req.offload_wait,
+            block_ids=self._kv.active_block_ids(seq),
+            block_hashes=list(seq.hashes),
+            block_keys=list(seq.keys),
+            block_parent_keys=list(seq.parent_keys),
+        )
+
+    def inspect_handoff(self, handoff_id: str) -> HandoffView | None:
+        """A snapshot of one handoff this engine takes part in; None if it has no record."""
+        book = self._book
+        source = source_request = destination = destination_request = None
+        reserved: list[int] = []
+        hold = book.sources.by_handoff.get(handoff_id)
+        if hold is not None:
+            source, source_request = hold.stage, hold.request_id
+        pending = book.pending.queue.get(handoff_id)
+        held = book.held.by_handoff.get(handoff_id)
+        active = book.active.by_handoff.get(handoff_id)
+        if pending is not None:
+            destination, destination_request = DestinationStage.PENDING, pending.request.request_id
+        elif held is not None:
+            destination, destination_request = DestinationStage.RESERVED, held.request.request_id
+            reserved = held.reservation.block_ids()
+        elif active is not None:
+            destination, destination_request = DestinationStage.ACTIVE, active
+        if source is None and destination is None:
+            return None
+        return HandoffView(
+            handoff_id=handoff_id,
+            source=source,
+            source_request_id=source_request,
+            destination=destination,
+            destination_request_id=destination_request,
+            reserved_block_ids=reserved,
+        )
+
+    def queues(self) -> QueueView:
+        """The waiting queue, the running list and the parked requests, in order."""
+        return QueueView(
+            waiting=list(self._state.waiting),
+            running=list(self._state.running),
+            parked=[parked.request_id for parked in self._parking.parked],
+            pending_destinations=list(self._book.pending.queue),
+        )

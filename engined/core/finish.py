@@ -1,0 +1,89 @@
+"""Where requests leave an engine: completion, and drops (cancel, rejection).
+
+A completed request frees its KV, unless it is a registered handoff source: then its KV is
+held until the coordinator releases it, and a `SourceHeld` carries the transfer timing the
+coordinator needs. A dropped request frees its KV wherever it was (queued, running, parked
+on an onboard). Either way the handoff tables forget it and the capacity generation moves,
+so a pending destination is retried.
+"""
+
+from __future__ import annotations
+
+from engined.core.args import EngineArgs
+from engined.core.capacity import CapacityGeneration
+from engined.core.handoff import HandoffBook
+from engined.core.kv_manager import KvManager
+from engined.core.offload.parking import OnboardParking
+from engined.core.sequence import BlockMove
+from engined.core.state import RequestState, SchedulerState
+from engined.core.types import SourceHeld, TransferTiming
+
+
+class Finisher:
+    __slots__ = ("_args", "_book", "_capacity", "_kv", "_parking", "_state")
+
+    def __init__(
+        self,
+        state: SchedulerState,
+        kv: KvManager,
+        book: HandoffBook,
+        parking: OnboardParking,
+        capacity: CapacityGeneration,
+        args: EngineArgs,
+    ) -> None:
+        self._state = state
+        self._kv = kv
+        self._book = book
+        self._parking = parking
+        self._capacity = capacity
+        self._args = args
+
+    def transfer_timing(self, prompt_tokens: int) -> TransferTiming:
+        """What a coordinator needs to model the KV transfer of a `prompt_tokens` prompt."""
+        args = self._args
+        return TransferTiming(
+            args.kv_transfer_timing_mode,
+            prompt_tokens,
+            args.kv_bytes_per_token,
+            args.kv_transfer_bandwidth,
+        )
+
+    def complete(self, req: RequestState, release_moves: list[BlockMove]) -> SourceHeld | None:
+        """`req` finished: free its KV, or hold it if it is a handoff source (the event)."""
+        request_id = req.request_id
+        self._state.take(request_id)
+        handoff_id = self._book.sources.hold(request_id, release_moves)
+        held = None
+        if handoff_id is None:
+            ok = self._kv.apply_all(release_moves)
+            assert ok, "completion cleanup must be infallible"
+        else:
+            held = SourceHeld(
+                handoff_id, request_id, self.transfer_timing(req.seq.num_input_tokens)
+            )
+        self._book.active.discard_request(request_id)
+        self._capacity.bump()
+        return held
+
+    def drop(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its KV; False if the engine has no such one.
+
+        A held source is not a request any more: its KV stays until released.
+        """
+        req = self._state.requests.get(request_id)
+        if req is None:
+            return False
+        kv = self._kv
+        active_before = kv.num_active_blocks()
+        parking = self._parking
+        if parking.by_request:
+            parking.drop(request_id)
+        improved = req.seq.num_allocated_tokens > 0 or request_id in self._state.running_members
+        ok = kv.apply_all(req.seq.free_moves())
+        assert ok, "request drop cleanup must be infallible"
+        self._book.sources.discard_request(request_id)
+        self._book.active.discard_request(request_id)
+        self._state.take(request_id)
+        if improved or kv.num_active_blocks() < active_before:
+            self._capacity.bump()
+        return True

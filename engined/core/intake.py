@@ -1,0 +1,72 @@
+"""Requests entering an engine: validation, id minting, and the record each one gets.
+
+Every request, plain or a handoff's, becomes a `RequestState` here: its prompt checked, its
+output length clamped by the admission policy, its `Sequence` cut into blocks with the
+engine's shared RNG, partial-block ids and vocabulary. A request without an id gets one from
+a counter (`req-<n>`, skipping ids already taken), never from a clock or `uuid4`, so the same
+commands always give the same ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+from engined.core.errors import InvalidRequestError
+from engined.core.policy import AdmissionPolicy
+from engined.core.sequence import Sequence
+from engined.core.state import RequestState
+from engined.core.types import Request, RequestStatus
+from engined.core.vocab import Vocabulary
+
+
+class RequestIntake:
+    __slots__ = ("_block_size", "_caching", "_minted", "_partial_ids", "_policy", "_rng", "_vocab")
+
+    def __init__(
+        self,
+        policy: AdmissionPolicy,
+        *,
+        block_size: int,
+        caching: bool,
+        rng: random.Random,
+        vocab: Vocabulary,
+    ) -> None:
+        self._policy = policy
+        self._block_size = block_size
+        self._caching = caching
+        self._rng = rng
+        self._vocab = vocab
+        self._partial_ids = itertools.count().__next__
+        self._minted = itertools.count()
+
+    def request_id(self, request: Request, taken: Callable[[str], bool]) -> str:
+        """The request's own id, or the next minted one that `taken` does not claim."""
+        if request.request_id is not None:
+            return request.request_id
+        while True:
+            minted = f"req-{next(self._minted)}"
+            if not taken(minted):
+                return minted
+
+    def build(self, request: Request, request_id: str, status: RequestStatus) -> RequestState:
+        """The record of a new request. Raises InvalidRequestError, having changed nothing."""
+        if not request.token_ids:
+            raise InvalidRequestError("request.token_ids must not be empty")
+        if request.max_tokens < 0:
+            raise InvalidRequestError("request.max_tokens must be >= 0")
+        planned = request.output_token_ids
+        max_out = len(planned) if planned is not None else request.max_tokens
+        max_out = self._policy.clamp_max_output(len(request.token_ids), max_out)
+        seq = Sequence(
+            request.token_ids,
+            max_out,
+            self._block_size,
+            caching=self._caching,
+            rng=self._rng,
+            next_partial_id=self._partial_ids,
+            planned=planned,
+            vocab=self._vocab,
+        )
+        return RequestState(request_id, seq, status)

@@ -1,0 +1,61 @@
+"""What one pass accumulates while it runs; created per pass, read once, then dropped.
+
+The scheduler and the token emitter write into it (nothing pass-scoped lives on a part), and
+the engine turns it into the pass's `PassResult`.
+"""
+
+from __future__ import annotations
+
+from engined.core.fpm import ScheduledWork
+from engined.core.types import (
+    Admission,
+    EndedRequest,
+    LifecycleEvent,
+    RequestOutput,
+)
+
+
+class PassContext:
+    __slots__ = (
+        "admissions",
+        "batch_count",
+        "batch_isl",
+        "batch_prefix",
+        "budget",
+        "cache_hits",
+        "cache_queries",
+        "decode_forwards",
+        "ended",
+        "lifecycle",
+        "now_ms",
+        "output_tokens",
+        "outputs",
+        "preempted_any",
+        "rejected",
+        "scheduled",
+    )
+
+    def __init__(self, now_ms: float, budget: int) -> None:
+        self.now_ms = now_ms
+        # Tokens this pass may still schedule.
+        self.budget = budget
+        # What each scheduled request computes, for FPM and for undoing a preemption.
+        self.scheduled: dict[str, ScheduledWork] = {}
+        # The prefill batch the timing model charges: chunks, their total length and prefix.
+        self.batch_count = 0
+        self.batch_isl = 0
+        self.batch_prefix = 0
+        # A preemption (or a running request waiting on an offload) stops admission.
+        self.preempted_any = False
+        # Prefix-cache lookups of this pass's admissions: tokens queried, tokens found.
+        self.cache_queries = 0
+        self.cache_hits = 0
+        self.admissions: list[Admission] = []
+        # Requests admission refused this pass; their outputs follow the emitted ones.
+        self.rejected: list[str] = []
+        self.outputs: list[RequestOutput] = []
+        self.ended: list[EndedRequest] = []
+        self.lifecycle: list[LifecycleEvent] = []
+        # MTP acceptance figures: visible output tokens, decode forwards.
+        self.output_tokens = 0
+        self.decode_forwards = 0

@@ -1,0 +1,70 @@
+"""Preemption: a running request goes back to the front of the queue, its KV freed.
+
+The victim is the newest running request (LIFO, vLLM's default) or the oldest (FIFO). A
+request waiting on an offload is never the victim: its blocks free up by themselves. The
+TRT-LLM no-evict policy never preempts. A preempted request keeps its generated tokens and
+recomputes them when it is admitted again.
+"""
+
+from __future__ import annotations
+
+from engined.core.capacity import CapacityGeneration
+from engined.core.kv_manager import KvManager
+from engined.core.policy import AdmissionPolicy
+from engined.core.state import SchedulerState
+from engined.core.types import RequestStatus
+
+
+class Preempter:
+    __slots__ = ("_capacity", "_kv", "_lifo", "_policy", "_state")
+
+    def __init__(
+        self,
+        state: SchedulerState,
+        kv: KvManager,
+        policy: AdmissionPolicy,
+        capacity: CapacityGeneration,
+        *,
+        lifo: bool,
+    ) -> None:
+        self._state = state
+        self._kv = kv
+        self._policy = policy
+        self._capacity = capacity
+        self._lifo = lifo
+
+    def preempt(self) -> str | None:
+        """Evict one running request back to the front of the queue; its id, or None."""
+        if not self._policy.allows_preemption:
+            return None
+        state = self._state
+        kv = self._kv
+        order = reversed(state.running) if self._lifo else iter(state.running)
+        requests = state.requests
+        running = RequestStatus.RUNNING
+        if kv.offload is None:
+            victim = next((u for u in order if requests[u].status is running), None)
+        else:
+            refresh = kv.refresh_offload_wait
+            victim = next(
+                (
+                    u
+                    for u in order
+                    if requests[u].status is running and not requests[u].offload_wait_live(refresh)
+                ),
+                None,
+            )
+        if victim is None:
+            return None
+        req = requests[victim]
+        state.remove_running(victim)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        state.preemptions_total += 1
+        moves = req.seq.reset_with_moves()
+        state.prepend_waiting(victim)
+        self._capacity.bump()
+        ok = kv.apply_all(moves)
+        assert ok, "preemption cleanup must be infallible"
+        return victim
