@@ -27,15 +27,20 @@ from engined.core.types import (
     CancelDestination,
     DestinationAccepted,
     DestinationReserved,
+    FinishReason,
+    KvTransferTimingMode,
     ReleaseSource,
     Request,
     ReserveDestination,
+    SourceHeld,
     SubmitHandoffPrefill,
     Submitted,
+    TransferTiming,
 )
 from tests.core.factories import (
     Watched,
     active_blocks,
+    command,
     destination_block_ids,
     destination_is_held,
     finished,
@@ -430,3 +435,72 @@ def test_trtllm_destination_reservation_fails_without_acquiring_kv() -> None:
     assert destination.is_drained()
     assert destination.metrics() == metrics_before
     watched.assert_clean()
+
+
+@pytest.mark.parametrize(
+    ("mode", "transfer_ms"),
+    [(KvTransferTimingMode.FULL_PROMPT, 12.0), (KvTransferTimingMode.DESTINATION_MISSING, 4.0)],
+)
+def test_kv_transfer_timing_mode_decides_what_the_handoff_moves(
+    mode: KvTransferTimingMode, transfer_ms: float
+) -> None:
+    """`kv_transfer_timing_mode` as upstream's coordinator applies it (HandoffTransferTiming).
+
+    Prefill engine: 1e6 bytes per token at 1 GB/s (1 ms per token), the given mode. Decode
+    engine with tokens 0..8 cached (two blocks of 4).
+    1. The prefill engine runs handoff 501's source (tokens 0..12, 1 output) to its hold.
+    2. The decode engine reserves the destination of the same prompt.
+
+    Expected: the source's last output carries the full prompt's delay (12 ms) whatever the
+    mode, as upstream's `compute_prefill_handoff_delay_ms`; its `SourceHeld` carries the
+    mode, 12 prompt tokens, the byte rate and the bandwidth. The destination lacks one block
+    (4 tokens: the hit stops short of the last prompt token). The transfer the coordinator
+    models moves the full prompt (12 ms) under `full_prompt` and the missing 4 tokens (4 ms)
+    under `destination_missing`.
+    """
+    prefill = Engine(
+        make_args(
+            worker_type=WorkerType.PREFILL,
+            enable_prefix_caching=True,
+            num_gpu_blocks=12,
+            max_num_batched_tokens=16,
+            kv_bytes_per_token=1_000_000,
+            kv_transfer_bandwidth=1.0,
+            kv_transfer_timing_mode=mode,
+        )
+    )
+    handoff_id, prompt = uid(501), list(range(12))
+    assert isinstance(
+        command(prefill, SubmitHandoffPrefill(handoff_id, request(uid(502), prompt, 1))),
+        Submitted,
+    )
+    result = prefill.execute_pass(0.0)
+    (last,) = result.outputs
+    assert last.finish_reason is FinishReason.LENGTH
+    assert last.handoff_delay_ms == 12.0
+    (held,) = result.lifecycle_events
+    assert isinstance(held, SourceHeld)
+    assert held.transfer_timing == TransferTiming(mode, 12, 1_000_000, 1.0)
+
+    decode = Engine(args(WorkerType.DECODE))
+    submit(decode, request(uid(503), range(8), 1))
+    while not decode.is_empty():
+        decode.execute_pass(0.0)
+    effects = decode.apply(ReserveDestination(handoff_id, request(uid(502), prompt, 4)), now_ms=0)
+    (reserved,) = effects.lifecycle_events
+    assert isinstance(reserved, DestinationReserved)
+    assert reserved.transferable_prompt_tokens == 4
+    assert held.transfer_delay_ms(reserved) == transfer_ms
+    assert held.transfer_timing.delay_ms(reserved.transferable_prompt_tokens) == transfer_ms
+
+
+def test_kv_transfer_timing_is_unmodelled_without_a_byte_rate_or_bandwidth() -> None:
+    for timing in (
+        TransferTiming(KvTransferTimingMode.DESTINATION_MISSING, 12, None, 1.0),
+        TransferTiming(KvTransferTimingMode.DESTINATION_MISSING, 12, 1_000_000, None),
+        TransferTiming(KvTransferTimingMode.FULL_PROMPT, 12, 1_000_000, 0.0),
+    ):
+        assert timing.delay_ms(4) is None
+    assert EngineArgs.from_mapping(
+        {"kv_transfer_timing_mode": "DESTINATION_MISSING"}
+    ).kv_transfer_timing_mode is (KvTransferTimingMode.DESTINATION_MISSING)

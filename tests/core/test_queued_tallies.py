@@ -150,7 +150,7 @@ def test_tallies_equal_the_walk_after_every_step(
     core = Engine(args)
     now = 0.0
     for op, n, prompt in ops:
-        tokens = [*PROMPTS[prompt], n]  # shared prefixes: cached, offloaded, swapped in
+        tokens = [*PROMPTS[prompt], n]  # shared prefixes: cached, offloaded, onboarded
         command: Command | None = None
         match op:
             case "submit":
@@ -190,8 +190,8 @@ def test_tallies_equal_the_walk_after_every_step(
     assert queued.prefill.summary() == queued.decode.summary() == (0, 0, 0.0)
 
 
-def test_tallies_follow_a_parked_swap_in() -> None:
-    """A request whose prefix only G2 holds leaves the queue while it is swapped in and comes
+def test_tallies_follow_a_parked_onboard() -> None:
+    """A request whose prefix only G2 holds leaves the queue while it is onboarded and comes
     back at its front; the tallies follow it out and in."""
     core = Engine(
         EngineArgs(

@@ -12,7 +12,7 @@ Glossary (one word per thing, used in every module, test and message of this pac
 * **offload wait** (`OffloadWait`) an allocation waiting on an offload lease instead of
   preempting: the only name for it (upstream's `BlockedOnOffload` and dependency).
 * **onboard** copying a request's missing prefix up into G1: G2 -> G1, G3 staged through G2
-  first (upstream's swap-in and `prepare/start_onboard_prefix`).
+  first (upstream calls it swap-in: `prepare/start_onboard_prefix`).
 * **parking** a waiting request taken off the queue while its onboard runs; it returns to
   the front of the queue when the onboard lands.
 * **tick** advancing the tiers' virtual time to `now_ms` and applying what finished.

@@ -3,7 +3,8 @@
 mocker-1.3.0.md §9.7 lists the mechanics each test exercises. The seed builds its offload
 engine on a tokio runtime and seeds G2/G3 through kvbm `BlockManager`s; here the engine is
 pure (`TierEngine`) and `seed_g2`/`seed_g3` place the same metadata-free inactive blocks.
-`core.parts.kv.use`/`deref` stand for the seed's `kv_manager.process(&MoveBlock)`.
+`core.parts.kv.use`/`deref` stand for the seed's `kv_manager.process(&MoveBlock)`. Test
+names are the seed's: its "swap-in" is an onboard here (engined/core/offload/__init__.py).
 """
 
 from __future__ import annotations
@@ -316,14 +317,14 @@ def test_ready_swap_ins_drain_on_pass_entry() -> None:
     attach(core, engine)
 
     first = core.execute_pass(0.0)
-    assert first.admissions == [], "parked swap-in should not admit in the same pass"
-    assert len(core.queues().parked) == 1, "request must be parked on swap-in"
+    assert first.admissions == [], "parked onboard should not admit in the same pass"
+    assert len(core.queues().parked) == 1, "request must be parked on onboard"
 
     core.execute_pass(0.5)
-    assert len(core.queues().parked) == 1, "pending swap-in must survive"
+    assert len(core.queues().parked) == 1, "pending onboard must survive"
 
     core.execute_pass(1.0)
-    assert core.queues().parked == [], "completed swap-in must drain on pass entry"
+    assert core.queues().parked == [], "completed onboard must drain on pass entry"
 
 
 def test_g2_swap_in_reserves_destination_slot_before_transfer() -> None:
@@ -336,8 +337,8 @@ def test_g2_swap_in_reserves_destination_slot_before_transfer() -> None:
     attach(core, engine)
 
     result = core.execute_pass(0.0)
-    assert len(core.queues().parked) == 1, "G2 hit should be parked on swap-in"
-    assert active_blocks(core) == 1, "parked swap-in must pin one destination G1 slot"
+    assert len(core.queues().parked) == 1, "G2 hit should be parked on onboard"
+    assert active_blocks(core) == 1, "parked onboard must pin one destination G1 slot"
     assert result.admissions == [], "the cold request must not take the reserved slot"
     assert "cold" in core.queues().waiting, "cold request should remain waiting for G1 capacity"
 
@@ -432,11 +433,11 @@ def test_cancel_parked_swap_in_releases_ownership_and_isolates_uuid_reuse() -> N
     assert core.inspect(parked_id) is None
     assert canceled.ended == [EndedRequest(parked_id, FinishReason.CANCELLED)]
     assert canceled.lifecycle_events == [], (
-        "a cancelled swap-in keeps its prefix pins and destination until the transfer ends"
+        "a cancelled onboard keeps its prefix pins and destination until the transfer ends"
     )
 
     assert command(core, CancelDestination(follower_handoff)) == APPLIED
-    assert active_blocks(core) == 3, "pins and destination of the cancelled swap-in stay"
+    assert active_blocks(core) == 3, "pins and destination of the cancelled onboard stay"
     core.advance_tiers(0.5)
     assert active_blocks(core) == 3
 
@@ -469,7 +470,7 @@ def test_completed_onboards_reenter_front_preserving_order() -> None:
     # Both 1 MB transfers share a 2 GB/s link: 1 GB/s each, both finish at 1 ms.
     second = core.execute_pass(1.0)
     assert [a.request_id for a in second.admissions] == [first_hit, second_hit], (
-        "completed swap-ins re-enter ahead of cold requests, in park order"
+        "completed onboards re-enter ahead of cold requests, in park order"
     )
 
 
@@ -477,7 +478,7 @@ def test_cold_request_with_g2_prefix_swaps_in_then_admits() -> None:
     block_size = 4
     # The whole aligned prompt is reused: 1.3.0's rule (vLLM's would report 12).
     core = core_with(num_gpu_blocks=16, enable_prefix_caching=True, prefix_hit_rule=MOCKER_1_3_0)
-    # 250 KB per block x 4 blocks at 1 GB/s = a 1.0 ms swap-in.
+    # 250 KB per block x 4 blocks at 1 GB/s = a 1.0 ms onboard.
     engine = engine_with(
         block_size_tokens=block_size, block_size_bytes=250_000, bandwidth_g2_to_g1_gbps=1.0
     )
@@ -487,18 +488,18 @@ def test_cold_request_with_g2_prefix_swaps_in_then_admits() -> None:
     attach(core, engine)
 
     first = core.execute_pass(0.0)
-    assert len(core.queues().parked) == 1, "request must be parked on swap-in"
+    assert len(core.queues().parked) == 1, "request must be parked on onboard"
     assert first.admissions == [], "no admission should fire while parked"
 
     core.execute_pass(0.5)
     assert len(core.queues().parked) == 1
 
     third = core.execute_pass(2.0)
-    assert core.queues().parked == [], "swap-in must drain"
+    assert core.queues().parked == [], "onboard must drain"
     assert len(third.admissions) == 1, "promoted request must be admitted in the same pass"
     admission = third.admissions[0]
     assert admission.request_id == "cold"
-    assert admission.reused_input_tokens > 0, "swapped-in prefix counts as reused tokens"
+    assert admission.reused_input_tokens > 0, "onboarded prefix counts as reused tokens"
     assert admission.reused_input_tokens == 4 * block_size
 
 
@@ -512,7 +513,7 @@ def run_g2_trace() -> tuple[list[tuple[int, int]], int, int, int]:
         max_num_seqs=8,
         enable_prefix_caching=True,
     )
-    # 4 swap-ins x 4 blocks x 250 KB on a 4 GB/s link: 1 GB/s each, all done at 1.0 ms.
+    # 4 onboards x 4 blocks x 250 KB on a 4 GB/s link: 1 GB/s each, all done at 1.0 ms.
     engine = engine_with(
         block_size_tokens=block_size, block_size_bytes=250_000, bandwidth_g2_to_g1_gbps=4.0
     )
@@ -525,23 +526,23 @@ def run_g2_trace() -> tuple[list[tuple[int, int]], int, int, int]:
     attach(core, engine)
 
     admissions: list[tuple[int, int]] = []
-    stored = removed = swap_in_admissions = 0
+    stored = removed = onboard_admissions = 0
     for ts in (0.0, 0.5, 0.8, 1.5, 3.0):
         parked_before = len(core.queues().parked)
         result = core.execute_pass(ts)
-        swap_in_admissions += max(parked_before - len(core.queues().parked), 0)
+        onboard_admissions += max(parked_before - len(core.queues().parked), 0)
         admissions.extend(
             (ids.index(a.request_id), a.reused_input_tokens) for a in result.admissions
         )
         stored += sum(isinstance(e, BlockStored) for e in result.kv_events)
         removed += sum(isinstance(e, BlockRemoved) for e in result.kv_events)
-    return admissions, stored, removed, swap_in_admissions
+    return admissions, stored, removed, onboard_admissions
 
 
 def test_equivalence_replayed_twice_with_g2_offload() -> None:
     first = run_g2_trace()
     second = run_g2_trace()
-    assert first[3] > 0, "the trace must exercise at least one G2 swap-in admission"
+    assert first[3] > 0, "the trace must exercise at least one G2 onboard admission"
     assert first == second, f"replayed G2-offload trace must be deterministic: {first} {second}"
 
 

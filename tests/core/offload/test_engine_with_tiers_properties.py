@@ -135,7 +135,7 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
         assert result.end_ms >= now
         apply_checked(indexer, list(result.kv_events), seen)
         if core.queues().parked:
-            seen.add("parked swap-in")
+            seen.add("parked onboard")
         queues = core.queues()
         if any(
             view(core, r).offload_wait is not None
@@ -157,7 +157,7 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
     for what in sorted(seen):
         event(what)
     # Past every deadline: transfers still running (G1->G2 copies of the last evictions,
-    # background G2->G3 copies, cancelled swap-ins) land and give everything back.
+    # background G2->G3 copies, cancelled onboards) land and give everything back.
     deadline = core.next_deadline()
     for _ in range(1000):
         if deadline is None:

@@ -1,0 +1,181 @@
+"""The shape of the code: the import graph of `engined/`, the purity of the core, module sizes.
+
+The graph counts every import of an `engined` module wherever it is written: at module level,
+inside functions, and under `if TYPE_CHECKING:` (a cycle there is still a cycle for a
+reader). Packages are layered:
+
+    core < wire < server < cli        core < config < client < tools < cli
+    wire < client, config < server    client < dynamo < cli (dynamo may use tools)
+
+A module may import its own package and the packages below it, never one above or beside
+it. `KNOWN_*` lists what is wrong today outside the core, for the shell's restructure
+(issue 11, phase B) to remove; each entry must still exist, so the lists only shrink.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "engined"
+
+# Package -> the packages its modules may import (besides its own).
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "engined": frozenset(),
+    "core": frozenset(),
+    "wire": frozenset({"core"}),
+    "config": frozenset({"core"}),
+    "server": frozenset({"engined", "core", "wire", "config"}),
+    "client": frozenset({"engined", "core", "wire", "config"}),
+    "tools": frozenset({"engined", "core", "wire", "config", "client"}),
+    "dynamo": frozenset({"engined", "core", "wire", "config", "client", "tools"}),
+    "cli": frozenset({"engined", "core", "wire", "config", "server", "client", "tools", "dynamo"}),
+}
+
+# Phase B: a neutral home for the socket factory and the logging setup (the client and the
+# tools must not import the daemon), and bench_report's types out of bench.
+KNOWN_UPWARD = {
+    ("engined.client", "engined.server.sockets"),
+    ("engined.tools.common", "engined.server.logs"),
+    ("engined.tools.events", "engined.server.sockets"),
+    ("engined.tools.fpm", "engined.server.sockets"),
+    ("engined.dynamo.worker", "engined.server.logs"),
+}
+KNOWN_CYCLES = {frozenset({"engined.tools.bench", "engined.tools.bench_report"})}
+
+# What the core may not import: clocks, I/O, randomness outside its seeded RNGs, the shell.
+BANNED_IN_CORE = ("time", "asyncio", "zmq", "os", "socket", "uuid", "threading", "subprocess")
+MAX_CORE_MODULE_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+
+
+def imported_names(path: Path) -> list[str]:
+    """Every module name an import statement of `path` names (`from a import b`: a.b and a)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+            names.append(node.module)
+    return names
+
+
+def resolve(name: str) -> str | None:
+    """The `engined` module an imported name lives in (the longest matching module)."""
+    known = modules()
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+@functools.cache
+def graph() -> dict[str, frozenset[str]]:
+    edges: dict[str, frozenset[str]] = {}
+    for module, path in modules().items():
+        targets = {resolve(name) for name in imported_names(path) if name.startswith("engined")}
+        edges[module] = frozenset(t for t in targets if t is not None and t != module)
+    return edges
+
+
+def package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "engined"
+
+
+def cycles() -> set[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    edges = graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: set[frozenset[str]] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.add(frozenset(component))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * len(edges)))
+    try:
+        for module in sorted(edges):
+            if module not in index:
+                visit(module)
+    finally:
+        sys.setrecursionlimit(limit)
+    return found
+
+
+def test_the_graph_sees_every_module() -> None:
+    assert "engined.core.engine" in graph()
+    assert "engined.core.scheduling" in graph()["engined.core.engine"]
+    assert package("engined.cli") == "cli"
+    assert package("engined") == "engined"
+
+
+def test_no_import_cycle() -> None:
+    found = cycles()
+    assert found - KNOWN_CYCLES == set(), "import cycles (TYPE_CHECKING imports count)"
+    assert found >= KNOWN_CYCLES, "a known cycle is gone: drop it from KNOWN_CYCLES"
+
+
+def test_no_upward_import() -> None:
+    upward = {
+        (module, target)
+        for module, targets in graph().items()
+        for target in targets
+        if package(target) != package(module) and package(target) not in MAY_IMPORT[package(module)]
+    }
+    assert upward - KNOWN_UPWARD == set(), "imports of a package above or beside"
+    assert upward >= KNOWN_UPWARD, "a known upward import is gone: drop it from KNOWN_UPWARD"
+    assert all(package(module) != "core" for module, _ in KNOWN_UPWARD)
+
+
+def test_the_core_is_pure() -> None:
+    """No clock, I/O, uuid or shell in engined/core: time is the caller's `now_ms`."""
+    for module, path in modules().items():
+        if package(module) != "core":
+            continue
+        for name in imported_names(path):
+            top = name.split(".")[0]
+            assert top not in BANNED_IN_CORE, f"{module} imports {name}"
+            if top == "engined":
+                assert name.startswith("engined.core"), f"{module} imports {name}"
+
+
+def test_core_modules_stay_small() -> None:
+    for module, path in modules().items():
+        if package(module) == "core":
+            lines = len(path.read_text().splitlines())
+            assert lines <= MAX_CORE_MODULE_LINES, f"{module} has {lines} lines"
