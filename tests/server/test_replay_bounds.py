@@ -265,7 +265,10 @@ def test_twenty_clients_that_never_read_cost_bounded_memory(tmp_path: Path) -> N
         before, after, replayed = asyncio.run(asyncio.wait_for(scenario(), 120))
     finally:
         assert daemon.stop() == 0, daemon.log()
-    assert replayed > 1000
+    # Each pair of requests runs to completion before the next is sent, so every pair's
+    # prefill publishes at least one batch (how many more depends on how the pair's
+    # submits fall into passes).
+    assert replayed >= 750
     # 40 whole replays of a buffer of ~10 KB batches queued at once would be 400 MB and
     # more; bounded, each stalled client holds at most 256 KB here (~5 MB for twenty).
     assert after - before < 48 * 1024, (replayed, before, after)
