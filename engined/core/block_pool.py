@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from typing import NamedTuple
 
 _POS_SHIFT = 64
 
@@ -115,6 +116,17 @@ class LineageIndex:
             heapq.heapify(self._heap)
 
 
+class Allocation(NamedTuple):
+    """Mutable slots taken from the pool, and the lineage keys evicted to supply them."""
+
+    slots: list[int]
+    evicted: list[int]
+
+
+# NOTE: tuple.__new__ builds a NamedTuple in C; allocation is on the decode path.
+_new = tuple.__new__
+
+
 class BlockPool:
     """`num_blocks` slots with canonical registration and lineage eviction."""
 
@@ -141,14 +153,14 @@ class BlockPool:
     def num_active(self) -> int:
         return self.num_blocks - len(self._free) - self.inactive.count
 
-    def allocate(self, count: int) -> tuple[list[int], list[int]] | None:
+    def allocate(self, count: int) -> Allocation | None:
         """Take `count` mutable slots: free ones first, then evicted inactive ones.
 
         Returns the slot ids and the lineage keys evicted (in eviction order), or None with
         nothing changed when the pool cannot supply `count` slots.
         """
         if count == 0:
-            return [], []
+            return _new(Allocation, ([], []))
         free = self._free
         if len(free) + self.inactive.count < count:
             return None
@@ -162,7 +174,7 @@ class BlockPool:
             self._key_of[block_id] = -1
             slots.append(block_id)
             evicted.append(key)
-        return slots, evicted
+        return _new(Allocation, (slots, evicted))
 
     def register(self, slot: int, key: int, parent_key: int | None) -> int:
         """Register a filled mutable slot under `key`, returning the block that now holds it.

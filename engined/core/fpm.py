@@ -16,6 +16,14 @@ from typing import NamedTuple
 from engined.core.types import FpmSnapshot
 
 
+class LengthStats(NamedTuple):
+    """Count, sum and population variance of a multiset of lengths."""
+
+    num: int
+    total: int
+    variance: float
+
+
 class ScheduledWork(NamedTuple):
     total_tokens: int
     prompt_tokens: int
@@ -26,7 +34,7 @@ class ScheduledWork(NamedTuple):
     terminal: bool
 
 
-def welford(values: Iterable[int]) -> tuple[int, int, float]:
+def welford(values: Iterable[int]) -> LengthStats:
     """Count, sum and population variance."""
     n = 0
     total = 0
@@ -38,13 +46,13 @@ def welford(values: Iterable[int]) -> tuple[int, int, float]:
         delta = x - mean
         mean += delta / n
         m2 += delta * (x - mean)
-    return n, total, (m2 / n if n else 0.0)
+    return LengthStats(n, total, m2 / n if n else 0.0)
 
 
 def build_snapshot(
     scheduled: Iterable[ScheduledWork],
-    queued_prefill: tuple[int, int, float],
-    queued_decode: tuple[int, int, float],
+    queued_prefill: LengthStats,
+    queued_decode: LengthStats,
     wall_time_secs: float,
 ) -> FpmSnapshot:
     """The snapshot of one pass; the queued halves are (count, sum, variance) of lengths,

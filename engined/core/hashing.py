@@ -16,6 +16,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import xxhash
 
@@ -48,7 +49,14 @@ def sequence_hash(parent: int | None, local: int) -> int:
     return local if parent is None else _xxh3(_pack_pair(parent, local), seed=HASH_SEED)
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> tuple[list[int], list[int]]:
+class BlockHashes(NamedTuple):
+    """The local and the sequence hash of every full block, in block order."""
+
+    local: list[int]
+    sequence: list[int]
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> BlockHashes:
     """Local and sequence hashes of every full block of `tokens`."""
     data = token_bytes(tokens)
     step = block_size * 4
@@ -59,7 +67,7 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> tuple[list[int], lis
     for i, h in enumerate(local):
         parent = h if i == 0 else _xxh3(_pack_pair(parent, h), seed=HASH_SEED)
         seq.append(parent)
-    return local, seq
+    return BlockHashes(local, seq)
 
 
 def lineage_key(position: int, sequence_hash: int) -> int:

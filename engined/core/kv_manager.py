@@ -22,6 +22,8 @@ copied to G2 before their slots can be reused, and the allocation may have to wa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from engined.core.block_pool import BlockPool
 from engined.core.kv_event_log import KvEventLog
 from engined.core.kv_registry import BlockRegistry
@@ -30,6 +32,11 @@ from engined.core.offload.tier_engine import TierEngine
 from engined.core.prefix_hit import PrefillCost, PrefixHit
 from engined.core.sequence import BlockMove, Deref, Promote, Sequence, Use
 from engined.core.types import KvEvent, OffloadWait
+
+
+class ResidentPrefix(NamedTuple):
+    blocks: int
+    active: int
 
 
 class DestinationReservation:
@@ -117,8 +124,8 @@ class KvManager:
         """The cost under the core's prefix-hit rule (engined/core/prefix_hit.py)."""
         return self.prefix_hit.cost(seq, *self._resident_prefix(seq))
 
-    def _resident_prefix(self, seq: Sequence) -> tuple[int, int]:
-        """(leading blocks of `seq` resident here, how many of them are active)."""
+    def _resident_prefix(self, seq: Sequence) -> ResidentPrefix:
+        """The leading blocks of `seq` resident here, and how many of them are active."""
         overlap = active = 0
         if seq.caching:
             active_full = self.active_full
@@ -132,7 +139,7 @@ class KvManager:
                     overlap += 1
                 else:
                     break
-        return overlap, active
+        return ResidentPrefix(overlap, active)
 
     def active_block_ids(self, seq: Sequence) -> list[int]:
         ids = [self.active_full[h][0] for h in seq.hashes if h in self.active_full]

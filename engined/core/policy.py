@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from engined.core.kv_manager import KvManager
 from engined.core.prefix_hit import PrefillCost
@@ -20,6 +21,17 @@ class Decision(enum.Enum):
     ADMIT = "admit"
     WAIT = "wait"
     REJECT = "reject"
+
+
+class Verdict(NamedTuple):
+    """The admission decision for the queue head, and its prefill cost when admitted."""
+
+    decision: Decision
+    cost: PrefillCost | None
+
+
+_REJECT = Verdict(Decision.REJECT, None)
+_WAIT = Verdict(Decision.WAIT, None)
 
 
 class AdmissionPolicy:
@@ -56,13 +68,13 @@ class AdmissionPolicy:
 
     def decide(
         self, seq: Sequence, is_fresh: bool, kv: KvManager, running: Iterable[Sequence]
-    ) -> tuple[Decision, PrefillCost | None]:
+    ) -> Verdict:
         if is_fresh and self.rejects(seq, seq.current_known_blocks()):
-            return Decision.REJECT, None
+            return _REJECT
         cost = kv.prefill_cost(seq)
         available = self.num_blocks - kv.num_active_blocks()
         needed = seq.current_known_blocks() - cost.active_cached_tokens // self.block_size
-        return (Decision.WAIT, None) if needed > available else (Decision.ADMIT, cost)
+        return _WAIT if needed > available else Verdict(Decision.ADMIT, cost)
 
     def clamp_max_output(self, prompt_len: int, max_output: int) -> int:
         """Generation stops at max_model_len, as in vLLM (finish reason "length")."""
@@ -78,9 +90,9 @@ class TrtllmNoEvictPolicy(AdmissionPolicy):
 
     def decide(
         self, seq: Sequence, is_fresh: bool, kv: KvManager, running: Iterable[Sequence]
-    ) -> tuple[Decision, PrefillCost | None]:
+    ) -> Verdict:
         if is_fresh and self.rejects(seq, seq.to_completion_blocks()):
-            return Decision.REJECT, None
+            return _REJECT
         cost = kv.prefill_cost(seq)
         needed = self._blocks_to_finish(seq, cost)
         reserved = sum(
@@ -88,7 +100,7 @@ class TrtllmNoEvictPolicy(AdmissionPolicy):
             for r in running
         )
         available = self.num_blocks - kv.num_active_blocks() - reserved
-        return (Decision.WAIT, None) if needed > available else (Decision.ADMIT, cost)
+        return _WAIT if needed > available else Verdict(Decision.ADMIT, cost)
 
     def _blocks_to_finish(self, seq: Sequence, cost: PrefillCost | None) -> int:
         bs = self.block_size

@@ -16,11 +16,10 @@ differ in the last bit for three or more distinct lengths.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
+from engined.core.fpm import LengthStats
 from engined.core.state import RequestState, RequestStatus, SchedulerState
-
-# (class, length) of a queued request: its tally and what it adds to it.
-QueuedAs = tuple["LengthTally", int]
 
 
 class LengthTally:
@@ -43,13 +42,20 @@ class LengthTally:
         self.total -= length
         self.squares -= length * length
 
-    def summary(self) -> tuple[int, int, float]:
+    def summary(self) -> LengthStats:
         """(count, sum, population variance); the variance is 0.0 for no lengths."""
         n = self.count
         if n == 0:
-            return 0, 0, 0.0
+            return LengthStats(0, 0, 0.0)
         # Exact in integers, one rounding in the division (Python's int / int is exact).
-        return n, self.total, (n * self.squares - self.total * self.total) / (n * n)
+        return LengthStats(n, self.total, (n * self.squares - self.total * self.total) / (n * n))
+
+
+class QueuedAs(NamedTuple):
+    """How FPM counts a queued request: the tally it is in and the length it adds."""
+
+    tally: LengthTally
+    length: int
 
 
 class QueuedLengths:
@@ -87,14 +93,14 @@ class TalliedState(SchedulerState):
     def remove_waiting(self, request_id: str) -> None:
         counted = self._counted.pop(request_id, None)
         if counted is not None:
-            counted[0].remove(counted[1])
+            counted.tally.remove(counted.length)
         super().remove_waiting(request_id)
 
     def _count(self, request_id: str) -> None:
         counted = self._queued_as(self.requests[request_id])
         if counted is not None:
             self._counted[request_id] = counted
-            counted[0].add(counted[1])
+            counted.tally.add(counted.length)
 
 
 def waiting_class(
@@ -108,11 +114,11 @@ def waiting_class(
 
     def queued_as(req: RequestState) -> QueuedAs | None:
         if is_active_destination(req.request_id):
-            return lengths.decode, req.seq.num_input_tokens
+            return QueuedAs(lengths.decode, req.seq.num_input_tokens)
         if req.status is RequestStatus.WAITING:
-            return lengths.prefill, req.seq.num_input_tokens
+            return QueuedAs(lengths.prefill, req.seq.num_input_tokens)
         if req.status is RequestStatus.PREEMPTED:
-            return lengths.decode, len(req.seq.tokens)
+            return QueuedAs(lengths.decode, len(req.seq.tokens))
         return None
 
     return queued_as

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from array import array
 from collections.abc import Callable
+from typing import NamedTuple
 
 from engined.core.hashing import block_hashes, lineage_key, local_block_hash, sequence_hash
 from engined.core.vocab import Vocabulary
@@ -94,6 +95,17 @@ class Promote:
 
 
 BlockMove = Use | Deref | Promote
+
+
+class SampledToken(NamedTuple):
+    """A token the sequence just took, and the block moves it requires."""
+
+    token: int
+    moves: list[BlockMove]
+
+
+# NOTE: tuple.__new__ builds a NamedTuple in C; sampling is on the decode path.
+_new = tuple.__new__
 
 
 class Sequence:
@@ -211,7 +223,7 @@ class Sequence:
             self.tokens if self.emit_token_ids else None,
         )
 
-    def generate_token(self) -> tuple[int, list[BlockMove]]:
+    def generate_token(self) -> SampledToken:
         """Sample the next token; returns it with the block moves it requires.
 
         On the terminal token the moves end with the Deref that frees the whole sequence.
@@ -229,7 +241,7 @@ class Sequence:
         moves = self._push(token)
         if self.generated == self.max_output_tokens:
             moves.append(self._free_for_tokens(len(self.tokens)))
-        return token, moves
+        return _new(SampledToken, (token, moves))
 
     def _push(self, token: int) -> list[BlockMove]:
         tokens = self.tokens

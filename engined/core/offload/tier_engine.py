@@ -57,6 +57,7 @@ from engined.core.offload.tier import Tier
 from engined.core.offload.tier_onboard import OnboardPlan, Onboards
 from engined.core.offload.types import (
     EvictedBlock,
+    LandedOnboard,
     OffloadOutcome,
     OnboardStatus,
     RetryNow,
@@ -248,7 +249,7 @@ class TierEngine:
         self._onboards.start(onboard_id, plan, g1_slots, pins, now_ms, worker_ms)
         return onboard_id
 
-    def take_completed_onboard(self, onboard_id: int) -> tuple[list[int], list[int]] | None:
+    def take_completed_onboard(self, onboard_id: int) -> LandedOnboard | None:
         """The `(slots, pins)` of a COMPLETED onboard, which then ends; None otherwise."""
         return self._onboards.take_completed(onboard_id)
 

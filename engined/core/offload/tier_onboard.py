@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from engined.core.offload.lanes import LanePair
 from engined.core.offload.tier import Tier
-from engined.core.offload.types import OnboardState, OnboardStatus, ReapedOnboard
+from engined.core.offload.types import LandedOnboard, OnboardState, OnboardStatus, ReapedOnboard
 
 
 class OnboardPlan:
@@ -288,12 +288,12 @@ class Onboards:
             return OnboardStatus(OnboardState.CANCELLED, lease.count)
         return OnboardStatus(lease.state, lease.count)
 
-    def take_completed(self, onboard_id: int) -> tuple[list[int], list[int]] | None:
+    def take_completed(self, onboard_id: int) -> LandedOnboard | None:
         lease = self._leases.get(onboard_id)
         if lease is None or lease.cancel_requested or lease.state is not OnboardState.COMPLETED:
             return None
         self._drop(lease)
-        return lease.slots, lease.pins
+        return LandedOnboard(lease.slots, lease.pins)
 
     def cancel(self, onboard_id: int) -> bool:
         lease = self._leases.get(onboard_id)

@@ -8,6 +8,7 @@ and pins are opaque ints to the engine; it only holds them and returns each exac
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 from engined.core.types import Medium, OffloadWait
 
@@ -75,6 +76,13 @@ class TierEvent:
 
     def __repr__(self) -> str:
         return f"TierEvent({self.kind.value}, {self.medium.value}, {self.block.seq_hash})"
+
+
+class LandedOnboard(NamedTuple):
+    """A completed onboard taken from the engine: its G1 slots and the prefix pins."""
+
+    slots: list[int]
+    pins: list[int]
 
 
 class ReapedOnboard:
