@@ -1,8 +1,9 @@
-"""`TierEngine`: the observable contract of upstream `MockTierEngine`, in virtual time.
+"""`TierEngine`: the observable contract of upstream `MockOffloadEngine`, in virtual time.
 
-The KV manager owns one. It offers the engine the registered G1 blocks its allocations
-evict (G1 -> G2 offload), asks it for lower-tier prefix hits (G2 -> G1 onboard, staging G3
-through G2), and ticks it at every pass entry. The engine is pure: no clock, no I/O, no
+The KV manager's G1 glue (g1_glue.py) drives one. It offers the engine the registered G1
+blocks the manager's allocations evict (G1 -> G2 offload), asks it for lower-tier prefix
+hits (G2 -> G1 onboard, staging G3 through G2, for the parking), and ticks it at every pass
+entry. The engine is pure: no clock, no I/O, no
 randomness; time is the `now_ms` each call is given, and replaying the same calls gives the
 same effects.
 

@@ -1,7 +1,8 @@
-"""Values that cross between the offload engine and the KV manager that owns it.
+"""Values that cross between the tier engine and its G1 glue (g1_glue.py).
 
-The engine never mints event ids and never touches G1: it returns event drafts (the manager
-numbers and publishes them) and hands G1 slot ids back (the manager frees them). G1 slots
+The engine never mints event ids and never touches G1: it returns event drafts (the glue
+numbers and publishes them in the rank's event log) and hands G1 slot ids back (the glue
+frees them in the pool). G1 slots
 and pins are opaque ints to the engine; it only holds them and returns each exactly once.
 """
 
@@ -97,12 +98,14 @@ class ReapedOnboard:
 
 
 class TickEffects:
-    """What one tick changed that the KV manager must act on, in this order.
+    """What one tick changed that the G1 glue must act on, in this order.
 
     1. publish `events` (in order; they happened in this order in the tiers),
     2. free `released_g1_slots` (mutable slots: back to the free list) and, per reaped
-       onboard, its `slots` (free) and `pins` (drop one handle each),
-    3. bump the capacity generation by `released_count` when it is positive.
+       onboard, its `slots` (free) and `pins` (drop one handle each).
+
+    `released_count` is upstream's `acknowledge_tick` count of what came back; the engine's
+    one capacity generation (engined/core/capacity.py) moves when G1 blocks free up.
 
     `completed_onboards` lists onboards whose G2->G1 transfer finished at this tick; their
     status is COMPLETED until the caller takes them.

@@ -76,7 +76,7 @@ def core_with(**overrides: Any) -> Engine:
 
 
 def engine_with(**config: Any) -> TierEngine:
-    """`MockTierEngine::new(config)` then `engine.tick(0.0)`, as the seed's tests do."""
+    """`MockOffloadEngine::new(config)` then `engine.tick(0.0)`, as the seed's tests do."""
     engine = TierEngine(OffloadConfig(**config))
     engine.tick(0.0)
     return engine
