@@ -8,10 +8,11 @@ freed (it cannot take their outputs), and an *episode* starts, logged once. Duri
 episode the daemon keeps what the client must still learn, its *notices*: one `cancelled`
 terminal per request that was ended, the direct replies and lifecycle events that could not
 be sent, the final entries of any output that could not be sent, and an `overloaded` error
-for each message it sends meanwhile (not processed: it would only add to the backlog). When
-the client can be written to again (retried every DROPPED_RETRY_S while it is slow, and
-whenever it sends a message) the notices are delivered in order and the episode ends; a
-`watch_load` client is subscribed again and gets every rank's load at once.
+for each message it sends meanwhile (not processed: it would only add to the backlog; past
+MAX_UNANSWERED, one error without an id counts the rest). When the client can be written to
+again (tried after DROPPED_RETRY_S, backing off to DROPPED_RETRY_MAX_S, and whenever it
+sends a message) the notices are delivered in order and the episode ends; a `watch_load`
+client is subscribed again and gets every rank's load at once.
 
 Memory is bounded whatever clients do: per-identity state lives only while the identity has
 something in flight (a command being applied, a request, a handoff route, a load watch, an
@@ -44,11 +45,15 @@ DELIMITER = b""
 MAX_DROPPED_CLIENTS: Final = 1024
 MAX_NOTICES: Final = 65_536
 # The most `overloaded` replies kept for messages a client sends while dropped; the rest
-# are counted in the log line that ends the episode.
+# are counted, in one `overloaded` error without an id, and in the log line that ends the
+# episode.
 MAX_UNANSWERED: Final = 1024
-# How often a client dropped for being slow is tried again, and the most terminals per
-# `output` message when they are delivered.
+# How often a dropped client is tried again: DROPPED_RETRY_S at first, doubling after each
+# failure up to DROPPED_RETRY_MAX_S (and again at once whenever it sends a message). A peer
+# that is gone for good then costs one failed send every 2 s until it is forgotten.
 DROPPED_RETRY_S: Final = 0.05
+DROPPED_RETRY_MAX_S: Final = 2.0
+# The most terminals per `output` message when they are delivered.
 TERMINALS_PER_MESSAGE: Final = 1024
 
 
@@ -65,8 +70,13 @@ class Client:
 class Episode:
     """A dropped client, from the failed send to the delivery of its notices."""
 
-    reason: str  # "too slow" (EAGAIN) or "unreachable" (EHOSTUNREACH)
+    # "too slow" (EAGAIN: the pipe is full) or "unreachable" (EHOSTUNREACH). NOTE: libzmq
+    # also answers EHOSTUNREACH for a present peer whose pipe filled up and has not yet
+    # been read down to its low-water mark, so both are retried alike.
+    reason: str
     started: float
+    retry_at: float = 0.0
+    backoff: float = 0.0
     # Messages to deliver, in order, then terminals (rank, request id), then the load.
     kept: deque[wire.DaemonMessage] = field(default_factory=deque)
     terminals: list[tuple[int, str]] = field(default_factory=list)
@@ -74,6 +84,7 @@ class Episode:
     cancelled: int = 0
     unanswered: int = 0
     ignored: int = 0  # unanswered beyond MAX_UNANSWERED
+    summarised: int = 0  # of those, how many the summary `error` delivered counts
     lost: int = 0  # notices past MAX_NOTICES
     delivered: int = 0
 
@@ -101,10 +112,15 @@ class ClientTable:
         self._dropped = dropped
         self._recovered = recovered
         self.limit = int(sock.get(zmq.SNDHWM))
+        # One string for every kept `overloaded` reply (a dropped flooder may need 1,024).
+        self._unanswered_text = (
+            f"not processed: this client left more than {self.limit} messages unread, "
+            "so it was dropped and its requests were cancelled; read, then send again"
+        )
         self._clients: dict[bytes, Client] = {}
         self._episodes: OrderedDict[bytes, Episode] = OrderedDict()
         self._notices = 0
-        self._slow = asyncio.Event()
+        self._retry_wanted = asyncio.Event()
 
     # --- state --------------------------------------------------------------------------
 
@@ -135,7 +151,10 @@ class ClientTable:
             self._clients[identity] = Client(delimited)
         else:
             client.delimited = delimited
-        if identity in self._episodes:
+        episode = self._episodes.get(identity)
+        if episode is not None:
+            # It is there: try again now, and soon after.
+            episode.backoff = 0.0
             self._flush(identity)
         return identity not in self._episodes
 
@@ -197,14 +216,7 @@ class ClientTable:
         self._keep(
             identity,
             episode,
-            wire.ErrorReply(
-                id=msg_id,
-                code="overloaded",
-                message=(
-                    f"not processed: this client left more than {self.limit} messages unread, "
-                    "so it was dropped and its requests were cancelled; read, then send again"
-                ),
-            ),
+            wire.ErrorReply(id=msg_id, code="overloaded", message=self._unanswered_text),
         )
 
     def _try_send(self, identity: bytes, msg: wire.DaemonMessage) -> str | None:
@@ -236,8 +248,7 @@ class ClientTable:
         self._episodes[identity] = episode
         while len(self._episodes) > MAX_DROPPED_CLIENTS:
             self._forget_oldest()
-        if reason == "too slow":
-            self._slow.set()
+        self._retry_wanted.set()
         # Its requests end here; their terminals become notices of the new episode.
         self._dropped(identity, episode)
         log.warning(
@@ -302,6 +313,14 @@ class ClientTable:
                 return False
             del episode.terminals[:count]
             self._notices -= count
+        if episode.ignored > episode.summarised:
+            # The messages past MAX_UNANSWERED have no reply of their own; one line, no id,
+            # says how many there were.
+            text = f"{episode.ignored} more messages were not processed: {self._unanswered_text}"
+            summary = wire.ErrorReply(code="overloaded", message=text)
+            if not self._deliver(identity, episode, summary):
+                return False
+            episode.summarised = episode.ignored
         del self._episodes[identity]
         log.info(
             "client back",
@@ -322,24 +341,28 @@ class ClientTable:
         if reason is None:
             episode.delivered += _notice_size(msg)
             return True
-        episode.reason = reason
         return False
 
-    async def retry_slow(self) -> None:
-        """Deliver the notices of clients dropped for being slow once they read again.
+    async def retry_dropped(self) -> None:
+        """Deliver dropped clients' notices once they can take them, with backoff.
 
-        A client that stops sending as well would otherwise never learn what happened;
+        A client that stops sending as well would otherwise never learn what happened:
         ZeroMQ tells nobody when a ROUTER peer's pipe has room again, so it is tried.
         """
         while True:
-            await self._slow.wait()
+            await self._retry_wanted.wait()
             await asyncio.sleep(DROPPED_RETRY_S)
-            slow = [i for i, e in self._episodes.items() if e.reason == "too slow"]
-            for identity in slow:
-                if identity in self._episodes:
-                    self._flush(identity)
-            if not any(e.reason == "too slow" for e in self._episodes.values()):
-                self._slow.clear()
+            now = time.monotonic()
+            due = [i for i, e in self._episodes.items() if e.retry_at <= now]
+            for identity in due:
+                episode = self._episodes.get(identity)
+                if episode is not None and not self._flush(identity):
+                    episode.backoff = min(
+                        max(2 * episode.backoff, DROPPED_RETRY_S), DROPPED_RETRY_MAX_S
+                    )
+                    episode.retry_at = now + episode.backoff
+            if not self._episodes:
+                self._retry_wanted.clear()
 
 
 def _pending(episode: Episode) -> int:

@@ -115,7 +115,7 @@ class ControlServer:
         signal and watchdog ping until it was drained. The ROUTER fair-queues its peers, so
         a flooder's backlog delays the flooder, not the other clients.
         """
-        retry = self._spawn(self._clients.retry_slow())
+        retry = self._spawn(self._clients.retry_dropped())
         try:
             await self._read()
         finally:

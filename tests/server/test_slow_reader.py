@@ -12,7 +12,9 @@ buffers, so a client that does not read overflows its pipe within a few hundred 
    every piece of per-client state is freed.
 2. The same when the only trigger is the client's own messages (the periodic retry
    disabled): every message it sent got exactly one reply, `overloaded` or `pong`.
-3. A `watch_load` client that stops reading is dropped and, once it reads, is subscribed
+3. With room for two `overloaded` replies, five messages sent while dropped: the first two
+   are answered with their ids, the other three counted in one error without an id.
+4. A `watch_load` client that stops reading is dropped and, once it reads, is subscribed
    again: it gets every rank's current load after its backlog.
 
 Waits are bounded loops on observable state (the server's per-client state, the core's
@@ -178,6 +180,41 @@ def test_every_message_of_a_dropped_client_gets_one_reply(
                     assert reply.code == "overloaded"
             assert_each_cancelled_once(seen)
             assert served.control.client_state()["dropped"] == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_messages_past_the_cap_are_counted_in_one_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(clients, "MAX_UNANSWERED", 2)
+
+    async def scenario() -> None:
+        async with serve(tmp_path, sndhwm=SNDHWM) as served:
+            sock = served.dealer(rcvhwm=SNDHWM)
+            await submit_and_stop_reading(served, sock)
+            state = served.control.client_state
+            notices = state()["notices"]
+            for ping in range(5):
+                await sock.send(encode(type="ping", id=200 + ping))
+            # Two kept as replies; the other three only counted.
+            await until(lambda: state()["notices"] == notices + 2, "two replies kept")
+            seen: list[DaemonMessage] = []
+            await read_until(
+                sock,
+                seen,
+                lambda: any(isinstance(m, ErrorReply) and m.id is None for m in seen),
+            )
+            assert [type(r[0]).__name__ for r in (replies(seen, 200), replies(seen, 201))] == [
+                "ErrorReply",
+                "ErrorReply",
+            ]
+            assert not any(replies(seen, 200 + n) for n in (2, 3, 4))
+            summary = [m for m in seen if isinstance(m, ErrorReply) and m.id is None]
+            assert len(summary) == 1
+            assert summary[0].code == "overloaded"
+            assert summary[0].message.startswith("3 more messages were not processed")
+            assert_each_cancelled_once(seen)
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
