@@ -163,12 +163,14 @@ class TokenEmitter:
         kv = self._kv
         offload = kv.offload is not None
         refresh = kv.refresh_offload_wait
-        emitted = 0
         bs = self.block_size
         fast = self._fast_paths
         getrandbits = self._rng.getrandbits
         draw = self._vocab.draw
-        append = ctx.outputs.append
+        outputs = ctx.outputs
+        # Every output of this loop carries exactly one token: their count is the tokens'.
+        first_output = len(outputs)
+        append = outputs.append
         for req in ready:
             request_id = req.request_id
             seq = req.seq
@@ -187,7 +189,6 @@ class TokenEmitter:
                 tokens.append(token)
                 seq.generated += 1
                 append(RequestOutput(request_id, [token]))
-                emitted += 1
                 continue
             token = 0
             cleanup: list[BlockMove] = []
@@ -216,11 +217,11 @@ class TokenEmitter:
                     break
             if not sampled:
                 continue
-            emitted += 1
             if completed:
                 self._finish(ctx, req, [token], cleanup)
             else:
                 append(RequestOutput(request_id, [token], None, req.take_cached_tokens()))
+        emitted = len(outputs) - first_output
         ctx.output_tokens += emitted
         ctx.decode_forwards += emitted
         return decode_ms if emitted else 0.0

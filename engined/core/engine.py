@@ -267,6 +267,10 @@ class Engine:
     # --- the pass -----------------------------------------------------------------------
 
     def execute_pass(self, now_ms: float) -> PassResult:
+        """One engine step starting at `now_ms`: advance the tiers (with them), schedule
+        running then waiting requests, emit the ready tokens, then retry the pending
+        destination. The result's `end_ms` is the step's modeled end (`now_ms` when it did
+        nothing that takes time, or the next tier deadline when it could only wait)."""
         before = self.metrics()
         ctx = PassContext(now_ms, self._scheduler.max_batched_tokens)
         tiers = self._kv.offload
@@ -357,6 +361,7 @@ class Engine:
         )
 
     def metrics(self) -> EngineMetrics:
+        """The rank's gauges now (every `PassResult` carries them as of its end)."""
         kv = self._kv
         state = self._state
         book = self._book
