@@ -31,31 +31,25 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import abuse_clients  # noqa: F401  (registers defects 5, 6, 8, 9 and 10)
 import msgspec
 import zmq
 import zmq.asyncio
-from abuse_harness import Figures, Run, flood, play, submit_many  # benchmarks/, beside this
+from abuse_harness import (  # benchmarks/, beside this
+    PACED,
+    SCENARIOS,
+    Figures,
+    Run,
+    flood,
+    play,
+    scenario,
+    submit_many,
+)
 
 from engined.client import EngineClient
 from engined.server.logs import configure_logging
-
-ScenarioFn = Callable[[Run], Awaitable[Figures]]
-SCENARIOS: dict[str, tuple[int, str, list[str], ScenarioFn]] = {}
-PACED = ["--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "10"]
-
-
-def scenario(
-    name: str, defect: int, what: str, *daemon_args: str
-) -> Callable[[ScenarioFn], ScenarioFn]:
-    def register(fn: ScenarioFn) -> ScenarioFn:
-        SCENARIOS[name] = (defect, what, list(daemon_args), fn)
-        return fn
-
-    return register
-
 
 # --- the scenarios ----------------------------------------------------------------------------
 

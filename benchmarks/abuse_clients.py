@@ -1,6 +1,6 @@
 """Issue 10's client-side abuse scenarios (defects 5, 6, 8, 9, 10) against a real daemon.
 
-The companion of benchmarks/abuse.py, on the same harness (benchmarks/abuse_harness.py): a
+Registered in, and run by, benchmarks/abuse.py, on the same harness (benchmarks/abuse_harness.py): a
 fresh daemon per scenario, two bystanders (a streaming client and a pinging one) and the
 systemd watchdog timed while the scenario plays, and the scenario's own figures:
 
@@ -14,7 +14,7 @@ systemd watchdog timed while the scenario plays, and the scenario's own figures:
   vanish with a request running; the daemon's RSS growth per round, and whether the vanished
   requests were freed.
 
-    .venv/bin/python benchmarks/abuse_clients.py [SCENARIO ...] [--scale 0.1] [--engined-root DIR]
+    .venv/bin/python benchmarks/abuse.py [SCENARIO ...] [--scale 0.1] [--engined-root DIR]
 
 `--engined-root` runs the daemon from another checkout (the code before the fix), to compare
 in one sitting; figures vary with the machine's load.
@@ -22,40 +22,24 @@ in one sitting; figures vary with the machine's load.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
 import json
 import statistics
 import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
-from abuse_harness import Figures, Run, play  # benchmarks/, beside this
+from abuse_harness import PACED, Figures, Run, scenario  # benchmarks/, beside this
 
 from engined.client import EngineClient
-from engined.server.logs import configure_logging
 from engined.wire.control import DirectReply, ErrorReply, Output, Pong, ReplyDecoder
 
-ScenarioFn = Callable[[Run], Awaitable[Figures]]
-SCENARIOS: dict[str, tuple[int, str, list[str], ScenarioFn]] = {}
-PACED = ["--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "10"]
 DECODER = ReplyDecoder()
-
-
-def scenario(
-    name: str, defect: int, what: str, *daemon_args: str
-) -> Callable[[ScenarioFn], ScenarioFn]:
-    def register(fn: ScenarioFn) -> ScenarioFn:
-        SCENARIOS[name] = (defect, what, list(daemon_args), fn)
-        return fn
-
-    return register
 
 
 def encode(**fields: Any) -> bytes:
@@ -353,29 +337,3 @@ async def short_lived_clients(run: Run) -> Figures:
         "log_client_gone": len(gone),
         "rss_after_vanished_mb": round(after_vanished - before, 1),
     }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply every size")
-    parser.add_argument("--engined-root", type=Path, help="run the daemon from this checkout")
-    parser.add_argument("--list", action="store_true", help="name the scenarios and exit")
-    args = parser.parse_args()
-    configure_logging("console", "warning")
-    if args.list:
-        for name, (defect, what, _, _) in SCENARIOS.items():
-            print(f"{name:20} defect {defect:2}  {what}")
-        return
-    for name in args.scenarios or list(SCENARIOS):
-        if name not in SCENARIOS:
-            parser.error(f"unknown scenario {name!r}; --list names them")
-        defect, _, daemon_args, fn = SCENARIOS[name]
-        figures = asyncio.run(play(defect, daemon_args, fn, args.scale, args.engined_root))
-        print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -286,3 +286,23 @@ async def submit_many(client: EngineClient, count: int, max_tokens: int) -> dict
     for start in range(0, count, 1000):
         await asyncio.gather(*(one(n) for n in range(start, min(start + 1000, count))))
     return codes
+
+
+# --- the scenario registry, shared by abuse.py and abuse_clients.py -----------------------
+
+ScenarioFn = Callable[[Run], Awaitable[Figures]]
+# name -> (defect, what it plays, daemon flags, the scenario)
+SCENARIOS: dict[str, tuple[int, str, list[str], ScenarioFn]] = {}
+PACED = ["--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "10"]
+
+
+def scenario(
+    name: str, defect: int, what: str, *daemon_args: str
+) -> Callable[[ScenarioFn], ScenarioFn]:
+    """Register `fn` as scenario `name` (issue 10, `defect`), on a daemon with `daemon_args`."""
+
+    def register(fn: ScenarioFn) -> ScenarioFn:
+        SCENARIOS[name] = (defect, what, list(daemon_args), fn)
+        return fn
+
+    return register
