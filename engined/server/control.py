@@ -405,6 +405,7 @@ class ControlServer:
                     loop.core.metrics(),
                     passes_total=loop.passes_total,
                     lateness_ms=loop.lateness_summary(),
+                    kv_events_overflows=loop.kv_overflows,
                 )
                 for loop in self._loops
             ],

@@ -57,6 +57,9 @@ Sleep = Callable[[float], Awaitable[None]]
 class KvSink(Protocol):
     def publish(self, events: list[Any], ts: float) -> None: ...
 
+    @property
+    def overflows(self) -> int: ...
+
 
 class FpmSink(Protocol):
     def publish(self, snapshot: Any) -> None: ...
@@ -124,6 +127,11 @@ class EngineLoop:
         self._next_start: float | None = None
         self.pass_observers: list[PassObserver] = []
         self.command_observers: list[CommandObserver] = []
+
+    @property
+    def kv_overflows(self) -> int:
+        """KV event sends some slow subscriber missed (its queue's byte budget was full)."""
+        return self._kv.overflows
 
     def lateness_summary(self) -> tuple[float, float, float]:
         """p50, p99 and max of pass-start lateness in ms (zeros before any paced pass).

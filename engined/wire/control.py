@@ -267,6 +267,9 @@ class RankStats(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     g3_active_blocks: int = 0
     g3_inactive_blocks: int = 0
     g3_total_blocks: int = 0
+    # KV event messages a slow subscriber missed because its byte budget was full
+    # (`kv_events_buffer_bytes`); also `engined:kv_events_overflows_total`.
+    kv_events_overflows: int = 0
 
 
 class StatsReply(DirectReply, tag="stats"):

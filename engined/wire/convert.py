@@ -125,6 +125,7 @@ def rank_stats(
     *,
     passes_total: int,
     lateness_ms: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    kv_events_overflows: int = 0,
 ) -> RankStats:
     """One `stats` entry; the pass count is the daemon's, the gauges the core's."""
     return RankStats(
@@ -146,4 +147,5 @@ def rank_stats(
         g3_active_blocks=metrics.g3_active_blocks,
         g3_inactive_blocks=metrics.g3_inactive_blocks,
         g3_total_blocks=metrics.g3_total_blocks,
+        kv_events_overflows=kv_events_overflows,
     )
