@@ -31,6 +31,7 @@ from engined.core.scheduler import VllmCore
 from engined.server.clients import DELIMITER, ClientTable, Episode
 from engined.server.engine_loop import EngineLoop
 from engined.server.load import LoadWatch
+from engined.server.log_throttle import LogThrottle
 from engined.server.ownership import HandoffRoute, Ownership
 from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire
@@ -71,6 +72,8 @@ class ControlServer:
         self._loops = loops
         self._welcome = welcome
         self._settings = settings
+        # Malformed input is logged in bursts per client, not once per message.
+        self._bad_log = LogThrottle()
         self._clients = ClientTable(
             sock, in_flight=self._in_flight, dropped=self._dropped, recovered=self._recovered
         )
@@ -134,7 +137,14 @@ class ControlServer:
             frames = await sock.recv_multipart()
             envelope = split_envelope(frames)
             if envelope is None:
-                log.warning("bad envelope", frames=len(frames), identity=frames[0].hex())
+                held = self._bad_log.allow(frames[0])
+                if held is not None:
+                    log.warning(
+                        "bad envelope",
+                        frames=len(frames),
+                        identity=frames[0].hex(),
+                        **({"held_back": held} if held else {}),
+                    )
                 if len(frames) >= 2:
                     self._clients.send(
                         frames[0],
@@ -152,9 +162,15 @@ class ControlServer:
                 msg = self._decoder.decode(body)
             except WireError as exc:
                 if writable:
-                    log.warning(
-                        "bad message", identity=identity.hex(), code=exc.code, error=exc.message
-                    )
+                    held = self._bad_log.allow(identity)
+                    if held is not None:
+                        log.warning(
+                            "bad message",
+                            identity=identity.hex(),
+                            code=exc.code,
+                            error=exc.message,
+                            **({"held_back": held} if held else {}),
+                        )
                     self._error(identity, exc.message_id, exc.code, exc.message)
                 else:
                     self._clients.unanswered(identity, exc.message_id)
