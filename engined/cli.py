@@ -16,8 +16,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
+from typer.core import TyperCommand
 
-from engined.config import ENV_PREFIX, FLAGS, ConfigError, Flag, dump_config, load_config
+from engined import __version__
+from engined.config import (
+    ENV_PREFIX,
+    FLAGS,
+    ConfigError,
+    DaemonConfig,
+    Flag,
+    dump_config,
+    load_config,
+)
 from engined.tools.args import (
     DEFAULT_CONTROL_ENDPOINT,
     DEFAULT_TIMEOUT,
@@ -50,8 +60,24 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"engined {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
     """A GPU-free stand-in for a vLLM engine: Dynamo mocker scheduling, vLLM wire formats."""
     # NOTE: an explicit callback keeps `serve` a subcommand; with a single command and no
     # callback typer would run it for a bare `engined`.
@@ -77,18 +103,34 @@ def serve(config: Path | None, print_config: bool, **options: Any) -> None:
     raise typer.Exit(run(effective))
 
 
-def _flag_option(flag: Flag) -> inspect.Parameter:
+def _default_text(flag: Flag, defaults: DaemonConfig) -> str:
+    """How `--help` shows the built-in default of `flag` (`""` for unset, as flags spell it)."""
+    value: Any = defaults
+    for part in flag.key.split("."):
+        value = getattr(value, part)
+    if flag.is_switch:
+        return (flag.name if value else flag.negation).removeprefix("--")
+    if value is None or value == "" or value == ():
+        return '""'
+    if isinstance(value, tuple):
+        return ",".join(str(item) for item in value)
+    return str(value)
+
+
+def _flag_option(flag: Flag, defaults: DaemonConfig) -> inspect.Parameter:
     """A typer option for one FLAGS entry; None by default so only given flags override.
 
     Values stay text (`str | None`) and are parsed by `load_config`, so a bad value gets the
     same message, naming the key, whether it came from a flag, the environment or the file.
+    The help shows the built-in default (the option's own default is None, so typer cannot).
     """
+    help_text = f"{flag.help}  [default: {_default_text(flag, defaults)}]"
     if flag.is_switch:
         annotation: Any = Annotated[
             bool | None,
             typer.Option(
                 f"{flag.name}/{flag.negation}",
-                help=flag.help,
+                help=help_text,
                 rich_help_panel=flag.section.capitalize(),
                 show_default=False,
             ),
@@ -98,7 +140,7 @@ def _flag_option(flag: Flag) -> inspect.Parameter:
             str | None,
             typer.Option(
                 flag.name,
-                help=flag.help,
+                help=help_text,
                 metavar=flag.metavar,
                 rich_help_panel=flag.section.capitalize(),
                 show_default=False,
@@ -139,13 +181,38 @@ def _with_flag_options(command: Callable[..., None]) -> Callable[..., None]:
             ],
         ),
     ]
+    defaults = load_config(config_path=None, env={}, flags={})
     command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [*fixed, *(_flag_option(flag) for flag in FLAGS)]
+        [*fixed, *(_flag_option(flag, defaults) for flag in FLAGS)]
     )
     return command
 
 
-app.command("serve")(_with_flag_options(serve))
+class _PlainHelpCommand(TyperCommand):
+    """A command whose `--help` is click's plain two-column layout, one panel per section.
+
+    `serve` has some 50 options, several with long names (`--no-enable-chunked-prefill`);
+    rich's four-column table squeezes them into truncated names and one-word help lines at 80
+    columns, while the plain layout puts a long name on its own line and wraps the help under it.
+    """
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        self.rich_markup_mode = None
+        super().format_help(ctx, formatter)
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                panel = getattr(param, "rich_help_panel", None) or "Options"
+                sections.setdefault(panel, []).append(record)
+        for title, records in sections.items():
+            with formatter.section(title if title == "Options" else f"{title} options"):
+                formatter.write_dl(records)
+
+
+app.command("serve", cls=_PlainHelpCommand)(_with_flag_options(serve))
 
 
 # --- operator commands: submit, events, fpm, stats, bench --------------------------------------
@@ -209,9 +276,17 @@ JsonLines = Annotated[
         rich_help_panel=_OUTPUT,
     ),
 ]
+# NOTE: `--dp-rank` is the protocol's name (`submit`'s `dp_rank`), used by every command;
+# `--rank`, the first spelling of `events` and `fpm`, stays as an alias (flags are a contract).
 Rank = Annotated[
     int,
-    typer.Option("--rank", min=0, help="Data-parallel rank to watch.", rich_help_panel=_CONNECTION),
+    typer.Option(
+        "--dp-rank",
+        "--rank",
+        min=0,
+        help="Data-parallel rank to watch (alias: --rank).",
+        rich_help_panel=_CONNECTION,
+    ),
 ]
 Count = Annotated[
     int | None,
@@ -599,8 +674,8 @@ def dynamo_worker(ctx: typer.Context) -> None:
 
 
 def main() -> None:
-    """Console-script entry point (`engined`)."""
-    app()
+    """Entry point of the `engined` console script and of `python -m engined`."""
+    app(prog_name="engined")
 
 
 if __name__ == "__main__":
