@@ -49,7 +49,7 @@ from abuse_harness import (  # benchmarks/, beside this
 )
 
 from engined.client import EngineClient
-from engined.server.logs import configure_logging
+from engined.logs import configure_logging
 
 # --- the scenarios ----------------------------------------------------------------------------
 

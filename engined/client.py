@@ -27,7 +27,6 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from engined.server.sockets import make_socket
 from engined.wire.control import (
     ActivateDestination,
     Applied,
@@ -67,6 +66,7 @@ from engined.wire.control import (
     WireRequest,
     encode_message,
 )
+from engined.zmq_sockets import make_socket
 
 log = structlog.get_logger()
 

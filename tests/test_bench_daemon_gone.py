@@ -25,7 +25,7 @@ import pytest
 
 from engined.client import EngineClient
 from engined.tools import bench as bench_tool
-from engined.tools.bench import BenchOptions, RequestResult
+from engined.tools.bench_types import BenchOptions, RequestResult
 from engined.tools.common import Mode, Output, ToolError
 from engined.tools.distributions import parse_distribution
 from tests.server.daemon_harness import DaemonProcess

@@ -31,7 +31,8 @@ from engined.cli import app
 from engined.client import EngineClient
 from engined.config import ENV_PREFIX
 from engined.core import types as core
-from engined.tools.bench import Workload, percentile
+from engined.tools.bench import Workload
+from engined.tools.bench_report import percentile
 from engined.tools.distributions import Distribution, parse_distribution
 from engined.wire.kv_events import REPLAY_END_FRAMES, KvEventEncoder, read_seq, seq_bytes
 from tests.server.daemon_harness import DaemonProcess, start_daemon

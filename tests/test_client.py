@@ -20,7 +20,6 @@ import zmq
 import zmq.asyncio
 
 from engined.client import ClientClosedError, EngineClient, EngineError, ProtocolError
-from engined.server.sockets import SocketRegistry
 from engined.wire.control import (
     Applied,
     Cancel,
@@ -52,6 +51,7 @@ from engined.wire.control import (
     WireError,
     encode_reply,
 )
+from engined.zmq_sockets import SocketRegistry
 
 WAIT_S = 5.0
 

@@ -29,7 +29,7 @@ from engined.dynamo.model import (
     read_model,
     reconcile_vocabulary,
 )
-from engined.server.logs import configure_logging
+from engined.logs import configure_logging
 from engined.wire.control import Load, Welcome
 
 log = structlog.get_logger(__name__)

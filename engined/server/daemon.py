@@ -27,15 +27,15 @@ import engined
 from engined.config import DaemonConfig, endpoint_for_rank
 from engined.core.args import EngineArgs
 from engined.core.scheduler import VllmCore
+from engined.logs import configure_logging
 from engined.server.control import ControlServer
 from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
-from engined.server.logs import configure_logging
 from engined.server.settings import RuntimeSettings
-from engined.server.sockets import SocketRegistry
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
 from engined.wire import control as wire
+from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
     from engined.server.http import HealthState, HttpServer

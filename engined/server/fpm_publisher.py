@@ -4,51 +4,31 @@
 all-zero heartbeat 1 s after the last message and then every second, so a planner can tell
 an idle worker from a dead one (protocol.md §3).
 
-Two ways to drive the heartbeat, which can be combined: `start()` runs a task that sleeps to
-the next deadline and sends it, so the engine loop only calls `publish()` after each pass;
-or the engine loop, which knows when it is idle, calls `maybe_heartbeat(now)` (and can wait
-until `next_heartbeat_at`). Both move the same deadline, so nothing is sent twice.
+The engine loop drives the heartbeat: it knows when it is idle, so it calls
+`maybe_heartbeat(now)` (and can wait until `next_heartbeat_at`); `publish()` after a pass
+moves the same deadline, so nothing is sent twice.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Callable
-from typing import Final, Protocol
+from typing import Final
 
 import structlog
 import zmq
 import zmq.asyncio
 
 from engined.core.types import FpmSnapshot
-from engined.server.sockets import SocketRegistry, bound_endpoint, nonblocking_sender
 from engined.wire.fpm import encode_fpm, heartbeat
 from engined.wire.kv_events import seq_bytes
+from engined.zmq_sockets import SocketRegistry, bound_endpoint, nonblocking_sender
 
 log = structlog.get_logger()
 
 HEARTBEAT_INTERVAL_S: Final = 1.0
 DEFAULT_PUB_HWM: Final = 10_000
 _TOPIC: Final = b""
-
-
-class FpmSink(Protocol):
-    """What the engine loop needs from an FPM publisher (real or null)."""
-
-    def publish(self, snapshot: FpmSnapshot) -> None: ...
-
-    def maybe_heartbeat(self, now: float) -> None: ...
-
-    def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    @property
-    def tasks(self) -> tuple[asyncio.Task[None], ...]: ...
-
-    worker_id: str
 
 
 class FpmPublisher:
@@ -61,9 +41,7 @@ class FpmPublisher:
         worker_id: Dynamo's worker id, written into every message.
         dp_rank: written into every message.
         heartbeat_interval: seconds of silence before a heartbeat, and between heartbeats.
-        clock: monotonic seconds; the deadlines and `maybe_heartbeat(now)` use it. The
-            heartbeat task sleeps on the event loop's clock, so replace it only in tests that
-            do not `start()` the task.
+        clock: monotonic seconds; the deadlines and `maybe_heartbeat(now)` use it.
         hwm: PUB send high-water mark per subscriber.
     """
 
@@ -93,7 +71,6 @@ class FpmPublisher:
         self._pub = registry.make(ctx, zmq.PUB, endpoint, bind=True, sndhwm=hwm, rcvhwm=hwm)
         self._send = nonblocking_sender(self._pub)
         self.endpoint = bound_endpoint(self._pub, endpoint)
-        self._heartbeat_task: asyncio.Task[None] | None = None
 
     @property
     def next_seq(self) -> int:
@@ -119,10 +96,6 @@ class FpmPublisher:
         """Messages libzmq refused (EAGAIN); their seqs are consumed anyway."""
         return self._dropped
 
-    @property
-    def tasks(self) -> tuple[asyncio.Task[None], ...]:
-        return () if self._heartbeat_task is None else (self._heartbeat_task,)
-
     def publish(self, snapshot: FpmSnapshot) -> None:
         """Send the metrics of one executed pass; never blocks, postpones the heartbeat."""
         seq = self._take_seq()
@@ -147,39 +120,6 @@ class FpmPublisher:
         if now >= self._next_heartbeat:
             self.heartbeat()
 
-    def start(self) -> None:
-        """Launch the heartbeat task; needs a running event loop.
-
-        The idle countdown restarts here, so time spent between construction and start-up
-        does not count as idleness.
-        """
-        if self._heartbeat_task is None:
-            self._next_heartbeat = self._clock() + self._interval
-            self._heartbeat_task = asyncio.get_running_loop().create_task(
-                self._run_heartbeat(), name=f"fpm-heartbeat-{self._dp_rank}"
-            )
-            self._heartbeat_task.add_done_callback(_log_task_failure)
-
-    async def close(self) -> None:
-        """Stop the heartbeat task (re-raising its failure, if any); sockets stay with the
-        registry."""
-        task, self._heartbeat_task = self._heartbeat_task, None
-        if task is None:
-            return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    async def _run_heartbeat(self) -> None:
-        while True:
-            delay = self._next_heartbeat - self._clock()
-            if delay <= 0:
-                self.heartbeat()
-                continue
-            # NOTE: a timer, not synchronisation. Every send moves the deadline later, never
-            # earlier, so waking at a stale deadline just re-reads it and sleeps on.
-            await asyncio.sleep(delay)
-
     def _take_seq(self) -> int:
         seq = self._next_seq
         self._next_seq = seq + 1
@@ -196,11 +136,6 @@ class FpmPublisher:
         self._dropping = True
 
 
-def _log_task_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("background task failed", task=task.get_name(), exc_info=exc)
-
-
 class NullFpmPublisher:
     """The publisher when forward-pass metrics are off: same interface, does nothing."""
 
@@ -211,10 +146,6 @@ class NullFpmPublisher:
     def next_seq(self) -> int:
         return 0
 
-    @property
-    def tasks(self) -> tuple[asyncio.Task[None], ...]:
-        return ()
-
     def publish(self, snapshot: FpmSnapshot) -> None:
         pass
 
@@ -222,10 +153,4 @@ class NullFpmPublisher:
         pass
 
     def maybe_heartbeat(self, now: float) -> None:
-        pass
-
-    def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
         pass

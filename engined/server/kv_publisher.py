@@ -22,7 +22,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Final, Protocol
+from typing import Final
 
 import structlog
 import zmq
@@ -32,8 +32,8 @@ from engined.core.args import EngineArgs
 from engined.core.offload.config import DEFAULT_OFFLOAD_BATCH_SIZE
 from engined.core.types import BlockRemoved, BlockStored, KvEvent, Medium
 from engined.server.kv_replay import STALL_TIMEOUT_S, ReplayBuffer, ReplayServer, Sleep
-from engined.server.sockets import SocketRegistry, bound_endpoint, overflow_aware_sender
 from engined.wire.kv_events import KvEventEncoder, KvEventFormat, seq_bytes
+from engined.zmq_sockets import SocketRegistry, bound_endpoint, overflow_aware_sender
 
 log = structlog.get_logger()
 
@@ -88,19 +88,6 @@ def max_batch_bytes(args: EngineArgs, fmt: KvEventFormat, dp_rank: int = 0) -> i
             events.append(BlockStored(n, dp_rank, _MAX_HASH, one, one, tokens, block_size, medium))
             events.append(BlockRemoved(n, dp_rank, one, medium))
     return len(KvEventEncoder(fmt).encode_batch(1.0e9, events, dp_rank))
-
-
-class KvEventSink(Protocol):
-    """What the engine loop needs from a KV event publisher (real or null)."""
-
-    def publish(self, events: Sequence[KvEvent], ts: float) -> None: ...
-
-    def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    @property
-    def tasks(self) -> tuple[asyncio.Task[None], ...]: ...
 
 
 class KvPublisher:

@@ -28,7 +28,6 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Literal
 
@@ -44,7 +43,8 @@ from rich.progress import (
 from engined.client import ClientClosedError, EngineClient, EngineError
 from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.bench_report import Aborted, make_report, print_report
-from engined.tools.bench_report import percentile as percentile  # its home before the split
+from engined.tools.bench_types import BenchOptions as BenchOptions  # engined.cli reads it here
+from engined.tools.bench_types import RequestResult
 from engined.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -54,7 +54,7 @@ from engined.tools.common import (
     control_client,
     zmq_context,
 )
-from engined.tools.distributions import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, Distribution
+from engined.tools.distributions import Distribution
 from engined.tools.stats import fetch_stats
 from engined.tools.submit import VOCAB_SIZE
 
@@ -63,23 +63,6 @@ DEFAULT_REQUESTS: Final = 100
 # Seconds between liveness pings while the load runs (each waits up to min(--timeout, 10 s)).
 LIVENESS_INTERVAL_S: Final = 1.0
 _CANCEL_TIMEOUT_S: Final = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class BenchOptions:
-    control_endpoint: str
-    concurrency: int | None = None
-    rate: float | None = None
-    requests: int | None = None
-    duration: float | None = None
-    prompt_len: Distribution = DEFAULT_PROMPT_LEN
-    output_len: Distribution = DEFAULT_OUTPUT_LEN
-    shared_prefix_ratio: float = 0.0
-    prefix_groups: int = 1
-    seed: int = 0
-    speedup_ratio: float = 1.0
-    dp_rank: int | None = None
-    timeout: float = 60.0
 
 
 # --- workload -------------------------------------------------------------------------------
@@ -130,21 +113,6 @@ class Workload:
 
 
 # --- running --------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class RequestResult:
-    """One request as the client saw it (wall seconds)."""
-
-    prompt_tokens: int
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    e2e_s: float | None = None
-    finish_reason: str | None = None
-    # None when the request completed; else the error code, `rejected` or `timeout`.
-    error: str | None = None
 
 
 RunOne = Callable[[int, list[int], int], Awaitable[RequestResult]]

@@ -11,14 +11,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from rich.table import Table
 
+from engined.tools.bench_types import BenchOptions, RequestResult
 from engined.tools.common import Output, table_text
-
-if TYPE_CHECKING:
-    from engined.tools.bench import BenchOptions, RequestResult
 
 Aborted = Literal["daemon_gone", "interrupted"]
 

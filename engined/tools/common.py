@@ -163,7 +163,7 @@ def run_tool(main: Callable[[], Coroutine[Any, Any, int]], out: Output) -> int:
     results reaches stdout; the previous structlog configuration is restored afterwards (tests
     run commands in-process).
     """
-    from engined.server.logs import configure_logging
+    from engined.logs import configure_logging
 
     saved = structlog.get_config()
     configure_logging("auto", "warning")

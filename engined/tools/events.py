@@ -27,7 +27,6 @@ from typing import Any, Final, Literal, TypeAlias
 import zmq
 import zmq.asyncio
 
-from engined.server.sockets import make_socket
 from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.common import (
     EXIT_OK,
@@ -48,6 +47,7 @@ from engined.wire.kv_events import (
     read_seq,
     seq_bytes,
 )
+from engined.zmq_sockets import make_socket
 
 # A subscriber that falls this far behind loses batches (as vLLM's consumers configure it).
 _SUB_HWM: Final = 100_000

@@ -24,7 +24,6 @@ from rich import box
 from rich.live import Live
 from rich.table import Table
 
-from engined.server.sockets import make_socket
 from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.common import (
     EXIT_OK,
@@ -37,6 +36,7 @@ from engined.tools.common import (
 )
 from engined.wire.errors import WireError
 from engined.wire.fpm import ForwardPassMetrics, decode_fpm
+from engined.zmq_sockets import make_socket
 
 _SUB_HWM: Final = 100_000
 _REDRAW_S: Final = 0.1

@@ -24,8 +24,8 @@ from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import NullFpmPublisher
 from engined.server.kv_publisher import NullKvPublisher
 from engined.server.settings import RuntimeSettings
-from engined.server.sockets import make_socket
 from engined.wire import control as wire
+from engined.zmq_sockets import make_socket
 
 
 def engine_args(**overrides: Any) -> EngineArgs:

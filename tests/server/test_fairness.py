@@ -37,9 +37,9 @@ from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import NullFpmPublisher
 from engined.server.kv_publisher import NullKvPublisher
 from engined.server.settings import RuntimeSettings
-from engined.server.sockets import make_socket
 from engined.server.systemd import NullNotifier, keepalive
 from engined.wire import control as wire
+from engined.zmq_sockets import make_socket
 from tests.server.daemon_harness import DaemonProcess
 from tests.server.virtual_clock import VirtualClock
 

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient
-from engined.server.sockets import IpcClaim, SocketRegistry, check_ipc_path, make_socket
+from engined.zmq_sockets import IpcClaim, SocketRegistry, check_ipc_path, make_socket
 from tests.server.daemon_harness import DaemonProcess, start_daemon
 
 STARTUP_FAILURE = 3

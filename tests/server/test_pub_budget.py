@@ -29,8 +29,8 @@ from engined.core.scheduler import VllmCore
 from engined.core.types import Request
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes, messages_within
 from engined.server.metrics import VllmMetrics
-from engined.server.sockets import SocketRegistry
 from engined.wire.kv_events import KvEventEncoder, KvEventFormat, read_seq
+from engined.zmq_sockets import SocketRegistry
 
 BATCH_TOKENS = 256
 

@@ -31,8 +31,8 @@ from engined.core import types as core
 from engined.server import kv_replay
 from engined.server.kv_publisher import KvPublisher
 from engined.server.kv_replay import ReplayBuffer
-from engined.server.sockets import SocketRegistry
 from engined.wire.kv_events import REPLAY_END_SEQ, read_seq, seq_bytes
+from engined.zmq_sockets import SocketRegistry
 from tests.server.daemon_harness import DaemonProcess
 from tests.server.virtual_clock import VirtualClock
 

@@ -1,5 +1,8 @@
 """The one socket factory and the one owner of every socket (style anchor §11).
 
+A neutral module: the daemon, the client, the tools and the Dynamo worker all make their
+sockets here, and it imports no other `engined` module (tests/test_architecture.py).
+
 Every option is explicit at the call site: whether a socket binds or connects is an argument,
 never guessed from the endpoint (vLLM binds when the endpoint contains `*`, which turns a typo
 into a silently reversed topology). High-water marks are always set, so no queue is unbounded

@@ -1,4 +1,8 @@
-"""structlog set-up: JSON lines for machines, readable lines for people at a terminal."""
+"""structlog set-up: JSON lines for machines, readable lines for people at a terminal.
+
+A neutral module: the daemon, the tools and the Dynamo worker configure logging here, and it
+imports no other `engined` module (tests/test_architecture.py).
+"""
 
 from __future__ import annotations
 
