@@ -17,6 +17,17 @@ from engined.core.prefix_hit import PrefillCost
 from engined.core.sequence import Sequence
 
 
+def context_length(num_blocks: int, block_size: int, max_model_len: int | None) -> int:
+    """The longest prompt + output a request may have: `max_model_len`, capped by the pool.
+
+    vLLM never serves a sequence longer than its KV pool (it refuses to start with a
+    max_model_len the pool cannot hold), so the pool's capacity caps max_model_len. Without
+    this, a request outgrowing the pool alone would preempt itself forever.
+    """
+    capacity = num_blocks * block_size
+    return min(max_model_len, capacity) if max_model_len else capacity
+
+
 class Decision(enum.Enum):
     ADMIT = "admit"
     WAIT = "wait"
@@ -49,11 +60,7 @@ class AdmissionPolicy:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # vLLM never serves a sequence longer than its KV pool (it refuses to start with a
-        # max_model_len the pool cannot hold), so the pool's capacity caps max_model_len.
-        # Without this, a request outgrowing the pool alone would preempt itself forever.
-        capacity = num_blocks * block_size
-        self.max_model_len = min(max_model_len, capacity) if max_model_len else capacity
+        self.max_model_len = context_length(num_blocks, block_size, max_model_len)
         # Without chunked prefill a prompt must fit one pass's budget. Upstream would keep such
         # a request waiting forever (and block the queue behind it); vLLM refuses it up front.
         self.max_prompt_tokens = max_prompt_tokens

@@ -135,12 +135,12 @@ def reconcile_vocabulary(model: ModelInfo, welcome: Welcome) -> Vocabulary:
     return Vocabulary(welcome.vocab_size, tuple(sorted(daemon_excluded)), apply=False)
 
 
-def context_length(model: ModelInfo, welcome: Welcome) -> int:
-    """The longest prompt + output to advertise: the daemon's, within the model's positions."""
-    daemon = welcome.max_model_len or welcome.num_gpu_blocks * welcome.block_size
+def context_length(model: ModelInfo, daemon_context: int) -> int:
+    """The longest prompt + output to advertise: the daemon's (its `welcome.max_model_len`,
+    already capped by its KV pool), within the model's positions."""
     if model.max_position_embeddings is None:
-        return daemon
-    return min(daemon, model.max_position_embeddings)
+        return daemon_context
+    return min(daemon_context, model.max_position_embeddings)
 
 
 def check_role(mode: str, welcome: Welcome) -> None:

@@ -89,7 +89,7 @@ async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]
     model = read_model(args.model_path)
     welcome = await _hello(client, args)
     check_role(args.disaggregation_mode.value, welcome)
-    if welcome.max_num_seqs is None:
+    if welcome.max_model_len is None or welcome.max_num_seqs is None:
         raise SetupError(
             f"the daemon at {args.control_endpoint} (engined {welcome.version}) is too old "
             "for dynamo-worker: upgrade it"
@@ -105,7 +105,7 @@ async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]
             vocab_size=vocabulary.vocab_size,
             excluded_token_ids=list(vocabulary.excluded_token_ids),
         )
-    return welcome, context_length(model, welcome)
+    return welcome, context_length(model, welcome.max_model_len)
 
 
 def _runtime_config(welcome: Welcome, context: int) -> Any:

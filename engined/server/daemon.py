@@ -25,7 +25,7 @@ import zmq.asyncio
 
 import engined
 from engined.config import DaemonConfig, endpoint_for_rank
-from engined.core.args import EngineArgs
+from engined.core.policy import context_length
 from engined.core.scheduler import VllmCore
 from engined.logs import configure_logging
 from engined.server.control import ControlServer
@@ -199,7 +199,9 @@ class Daemon:
                 fpm_endpoints=fpm_endpoints,
                 max_num_seqs=engine.max_num_seqs,
                 max_num_batched_tokens=engine.max_num_batched_tokens,
-                max_model_len=_context_length(engine),
+                max_model_len=context_length(
+                    engine.num_gpu_blocks, engine.block_size, engine.max_model_len
+                ),
                 enable_prefix_caching=engine.enable_prefix_caching,
                 kv_events_topic=cfg.kv_events_topic,
                 kv_events_format=cfg.kv_events_format,
@@ -359,14 +361,6 @@ class _LateDelivery:
 
     def deliver_lifecycle(self, rank: int, events: list) -> None:  # type: ignore[type-arg]
         self._controls[0].deliver_lifecycle(rank, events)
-
-
-def _context_length(engine: EngineArgs) -> int:
-    """The longest prompt + output a request may have: the pool caps `max_model_len`."""
-    capacity = engine.num_gpu_blocks * engine.block_size
-    if engine.max_model_len is None:
-        return capacity
-    return min(engine.max_model_len, capacity)
 
 
 def _limits(

@@ -127,8 +127,8 @@ def test_a_contradicting_daemon_vocabulary_stops_the_worker(
 
 def test_context_length_is_the_daemons_within_the_models_positions(tmp_path: Path) -> None:
     info = read_model(model_dir(tmp_path))
-    assert context_length(info, welcome(max_model_len=16384)) == 4096
-    assert context_length(info, welcome(max_model_len=1024)) == 1024
+    assert context_length(info, 16384) == 4096
+    assert context_length(info, 1024) == 1024
 
 
 def test_roles_must_match(tmp_path: Path) -> None:
