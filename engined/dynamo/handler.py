@@ -187,7 +187,7 @@ class RequestHandler:
             )
         )
         usage = _Usage(len(token_ids))
-        async for chunk in self._stream(submitted.request_id, usage, context):
+        async for chunk, _ in self._entries(submitted.request_id, usage, context):
             yield chunk
 
     async def _prefill(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
@@ -273,16 +273,10 @@ class RequestHandler:
                 self._spawn_cleanup(self._abandon_handoff(handoff_id, peer))
         usage = _Usage(len(token_ids))
         usage.cached_tokens = _prefill_cached_tokens(prefill_result)
-        async for chunk in self._stream(accepted.request_id, usage, context):
+        async for chunk, _ in self._entries(accepted.request_id, usage, context):
             yield chunk
 
     # --- streaming and ownership ------------------------------------------------------------
-
-    async def _stream(
-        self, request_id: str, usage: _Usage, context: Context
-    ) -> AsyncIterator[Chunk]:
-        async for chunk, _ in self._entries(request_id, usage, context):
-            yield chunk
 
     async def _entries(
         self, request_id: str, usage: _Usage, context: Context

@@ -15,19 +15,9 @@ from collections.abc import Callable, Sequence
 from engined.core.types import Command, CommandEffects, EngineMetrics, PassResult
 from engined.server.engine_loop import EngineLoop
 from engined.wire import control as wire
+from engined.wire.convert import load_message
 
 Send = Callable[[bytes, wire.DaemonMessage], None]
-
-
-def load_message(metrics: EngineMetrics) -> wire.Load:
-    return wire.Load(
-        dp_rank=metrics.dp_rank,
-        active_blocks=metrics.active_blocks,
-        total_blocks=metrics.total_blocks,
-        kv_cache_usage=float(metrics.kv_cache_usage),
-        running=metrics.running,
-        waiting=metrics.waiting,
-    )
 
 
 class LoadWatch:

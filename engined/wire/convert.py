@@ -18,6 +18,7 @@ from engined.wire.control import (
     ClientMessage,
     DestinationReservedEvent,
     FinishReason,
+    Load,
     OutputEntry,
     RankStats,
     ReleaseSource,
@@ -118,6 +119,18 @@ def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:
                 transferable_prompt_tokens=event.transferable_prompt_tokens,
             )
     raise TypeError(f"Not a lifecycle event: {event!r}")
+
+
+def load_message(metrics: core.EngineMetrics) -> Load:
+    """One `load` message (`watch_load`): the KV gauges of `stats`, pushed when they change."""
+    return Load(
+        dp_rank=metrics.dp_rank,
+        active_blocks=metrics.active_blocks,
+        total_blocks=metrics.total_blocks,
+        kv_cache_usage=float(metrics.kv_cache_usage),
+        running=metrics.running,
+        waiting=metrics.waiting,
+    )
 
 
 def rank_stats(
