@@ -1,0 +1,179 @@
+"""Layered loading: defaults < TOML file < `ENGINED_*` environment < flags.
+
+Each layer only collects raw values (text parsed to the key's shape); judging them is left
+to the one validation pass, so a value is checked once, in its final form.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from engined.config.fields import (
+    DAEMON_TABLE_KEYS,
+    ENGINE_TABLE_KEYS,
+    ENV_ALLOWLIST,
+    ENV_KEYS,
+    ENV_PREFIX,
+    KEYS,
+)
+from engined.config.flags import FLAG_OF_KEY
+from engined.config.schema import ConfigError, DaemonConfig
+from engined.config.validation import Layers, validate
+
+
+def load_config(
+    *,
+    config_path: str | Path | None,
+    env: Mapping[str, str],
+    flags: Mapping[str, Any],
+) -> DaemonConfig:
+    """Layer defaults < TOML file < `ENGINED_*` environment < flags, then validate once.
+
+    Args:
+        config_path: TOML file with top-level daemon keys and an `[engine]` table of `EngineArgs`
+            keys (a Dynamo mocker JSON's keys load unchanged there), or None for no file.
+        env: the process environment; every `ENGINED_*` variable must name a setting
+            (`env_name`) unless it is in `ENV_ALLOWLIST`, so typos surface.
+        flags: only the flags the user gave, by dotted config key (`engine.block_size`,
+            `drain_timeout`). String values are parsed like environment values (the CLI passes
+            text); other values are taken as they are.
+
+    Returns:
+        The validated configuration, with normalised engine arguments.
+
+    Raises:
+        ConfigError: the first problem found, naming the key (or file, or variable).
+    """
+    layers = Layers()
+    if config_path is not None:
+        path = Path(config_path)
+        _apply_toml(layers, _read_toml(path), source=str(path))
+    _apply_env(layers, env)
+    _apply_flags(layers, flags)
+    return validate(layers)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except OSError as error:
+        raise ConfigError(f"config file {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {path}: {error}") from None
+
+
+def _apply_toml(layers: Layers, data: Mapping[str, Any], *, source: str) -> None:
+    for name, value in data.items():
+        if name == "engine":
+            if not isinstance(value, dict):
+                raise layers.error("engine", "must be a table ([engine])")
+            for engine_name, engine_value in value.items():
+                key = f"engine.{engine_name}"
+                if engine_name not in ENGINE_TABLE_KEYS:
+                    hint = _did_you_mean(engine_name, ENGINE_TABLE_KEYS)
+                    raise ConfigError(f"{key}: unknown key in {source}{hint}", key=key)
+                layers.set(key, _empty_is_none(key, engine_value, source), source)
+        elif name in DAEMON_TABLE_KEYS:
+            layers.set(name, _empty_is_none(name, value, source), source)
+        elif name in ENGINE_TABLE_KEYS:
+            raise ConfigError(
+                f"{name}: unknown top-level key in {source}; engine keys belong in the [engine] "
+                f"table (engine.{name})",
+                key=name,
+            )
+        else:
+            hint = _did_you_mean(name, DAEMON_TABLE_KEYS | {"engine"})
+            raise ConfigError(f"{name}: unknown key in {source}{hint}", key=name)
+
+
+def _apply_env(layers: Layers, env: Mapping[str, str]) -> None:
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in ENV_ALLOWLIST:
+            continue
+        key = ENV_KEYS.get(name)
+        if key is None:
+            hint = _did_you_mean(name, ENV_KEYS)
+            raise ConfigError(f"{name}: unknown environment variable{hint}")
+        layers.set(key, _parse_text(key, env[name], source=name), name)
+
+
+def _apply_flags(layers: Layers, flags: Mapping[str, Any]) -> None:
+    for key, value in flags.items():
+        if key not in KEYS:
+            raise ConfigError(f"{key}: not a setting a flag can set{_did_you_mean(key, KEYS)}")
+        flag = FLAG_OF_KEY.get(key)
+        source = flag.name if flag is not None else key
+        if isinstance(value, str):
+            value = _parse_text(key, value, source=source)
+        layers.set(key, value, source)
+
+
+_TRUE = frozenset({"true", "1", "yes"})
+_FALSE = frozenset({"false", "0", "no"})
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+
+
+def _parse_text(key: str, text: str, *, source: str) -> Any:
+    """Turn environment or command-line text into the value `key` takes (range checks later)."""
+    shape = KEYS[key]
+    if shape.optional and text == "":
+        return None
+    if shape.kind is str:
+        return text
+    if shape.kind is tuple:
+        return _parse_int_list(key, text, source=source)
+    stripped = text.strip()
+    if shape.kind is bool:
+        if stripped.lower() in _TRUE:
+            return True
+        if stripped.lower() in _FALSE:
+            return False
+        expected = "a boolean (true/false/1/0/yes/no)"
+    elif shape.kind is int:
+        if _INT_TEXT.fullmatch(stripped):
+            return int(stripped)
+        expected = "an integer"
+    else:
+        try:
+            return float(stripped)
+        except ValueError:
+            expected = "a number"
+    raise ConfigError(f"{key}: expected {expected}, got {text!r} (from {source})", key=key)
+
+
+def _parse_int_list(key: str, text: str, *, source: str) -> tuple[int, ...]:
+    """Comma-separated integers, as `--nextn-accept-rates` takes floats; "" is the empty list."""
+    if not text.strip():
+        return ()
+    parts = [part.strip() for part in text.split(",")]
+    if all(_INT_TEXT.fullmatch(part) for part in parts):
+        return tuple(int(part) for part in parts)
+    raise ConfigError(
+        f"{key}: expected comma-separated integers, got {text!r} (from {source})", key=key
+    )
+
+
+def _empty_is_none(key: str, value: Any, source: str) -> Any:
+    """TOML has no null: "" stands for None in optional settings (see the module docstring).
+
+    A list setting also takes its command-line text form in TOML, so "" is the empty list.
+    """
+    shape = KEYS.get(key)
+    if value == "" and shape is not None and shape.optional:
+        return None
+    if isinstance(value, str) and shape is not None and shape.kind is tuple:
+        return _parse_int_list(key, value, source=source)
+    return value
+
+
+def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
