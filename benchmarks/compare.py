@@ -1,0 +1,264 @@
+"""A/B benchmark: an older revision against the working tree, alternating runs on one machine.
+
+    .venv/bin/python benchmarks/compare.py REV [--benchmark core|e2e|e2e-pacing] [--repeat 3]
+        [--new REV2] [-- extra benchmark args]
+
+REV is checked out in a temporary `git worktree` (removed at the end, also on Ctrl-C). Each
+side runs its *own* copy of the benchmark script with identical arguments, under this
+interpreter, with `PYTHONPATH` and the working directory set to its tree: `import engined`
+then resolves to that tree (the editable install's finder comes after `sys.path`, so it does
+not shadow it), and so does a daemon the script starts with `sys.executable -m engined.cli`
+(the child inherits both). Before the runs, each side prints which `engined` it imports.
+
+The sides alternate old/new, new/old, ... (ABBA) for `--repeat` rounds, so drift on a shared
+machine cancels; per round and as medians, with the ratio new/old. Absolute figures on a loaded
+machine are noise; the ratio of medians is the number to read (and the daemon CPU per token of
+the e2e benchmark, which is less sensitive to other load than wall time).
+
+Benchmarks: `core` = core_throughput.py, `e2e` = e2e_throughput.py (ipc and tcp throughput),
+`e2e-pacing` = e2e_throughput.py --pacing (pass-start lateness; steady-state lines and the
+idle CPU only where the script prints them). Keep `--requests` small while developing, e.g.
+`-- --requests 256`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    pattern: re.Pattern[str]
+    higher_is_better: bool
+    group: int = 1
+    # Several matches (one per rank): how to fold them into one number.
+    fold: Callable[[list[float]], float] = max
+
+
+def _m(name: str, pattern: str, higher: bool, group: int = 1) -> Metric:
+    return Metric(name, re.compile(pattern, re.MULTILINE), higher, group)
+
+
+_NUM = r"([\d,]+(?:\.\d+)?)"
+# Pass-start lateness of all passes (every revision prints these) and, where the script
+# prints them, of the steady state only; worst rank.
+_LATE = rf"passes \d+, pass-start lateness ms p50 {_NUM}\s+p99 {_NUM}\s+max {_NUM}"
+
+BENCHMARKS: dict[str, tuple[str, list[str], list[Metric]]] = {
+    "core": (
+        "core_throughput.py",
+        [],
+        [
+            _m("output tokens/s", rf"^output tokens\s+\d+\s+\({_NUM} tokens/s\)", True),
+            _m("passes/s", rf"^passes\s+\d+\s+\({_NUM} passes/s\)", True),
+        ],
+    ),
+    "e2e": (
+        "e2e_throughput.py",
+        [],
+        [
+            _m("[ipc] output tokens/s", rf"^\[ipc\]\s+output tokens/s\s+{_NUM}", True),
+            _m("[tcp] output tokens/s", rf"^\[tcp\]\s+output tokens/s\s+{_NUM}", True),
+            _m("[ipc] µs/token CPU", rf"^\[ipc\]\s+daemon CPU .*\({_NUM} µs per output", False),
+            _m("[tcp] µs/token CPU", rf"^\[tcp\]\s+daemon CPU .*\({_NUM} µs per output", False),
+        ],
+    ),
+    "e2e-pacing": (
+        "e2e_throughput.py",
+        ["--pacing"],
+        [
+            _m("all p50 ms (worst rank)", rf"^\s+rank \d+: {_LATE}", False, 1),
+            _m("all p99 ms (worst rank)", rf"^\s+rank \d+: {_LATE}", False, 2),
+            _m("all max ms (worst rank)", rf"^\s+rank \d+: {_LATE}", False, 3),
+            _m("steady p50 ms (worst rank)", rf"^\s+steady rank \d+: {_LATE}", False, 1),
+            _m("steady p99 ms (worst rank)", rf"^\s+steady rank \d+: {_LATE}", False, 2),
+            _m("steady max ms (worst rank)", rf"^\s+steady rank \d+: {_LATE}", False, 3),
+            _m("idle daemon cpu %", rf"^idle daemon cpu {_NUM}% of a core", False),
+        ],
+    ),
+}
+
+
+def git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def describe(rev: str | None) -> str:
+    if rev is None:
+        head = git("log", "-1", "--format=%h %s")
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO).returncode != 0
+        return f"working tree at {head}" + (" + uncommitted changes" if dirty else "")
+    return git("log", "-1", "--format=%h %s", rev)
+
+
+@contextmanager
+def worktree(rev: str, parent: Path) -> Iterator[Path]:
+    """A detached checkout of `rev` under `parent`, removed on the way out."""
+    path = parent / git("rev-parse", "--short", rev)
+    git("worktree", "add", "--detach", str(path), rev)
+    try:
+        yield path
+    finally:
+        subprocess.run(
+            ["git", "worktree", "remove", "--force", str(path)], cwd=REPO, capture_output=True
+        )
+        subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
+
+
+def child_env(tree: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(tree)  # the tree's engined, not the editable install's
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("PYTHONHOME", None)
+    return env
+
+
+def check_import(tree: Path, scratch: Path) -> str:
+    """The `engined` the side's children import (run away from the tree: PYTHONPATH alone)."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import engined.cli; print(engined.cli.__file__)"],
+        cwd=scratch,
+        env=child_env(tree),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not Path(out).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"{tree}: `import engined` resolved to {out}, outside the tree")
+    return out
+
+
+def run_side(tree: Path, script: str, args: list[str]) -> str:
+    cmd = [sys.executable, str(tree / "benchmarks" / script), *args]
+    proc = subprocess.run(cmd, cwd=tree, env=child_env(tree), capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise SystemExit(f"{' '.join(cmd)} exited with {proc.returncode}")
+    return proc.stdout
+
+
+def parse(metrics: list[Metric], text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for metric in metrics:
+        found = [
+            float(m.group(metric.group).replace(",", "")) for m in metric.pattern.finditer(text)
+        ]
+        if found:
+            values[metric.name] = metric.fold(found)
+    return values
+
+
+def fmt(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:,.3f}"
+
+
+def machine() -> str:
+    u = os.uname()
+    return (
+        f"machine: {platform.processor() or u.machine}, {os.cpu_count()} CPUs, "
+        f"{u.sysname} {u.release} {u.version} {u.machine}; python {platform.python_version()}; "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1 :]
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("rev", help="the old revision (e.g. 3a10a4f)")
+    parser.add_argument("--benchmark", choices=sorted(BENCHMARKS), default="core")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds (one run of each side)")
+    parser.add_argument("--new", default=None, help="a revision instead of the working tree")
+    ns = parser.parse_args(argv)
+    script, fixed, metrics = BENCHMARKS[ns.benchmark]
+    args = fixed + extra
+    signal.signal(signal.SIGTERM, _interrupt)  # so the worktrees are removed then as well
+
+    print(machine())
+    print(f"benchmark: {script} {' '.join(args)}; {ns.repeat} rounds, ABBA order")
+    print(f"old: {describe(ns.rev)}")
+    print(f"new: {describe(ns.new)}")
+    scratch = Path(tempfile.mkdtemp(prefix="engined-compare-"))
+    try:
+        with worktree(ns.rev, scratch) as old_tree:
+            if ns.new is None:
+                run_rounds(old_tree, REPO, script, args, metrics, ns.repeat, scratch)
+            else:
+                with worktree(ns.new, scratch) as new_tree:
+                    run_rounds(old_tree, new_tree, script, args, metrics, ns.repeat, scratch)
+    except KeyboardInterrupt:
+        print("interrupted; worktrees removed", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_rounds(
+    old_tree: Path,
+    new_tree: Path,
+    script: str,
+    args: list[str],
+    metrics: list[Metric],
+    repeat: int,
+    scratch: Path,
+) -> None:
+    trees = {"old": old_tree, "new": new_tree}
+    for side, tree in trees.items():
+        print(f"{side} imports {check_import(tree, scratch)}")
+    results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    for n in range(repeat):
+        order = ("old", "new") if n % 2 == 0 else ("new", "old")
+        for side in order:
+            started = time.perf_counter()
+            values = parse(metrics, run_side(trees[side], script, args))
+            results[side].append(values)
+            shown = ", ".join(f"{k} {fmt(v)}" for k, v in values.items())
+            print(f"round {n + 1} {side}: {shown}  ({time.perf_counter() - started:.1f} s)")
+    width = max(len(m.name) for m in metrics)
+    print(f"\n{'median':<{width}}  {'old':>12}  {'new':>12}  new/old")
+    for metric in metrics:
+        medians: dict[str, float | None] = {}
+        for side in ("old", "new"):
+            found = [r[metric.name] for r in results[side] if metric.name in r]
+            medians[side] = statistics.median(found) if found else None
+        old, new = medians["old"], medians["new"]
+        if old is None and new is None:
+            continue
+        ratio = f"{new / old:.3f}" if old and new is not None else "n/a"
+        better = "higher is better" if metric.higher_is_better else "lower is better"
+        print(f"{metric.name:<{width}}  {fmt(old):>12}  {fmt(new):>12}  {ratio:>7}  ({better})")
+
+
+if __name__ == "__main__":
+    main()
