@@ -1,0 +1,382 @@
+"""`EngineClient`: the control protocol (v1) as async methods, one per message.
+
+Used by the CLI tools, the Dynamo worker, the tests and the benchmarks. The socket, the
+reader and the routing of replies and streams are `Connection`'s; each method here builds
+one message and says which reply it expects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from engined.client.connection import DEFAULT_TIMEOUT, Connection
+from engined.client.errors import ClientClosedError
+from engined.wire.control import (
+    ActivateDestination,
+    Applied,
+    Cancel,
+    CancelDestination,
+    CancelSource,
+    DestinationAccepted,
+    DirectReply,
+    FinishReason,
+    Hello,
+    Load,
+    Noop,
+    OutputEntry,
+    Ping,
+    Pong,
+    ReleaseSource,
+    ReserveDestination,
+    ResetPrefixCache,
+    SetFpmWorkerId,
+    SetVocabulary,
+    Stats,
+    StatsReply,
+    Submit,
+    SubmitHandoffPrefill,
+    Submitted,
+    WatchLoad,
+    Welcome,
+    WireLifecycleEvent,
+    WireRequest,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """Everything one request produced (`EngineClient.generate`)."""
+
+    request_id: str
+    dp_rank: int
+    token_ids: list[int]
+    # None only when the stream ended without a finished entry: this client's own cancel on
+    # an older daemon (a current one ends every stream with a terminal entry).
+    finish_reason: FinishReason | None
+    cached_tokens: int | None
+    handoff_delay_ms: float | None
+    # How many `output` entries carried the tokens (a speculative burst is one entry).
+    num_outputs: int
+
+
+class EngineClient(Connection):
+    """A connection to one daemon's control socket; build it with `await connect(...)`.
+
+    Use it as `async with await EngineClient.connect(endpoint) as client:`, or call
+    `close()`. Calls may run concurrently. Every call that waits on the daemon takes
+    `timeout` (seconds, None = forever) and raises TimeoutError when it runs out.
+    """
+
+    # --- protocol calls -------------------------------------------------------------------
+
+    async def hello(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> Welcome:
+        return await self._call(Hello(id=self._next_id()), Welcome, timeout)
+
+    async def submit(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        request_id: str | None = None,
+        output_token_ids: Sequence[int] | None = None,
+        dp_rank: int | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> Submitted:
+        """Submit a request; read its outputs with `outputs(reply.request_id)`.
+
+        With a `request_id` the output queue is registered before the message leaves, so no
+        output can be missed; without one the daemon mints the id and outputs that beat the
+        `submitted` reply are kept for `outputs()` all the same.
+        """
+        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank)
+        msg = Submit(request=request, id=self._next_id())
+        return await self._call_with_stream(msg, Submitted, request_id, timeout)
+
+    async def outputs(
+        self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> AsyncIterator[OutputEntry]:
+        """Yield the request's output entries until its finished one.
+
+        Whoever cancels the request (this client, another one, the daemon), the last entry
+        is a `cancelled` terminal; an older daemon sends none for this client's own cancel,
+        and the stream then ends once that cancel was applied. `timeout` bounds the wait
+        for each entry.
+        """
+        async with contextlib.aclosing(self._entries(request_id, timeout, backlog=False)) as lists:
+            async for (entry,) in lists:
+                yield entry
+
+    async def output_batches(
+        self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> AsyncIterator[list[OutputEntry]]:
+        """Like `outputs`, but each item is every entry that had arrived by then, in order.
+
+        A consumer slower than the engine (a relay such as the Dynamo worker) then pays its
+        per-item cost once per backlog instead of once per pass, as vLLM's output collector
+        merges the deltas its consumer has not taken yet.
+        """
+        async with contextlib.aclosing(self._entries(request_id, timeout, backlog=True)) as lists:
+            async for batch in lists:
+                yield batch
+
+    async def stream(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        request_id: str | None = None,
+        output_token_ids: Sequence[int] | None = None,
+        dp_rank: int | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> AsyncIterator[OutputEntry]:
+        """`submit` then `outputs`: the request's entries until its finished one."""
+        submitted = await self.submit(
+            token_ids,
+            max_tokens,
+            request_id=request_id,
+            output_token_ids=output_token_ids,
+            dp_rank=dp_rank,
+            timeout=timeout,
+        )
+        async for entry in self.outputs(submitted.request_id, timeout=timeout):
+            yield entry
+
+    async def generate(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        request_id: str | None = None,
+        output_token_ids: Sequence[int] | None = None,
+        dp_rank: int | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> Generation:
+        """Submit and collect every output of the request."""
+        submitted = await self.submit(
+            token_ids,
+            max_tokens,
+            request_id=request_id,
+            output_token_ids=output_token_ids,
+            dp_rank=dp_rank,
+            timeout=timeout,
+        )
+        return await self.collect(submitted, timeout=timeout)
+
+    async def collect(
+        self, submitted: Submitted, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Generation:
+        """Gather the outputs of a submitted request (also a handoff prefill) into one value."""
+        tokens: list[int] = []
+        finish_reason: FinishReason | None = None
+        cached_tokens: int | None = None
+        handoff_delay_ms: float | None = None
+        count = 0
+        async for entry in self.outputs(submitted.request_id, timeout=timeout):
+            count += 1
+            tokens.extend(entry.token_ids)
+            if entry.cached_tokens is not None and cached_tokens is None:
+                cached_tokens = entry.cached_tokens
+            if entry.handoff_delay_ms is not None:
+                handoff_delay_ms = entry.handoff_delay_ms
+            finish_reason = entry.finish_reason
+        return Generation(
+            request_id=submitted.request_id,
+            dp_rank=submitted.dp_rank,
+            token_ids=tokens,
+            finish_reason=finish_reason,
+            cached_tokens=cached_tokens,
+            handoff_delay_ms=handoff_delay_ms,
+            num_outputs=count,
+        )
+
+    async def cancel(
+        self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied | Noop:
+        """Cancel a request, this client's or another's (a router may cancel any).
+
+        `applied` when it was active: its owner's stream ends with a `cancelled` terminal,
+        which comes before the `applied` when the owner is this client; no more output
+        follows. `noop` when it was unknown or had already ended.
+        """
+        reply = await self._call_either(Cancel(request_id=request_id, id=self._next_id()), timeout)
+        if isinstance(reply, Applied):
+            self._end_stream(request_id)
+        return reply
+
+    async def submit_handoff_prefill(
+        self,
+        handoff_id: str,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        request_id: str | None = None,
+        output_token_ids: Sequence[int] | None = None,
+        dp_rank: int | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> Submitted:
+        """Prefill on this (source) worker; `source_held` arrives as a lifecycle event."""
+        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank)
+        msg = SubmitHandoffPrefill(handoff_id=handoff_id, request=request, id=self._next_id())
+        return await self._call_with_stream(msg, Submitted, request_id, timeout)
+
+    async def release_source(
+        self, handoff_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied | Noop:
+        """Free a held source; ends this client's lifecycle queue of the handoff."""
+        msg = ReleaseSource(handoff_id=handoff_id, id=self._next_id())
+        return await self._end_handoff(handoff_id, msg, timeout)
+
+    async def cancel_source(
+        self, handoff_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied | Noop:
+        msg = CancelSource(handoff_id=handoff_id, id=self._next_id())
+        return await self._end_handoff(handoff_id, msg, timeout)
+
+    async def reserve_destination(
+        self,
+        handoff_id: str,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        request_id: str | None = None,
+        output_token_ids: Sequence[int] | None = None,
+        dp_rank: int | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> DestinationAccepted:
+        """Reserve KV on this (destination) worker; `destination_reserved` follows as a
+        lifecycle event, and the request's outputs stream after `activate_destination`."""
+        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank)
+        msg = ReserveDestination(handoff_id=handoff_id, request=request, id=self._next_id())
+        return await self._call_with_stream(msg, DestinationAccepted, request_id, timeout)
+
+    async def activate_destination(
+        self, handoff_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied | Noop:
+        """Start decoding a reserved destination; ends this client's lifecycle queue of it."""
+        msg = ActivateDestination(handoff_id=handoff_id, id=self._next_id())
+        return await self._end_handoff(handoff_id, msg, timeout)
+
+    async def cancel_destination(
+        self, handoff_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied | Noop:
+        msg = CancelDestination(handoff_id=handoff_id, id=self._next_id())
+        return await self._end_handoff(handoff_id, msg, timeout)
+
+    async def stats(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> StatsReply:
+        return await self._call(Stats(id=self._next_id()), StatsReply, timeout)
+
+    async def ping(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> Pong:
+        return await self._call(Ping(id=self._next_id()), Pong, timeout)
+
+    async def reset_prefix_cache(
+        self, dp_rank: int | None = None, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied:
+        """Clear the prefix cache of `dp_rank`, or of every rank when None."""
+        msg = ResetPrefixCache(dp_rank=dp_rank, id=self._next_id())
+        return await self._call(msg, Applied, timeout)
+
+    async def set_vocabulary(
+        self,
+        vocab_size: int | None,
+        excluded_token_ids: Sequence[int] = (),
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> Applied:
+        """Draw generated ids from `[0, vocab_size)` minus `excluded_token_ids`, every rank."""
+        msg = SetVocabulary(
+            vocab_size=vocab_size, excluded_token_ids=list(excluded_token_ids), id=self._next_id()
+        )
+        return await self._call(msg, Applied, timeout)
+
+    async def set_fpm_worker_id(
+        self, worker_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied:
+        """Stamp every rank's forward-pass metrics with `worker_id` from now on."""
+        return await self._call(
+            SetFpmWorkerId(worker_id=worker_id, id=self._next_id()), Applied, timeout
+        )
+
+    async def watch_load(
+        self, on_load: Callable[[Load], None], *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied:
+        """Call `on_load` (from the reader task) with every `load` message from now on.
+
+        The daemon sends each rank's load at once, then whenever it changes.
+        """
+        self._on_load = on_load
+        return await self._call(WatchLoad(id=self._next_id()), Applied, timeout)
+
+    async def send_raw(
+        self, body: bytes, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> DirectReply:
+        """Send `body` as is and return the direct reply, an `ErrorReply` included.
+
+        For tests of malformed input. The reply is matched as the oldest unclaimed direct
+        reply, since a broken body's `id` may be unreadable; do not put an int `id` in
+        `body` that a concurrent call of this client may be using.
+        """
+        self._check_usable()
+        future: asyncio.Future[DirectReply] = asyncio.get_running_loop().create_future()
+        self._raw_waiters.append(future)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._sock.send_multipart((body,))
+                return await future
+        finally:
+            if future in self._raw_waiters:
+                self._raw_waiters.remove(future)
+
+    # --- lifecycle events -----------------------------------------------------------------
+
+    async def next_lifecycle(
+        self, handoff_id: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> WireLifecycleEvent:
+        """The next lifecycle event of `handoff_id`, or of any handoff when None.
+
+        The two views are independent: an event is delivered once to its handoff's queue
+        and once to the general feed (which keeps the newest LIFECYCLE_FEED_SIZE events).
+        """
+        if handoff_id is None:
+            item = await self._get(self._lifecycle, timeout)
+        else:
+            queue = self._handoff_queue(handoff_id)
+            item = await self._get(queue, timeout)
+            if queue.empty() and self._handoffs.get(handoff_id) is queue:
+                del self._handoffs[handoff_id]
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def lifecycle_events(
+        self, handoff_id: str | None = None, *, timeout: float | None = None
+    ) -> AsyncIterator[WireLifecycleEvent]:
+        """Yield lifecycle events (of one handoff, or all) until the client closes.
+
+        `timeout` bounds the wait for each event (default: wait forever).
+        """
+        while True:
+            try:
+                yield await self.next_lifecycle(handoff_id, timeout=timeout)
+            except ClientClosedError:
+                return
+
+
+def _request(
+    token_ids: Sequence[int],
+    max_tokens: int,
+    request_id: str | None,
+    output_token_ids: Sequence[int] | None,
+    dp_rank: int | None,
+) -> WireRequest:
+    # NOTE: no validation here: the daemon is the one judge of a request, and tests send
+    # invalid ones through these methods on purpose.
+    return WireRequest(
+        request_id=request_id,
+        token_ids=list(token_ids),
+        max_tokens=max_tokens,
+        output_token_ids=None if output_token_ids is None else list(output_token_ids),
+        dp_rank=dp_rank,
+    )

@@ -1,0 +1,393 @@
+"""The connection under `EngineClient`: one DEALER socket, one reader task, the bookkeeping.
+
+Every message the client sends carries an int `id` it picked; the reader resolves the waiting
+call's future when the direct reply echoing that `id` arrives, and routes streamed messages by
+what they name: `output` entries to a queue per request, `lifecycle` events to a queue per
+handoff and to one general feed. Nothing is lost between a call and its consumer: a request's
+output queue is registered before its submit is sent, and a message naming a request or
+handoff without a queue creates one.
+
+The reader never dies silently: if it fails, the failure is logged, every waiting call and
+every stream raises it, and later calls raise `ClientClosedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from types import TracebackType
+from typing import Final, Self, TypeAlias, TypeVar
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from engined.client.errors import ClientClosedError, EngineError, ProtocolError
+from engined.wire.control import (
+    Applied,
+    ClientMessage,
+    DaemonMessage,
+    DirectReply,
+    ErrorReply,
+    Lifecycle,
+    Load,
+    Noop,
+    Output,
+    OutputEntry,
+    ReplyDecoder,
+    WireError,
+    WireLifecycleEvent,
+    encode_message,
+)
+from engined.zmq_sockets import make_socket
+
+log = structlog.get_logger()
+
+DEFAULT_TIMEOUT: Final = 30.0
+# A client reads everything at once into its queues, so these only bound bursts.
+_HWM: Final = 10_000
+# The general lifecycle feed keeps the newest events only: a caller that reads per handoff
+# never drains it.
+LIFECYCLE_FEED_SIZE: Final = 10_000
+
+R = TypeVar("R", bound=DirectReply)
+_T = TypeVar("_T")
+
+
+class _End(enum.Enum):
+    """Ends a stream once the client's own cancel was applied.
+
+    A current daemon sends the request's `cancelled` terminal before `applied`, so the
+    stream has ended on that entry already; an older one sends no terminal, and this marker
+    is what ends the stream.
+    """
+
+    END = enum.auto()
+
+
+_StreamItem: TypeAlias = OutputEntry | _End | BaseException
+_LifecycleItem: TypeAlias = WireLifecycleEvent | BaseException
+
+
+class Connection:
+    """A DEALER to one daemon's control socket with its reader; `EngineClient` adds the calls.
+
+    Build it with `await connect(...)`. The protocol calls live in the subclass so that this
+    class holds only what the reader and the calls share: pending futures and queues.
+    """
+
+    def __init__(
+        self, sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, *, owns_ctx: bool
+    ) -> None:
+        # Private: `connect()` builds the socket and starts the reader.
+        self._sock = sock
+        self._ctx = ctx
+        self._owns_ctx = owns_ctx
+        self._decoder = ReplyDecoder()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[DirectReply]] = {}
+        # ids of calls that gave up (timeout, cancellation): their late replies are dropped
+        # instead of being taken for the reply to a raw message.
+        self._abandoned: set[int] = set()
+        # send_raw() callers, oldest first: they take the direct replies no call claims.
+        self._raw_waiters: deque[asyncio.Future[DirectReply]] = deque()
+        self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
+        self._handoffs: dict[str, asyncio.Queue[_LifecycleItem]] = {}
+        self._lifecycle: asyncio.Queue[_LifecycleItem] = asyncio.Queue(LIFECYCLE_FEED_SIZE)
+        self._on_load: Callable[[Load], None] | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._reader = asyncio.get_running_loop().create_task(
+            self._read(), name="engine-client-reader"
+        )
+
+    @classmethod
+    async def connect(
+        cls,
+        endpoint: str,
+        *,
+        ctx: zmq.asyncio.Context | None = None,
+        identity: bytes | None = None,
+    ) -> Self:
+        """Connect a DEALER to the daemon's control endpoint.
+
+        Returns at once: ZeroMQ connects in the background and queues messages until then,
+        so a daemon that is not there shows up as a TimeoutError on the first call
+        (`hello()` is the usual first call).
+
+        Args:
+            endpoint: the daemon's `control_endpoint`.
+            ctx: a context to share; when None the client makes one and terminates it on
+                close.
+            identity: the DEALER routing id the daemon sees; None lets ZeroMQ pick.
+        """
+        owns_ctx = ctx is None
+        context = zmq.asyncio.Context() if ctx is None else ctx
+        try:
+            # NOTE: linger 0: every message that matters is followed by an awaited reply,
+            # so what is still queued at close was abandoned, and close must not hang on a
+            # daemon that went away.
+            sock = make_socket(
+                context,
+                zmq.DEALER,
+                endpoint,
+                bind=False,
+                sndhwm=_HWM,
+                rcvhwm=_HWM,
+                linger=0,
+                routing_id=identity,
+            )
+        except BaseException:
+            if owns_ctx:
+                context.term()
+            raise
+        return cls(sock, context, owns_ctx=owns_ctx)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the reader, fail what still waits with ClientClosedError, close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.cancel()
+        # A reader failure was logged and handed to every waiter when it happened; awaiting
+        # here only collects it, so it is not reported twice.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._reader
+        if self._failure is None:
+            self._fail_all(ClientClosedError("client closed"))
+        self._sock.close()
+        if self._owns_ctx:
+            self._ctx.term()
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise ClientClosedError("client reader failed") from self._failure
+        if self._closed:
+            raise ClientClosedError("client closed")
+
+    async def _request(self, msg: ClientMessage, timeout: float | None) -> DirectReply:
+        """Send `msg` (stamped with an int id) and wait for the reply echoing that id."""
+        self._check_usable()
+        message_id = msg.id
+        assert isinstance(message_id, int), "the client stamps every message with an int id"
+        future: asyncio.Future[DirectReply] = asyncio.get_running_loop().create_future()
+        self._pending[message_id] = future
+        try:
+            async with asyncio.timeout(timeout):
+                await self._sock.send_multipart((encode_message(msg),))
+                reply = await future
+        except BaseException:
+            if self._pending.pop(message_id, None) is not None:
+                self._abandoned.add(message_id)
+            raise
+        if isinstance(reply, ErrorReply):
+            raise EngineError(reply.code, reply.message)
+        return reply
+
+    async def _call(self, msg: ClientMessage, expected: type[R], timeout: float | None) -> R:
+        reply = await self._request(msg, timeout)
+        if not isinstance(reply, expected):
+            raise ProtocolError(f"expected `{_tag(expected)}` reply, got {reply!r}")
+        return reply
+
+    async def _call_either(self, msg: ClientMessage, timeout: float | None) -> Applied | Noop:
+        reply = await self._request(msg, timeout)
+        if not isinstance(reply, Applied | Noop):
+            raise ProtocolError(f"expected `applied` or `noop` reply, got {reply!r}")
+        return reply
+
+    async def _call_with_stream(
+        self, msg: ClientMessage, expected: type[R], request_id: str | None, timeout: float | None
+    ) -> R:
+        # Registered before sending so no output of the request can arrive unrouted.
+        created = request_id is not None and request_id not in self._streams
+        if request_id is not None:
+            self._stream_queue(request_id)
+        try:
+            return await self._call(msg, expected, timeout)
+        except BaseException:
+            # Keep a queue that was already there: on `duplicate_request` it belongs to the
+            # active request of the same id.
+            if created and request_id is not None:
+                queue = self._streams.get(request_id)
+                if queue is not None and queue.empty():
+                    del self._streams[request_id]
+            raise
+
+    async def _end_handoff(
+        self, handoff_id: str, msg: ClientMessage, timeout: float | None
+    ) -> Applied | Noop:
+        reply = await self._call_either(msg, timeout)
+        # After release/cancel/activate no lifecycle event can follow for this handoff.
+        self._handoffs.pop(handoff_id, None)
+        return reply
+
+    def _stream_queue(self, request_id: str) -> asyncio.Queue[_StreamItem]:
+        queue = self._streams.get(request_id)
+        if queue is None:
+            if self._failure is not None or self._closed:
+                self._check_usable()
+            queue = self._streams[request_id] = asyncio.Queue()
+        return queue
+
+    def _handoff_queue(self, handoff_id: str) -> asyncio.Queue[_LifecycleItem]:
+        queue = self._handoffs.get(handoff_id)
+        if queue is None:
+            if self._failure is not None or self._closed:
+                self._check_usable()
+            queue = self._handoffs[handoff_id] = asyncio.Queue()
+        return queue
+
+    async def _get(self, queue: asyncio.Queue[_T], timeout: float | None) -> _T:
+        if queue.empty():
+            # Nothing will ever arrive on a closed client: fail now rather than time out.
+            self._check_usable()
+        async with asyncio.timeout(timeout):
+            return await queue.get()
+
+    def _end_stream(self, request_id: str) -> None:
+        """End the stream of a request this client cancelled (see `_End`)."""
+        queue = self._streams.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(_End.END)
+
+    async def _entries(
+        self, request_id: str, timeout: float | None, *, backlog: bool
+    ) -> AsyncGenerator[list[OutputEntry], None]:
+        """The request's output entries until its finished one, in lists.
+
+        With `backlog` each list is every entry that had arrived by then, else one entry: the
+        one loop behind `outputs` and `output_batches`, so both end, forget their queue and
+        hand on a reader failure alike. Entries still queued stay there for a later reader.
+        `timeout` bounds the wait for each list.
+        """
+        queue = self._stream_queue(request_id)
+        while True:
+            item = await self._get(queue, timeout)
+            batch: list[OutputEntry] = []
+            end = False
+            while True:
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    raise item
+                if item is _End.END:
+                    end = True
+                    break
+                batch.append(item)
+                if item.finished or not backlog or queue.empty():
+                    end = item.finished
+                    break
+                item = queue.get_nowait()
+            # Once the stream is over, forget its queue so finished requests do not pile up.
+            if end and self._streams.get(request_id) is queue:
+                del self._streams[request_id]
+            if batch:
+                yield batch
+            if end:
+                return
+
+    # --- the reader -----------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                frames = await self._sock.recv_multipart(copy=False)
+                # A DEALER reply is [body]; tolerate the REQ-style [b"", body] envelope too.
+                if len(frames) == 2 and len(frames[0]) == 0:
+                    frames = frames[1:]
+                if len(frames) != 1:
+                    log.warning("daemon message with unexpected frames", frames=len(frames))
+                    continue
+                try:
+                    msg = self._decoder.decode(frames[0].buffer)
+                except WireError as exc:
+                    log.warning("undecodable daemon message", error=exc.message)
+                    continue
+                self._dispatch(msg)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.exception("engine client reader failed")
+            self._failure = exc
+            self._fail_all(exc)
+            raise
+
+    def _dispatch(self, msg: DaemonMessage) -> None:
+        match msg:
+            case Output():
+                for entry in msg.outputs:
+                    self._stream_queue(entry.request_id).put_nowait(entry)
+            case Lifecycle():
+                for event in msg.events:
+                    self._handoff_queue(event.handoff_id).put_nowait(event)
+                    _put_dropping_oldest(self._lifecycle, event)
+            case Load():
+                if self._on_load is not None:
+                    self._on_load(msg)
+            case DirectReply():
+                self._resolve(msg)
+
+    def _resolve(self, reply: DirectReply) -> None:
+        message_id = reply.id
+        if isinstance(message_id, int):
+            future = self._pending.pop(message_id, None)
+            if future is not None:
+                if not future.done():
+                    future.set_result(reply)
+                return
+            if message_id in self._abandoned:
+                self._abandoned.discard(message_id)
+                log.debug("late reply dropped", id=message_id)
+                return
+        while self._raw_waiters:
+            waiter = self._raw_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(reply)
+                return
+        log.warning("unclaimed daemon reply", type=_tag(type(reply)), id=message_id)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Hand `exc` to every waiting call and every stream and lifecycle consumer."""
+        futures = [*self._pending.values(), *self._raw_waiters]
+        self._pending.clear()
+        self._raw_waiters.clear()
+        for future in futures:
+            if not future.done():
+                future.set_exception(exc)
+        for queue in self._streams.values():
+            queue.put_nowait(exc)
+        for handoff_queue in self._handoffs.values():
+            handoff_queue.put_nowait(exc)
+        _put_dropping_oldest(self._lifecycle, exc)
+
+
+def _put_dropping_oldest(queue: asyncio.Queue[_LifecycleItem], item: _LifecycleItem) -> None:
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(item)
+
+
+def _tag(cls: type[DirectReply]) -> str:
+    tag = cls.__struct_config__.tag
+    return tag if isinstance(tag, str) else cls.__name__
