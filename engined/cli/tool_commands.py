@@ -1,32 +1,19 @@
-"""The `engined` command line: argument plumbing only.
+"""The operator commands: submit, events, fpm, stats, bench.
 
-Every decision lives elsewhere: settings, their layering and validation in `engined.config`,
-the daemon in `engined.server.daemon`, the operator commands (submit, events, fpm, stats,
-bench) in `engined.tools`. This module turns options into a flags dict or an options
-dataclass, errors into exit codes, and nothing more. Each subcommand is one function
-registered on `app`.
+Each turns its options into the options dataclass of its module in `engined.tools` and runs
+it there. The tools are imported inside the commands, so `serve` and `--help` never load
+them (nor ZeroMQ or rich).
 """
 
 from __future__ import annotations
 
-import inspect
-import os
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
-from typer.core import TyperCommand
 
-from engined import __version__
 from engined.config import (
     ENV_PREFIX,
-    FLAGS,
-    ConfigError,
-    DaemonConfig,
-    Flag,
-    dump_config,
-    load_config,
 )
 from engined.tools.args import (
     DEFAULT_CONTROL_ENDPOINT,
@@ -45,180 +32,6 @@ from engined.tools.distributions import (
 if TYPE_CHECKING:
     from engined.tools.common import Output
 
-# Exit codes. 2 is what typer/click use for a bad command line; a bad configuration is the same
-# kind of mistake. STARTUP_FAILURE follows uvicorn: the configuration was fine but the daemon
-# never started (e.g. an endpoint is already bound).
-CONFIG_ERROR = 2
-STARTUP_FAILURE = 3
-
-app = typer.Typer(
-    name="engined",
-    help="A GPU-free stand-in for a vLLM engine.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"engined {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version",
-            callback=_print_version,
-            is_eager=True,
-            help="Print the version and exit.",
-        ),
-    ] = False,
-) -> None:
-    """A GPU-free stand-in for a vLLM engine: Dynamo mocker scheduling, vLLM wire formats."""
-    # NOTE: an explicit callback keeps `serve` a subcommand; with a single command and no
-    # callback typer would run it for a bare `engined`.
-
-
-# --- serve ------------------------------------------------------------------------------------
-
-
-def serve(config: Path | None, print_config: bool, **options: Any) -> None:
-    """Run the daemon. Settings: defaults < --config TOML < ENGINED_* environment < flags."""
-    flags = {flag.key: options[flag.dest] for flag in FLAGS if options[flag.dest] is not None}
-    try:
-        effective = load_config(config_path=config, env=os.environ, flags=flags)
-    except ConfigError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(CONFIG_ERROR) from None
-    if print_config:
-        typer.echo(dump_config(effective), nl=False)
-        return
-    # NOTE: imported here so `--print-config` and `--help` never load the server stack.
-    from engined.server.daemon import run
-
-    raise typer.Exit(run(effective))
-
-
-def _default_text(flag: Flag, defaults: DaemonConfig) -> str:
-    """How `--help` shows the built-in default of `flag` (`""` for unset, as flags spell it)."""
-    value: Any = defaults
-    for part in flag.key.split("."):
-        value = getattr(value, part)
-    if flag.is_switch:
-        return (flag.name if value else flag.negation).removeprefix("--")
-    if value is None or value == "" or value == ():
-        return '""'
-    if isinstance(value, tuple):
-        return ",".join(str(item) for item in value)
-    return str(value)
-
-
-def _flag_option(flag: Flag, defaults: DaemonConfig) -> inspect.Parameter:
-    """A typer option for one FLAGS entry; None by default so only given flags override.
-
-    Values stay text (`str | None`) and are parsed by `load_config`, so a bad value gets the
-    same message, naming the key, whether it came from a flag, the environment or the file.
-    The help shows the built-in default (the option's own default is None, so typer cannot).
-    """
-    help_text = f"{flag.help}  [default: {_default_text(flag, defaults)}]"
-    if flag.is_switch:
-        annotation: Any = Annotated[
-            bool | None,
-            typer.Option(
-                f"{flag.name}/{flag.negation}",
-                help=help_text,
-                rich_help_panel=flag.section.capitalize(),
-                show_default=False,
-            ),
-        ]
-    else:
-        annotation = Annotated[
-            str | None,
-            typer.Option(
-                flag.name,
-                help=help_text,
-                metavar=flag.metavar,
-                rich_help_panel=flag.section.capitalize(),
-                show_default=False,
-            ),
-        ]
-    return inspect.Parameter(
-        flag.dest, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation
-    )
-
-
-def _with_flag_options(command: Callable[..., None]) -> Callable[..., None]:
-    """Declare `--config`, `--print-config` and one option per FLAGS entry on `command`.
-
-    typer reads options from the signature; building it from FLAGS keeps each flag declared
-    once (in `engined.config`) instead of once there and once as a parameter here.
-    """
-    fixed = [
-        inspect.Parameter(
-            "config",
-            inspect.Parameter.KEYWORD_ONLY,
-            default=None,
-            annotation=Annotated[
-                Path | None,
-                typer.Option(
-                    "--config", help="TOML file: daemon keys and an `engine` table.", dir_okay=False
-                ),
-            ],
-        ),
-        inspect.Parameter(
-            "print_config",
-            inspect.Parameter.KEYWORD_ONLY,
-            default=False,
-            annotation=Annotated[
-                bool,
-                typer.Option(
-                    "--print-config", help="Print the effective configuration as TOML and exit."
-                ),
-            ],
-        ),
-    ]
-    defaults = load_config(config_path=None, env={}, flags={})
-    command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [*fixed, *(_flag_option(flag, defaults) for flag in FLAGS)]
-    )
-    return command
-
-
-class _PlainHelpCommand(TyperCommand):
-    """A command whose `--help` is click's plain two-column layout, one panel per section.
-
-    `serve` has some 50 options, several with long names (`--no-enable-chunked-prefill`);
-    rich's four-column table squeezes them into truncated names and one-word help lines at 80
-    columns, while the plain layout puts a long name on its own line and wraps the help under it.
-    """
-
-    def format_help(self, ctx: Any, formatter: Any) -> None:
-        self.rich_markup_mode = None
-        super().format_help(ctx, formatter)
-
-    def format_options(self, ctx: Any, formatter: Any) -> None:
-        sections: dict[str, list[tuple[str, str]]] = {}
-        for param in self.get_params(ctx):
-            record = param.get_help_record(ctx)
-            if record is not None:
-                panel = getattr(param, "rich_help_panel", None) or "Options"
-                sections.setdefault(panel, []).append(record)
-        for title, records in sections.items():
-            with formatter.section(title if title == "Options" else f"{title} options"):
-                formatter.write_dl(records)
-
-
-app.command("serve", cls=_PlainHelpCommand)(_with_flag_options(serve))
-
-
-# --- operator commands: submit, events, fpm, stats, bench --------------------------------------
-# Each turns its options into the options dataclass of its module in `engined.tools` and runs
-# it there. The tools are imported inside the commands, so `serve` and `--help` never load
-# them (nor ZeroMQ or rich).
 
 _CONNECTION = "Connection"
 _OUTPUT = "Output"
@@ -316,7 +129,6 @@ def _run(json_lines: bool, main: Callable[[Output], Coroutine[Any, Any, int]]) -
     raise typer.Exit(code)
 
 
-@app.command("submit")
 def submit(
     token_ids: Annotated[
         list[int] | None,
@@ -383,7 +195,6 @@ def submit(
     _run(json_lines, lambda out: tool.submit(options, out))
 
 
-@app.command("events")
 def events(
     rank: Rank = 0,
     replay_from: Annotated[
@@ -460,7 +271,6 @@ def events(
     _run(json_lines, lambda out: tool.events(options, out))
 
 
-@app.command("fpm")
 def fpm(
     rank: Rank = 0,
     all_ranks: Annotated[
@@ -498,7 +308,6 @@ def fpm(
     _run(json_lines, lambda out: tool.fpm(options, out))
 
 
-@app.command("stats")
 def stats(
     control_endpoint: ControlEndpoint = DEFAULT_CONTROL_ENDPOINT,
     timeout: Timeout = DEFAULT_TIMEOUT,
@@ -510,7 +319,6 @@ def stats(
     _run(json_lines, lambda out: tool.stats(control_endpoint, timeout, out))
 
 
-@app.command("bench")
 def bench(
     concurrency: Annotated[
         int | None,
@@ -652,31 +460,3 @@ def bench(
         timeout=timeout,
     )
     _run(json_lines, lambda out: tool.bench(options, out))
-
-
-@app.command(
-    "dynamo-worker",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def dynamo_worker(ctx: typer.Context) -> None:
-    """Serve an engined daemon behind NVIDIA Dynamo (needs engined[dynamo]; --help for flags).
-
-    The flags are Dynamo's own workers' (--model-path, --served-model-name,
-    --disaggregation-mode, --namespace, --component, --endpoint, --discovery-backend,
-    --request-plane, --event-plane), plus --control-endpoint.
-    """
-    # NOTE: the worker parses its own flags with argparse, as Dynamo's workers do, so this
-    # command only passes them on; `python -m engined.dynamo` is the same program.
-    from engined.dynamo.worker import main as worker_main
-
-    raise typer.Exit(worker_main(ctx.args))
-
-
-def main() -> None:
-    """Entry point of the `engined` console script and of `python -m engined`."""
-    app(prog_name="engined")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,70 @@
+"""The `engined` command line: argument plumbing only.
+
+Every decision lives elsewhere: settings, their layering and validation in `engined.config`,
+the daemon in `engined.server.daemon`, the operator commands (submit, events, fpm, stats,
+bench) in `engined.tools`. This package turns options into a flags dict or an options
+dataclass, errors into exit codes, and nothing more. Each subcommand is one function,
+registered on `app` here: `serve` (with its flag options) in `serve`, the operator commands
+in `tool_commands`, `dynamo-worker` in `dynamo_worker`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from engined import __version__
+from engined.cli import dynamo_worker, tool_commands
+from engined.cli.serve import CONFIG_ERROR, STARTUP_FAILURE, PlainHelpCommand, serve_command
+
+__all__ = ["CONFIG_ERROR", "STARTUP_FAILURE", "app", "main"]
+
+app = typer.Typer(
+    name="engined",
+    help="A GPU-free stand-in for a vLLM engine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"engined {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """A GPU-free stand-in for a vLLM engine: Dynamo mocker scheduling, vLLM wire formats."""
+    # NOTE: an explicit callback keeps `serve` a subcommand; with a single command and no
+    # callback typer would run it for a bare `engined`.
+
+
+app.command("serve", cls=PlainHelpCommand)(serve_command)
+app.command("submit")(tool_commands.submit)
+app.command("events")(tool_commands.events)
+app.command("fpm")(tool_commands.fpm)
+app.command("stats")(tool_commands.stats)
+app.command("bench")(tool_commands.bench)
+app.command(
+    "dynamo-worker",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)(dynamo_worker.dynamo_worker)
+
+
+def main() -> None:
+    """Entry point of the `engined` console script and of `python -m engined`."""
+    app(prog_name="engined")
