@@ -1,10 +1,10 @@
 """An independent KV indexer that validates every KV event stream the engine produces.
 
 A Python stand-in for the router's `LocalKvIndexer` as upstream's `RouterIndexerHarness`
-(`scheduler/test_utils.rs`, mocker-1.3.0.md §10) drives it: a stream is good when a router could
-apply it without a single error or duplicate-store warning. On top of the router's checks it
-recomputes every hash from the event's own tokens (xxh3-64, seed 1337, mocker-core.md §6.1), so
-a wrong hash cannot hide behind a consistent-looking tree.
+(`scheduler/test_utils.rs`, docs/upstream/dynamo-mocker.md §8) drives it: a stream is good when a
+router could apply it without a single error or duplicate-store warning. On top of the router's
+checks it recomputes every hash from the event's own tokens (xxh3-64, seed 1337,
+docs/upstream/dynamo-mocker.md §3.1), so a wrong hash cannot hide behind a consistent-looking tree.
 
 It deliberately shares no code with `engined`: it imports only the event types, and computes
 hashes itself. A bug in the engine's hashing or bookkeeping therefore cannot cancel out here.
@@ -59,7 +59,7 @@ class Violation:
         return f"{self.kind} (worker {self.worker_id}, event {self.event.event_id}): {self.detail}"
 
 
-# --- hashing (mocker-core.md §6.1) ----------------------------------------------------------
+# --- hashing (docs/upstream/dynamo-mocker.md §3.1) -----------------------------------------
 
 
 def local_block_hash(token_ids: Sequence[int]) -> int:

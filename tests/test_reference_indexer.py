@@ -60,7 +60,7 @@ def apply(events: list[KvEvent], **kwargs: bool) -> ReferenceIndexer:
 
 
 def test_hash_vectors_from_mocker_core() -> None:
-    """mocker-core.md §6.1 (the first five are upstream `lib/tokens` test vectors)."""
+    """docs/upstream/dynamo-mocker.md §3.1 (the first five are upstream `lib/tokens` vectors)."""
     assert local_block_hash([1, 2, 3, 4]) == 14643705804678351452
     assert local_block_hash([5, 6, 7, 8]) == 16777012769546811212
     assert local_block_hash([9, 10, 11, 12]) == 483935686894639516
@@ -81,7 +81,7 @@ def test_sequence_hashes_ignore_partial_tail() -> None:
 
 
 def test_first_stored_event_of_mocker_core_example_is_clean() -> None:
-    """mocker-core.md §7: prompt 0..8 (bs 4) gives one Stored at the root with these blocks."""
+    """docs/upstream/dynamo-mocker.md §3.2: prompt 0..8 (bs 4) gives one Stored at the root."""
     event = BlockStored(
         event_id=0,
         dp_rank=0,

@@ -1,4 +1,4 @@
-"""Twins of the seed module `destination_lifecycle` (seed-vllm-scheduler-tests.rs).
+"""Twins of the seed module `destination_lifecycle` (docs/upstream/seed-tests.md).
 
 A decode worker accepts a destination (pending FIFO, no KV), reserves its prompt blocks when
 capacity allows (no Stored events), publishes them at activation, then admits the request as a

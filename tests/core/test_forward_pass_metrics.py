@@ -1,12 +1,12 @@
-"""Twins of the seed's `forward_pass_metrics` module (seed-vllm-scheduler-tests.rs), except
+"""Twins of the seed's `forward_pass_metrics` module (docs/upstream/seed-tests.md), except
 `test_fpm_sent_through_sink`, which needs the live loop.
 
 Each test runs core passes directly (`Engine::new`: dp_rank 0, worker 0, no KV capture) and
 checks the pass's FpmSnapshot. Where the seed is lenient, exact values are added, derived in the
-comments from mocker-1.3.0.md: §6.4 (what a pass schedules, `ScheduledWork`), §6.10 (FPM:
-prefills = scheduled work with prompt tokens, decodes = the rest measured by the sequence length
-at schedule time, queued prefill/decode from the waiting queue), §6.5-§6.6 and §6.9 (admission,
-emission, preemption) and §7 (pass timing).
+comments from docs/upstream/dynamo-mocker.md: §4.2 (what a pass schedules, `ScheduledWork`), §4.7
+(FPM: prefills = scheduled work with prompt tokens, decodes = the rest measured by the sequence
+length at schedule time, queued prefill/decode from the waiting queue), §4.3-§4.4 and §4.6
+(admission, emission, preemption) and §5 (pass timing).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def test_fpm_single_prefill_request() -> None:
     3. Run one pass at t=0.
 
     Expected FPM: 1 prefill request of 8 tokens, 0 prefix-cached KV tokens, no decode, nothing
-    queued, positive wall time. Exact wall time from mocker-1.3.0.md §7 (this very example):
-    prefill 16.6229144639296 ms + decode 12.0890625 ms (2 active blocks of 16: p = 8/64).
+    queued, positive wall time. Exact wall time from docs/upstream/dynamo-mocker.md §5 (this very
+    example): prefill 16.6229144639296 ms + decode 12.0890625 ms (2 active blocks of 16: p = 8/64).
     """
     core = make_core(fpm_args())
     submit(core, request(uid(1), range(8), 1))
@@ -65,7 +65,7 @@ def test_fpm_single_prefill_request() -> None:
     assert fpm.num_queued_decode == 0
     assert fpm.wall_time_secs > 0.0
 
-    # Exact values: single request -> zero variance; timing from §7 (Duration rounding to the
+    # Exact values: single request -> zero variance; timing from §5 (Duration rounding to the
     # nanosecond is within the tolerance).
     assert fpm.var_prefill_length == 0.0
     assert fpm.sum_decode_kv_tokens == 0
@@ -83,7 +83,7 @@ def test_fpm_prefill_and_decode_mixed_batch() -> None:
 
     Expected: pass 1 has 1 prefill of 4 tokens; pass 2 has 1 prefill (r2, 4 tokens) and 1
     decode (r1) with KV context. Exact: r1's decode is measured by its sequence length at
-    schedule time, 4 prompt + 1 generated = 5 (§6.10); both requests emit a token in pass 2.
+    schedule time, 4 prompt + 1 generated = 5 (§4.7); both requests emit a token in pass 2.
     """
     core = make_core(fpm_args())
 
@@ -96,7 +96,7 @@ def test_fpm_prefill_and_decode_mixed_batch() -> None:
     fpm1 = pass1.fpm
     assert fpm1.num_prefill_requests == 1
     assert fpm1.sum_prefill_tokens == 4
-    # Exact: nothing was running before r1, so no decode (§6.10).
+    # Exact: nothing was running before r1, so no decode (§4.7).
     assert fpm1.num_decode_requests == 0
     assert finishes(pass1) == [(r1, False)]
 
@@ -152,7 +152,7 @@ def test_fpm_completed_requests_metrics_correct() -> None:
     assert fpm.sum_prefill_tokens == 4
     assert len(result.ended) > 0, "request should have completed"
 
-    # Exact values (see docstring; §6.3 completed_requests = requests_before - after).
+    # Exact values (see docstring; §4.1 completed_requests = requests_before - after).
     assert len(result.ended) == 1
     assert fpm.var_prefill_length == 0.0
     assert fpm.num_decode_requests == 0
@@ -168,7 +168,7 @@ def test_fpm_completed_decode_request_has_kv_context() -> None:
     3. Pass 1 at t=0: prefill + first token. Pass 2 at t=1: second token, r1 completes.
 
     Expected: pass 2 has 1 decode request with KV context > 0. Exact: that context is r1's
-    sequence length at schedule time, 4 prompt + 1 generated = 5 (§6.10), there is no prefill,
+    sequence length at schedule time, 4 prompt + 1 generated = 5 (§4.7), there is no prefill,
     and r1 completes in pass 2.
     """
     core = make_core(
@@ -214,7 +214,7 @@ def test_fpm_queued_requests() -> None:
     2. Submit r1 (prompt 0..8) and r2 (prompt 100..108), max_tokens 1 each.
     3. Run one pass at t=0.
 
-    Expected: at least one request scheduled. Exact (§6.3-§6.5, §6.10): r1 is admitted and
+    Expected: at least one request scheduled. Exact (§4.1-§4.3, §4.7): r1 is admitted and
     takes the whole budget of 8 tokens (2 blocks); r2 passes the admission gate (2 blocks
     needed, 4 - 2 = 2 available) but gets 0 tokens (`desired == 0`: OffloadWait), so it stays
     Waiting, is not admitted, and is the one queued prefill of 8 tokens. r1 emits its only
@@ -300,7 +300,7 @@ def test_fpm_chunked_prefill_reports_chunk_not_full_prompt() -> None:
     3. Pass 1 at t=0 (first chunk), pass 2 at t=1 (second chunk).
 
     Expected: each pass has 1 prefill request of at most 8 tokens, the two chunks sum to 16,
-    and the variance (over the full prompt length) is 0 in both. Exact (§6.4): the budget cuts
+    and the variance (over the full prompt length) is 0 in both. Exact (§4.2): the budget cuts
     the prompt into 8 + 8; the second chunk already has 8 computed tokens as its prefix
     (`sum_prefill_kv_tokens`); the first token comes only in pass 2, when the prompt is done.
     """
@@ -355,7 +355,7 @@ def test_fpm_preemption_creates_queued_decode() -> None:
 
     Expected (seed): if anything is queued and it is a queued decode, the queued decode has KV
     context; at least one request is scheduled.
-    Exact (§6.3-§6.6, §6.9, §6.10, §7): in the pass at t=3, r1 is scheduled as a decode of
+    Exact (§4.1-§4.4, §4.6, §4.7, §5): in the pass at t=3, r1 is scheduled as a decode of
     length 7; r2 passes the gate (4 blocks needed, 6 - 2 = 4 available), is admitted and
     prefills all 16 tokens (6 blocks active). In emission r1's token 8 needs no block, but
     r2's first token (length 17) opens a fifth block for r2 and the pool is full, so LIFO
@@ -384,7 +384,7 @@ def test_fpm_preemption_creates_queued_decode() -> None:
     core.execute_pass(0.0)
     core.execute_pass(1.0)
     core.execute_pass(2.0)
-    # Exact: 4 prompt + 3 sampled tokens in 2 blocks (§6.6 eager allocation at length 5).
+    # Exact: 4 prompt + 3 sampled tokens in 2 blocks (§4.4 eager allocation at length 5).
     assert view(core, r1).num_tokens == 7
     assert active_blocks(core) == 2
 

@@ -79,7 +79,7 @@ def handoff_id(i: int) -> str:
     return uid(2_000 + i)
 
 
-# Every message the documented errors may carry (mocker-protocols.md §1.8), plus our own
+# Every message the documented errors may carry (docs/upstream/dynamo-mocker.md §7.2), plus our own
 # request-schema checks.
 HANDOFF = r"HandoffId\([0-9a-f-]+\)"
 ALLOWED_ERRORS: dict[type[CoreError], list[str]] = {

@@ -1,4 +1,4 @@
-"""Block identities equal the router's (mocker-core.md §6.1 test vectors)."""
+"""Block identities equal the router's (docs/upstream/dynamo-mocker.md §3.1 test vectors)."""
 
 from __future__ import annotations
 

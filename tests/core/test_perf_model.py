@@ -28,7 +28,7 @@ def rust_from_secs_f64_ns(secs: float) -> int:
 
 
 def test_fpm_single_prefill_request_vector() -> None:
-    """mocker-1.3.0.md §7: bs 4, 16 blocks, prompt 8, speedup 0.
+    """docs/upstream/dynamo-mocker.md §5: bs 4, 16 blocks, prompt 8, speedup 0.
 
     Prefill T=8 -> 16.6229144639296 ms; decode p = 8/64 -> 12.0890625 ms; end ~28.71197696.
     """

@@ -1,17 +1,17 @@
-"""Twins of the seed's `router_events` module (seed-vllm-scheduler-tests.rs, `mod router_events`).
+"""Twins of the seed's `router_events` module (docs/upstream/seed-tests.md, `mod router_events`).
 
 The Rust tests feed every pass's KV events to `RouterIndexerHarness` (a real router indexer);
-here `ReferenceIndexer` stands in for it (mocker-1.3.0.md §10). `harness.apply_events` asserts
-no event errors after each batch, so `apply` below does the same with `assert_clean`, which also
-covers the harness's no-warnings (duplicate store) check.
+here `ReferenceIndexer` stands in for it (docs/upstream/dynamo-mocker.md §8). `harness.apply_events`
+asserts no event errors after each batch, so `apply` below does the same with `assert_clean`, which
+also covers the harness's no-warnings (duplicate store) check.
 
 Upstream events carry the worker id (`new_with_kv_capture`); ours carry only `dp_rank` and the
 daemon adds the worker identity, so the indexer is told the worker id and the events are checked
 for `dp_rank == 0`.
 
-Exact values beyond the seed's assertions are derived in the comments from mocker-1.3.0.md
-(§4.4 `process_use`/`process_promote`, §4.3 lineage eviction, §4.6 when events are emitted,
-§6.3-§6.7 the pass, admission and emission).
+Exact values beyond the seed's assertions are derived in the comments from
+docs/upstream/dynamo-mocker.md (§2.2 `Use`/`Promote`, §2.1 lineage eviction, §2.3 when
+events are emitted, §4.1-§4.5 the pass, admission and emission).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from tests.reference_indexer import ReferenceIndexer, removed_event_count, store
 
 BLOCK_SIZE = 4
 
-# First Stored event for prompt 0..8, bs 4 (mocker-1.3.0.md header; same as mocker-core.md §7):
+# First Stored event for prompt 0..8, bs 4 (docs/upstream/dynamo-mocker.md §3.2):
 # block (sequence) hashes and local (tokens) hashes of blocks [0..4) and [4..8).
 PROMPT_0_8_BLOCK_HASHES = [9143094415614847814, 9510318385840434533]
 PROMPT_0_8_LOCAL_HASHES = [9143094415614847814, 12124091508212882195]
@@ -61,8 +61,8 @@ def test_vllm_pass_visibility_is_pass_start() -> None:
     Upstream also asserts `router_event_visibility == PassStart`; our core always publishes at
     pass start and PassResult has no such field, so the non-empty events of the admitting pass
     are what is checked. Exactly one Stored (the two prompt blocks) comes out, with the hashes
-    mocker-1.3.0.md gives for prompt 0..8; the first token opens a partial block, which stores
-    nothing (§4.6).
+    docs/upstream/dynamo-mocker.md §3.2 gives for prompt 0..8; the first token opens a partial
+    block, which stores nothing (§2.3).
     """
     core = make_core(router_args(), worker_id=ROUTER_TEST_WORKER_ID)
     submit(core, request(uid(71), range(8), 2))
@@ -73,7 +73,7 @@ def test_vllm_pass_visibility_is_pass_start() -> None:
     assert result.kv_events, "the admitting pass must carry its KV events (PassStart)"
     assert all(event.dp_rank == 0 for event in result.kv_events)
 
-    # Exact event (mocker-1.3.0.md header and §4.4 commit_use: one run of fresh blocks).
+    # Exact event (docs/upstream/dynamo-mocker.md §3.2, and §2.2-§2.3: one run of fresh blocks).
     assert result.kv_events == [
         BlockStored(
             event_id=0,
@@ -100,9 +100,9 @@ def test_completion_events_apply_cleanly() -> None:
 
     Expected: some pass stored blocks, the indexer counted stored events ok, no KV block is left
     active, and the indexer saw no error or warning.
-    Exact (mocker-1.3.0.md §4.6, §6.6): 4 passes with one token each; the only event is the
-    Stored of the two prompt blocks in pass 1. Token 1 opens a partial block (no event); token 4
-    brings the length to 12, completing that block without a Promote (promotion happens when
+    Exact (docs/upstream/dynamo-mocker.md §2.3, §4.4): 4 passes with one token each; the only event
+    is the Stored of the two prompt blocks in pass 1. Token 1 opens a partial block (no event);
+    token 4 brings the length to 12, completing that block without a Promote (promotion happens when
     token 13 opens the next block), and completion only Derefs, which publishes nothing.
     """
     indexer = ReferenceIndexer(BLOCK_SIZE)
@@ -147,15 +147,15 @@ def test_preemption_recompute_events_apply_cleanly() -> None:
 
     Expected: r2 gets preempted (status Preempted, 0 computed tokens, 1 preemption, head of the
     waiting queue), is later re-admitted for recompute, and the indexer saw no error or warning.
-    Exact (mocker-1.3.0.md §4.7 `test_preemption_requeues_newest_running_request`, which is the
-    same pool): both prompts fill 4 blocks in pass 1 and each first token opens a partial block
-    (6 active). Passes 2-4 need no block. In pass 5 r1's token 13 promotes its third block
-    (Stored, parent = r1's second block) and its next partial block finds no room, so LIFO
+    Exact (docs/upstream/dynamo-mocker.md §2.4 `test_preemption_requeues_newest_running_request`,
+    which is the same pool): both prompts fill 4 blocks in pass 1 and each first token opens a
+    partial block (6 active). Passes 2-4 need no block. In pass 5 r1's token 13 promotes its third
+    block (Stored, parent = r1's second block) and its next partial block finds no room, so LIFO
     preempts r2 (8 prompt + 4 generated = 12 tokens). r2 needs 3 blocks but only 2 are free
     while r1 holds 4, so it waits until r1 finishes (token 8 in the 3rd pass of step 4) and is
     admitted in the 4th pass, reusing its 2 inactive prompt blocks (8 tokens). In that same pass
     its first recomputed-and-emitted token promotes its third block (Stored) and opens a partial
-    block, which evicts r1's tail block, the oldest inactive leaf (one Removed; §4.3).
+    block, which evicts r1's tail block, the oldest inactive leaf (one Removed; §2.1).
     """
     indexer = ReferenceIndexer(BLOCK_SIZE)
     args = make_args(
@@ -249,8 +249,8 @@ def test_mtp_preemption_recompute_drains_with_clean_events() -> None:
     Expected: the core drains (empty, no waiting, no running, no active block), 21 tokens are
     output (3 x 7), at least one Removed event was seen, and the indexer saw no error or
     warning.
-    Exact (traced pass by pass from mocker-1.3.0.md §6.3-§6.7, §6.9 and §4.3-§4.6): 20 passes.
-    The MTP block reservation finds no room in passes 3, 4 and 5 (LIFO preempts 62, which is
+    Exact (traced pass by pass from docs/upstream/dynamo-mocker.md §4.1-§4.6 and §2.1-§2.3): 20
+    passes. The MTP block reservation finds no room in passes 3, 4 and 5 (LIFO preempts 62, which is
     re-admitted in passes 4 and 5 with its 2 inactive prompt blocks) and in passes 9, 10 and 11
     (LIFO preempts 63 the same way): 6 preemptions. The stream has 16 events: 10 Stored (61's
     prompt, 62's prompt in two chunks, 61's promoted third block, 63's prompt, 63's third block

@@ -1,4 +1,4 @@
-"""Twins of the seed module `source_holds` (seed-vllm-scheduler-tests.rs, mod source_holds).
+"""Twins of the seed module `source_holds` (docs/upstream/seed-tests.md, mod source_holds).
 
 A handoff source runs as a normal prefill on a prefill worker; when it completes its KV stays
 held (request gone, blocks active) until `ReleaseSource`/`CancelSource` frees it exactly once.

@@ -1,4 +1,4 @@
-"""MTP burst sampling (mocker-core.md §4.9, upstream `common/speculative.rs` tests)."""
+"""MTP burst sampling (docs/upstream/dynamo-mocker.md §4.5; upstream `speculative.rs` tests)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Real NVIDIA Dynamo 1.6.1 processes on the loopback: a frontend, mocker or engined workers.
 
 For tests and benchmarks alike. Everything runs without etcd or NATS
-(`../shared/reference/dynamo-integration.md` §1): file discovery in a store directory of the
+(`docs/upstream/dynamo-1.6.1.md` §1): file discovery in a store directory of the
 cluster's work dir, the TCP request plane, the ZMQ event plane, and the `DYN_*_HOST` variables
 of `peers.peer_env` so that Dynamo binds and advertises 127.0.0.1 (except its event-plane PUB
 sockets, which bind 0.0.0.0 on random ports whatever the variables say). Every port is picked

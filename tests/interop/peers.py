@@ -1,7 +1,7 @@
 """Real third-party consumers (NVIDIA Dynamo 1.6.1) run next to a real daemon.
 
 The peers live in their own venv (`.venv-peers`, made by `.ci/run`, see
-`../shared/reference/real-peers.md` §1.1) so that Dynamo's pinned msgspec and pyzmq never
+`docs/upstream/dynamo-1.6.1.md` §2) so that Dynamo's pinned msgspec and pyzmq never
 touch ours: tests run them as subprocesses of that venv's python. `INTEROP_PEERS_PYTHON`
 points at another interpreter. Without peers the interop tests skip, except under CI
 (`CI=true`) or with `INTEROP_PEERS_PYTHON` set, where missing peers fail them.
@@ -98,7 +98,7 @@ def peer_env(tmp: Path | None = None) -> dict[str, str]:
         env.pop(name, None)
     env.update(
         {
-            # real-peers.md §1.5: without these Dynamo binds and advertises on eth0.
+            # docs/upstream/dynamo-1.6.1.md §1: without these Dynamo binds and advertises on eth0.
             "DYN_TCP_RPC_HOST": "127.0.0.1",
             "DYN_EVENT_PLANE_HOST": "127.0.0.1",
             "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
@@ -131,7 +131,7 @@ _OPENER: Final = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # --- the standalone KV indexer --------------------------------------------------------------
 
 # Fragments of indexer log lines that mean an event or batch was refused or lost, whatever
-# the level they are logged at (real-peers.md §1.3 and the listener's messages).
+# the level they are logged at (docs/upstream/dynamo-1.6.1.md §7 and the listener's messages).
 FORBIDDEN_FRAGMENTS: Final = (
     "Failed to decode",  # a live or replayed batch the decoder refused
     "did not match any variant",  # e.g. bytes block hashes
@@ -172,7 +172,7 @@ class DynamoIndexer:
     """`python -m dynamo.indexer` on a loopback HTTP port, its log captured to a file.
 
     Workers are added with `register` (the `--workers` flag takes no replay endpoint; the
-    HTTP `/register` does, real-peers.md §1.3). Use as a context manager.
+    HTTP `/register` does, docs/upstream/dynamo-1.6.1.md §7). Use as a context manager.
     """
 
     def __init__(

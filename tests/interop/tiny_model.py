@@ -1,7 +1,7 @@
 """A tiny local model directory for NVIDIA Dynamo's frontend and workers, built offline.
 
 No weights: Dynamo's frontend and mocker only read the tokenizer and the config files
-(`../shared/reference/dynamo-integration.md` §1). The tokenizer is a `tokenizers` WordLevel
+(`docs/upstream/dynamo-1.6.1.md` §1). The tokenizer is a `tokenizers` WordLevel
 model over `<unk> <s> </s>` (ids 0, 1, 2) and the words `w0 .. w{vocab_words - 1}` (ids from
 3), split on whitespace, decoded by joining the words with spaces. No special token is added
 on encode, so a prompt of N words is exactly N token ids: `words(n)` builds one.

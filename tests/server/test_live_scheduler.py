@@ -1,6 +1,6 @@
 """Twins of the seed's `live_scheduler` module, of
 `destination_lifecycle::productive_zero_duration_live_pass_continues_without_external_wake` and of
-`forward_pass_metrics::test_fpm_sent_through_sink` (seed-vllm-scheduler-tests.rs), run against a
+`forward_pass_metrics::test_fpm_sent_through_sink` (docs/upstream/seed-tests.md), run against a
 real `engined serve` process.
 
 Where the seed drives its in-process `Scheduler` through channels, these tests go through the
@@ -8,7 +8,7 @@ daemon's sockets: requests and `stats` over the control socket (`EngineClient`),
 the rank's PUB socket (`KvStream`, which fills gaps from the replay socket) and FPM from the FPM
 PUB socket. The seed's `RouterIndexerHarness` is `tests/reference_indexer.py`'s
 `ReferenceIndexer`, fed with the wire events (`to_core_events`). The seed's
-`assert_scheduler_completes_all` (mocker-1.3.0.md §10) is `completes_all` below.
+`assert_scheduler_completes_all` (docs/upstream/dynamo-mocker.md §8) is `completes_all` below.
 
 Every wait is bounded: replies are awaited with timeouts, `stats` is polled in a loop with a
 deadline, and each scenario runs under `asyncio.wait_for`. No sleep is used to synchronise.

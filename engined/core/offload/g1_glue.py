@@ -1,8 +1,8 @@
 """The G1 side of the offload tiers: what the KV manager does with an attached `TierEngine`.
 
 The tier engine owns G2/G3 and the links; it never touches G1. This glue is what mocker
-1.3.0 keeps in its `KvManager` (mocker-1.3.0.md §9.3-§9.5). The KV manager owns it and
-builds it from its pool, its block registry and its event log; the glue never sees the
+1.3.0 keeps in its `KvManager` (docs/upstream/dynamo-mocker.md §6.1-§6.3). The KV manager owns it
+and builds it from its pool, its block registry and its event log; the glue never sees the
 manager itself.
 
 * Evicting allocations. With tiers attached, a G1 allocation that evicts registered blocks
@@ -121,7 +121,8 @@ class G1Glue:
         return self.settle(slots, evicted) if evicted else slots
 
     def settle(self, slots: list[int], evicted: list[int]) -> list[int] | None:
-        """Offer the registered blocks an allocation evicted to G2 (mocker-1.3.0.md §9.3).
+        """Offer the registered blocks an allocation evicted to G2 (docs/upstream/dynamo-mocker.md
+        §6.1).
 
         `slots` is what `BlockPool.allocate` returned: the evicted blocks' slots are its
         tail, in eviction order. Returns the allocation's slots (unchanged when nothing
@@ -177,7 +178,7 @@ class G1Glue:
         self.apply(self.engine.tick(now_ms))
 
     def apply(self, effects: TickEffects) -> None:
-        """Publish a tick's tier events, then give its G1 slots and pins back (§9.4)."""
+        """Publish a tick's tier events, then give its G1 slots and pins back (§6.2)."""
         log = self.log
         if effects.events and log.publish:
             for event in effects.events:

@@ -1,7 +1,7 @@
 """Onboard parking: a waiting request whose prefix is in G2 (or G3) waits for it off the queue.
 
-mocker-1.3.0.md §9.5. At admission, after the policy admits a fresh request, the blocks
-after its cached G1 prefix are looked up in the lower tiers. On a hit the request is
+docs/upstream/dynamo-mocker.md §6.3. At admission, after the policy admits a fresh request, the
+blocks after its cached G1 prefix are looked up in the lower tiers. On a hit the request is
 *parked*: its cached G1 prefix is pinned and exactly as many G1 slots as the onboard will
 fill are reserved before the transfer starts, so nothing admitted meanwhile can take that
 room or evict that prefix. The request leaves the waiting queue but keeps its id (a

@@ -1,7 +1,7 @@
 """Twins of the seed's `offload` module (13 tests), with the seed's numbers.
 
-mocker-1.3.0.md §9.7 lists the mechanics each test exercises. The seed builds its offload
-engine on a tokio runtime and seeds G2/G3 through kvbm `BlockManager`s; here the engine is
+docs/upstream/dynamo-mocker.md §6 describes the mechanics each test exercises. The seed builds its
+offload engine on a tokio runtime and seeds G2/G3 through kvbm `BlockManager`s; here the engine is
 pure (`TierEngine`) and `seed_g2`/`seed_g3` place the same metadata-free inactive blocks.
 `core.parts.kv.use`/`deref` stand for the seed's `kv_manager.process(&MoveBlock)`. Test
 names are the seed's: its "swap-in" is an onboard here (engined/core/offload/__init__.py).
