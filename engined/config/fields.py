@@ -56,6 +56,22 @@ def scalar(annotation: Any) -> Scalar | None:
     return None
 
 
+def description(annotation: Any) -> str | None:
+    """The `msgspec.Meta(description=...)` of a field type, looking inside `X | None`."""
+    if typing.get_origin(annotation) is Annotated:
+        base, *metadata = typing.get_args(annotation)
+        for meta in metadata:
+            if isinstance(meta, msgspec.Meta) and meta.description is not None:
+                return meta.description
+        return description(base)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for member in typing.get_args(annotation):
+            text = description(member)
+            if text is not None:
+                return text
+    return None
+
+
 def scalar_keys(struct: type[msgspec.Struct], prefix: str) -> dict[str, Scalar]:
     keys: dict[str, Scalar] = {}
     for info in msgspec.structs.fields(struct):
@@ -69,6 +85,13 @@ def scalar_keys(struct: type[msgspec.Struct], prefix: str) -> dict[str, Scalar]:
 KEYS: dict[str, Scalar] = {
     **scalar_keys(DaemonConfig, ""),
     **scalar_keys(EngineArgs, "engine."),
+}
+# The help of every described key, by dotted key: the `engined serve --help` texts.
+HELP: dict[str, str] = {
+    prefix + info.name: text
+    for struct, prefix in ((DaemonConfig, ""), (EngineArgs, "engine."))
+    for info in msgspec.structs.fields(struct)
+    if (text := description(info.type)) is not None
 }
 DAEMON_TABLE_KEYS = frozenset(f.name for f in msgspec.structs.fields(DaemonConfig)) - {"engine"}
 # NOTE: `EngineArgs.from_mapping` also takes these pre-`worker_type` keys of Dynamo mocker JSON;

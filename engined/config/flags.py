@@ -5,17 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from engined.config.fields import KEYS
+from engined.config.fields import HELP, KEYS
 
 
 @dataclass(frozen=True, slots=True)
 class Flag:
-    """One option of `engined serve`: `name` sets the config `key` (dotted for engine keys)."""
+    """One option of `engined serve`: `name` sets the config `key` (dotted for engine keys).
+
+    Its help is the field's description (`HELP`). `engine_help` stands in for engine keys
+    whose `EngineArgs` field has none yet: that struct lives in the core, which does not
+    describe itself to a command line. Exactly one of the two is set for every flag.
+    """
 
     name: str
     key: str
-    help: str
+    engine_help: str | None = None
     metavar_override: str | None = None
+
+    @property
+    def help(self) -> str:
+        text = HELP.get(self.key, self.engine_help)
+        assert text is not None, f"{self.name} has no help"
+        return text
 
     @property
     def section(self) -> Literal["daemon", "engine"]:
@@ -46,10 +57,10 @@ class Flag:
 
 
 _ENDPOINT = "ENDPOINT"
-_OFF = ' ("" = off)'
 
 # Spellings follow vLLM and Dynamo's mocker where they have one (`--data-parallel-size`,
-# `--nextn`); the rest are the key with dashes.
+# `--nextn`); the rest are the key with dashes. Daemon flags take their help from the
+# `DaemonConfig` field; engine flags carry it here until `EngineArgs` describes its fields.
 FLAGS: tuple[Flag, ...] = (
     # NOTE: sglang is an EngineType (mocker configs name it) but no core simulates it.
     Flag(
@@ -58,20 +69,32 @@ FLAGS: tuple[Flag, ...] = (
         "Engine whose scheduler is simulated.",
         "[vllm|trtllm]",
     ),
-    Flag("--worker-type", "engine.worker_type", "Aggregated, or one side of disaggregation."),
+    Flag(
+        "--worker-type",
+        "engine.worker_type",
+        "Aggregated, or one side of disaggregation.",
+    ),
     Flag("--num-gpu-blocks", "engine.num_gpu_blocks", "KV cache blocks per rank."),
     Flag(
         "--block-size",
         "engine.block_size",
         "Tokens per KV block (0 = engine default: vllm 64, trtllm 32, sglang 1).",
     ),
-    Flag("--max-num-seqs", "engine.max_num_seqs", 'Running requests per rank ("" = no limit).'),
+    Flag(
+        "--max-num-seqs",
+        "engine.max_num_seqs",
+        'Running requests per rank ("" = no limit).',
+    ),
     Flag(
         "--max-num-batched-tokens",
         "engine.max_num_batched_tokens",
         'Token budget of one pass ("" = no limit).',
     ),
-    Flag("--max-model-len", "engine.max_model_len", "Longest prompt + output (vllm only)."),
+    Flag(
+        "--max-model-len",
+        "engine.max_model_len",
+        "Longest prompt + output (vllm only).",
+    ),
     Flag(
         "--enable-prefix-caching",
         "engine.enable_prefix_caching",
@@ -82,15 +105,27 @@ FLAGS: tuple[Flag, ...] = (
         "engine.enable_chunked_prefill",
         "Split long prefills across passes.",
     ),
-    Flag("--preemption-mode", "engine.preemption_mode", "Which running request is preempted."),
+    Flag(
+        "--preemption-mode",
+        "engine.preemption_mode",
+        "Which running request is preempted.",
+    ),
     Flag(
         "--speedup-ratio",
         "engine.speedup_ratio",
         "Wall time = modeled time / ratio; 0 runs as fast as the CPU allows.",
     ),
-    Flag("--decode-speedup-ratio", "engine.decode_speedup_ratio", "Extra speedup of decode."),
+    Flag(
+        "--decode-speedup-ratio",
+        "engine.decode_speedup_ratio",
+        "Extra speedup of decode.",
+    ),
     Flag("--data-parallel-size", "engine.dp_size", "Data-parallel ranks (one core each)."),
-    Flag("--kv-bytes-per-token", "engine.kv_bytes_per_token", "KV size per token, for transfers."),
+    Flag(
+        "--kv-bytes-per-token",
+        "engine.kv_bytes_per_token",
+        "KV size per token, for transfers.",
+    ),
     Flag(
         "--kv-transfer-bandwidth",
         "engine.kv_transfer_bandwidth",
@@ -155,61 +190,45 @@ FLAGS: tuple[Flag, ...] = (
         "engine.num_g3_blocks",
         'Disk (G3) KV tier blocks, staged through G2 ("" = off).',
     ),
-    Flag("--offload-batch-size", "engine.offload_batch_size", "Blocks per G1->G2 transfer."),
+    Flag(
+        "--offload-batch-size",
+        "engine.offload_batch_size",
+        "Blocks per G1->G2 transfer.",
+    ),
     Flag("--bandwidth-g1-to-g2-gbps", "engine.bandwidth_g1_to_g2_gbps", "GPU->host GB/s."),
     Flag("--bandwidth-g2-to-g1-gbps", "engine.bandwidth_g2_to_g1_gbps", "Host->GPU GB/s."),
-    Flag("--bandwidth-g2-to-g3-gbps", "engine.bandwidth_g2_to_g3_gbps", "Host->disk GB/s."),
-    Flag("--bandwidth-g3-to-g2-gbps", "engine.bandwidth_g3_to_g2_gbps", "Disk->host GB/s."),
-    Flag("--model-name", "model_name", "Served model name."),
-    Flag("--control-endpoint", "control_endpoint", "Control ROUTER.", _ENDPOINT),
     Flag(
-        "--kv-events-endpoint",
-        "kv_events_endpoint",
-        "KV events PUB of rank 0 (rank r: port + r, or ipc path-r).",
-        _ENDPOINT,
+        "--bandwidth-g2-to-g3-gbps",
+        "engine.bandwidth_g2_to_g3_gbps",
+        "Host->disk GB/s.",
     ),
     Flag(
-        "--kv-events-connect",
-        "kv_events_connect",
-        "KV event PUBs connect to a collector instead of binding.",
+        "--bandwidth-g3-to-g2-gbps",
+        "engine.bandwidth_g3_to_g2_gbps",
+        "Disk->host GB/s.",
     ),
-    Flag(
-        "--kv-replay-endpoint",
-        "kv_replay_endpoint",
-        "KV replay ROUTER of rank 0" + _OFF + ".",
-        _ENDPOINT,
-    ),
-    Flag("--kv-replay-buffer", "kv_replay_buffer", "KV event messages kept for replay, per rank."),
-    Flag(
-        "--kv-replay-client-bytes",
-        "kv_replay_client_bytes",
-        "Replay bytes one client may have unread; a client that stops reading is dropped.",
-    ),
-    Flag(
-        "--kv-events-buffer-bytes",
-        "kv_events_buffer_bytes",
-        "KV event bytes queued per slow subscriber, per rank, before it misses batches.",
-    ),
-    Flag("--kv-events-topic", "kv_events_topic", "Topic frame of KV event messages."),
-    Flag("--kv-events-format", "kv_events_format", "vllm: 0.24+ maps; vllm-array: 0.22/0.23."),
-    Flag(
-        "--fpm-endpoint",
-        "fpm_endpoint",
-        "Forward-pass metrics PUB of rank 0" + _OFF + ".",
-        _ENDPOINT,
-    ),
-    Flag("--worker-id", "worker_id", 'FPM worker_id ("" = hostname:pid).'),
-    Flag(
-        "--max-queued-requests",
-        "max_queued_requests",
-        "Waiting requests per rank before `overloaded` (0 = no limit).",
-    ),
-    Flag("--drain-timeout", "drain_timeout", "Seconds to finish in-flight requests at shutdown."),
-    Flag("--log-format", "log_format", "auto: json unless stderr is a TTY."),
-    Flag("--log-level", "log_level", "Lowest level logged."),
-    Flag("--http-port", "http_port", "Port for /metrics and /health" + _OFF + "."),
-    Flag("--http-host", "http_host", "Address the /metrics and /health server listens on."),
+    Flag("--model-name", "model_name"),
+    Flag("--control-endpoint", "control_endpoint", None, _ENDPOINT),
+    Flag("--kv-events-endpoint", "kv_events_endpoint", None, _ENDPOINT),
+    Flag("--kv-events-connect", "kv_events_connect"),
+    Flag("--kv-replay-endpoint", "kv_replay_endpoint", None, _ENDPOINT),
+    Flag("--kv-replay-buffer", "kv_replay_buffer"),
+    Flag("--kv-replay-client-bytes", "kv_replay_client_bytes"),
+    Flag("--kv-events-buffer-bytes", "kv_events_buffer_bytes"),
+    Flag("--kv-events-topic", "kv_events_topic"),
+    Flag("--kv-events-format", "kv_events_format"),
+    Flag("--fpm-endpoint", "fpm_endpoint", None, _ENDPOINT),
+    Flag("--worker-id", "worker_id"),
+    Flag("--max-queued-requests", "max_queued_requests"),
+    Flag("--drain-timeout", "drain_timeout"),
+    Flag("--log-format", "log_format"),
+    Flag("--log-level", "log_level"),
+    Flag("--http-port", "http_port"),
+    Flag("--http-host", "http_host"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"
 assert all(flag.key in KEYS for flag in FLAGS), "a flag names no scalar key"
+assert all((flag.key in HELP) != (flag.engine_help is not None) for flag in FLAGS), (
+    "a flag's help is declared twice, or nowhere"
+)

@@ -20,50 +20,83 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 _DEFAULT_ENGINE = EngineArgs().normalized()
 
 
+def _help(text: str) -> msgspec.Meta:
+    """A field's `engined serve --help` line, declared beside the field (`FLAGS` reads it)."""
+    return msgspec.Meta(description=text)
+
+
 class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Every daemon setting; the field comments are the configuration reference.
+    """Every daemon setting: the `_help` texts and the comments are the configuration reference.
 
     Build it with `load_config`, which validates across fields (endpoints against `dp_size`).
     `engine` holds normalised `EngineArgs`; the default is already normalised so that
     `DaemonConfig()` equals the configuration loaded from nothing.
     """
 
-    # Served model name, reported in `welcome`.
-    model_name: Annotated[str, msgspec.Meta(min_length=1)] = "engined"
-    # ROUTER the clients' DEALERs connect to (protocol.md §1).
-    control_endpoint: str = "tcp://127.0.0.1:5555"
-    # KV events PUB of rank 0; rank r uses `endpoint_for_rank(kv_events_endpoint, r)`.
-    kv_events_endpoint: str = "tcp://127.0.0.1:5557"
-    # True: each PUB connects to a central collector instead of binding.
-    kv_events_connect: bool = False
-    # KV replay ROUTER of rank 0 (rank r as above); None turns replay off.
-    kv_replay_endpoint: str | None = None
+    # Reported in `welcome`.
+    model_name: Annotated[str, msgspec.Meta(min_length=1), _help("Served model name.")] = "engined"
+    # The ROUTER the clients' DEALERs connect to (protocol.md §1).
+    control_endpoint: Annotated[str, _help("Control ROUTER.")] = "tcp://127.0.0.1:5555"
+    # Rank r uses `endpoint_for_rank(kv_events_endpoint, r)`.
+    kv_events_endpoint: Annotated[
+        str, _help("KV events PUB of rank 0 (rank r: port + r, or ipc path-r).")
+    ] = "tcp://127.0.0.1:5557"
+    kv_events_connect: Annotated[
+        bool, _help("KV event PUBs connect to a collector instead of binding.")
+    ] = False
+    # Rank r as for kv_events_endpoint.
+    kv_replay_endpoint: Annotated[str, _help('KV replay ROUTER of rank 0 ("" = off).')] | None = (
+        None
+    )
     # Replay keeps the last this many KV event messages per rank.
-    kv_replay_buffer: Annotated[int, msgspec.Meta(ge=1)] = 10000
-    # Bytes of replay one replay client may have queued and unread; the rest follows as it reads.
-    kv_replay_client_bytes: Annotated[int, msgspec.Meta(ge=1)] = 8 * 1024 * 1024
-    # Bytes of KV event batches queued for one slow subscriber, per rank, before it misses some.
-    kv_events_buffer_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 * 1024 * 1024
-    # First frame of every KV event message.
-    kv_events_topic: str = ""
+    kv_replay_buffer: Annotated[
+        int, msgspec.Meta(ge=1), _help("KV event messages kept for replay, per rank.")
+    ] = 10000
+    # The rest of a replay follows as the client reads.
+    kv_replay_client_bytes: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        _help("Replay bytes one client may have unread; a client that stops reading is dropped."),
+    ] = 8 * 1024 * 1024
+    kv_events_buffer_bytes: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        _help("KV event bytes queued per slow subscriber, per rank, before it misses batches."),
+    ] = 64 * 1024 * 1024
+    # The first frame of every KV event message.
+    kv_events_topic: Annotated[str, _help("Topic frame of KV event messages.")] = ""
     # "vllm": vLLM >= 0.24 tagged maps; "vllm-array": vLLM 0.22/0.23 positional arrays.
-    kv_events_format: KvEventsFormat = "vllm"
-    # Forward-pass metrics PUB of rank 0 (rank r as above); None turns FPM off.
-    fpm_endpoint: str | None = "tcp://127.0.0.1:20380"
-    # FPM `worker_id`; "" means the daemon uses f"{hostname}:{pid}" (resolved at startup).
-    worker_id: str = ""
-    # Most requests waiting to run per rank before `submit` answers `overloaded`; 0 = no limit.
+    kv_events_format: Annotated[
+        KvEventsFormat, _help("vllm: 0.24+ maps; vllm-array: 0.22/0.23.")
+    ] = "vllm"
+    # Rank r as for kv_events_endpoint.
+    fpm_endpoint: Annotated[str, _help('Forward-pass metrics PUB of rank 0 ("" = off).')] | None = (
+        "tcp://127.0.0.1:20380"
+    )
+    # "" means the daemon uses f"{hostname}:{pid}" (resolved at startup).
+    worker_id: Annotated[str, _help('FPM worker_id ("" = hostname:pid).')] = ""
+    # Requests waiting to run per rank before `submit` answers `overloaded`. The default is
     # 16 batches of the default max_num_seqs (README "Limits and guarantees" says why).
-    max_queued_requests: Annotated[int, msgspec.Meta(ge=0)] = 4096
-    # Seconds in-flight requests get to finish at shutdown before they are cancelled.
-    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
+    max_queued_requests: Annotated[
+        int,
+        msgspec.Meta(ge=0),
+        _help("Waiting requests per rank before `overloaded` (0 = no limit)."),
+    ] = 4096
+    # Then in-flight requests are cancelled.
+    drain_timeout: Annotated[
+        float, msgspec.Meta(ge=0.0), _help("Seconds to finish in-flight requests at shutdown.")
+    ] = 30.0
     # "auto" logs JSON when stderr is not a TTY and console lines when it is.
-    log_format: LogFormat = "auto"
-    log_level: LogLevel = "info"
-    # Port of the HTTP server for Prometheus /metrics and /health; None = no HTTP server.
-    http_port: Port | None = None
-    # Address the HTTP server listens on; loopback by default, since /metrics is unauthenticated.
-    http_host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    log_format: Annotated[LogFormat, _help("auto: json unless stderr is a TTY.")] = "auto"
+    log_level: Annotated[LogLevel, _help("Lowest level logged.")] = "info"
+    # The HTTP server for Prometheus /metrics and /health; None = no HTTP server.
+    http_port: Annotated[Port, _help('Port for /metrics and /health ("" = off).')] | None = None
+    # Loopback by default, since /metrics is unauthenticated.
+    http_host: Annotated[
+        str,
+        msgspec.Meta(min_length=1),
+        _help("Address the /metrics and /health server listens on."),
+    ] = "127.0.0.1"
     # The simulation (engined.core.args); TOML table `[engine]`.
     engine: EngineArgs = _DEFAULT_ENGINE
 
