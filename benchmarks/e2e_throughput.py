@@ -6,7 +6,20 @@ output tokens/s, requests/s, KV messages/s and FPM messages/s. The client reads 
 and counts tokens without per-request queues, so it measures the daemon, not the client.
 
 Pacing mode (`--pacing`): speedup 1, 4 ranks under load; prints how late passes started
-against their planned deadlines (p50/p99/max), as the daemon measured them.
+against their planned deadlines (p50/p99/max), as the daemon measured them: first over all
+passes (the daemon's `stats`, the lines every revision prints), then split into phases from a
+per-pass record the daemon writes at exit (see _PACING_DAEMON):
+
+* start-up: passes until every request in flight was admitted, i.e. until the first pass after
+  which no rank had a waiting request and the ranks ran min(--concurrency, --pacing-requests)
+  requests between them, plus each rank's next pass (its lateness is the overrun of a burst
+  pass, since a pass's lateness is measured against the previous pass's modeled end);
+* steady: from there until the first request finished with nothing left to submit;
+* drain: the rest, in-flight requests finishing with none to replace them.
+
+The load generator runs in a process of its own (multiprocessing, spawn), apart from both the
+daemon and this measuring process. After the run, with no client connected, the daemon's CPU
+over a 2 s idle window: `idle daemon cpu N% of a core` (utime + stime, and schedstat's ns).
 
 `--http-port PORT` (0 = any free port) turns Prometheus metrics on and scrapes `/metrics` every
 `--scrape-interval` seconds during the run (0.1 s: far more often than any Prometheus), then
@@ -21,6 +34,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import multiprocessing
 import os
 import random
 import signal
@@ -29,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import msgspec
@@ -37,6 +53,10 @@ import zmq.asyncio
 
 from engined.wire import control as wire
 from engined.wire.control import ReplyDecoder, encode_message
+
+# The idle-CPU window of pacing mode, and how long after the run it starts.
+IDLE_WINDOW_S = 2.0
+IDLE_SETTLE_S = 0.5
 
 
 class _Entry(msgspec.Struct):
@@ -69,11 +89,17 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start(endpoints: dict[str, str], extra: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "engined.cli", "serve", "--log-format", "json"]
+def start(
+    endpoints: dict[str, str],
+    extra: list[str],
+    program: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """The daemon, from the `engined` this interpreter imports (PYTHONPATH, then the install)."""
+    cmd = [sys.executable, *(program or ["-m", "engined.cli"]), "serve", "--log-format", "json"]
     for flag, value in endpoints.items():
         cmd += [flag, value]
-    return subprocess.Popen(cmd + extra, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(cmd + extra, stderr=subprocess.DEVNULL, env=env)
 
 
 async def counter(
@@ -295,26 +321,175 @@ def throughput(args: argparse.Namespace) -> None:
             )
 
 
-async def pacing_run(
-    control: str, total: int, concurrency: int, prompt: int, output: int, ranks: int
-) -> list[wire.RankStats]:
+# Run as the daemon in pacing mode (`python -c _PACING_DAEMON serve ...`): the same `engined
+# serve`, plus a record of every pass for the steady-state split, written to the file named by
+# E2E_BENCH_PASS_LOG at exit. It reads only the loop's public attributes: each appended
+# `lateness_ms` value (the daemon's own measurement) with the monotonic time of its pass start,
+# and, through a `pass_observers` entry, the rank's running/waiting counts after each pass.
+# Cost: a timestamp and a list append per pass. Without those attributes it records nothing.
+_PACING_DAEMON = """
+import atexit, collections, json, os, time
+from engined.server import engine_loop
+
+lateness, states = [], []
+
+class _Recorded(collections.deque):
+    def __init__(self, rank, values):
+        super().__init__(values, maxlen=values.maxlen)
+        self.rank = rank
+
+    def append(self, value):
+        lateness.append((self.rank, time.monotonic(), value))
+        super().append(value)
+
+def _observe(rank, start_ms, result):
+    m = result.metrics
+    states.append((rank, time.monotonic(), m.running, m.waiting))
+
+_init = engine_loop.EngineLoop.__init__
+
+def _recording_init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    try:
+        self.lateness_ms = _Recorded(self.rank, self.lateness_ms)
+        self.pass_observers.append(_observe)
+    except AttributeError:
+        pass
+
+engine_loop.EngineLoop.__init__ = _recording_init
+
+@atexit.register
+def _dump():
+    with open(os.environ["E2E_BENCH_PASS_LOG"], "w") as f:
+        json.dump({"lateness": lateness, "states": states}, f)
+
+from engined.cli import main
+main()
+"""
+
+
+def generate_load(
+    control: str, total: int, concurrency: int, prompt: int, output: int, report: Connection
+) -> None:
+    """The pacing load generator, in a process of its own: the daemon's CPU is what we measure,
+    and this one's CPU (encoding, decoding, asyncio) must not share an event loop with the
+    measurement. Sends back monotonic times: the first submit, `drain` (the first finish with
+    nothing left to submit, so in-flight requests drop below the concurrency for good) and
+    the last finish.
+    """
+    import logging
+
+    import structlog
+
+    from engined.client import EngineClient
+
+    # The ping loop below times out while the daemon starts; its late replies are not news.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+    async def run() -> dict[str, float]:
+        async with await EngineClient.connect(control) as client:
+            for _ in range(200):
+                with contextlib.suppress(TimeoutError):
+                    await client.ping(timeout=0.1)
+                    break
+            rng = random.Random(1)
+            sem = asyncio.Semaphore(concurrency)
+            times: dict[str, float] = {}
+            admitted = 0
+
+            async def one(n: int) -> None:
+                nonlocal admitted
+                async with sem:
+                    admitted += 1
+                    tokens = [rng.randrange(50_000) for _ in range(prompt)]
+                    times.setdefault("start", time.monotonic())
+                    await client.generate(tokens, output, timeout=120)
+                    if admitted == total:
+                        times.setdefault("drain", time.monotonic())
+
+            await asyncio.gather(*(one(n) for n in range(total)))
+            times["end"] = time.monotonic()
+            return times
+
+    report.send(asyncio.run(run()))
+    report.close()
+
+
+def lateness_summary(values: list[float]) -> tuple[float, float, float]:
+    """p50, p99, max, with the daemon's own rank rule (engine_loop.lateness_summary)."""
+    if not values:
+        return (0.0, 0.0, 0.0)
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2], ordered[min(n - 1, (99 * n) // 100)], ordered[-1]
+
+
+def steady_start(states: list[list[float]], target: int) -> float | None:
+    """When every request in flight was first admitted: the monotonic time of the pass after
+    which no rank had a waiting request and the ranks ran `target` requests between them."""
+    latest: dict[int, tuple[int, int]] = {}
+    for rank, at, running, waiting in sorted(states, key=lambda s: s[1]):
+        latest[int(rank)] = (int(running), int(waiting))
+        if sum(r for r, _ in latest.values()) >= target and all(w == 0 for _, w in latest.values()):
+            return at
+    return None
+
+
+def phases(
+    log: dict[str, list[list[float]]], target: int, drain: float
+) -> tuple[float | None, dict[str, dict[int, list[float]]]]:
+    """Each rank's lateness values split into start-up, steady and drain (see the module doc)."""
+    t0 = steady_start(log["states"], target)
+    split: dict[str, dict[int, list[float]]] = {"start-up": {}, "steady": {}, "drain": {}}
+    for name in split.values():
+        for rank, _, _ in log["lateness"]:
+            name.setdefault(int(rank), [])
+    first_after: set[int] = set()
+    for rank_f, at, value in log["lateness"]:
+        rank = int(rank_f)
+        if t0 is None or at <= t0:
+            phase = "start-up"
+        elif rank not in first_after:
+            # Its lateness is the previous pass's overrun, and that pass was in the burst.
+            first_after.add(rank)
+            phase = "start-up"
+        elif at < drain:
+            phase = "steady"
+        else:
+            phase = "drain"
+        split[phase][rank].append(value)
+    return t0, split
+
+
+async def rank_stats(control: str) -> list[wire.RankStats]:
     from engined.client import EngineClient
 
     async with await EngineClient.connect(control) as client:
-        for _ in range(200):
-            with contextlib.suppress(TimeoutError):
-                await client.ping(timeout=0.1)
-                break
-        rng = random.Random(1)
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(n: int) -> None:
-            async with sem:
-                tokens = [rng.randrange(50_000) for _ in range(prompt)]
-                await client.generate(tokens, output, timeout=120)
-
-        await asyncio.gather(*(one(n) for n in range(total)))
         return (await client.stats()).ranks
+
+
+def run_ns(pid: int) -> int | None:
+    """Nanoseconds on a CPU of all the process's threads (/proc schedstat), or None."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        return sum(int((task / "schedstat").read_text().split()[0]) for task in tasks)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def idle_cpu(pid: int, window: float) -> tuple[float, float | None] | None:
+    """Percent of one core the daemon used over `window` seconds with no client connected:
+    from utime + stime (/proc stat, clock ticks: 1 tick / window of resolution) and, where
+    available, from the scheduler's nanosecond run times."""
+    before, before_ns = cpu_seconds(pid), run_ns(pid)
+    time.sleep(window)
+    after, after_ns = cpu_seconds(pid), run_ns(pid)
+    if before is None or after is None:
+        return None
+    precise = None
+    if before_ns is not None and after_ns is not None:
+        precise = (after_ns - before_ns) / 1e9 / window * 100
+    return (after - before) / window * 100, precise
 
 
 def pacing(args: argparse.Namespace) -> None:
@@ -324,32 +499,83 @@ def pacing(args: argparse.Namespace) -> None:
         "--kv-events-endpoint": f"ipc://{tmp}/kv",
         "--fpm-endpoint": f"ipc://{tmp}/fpm",
     }
+    pass_log = Path(tmp) / "passes.json"
     proc = start(
         endpoints,
         ["--speedup-ratio", "1", "--block-size", "16", "--data-parallel-size", str(args.ranks)],
+        program=["-c", _PACING_DAEMON],
+        env={**os.environ, "E2E_BENCH_PASS_LOG": str(pass_log)},
     )
+    prompt, output = 256, 64
+    idle: tuple[float, float | None] | None = None
     try:
-        ranks = asyncio.run(
-            pacing_run(
+        mp = multiprocessing.get_context("spawn")
+        ours, theirs = mp.Pipe(duplex=False)
+        generator = mp.Process(
+            target=generate_load,
+            args=(
                 endpoints["--control-endpoint"],
                 args.pacing_requests,
                 args.concurrency,
-                256,
-                64,
-                args.ranks,
-            )
+                prompt,
+                output,
+                theirs,
+            ),
+            name="load-generator",
         )
+        generator.start()
+        theirs.close()
+        try:
+            times: dict[str, float] = ours.recv()
+        except EOFError:
+            raise SystemExit(
+                f"the load generator failed (exit code {generator.exitcode})"
+            ) from None
+        generator.join()
+        ranks = asyncio.run(rank_stats(endpoints["--control-endpoint"]))
+        time.sleep(IDLE_SETTLE_S)
+        idle = idle_cpu(proc.pid, IDLE_WINDOW_S)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     print(
         f"pacing: speedup 1, {args.ranks} ranks, {args.pacing_requests} requests "
-        "(prompt 256, output 64)"
+        f"(prompt {prompt}, output {output})"
     )
     for r in ranks:
         print(
             f"  rank {r.dp_rank}: passes {r.passes_total}, pass-start lateness ms "
             f"p50 {r.lateness_p50_ms:.3f}  p99 {r.lateness_p99_ms:.3f}  max {r.lateness_max_ms:.3f}"
+        )
+    target = min(args.concurrency, args.pacing_requests)
+    if not pass_log.exists():
+        print("steady state: n/a (the daemon wrote no pass log)")
+    else:
+        t0, split = phases(json.loads(pass_log.read_text()), target, times["drain"])
+        if t0 is None:
+            print(f"steady state: n/a (the ranks never ran {target} requests with none waiting)")
+        else:
+            print(
+                f"steady state: from {(t0 - times['start']) * 1000:.0f} ms after the first "
+                f"submit (all {target} requests in flight admitted, none waiting; and each "
+                f"rank's next pass) to {(times['drain'] - times['start']) * 1000:.0f} ms "
+                "(the first finish with nothing left to submit)"
+            )
+        for phase in ("steady", "start-up", "drain"):
+            for rank, values in sorted(split[phase].items()):
+                p50, p99, worst = lateness_summary(values)
+                print(
+                    f"  {phase} rank {rank}: passes {len(values)}, pass-start lateness ms "
+                    f"p50 {p50:.3f}  p99 {p99:.3f}  max {worst:.3f}"
+                )
+    if idle is not None:
+        ticks, precise = idle
+        resolution = 100 / os.sysconf("SC_CLK_TCK") / IDLE_WINDOW_S
+        exact = f"; {precise:.3f}% from schedstat" if precise is not None else ""
+        print(
+            f"idle daemon cpu {ticks:.1f}% of a core ({args.ranks} ranks, {IDLE_WINDOW_S:.0f} s "
+            f"window {IDLE_SETTLE_S:.1f} s after the run, no client; utime+stime, resolution "
+            f"{resolution:.1f}%{exact})"
         )
 
 
