@@ -112,9 +112,9 @@ def describe(rev: str | None) -> str:
 
 
 @contextmanager
-def worktree(rev: str, parent: Path) -> Iterator[Path]:
+def worktree(rev: str, parent: Path, side: str) -> Iterator[Path]:
     """A detached checkout of `rev` under `parent`, removed on the way out."""
-    path = parent / git("rev-parse", "--short", rev)
+    path = parent / f"{side}-{git('rev-parse', '--short', rev)}"
     git("worktree", "add", "--detach", str(path), rev)
     try:
         yield path
@@ -135,14 +135,17 @@ def child_env(tree: Path) -> dict[str, str]:
 
 def check_import(tree: Path, scratch: Path) -> str:
     """The `engined` the side's children import (run away from the tree: PYTHONPATH alone)."""
-    out = subprocess.run(
+    proc = subprocess.run(
         [sys.executable, "-c", "import engined.cli; print(engined.cli.__file__)"],
         cwd=scratch,
         env=child_env(tree),
-        check=True,
         capture_output=True,
         text=True,
-    ).stdout.strip()
+    )
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1:] or ["no message"]
+        raise SystemExit(f"{tree}: `import engined.cli` fails: {last[0]}")
+    out = proc.stdout.strip()
     if not Path(out).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"{tree}: `import engined` resolved to {out}, outside the tree")
     return out
@@ -211,11 +214,11 @@ def main() -> None:
     print(f"new: {describe(ns.new)}")
     scratch = Path(tempfile.mkdtemp(prefix="engined-compare-"))
     try:
-        with worktree(ns.rev, scratch) as old_tree:
+        with worktree(ns.rev, scratch, "old") as old_tree:
             if ns.new is None:
                 run_rounds(old_tree, REPO, script, args, metrics, ns.repeat, scratch)
             else:
-                with worktree(ns.new, scratch) as new_tree:
+                with worktree(ns.new, scratch, "new") as new_tree:
                     run_rounds(old_tree, new_tree, script, args, metrics, ns.repeat, scratch)
     except KeyboardInterrupt:
         print("interrupted; worktrees removed", file=sys.stderr)

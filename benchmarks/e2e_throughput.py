@@ -95,8 +95,14 @@ def start(
     program: list[str] | None = None,
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """The daemon, from the `engined` this interpreter imports (PYTHONPATH, then the install)."""
-    cmd = [sys.executable, *(program or ["-m", "engined.cli"]), "serve", "--log-format", "json"]
+    """The daemon, from the `engined` this interpreter imports (PYTHONPATH, then the install).
+
+    `-c` with `engined.cli.main` rather than `-m engined` or `-m engined.cli`: every revision
+    has that function, whether `engined.cli` is a module or a package and with or without a
+    `__main__` (benchmarks/compare.py runs old revisions' code with this interpreter).
+    """
+    program = program or ["-c", "from engined.cli import main; main()"]
+    cmd = [sys.executable, *program, "serve", "--log-format", "json"]
     for flag, value in endpoints.items():
         cmd += [flag, value]
     return subprocess.Popen(cmd + extra, stderr=subprocess.DEVNULL, env=env)
