@@ -102,6 +102,40 @@ ENGINE_TABLE_KEYS = (
 )
 
 
+# The declared type of every field, by field name (not dotted): what each value is converted to.
+DAEMON_FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(DaemonConfig)}
+ENGINE_FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(EngineArgs)}
+
+
+def table_struct(annotation: Any) -> type[msgspec.Struct] | None:
+    """The struct of a sub-table field (`SglangArgs | None`), or None for any other type."""
+    members = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    structs = [m for m in members if isinstance(m, type) and issubclass(m, msgspec.Struct)]
+    return structs[0] if len(structs) == 1 else None
+
+
+def unconstrained(annotation: Any) -> Any:
+    """`annotation` without its `msgspec.Meta` bounds (`Port | None` -> `int | None`)."""
+    if typing.get_origin(annotation) is Annotated:
+        return unconstrained(typing.get_args(annotation)[0])
+    if _is_union(annotation):
+        return typing.Union[tuple(unconstrained(m) for m in typing.get_args(annotation))]  # noqa: UP007
+    return annotation
+
+
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
+# Every name an engine error may be about: the fields, the legacy keys, `sglang.page_size`...
+ENGINE_KEY_NAMES: frozenset[str] = ENGINE_TABLE_KEYS | {
+    f"{name}.{sub.name}"
+    for name, annotation in ENGINE_FIELD_TYPES.items()
+    if (table := table_struct(annotation)) is not None
+    for sub in msgspec.structs.fields(table)
+}
+
+
 def env_name(key: str) -> str:
     """The environment variable of a dotted config key: `engine.block_size` -> ENGINED_BLOCK_SIZE.
 

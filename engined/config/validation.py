@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import math
-import re
-import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from engined.config.endpoints import WILDCARD_HOSTS, parse_endpoint
-from engined.config.fields import ENGINE_TABLE_KEYS, KEYS
+from engined.config.fields import (
+    DAEMON_FIELD_TYPES,
+    ENGINE_FIELD_TYPES,
+    ENGINE_KEY_NAMES,
+    KEYS,
+    table_struct,
+    unconstrained,
+)
 from engined.config.schema import ConfigError, DaemonConfig
 from engined.core.args import EngineArgs, EngineType
 from engined.core.errors import InvalidArgsError
@@ -43,19 +48,12 @@ class Layers:
         return ConfigError(f"{key}: {problem}{origin}", key=key)
 
 
-# msgspec's location suffix and unknown-field wording: "... - at `$.sglang.page_size`".
-_MSGSPEC_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
-_MSGSPEC_UNKNOWN = re.compile(r"unknown field `(?P<name>[^`]+)`")
-
-
 def validate(layers: Layers) -> DaemonConfig:
     """The single validation pass: daemon keys, engine keys, then rules across them."""
-    daemon = {key: _lowercase_choice(key, value) for key, value in layers.daemon.items()}
-    try:
-        config = msgspec.convert(daemon, DaemonConfig)
-    except msgspec.ValidationError as error:
-        key, problem = _msgspec_location(str(error))
-        raise layers.error(key or "config", _explained(key, problem, daemon)) from None
+    config = DaemonConfig(
+        **{key: _daemon_value(layers, key, value) for key, value in layers.daemon.items()}
+    )
+    _check_engine_types(layers)
     try:
         engine = EngineArgs.from_mapping(layers.engine)
     except InvalidArgsError as error:
@@ -81,68 +79,93 @@ def validate(layers: Layers) -> DaemonConfig:
     return config
 
 
-def _lowercase_choice(key: str, value: Any) -> Any:
-    """Closed sets of names compare without case (`INFO`), as EngineArgs does for its enums."""
-    shape = KEYS.get(key)
-    if shape is not None and shape.choices and isinstance(value, str):
-        return value.lower()
-    return value
+def _daemon_value(layers: Layers, key: str, value: Any) -> Any:
+    """`value` converted to the type of daemon field `key`, or the ConfigError naming it.
+
+    Each field is converted on its own, so the key is known without reading it back out of
+    msgspec's message. The type is tried before its bounds: a value of the right type that a
+    bound refuses gets the value appended, which msgspec's bound messages leave out.
+    """
+    shape = KEYS[key]
+    if shape.choices and isinstance(value, str):
+        # Closed sets of names compare without case (`INFO`), as EngineArgs does for its enums.
+        value = value.lower()
+        if value not in shape.choices:
+            problem = _conversion_problem(value, DAEMON_FIELD_TYPES[key])
+            raise layers.error(key, f"{problem}; expected one of {', '.join(shape.choices)}")
+    problem = _conversion_problem(value, unconstrained(DAEMON_FIELD_TYPES[key]))
+    if problem is not None:
+        raise layers.error(key, problem)
+    try:
+        return msgspec.convert(value, DAEMON_FIELD_TYPES[key])
+    except msgspec.ValidationError as error:
+        raise layers.error(key, f"{error}, got {value!r}") from None
 
 
-def _explained(key: str | None, problem: str, values: Mapping[str, Any]) -> str:
-    """Add what msgspec leaves out: the choices of a closed set, the value a bound refused."""
-    if key is None:
-        return problem
-    shape = KEYS.get(key)
-    if shape is not None and shape.choices and problem.startswith("Invalid enum value"):
-        return f"{problem}; expected one of {', '.join(shape.choices)}"
-    if key in values and "got" not in problem:
-        return f"{problem}, got {values[key]!r}"
-    return problem
+def _check_engine_types(layers: Layers) -> None:
+    """Refuse an engine value of the wrong type, or an unknown key of a sub-table, by name.
+
+    `EngineArgs.from_mapping` would refuse them too, but in one message for the whole
+    mapping; checking each field against its type here names the key from the structure.
+    Left to `from_mapping`: nulls and enum names (its messages are upstream's) and the
+    legacy keys it maps.
+    """
+    for name, value in layers.engine.items():
+        annotation = ENGINE_FIELD_TYPES.get(name)
+        key = f"engine.{name}"
+        shape = KEYS.get(key)
+        if (
+            annotation is None
+            or value is None
+            or (shape and shape.choices and isinstance(value, str))
+        ):
+            continue
+        table = table_struct(annotation)
+        if table is not None and isinstance(value, dict):
+            _check_table(layers, name, table, value)
+            continue
+        problem = _conversion_problem(value, annotation)
+        if problem is not None:
+            raise layers.error(key, f"{problem} - at `$.{name}`")
 
 
-def _msgspec_location(message: str) -> tuple[str | None, str]:
-    """Split a msgspec ValidationError into (dotted key or None, problem)."""
-    at = _MSGSPEC_AT.search(message)
-    path = at["path"] if at else ""
-    problem = message[: at.start()] if at else message
-    unknown = _MSGSPEC_UNKNOWN.search(problem)
-    if unknown is not None:
-        path = f"{path}.{unknown['name']}" if path else unknown["name"]
-        problem = "unknown key"
-    return (path or None), problem
+def _check_table(
+    layers: Layers, name: str, table: type[msgspec.Struct], values: Mapping[str, Any]
+) -> None:
+    """An engine sub-table (`[engine.sglang]`): unknown keys by name, then each value's type."""
+    fields = {info.name: info.type for info in msgspec.structs.fields(table)}
+    for sub_name, value in values.items():
+        key = f"engine.{name}.{sub_name}"
+        if sub_name not in fields:
+            raise layers.error(key, f"Object contains unknown field `{sub_name}` - at `$.{name}`")
+        problem = _conversion_problem(value, fields[sub_name])
+        if problem is not None:
+            raise layers.error(key, f"{problem} - at `$.{name}.{sub_name}`")
 
 
-def _engine_field_pattern() -> re.Pattern[str]:
-    names = set(ENGINE_TABLE_KEYS)
-    for table in ("trtllm", "sglang"):
-        names.update(f"{table}.{name}" for name in _table_fields(table))
-    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
-    return re.compile(rf"(?<![\w.])(?:{alternatives})(?!\w)")
-
-
-def _table_fields(table: str) -> Iterator[str]:
-    annotation = next(f.type for f in msgspec.structs.fields(EngineArgs) if f.name == table)
-    struct = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return (f.name for f in msgspec.structs.fields(struct))
-
-
-_ENGINE_FIELD = _engine_field_pattern()
+def _conversion_problem(value: Any, annotation: Any) -> str | None:
+    """msgspec's reason `value` is not of type `annotation`, or None when it is."""
+    try:
+        msgspec.convert(value, annotation)
+    except msgspec.ValidationError as error:
+        return str(error)
+    return None
 
 
 def _engine_key(message: str) -> str:
-    """The engine key an InvalidArgsError is about.
+    """The engine key an InvalidArgsError of the core is about.
 
-    msgspec messages carry a path; upstream messages name the key in the text, first
-    (`block_size must be greater than 0`, `Failed to validate MockEngineArgs: dp_size must be
-    >= 1`, `Invalid engine_type 'x'`), so the earliest field name in the text is taken. A rule
-    across two keys is reported under the first one it names.
+    The core's errors carry upstream's message and no key; every one names its key in the
+    text, first (`block_size must be greater than 0`, `Failed to validate MockEngineArgs:
+    dp_size must be >= 1`, `Invalid engine_type 'x'`), so the first word that is an engine
+    field (or `sglang.page_size`-like sub-field) is the key. A rule across two keys is
+    reported under the first one it names.
     """
-    key, _ = _msgspec_location(message)
-    if key is None:
-        match = _ENGINE_FIELD.search(message)
-        key = match[0] if match else None
-    return f"engine.{key}" if key else "engine"
+    for word in message.replace("`", " ").replace("$", " ").split():
+        name = word.strip(".,:;'\"()").partition("[")[0].partition("=")[0]
+        if name in ENGINE_KEY_NAMES:
+            return f"engine.{name}"
+    return "engine"
 
 
 def _check_endpoints(config: DaemonConfig, layers: Layers) -> None:
