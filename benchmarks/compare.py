@@ -24,6 +24,7 @@ idle CPU only where the script prints them). Keep `--requests` small while devel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import re
@@ -152,12 +153,45 @@ def check_import(tree: Path, scratch: Path) -> str:
 
 
 def run_side(tree: Path, script: str, args: list[str]) -> str:
+    """One run; its own process group, so an interrupt here also ends the daemon it started."""
     cmd = [sys.executable, str(tree / "benchmarks" / script), *args]
-    proc = subprocess.run(cmd, cwd=tree, env=child_env(tree), capture_output=True, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tree,
+        env=child_env(tree),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        end_group(proc)
+        raise
     if proc.returncode != 0:
-        sys.stderr.write(proc.stdout + proc.stderr)
+        sys.stderr.write(out + err)
         raise SystemExit(f"{' '.join(cmd)} exited with {proc.returncode}")
-    return proc.stdout
+    return out
+
+
+def end_group(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM to the run's process group (the script, its daemon, a load generator)."""
+    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # The script is gone; give the rest of its group (a daemon draining) a moment.
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
 
 def parse(metrics: list[Metric], text: str) -> dict[str, float]:
