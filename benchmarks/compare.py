@@ -208,7 +208,9 @@ def parse(metrics: list[Metric], text: str) -> dict[str, float]:
 def fmt(value: float | None) -> str:
     if value is None:
         return "n/a"
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:,.3f}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}" if abs(value) >= 10 else f"{value:.3f}"
 
 
 def machine() -> str:
@@ -243,7 +245,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)  # so the worktrees are removed then as well
 
     print(machine())
-    print(f"benchmark: {script} {' '.join(args)}; {ns.repeat} rounds, ABBA order")
+    shown = " ".join(args) or "(default arguments)"
+    print(f"benchmark: {script} {shown}; {ns.repeat} rounds, ABBA order")
     print(f"old: {describe(ns.rev)}")
     print(f"new: {describe(ns.new)}")
     scratch = Path(tempfile.mkdtemp(prefix="engined-compare-"))
