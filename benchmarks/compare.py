@@ -1,7 +1,7 @@
 """A/B benchmark: an older revision against the working tree, alternating runs on one machine.
 
     .venv/bin/python benchmarks/compare.py REV [--benchmark core|e2e|e2e-pacing] [--repeat 3]
-        [--new REV2] [-- extra benchmark args]
+        [--new REV2] [--script-from own|new] [-- extra benchmark args]
 
 REV is checked out in a temporary `git worktree` (removed at the end, also on Ctrl-C). Each
 side runs its *own* copy of the benchmark script with identical arguments, under this
@@ -9,6 +9,9 @@ interpreter, with `PYTHONPATH` and the working directory set to its tree: `impor
 then resolves to that tree (the editable install's finder comes after `sys.path`, so it does
 not shadow it), and so does a daemon the script starts with `sys.executable -m engined.cli`
 (the child inherits both). Before the runs, each side prints which `engined` it imports.
+`--script-from new` runs the new side's script on both trees instead: the same harness (load
+generator, measurement) against both daemons, when the benchmark itself changed in between
+(e2e_throughput --pacing did after 3a10a4f: the load generator moved to its own process).
 
 The sides alternate old/new, new/old, ... (ABBA) for `--repeat` rounds, so drift on a shared
 machine cancels; per round and as medians, with the ratio new/old. Absolute figures on a loaded
@@ -93,6 +96,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[Metric]]] = {
             _m("steady p99 ms (worst rank)", rf"^\s+steady rank \d+: {_LATE}", False, 2),
             _m("steady max ms (worst rank)", rf"^\s+steady rank \d+: {_LATE}", False, 3),
             _m("idle daemon cpu %", rf"^idle daemon cpu {_NUM}% of a core", False),
+            _m("idle cpu % (schedstat)", rf"^idle daemon cpu .*; {_NUM}% from schedstat", False),
         ],
     ),
 }
@@ -152,9 +156,9 @@ def check_import(tree: Path, scratch: Path) -> str:
     return out
 
 
-def run_side(tree: Path, script: str, args: list[str]) -> str:
+def run_side(tree: Path, script: Path, args: list[str]) -> str:
     """One run; its own process group, so an interrupt here also ends the daemon it started."""
-    cmd = [sys.executable, str(tree / "benchmarks" / script), *args]
+    cmd = [sys.executable, str(script), *args]
     proc = subprocess.Popen(
         cmd,
         cwd=tree,
@@ -239,6 +243,12 @@ def main() -> None:
     parser.add_argument("--benchmark", choices=sorted(BENCHMARKS), default="core")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (one run of each side)")
     parser.add_argument("--new", default=None, help="a revision instead of the working tree")
+    parser.add_argument(
+        "--script-from",
+        choices=("own", "new"),
+        default="own",
+        help="each side runs its own tree's benchmark script, or both the new side's",
+    )
     ns = parser.parse_args(argv)
     script, fixed, metrics = BENCHMARKS[ns.benchmark]
     args = fixed + extra
@@ -253,10 +263,21 @@ def main() -> None:
     try:
         with worktree(ns.rev, scratch, "old") as old_tree:
             if ns.new is None:
-                run_rounds(old_tree, REPO, script, args, metrics, ns.repeat, scratch)
+                run_rounds(
+                    old_tree, REPO, script, ns.script_from, args, metrics, ns.repeat, scratch
+                )
             else:
                 with worktree(ns.new, scratch, "new") as new_tree:
-                    run_rounds(old_tree, new_tree, script, args, metrics, ns.repeat, scratch)
+                    run_rounds(
+                        old_tree,
+                        new_tree,
+                        script,
+                        ns.script_from,
+                        args,
+                        metrics,
+                        ns.repeat,
+                        scratch,
+                    )
     except KeyboardInterrupt:
         print("interrupted; worktrees removed", file=sys.stderr)
         raise SystemExit(130) from None
@@ -268,20 +289,23 @@ def run_rounds(
     old_tree: Path,
     new_tree: Path,
     script: str,
+    script_from: str,
     args: list[str],
     metrics: list[Metric],
     repeat: int,
     scratch: Path,
 ) -> None:
     trees = {"old": old_tree, "new": new_tree}
+    scripts: dict[str, Path] = {}
     for side, tree in trees.items():
-        print(f"{side} imports {check_import(tree, scratch)}")
+        scripts[side] = (new_tree if script_from == "new" else tree) / "benchmarks" / script
+        print(f"{side} imports {check_import(tree, scratch)}, runs {scripts[side]}")
     results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     for n in range(repeat):
         order = ("old", "new") if n % 2 == 0 else ("new", "old")
         for side in order:
             started = time.perf_counter()
-            values = parse(metrics, run_side(trees[side], script, args))
+            values = parse(metrics, run_side(trees[side], scripts[side], args))
             results[side].append(values)
             shown = ", ".join(f"{k} {fmt(v)}" for k, v in values.items())
             print(f"round {n + 1} {side}: {shown}  ({time.perf_counter() - started:.1f} s)")
