@@ -38,6 +38,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -325,6 +326,7 @@ def throughput(args: argparse.Namespace) -> None:
                 f"[{transport}]   generation_tokens_total {r['metric_tokens']:,.0f} {check} "
                 f"the client's {r['tokens']:,.0f}"
             )
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 # Run as the daemon in pacing mode (`python -c _PACING_DAEMON serve ...`): the same `engined
@@ -557,7 +559,9 @@ def pacing(args: argparse.Namespace) -> None:
     if not pass_log.exists():
         print("steady state: n/a (the daemon wrote no pass log)")
     else:
-        t0, split = phases(json.loads(pass_log.read_text()), target, times["drain"])
+        log = json.loads(pass_log.read_text())
+        shutil.rmtree(tmp, ignore_errors=True)
+        t0, split = phases(log, target, times["drain"])
         if t0 is None:
             print(f"steady state: n/a (the ranks never ran {target} requests with none waiting)")
         else:
