@@ -556,11 +556,11 @@ def pacing(args: argparse.Namespace) -> None:
             f"p50 {r.lateness_p50_ms:.3f}  p99 {r.lateness_p99_ms:.3f}  max {r.lateness_max_ms:.3f}"
         )
     target = min(args.concurrency, args.pacing_requests)
-    if not pass_log.exists():
+    log = json.loads(pass_log.read_text()) if pass_log.exists() else None
+    shutil.rmtree(tmp, ignore_errors=True)
+    if log is None:
         print("steady state: n/a (the daemon wrote no pass log)")
     else:
-        log = json.loads(pass_log.read_text())
-        shutil.rmtree(tmp, ignore_errors=True)
         t0, split = phases(log, target, times["drain"])
         if t0 is None:
             print(f"steady state: n/a (the ranks never ran {target} requests with none waiting)")
