@@ -67,7 +67,7 @@ def validate(layers: Layers) -> DaemonConfig:
         message = str(error)
         raise layers.error(_engine_key(message), message) from None
     if engine.engine_type is EngineType.SGLANG:
-        # VllmCore refuses it; refusing here makes it a bad setting (exit 2), not a crash.
+        # The engine refuses it; refusing here makes it a bad setting (exit 2), not a crash.
         raise layers.error(
             "engine.engine_type",
             "sglang is not supported: engined simulates the vllm and trtllm schedulers only",

@@ -11,7 +11,7 @@ This file is the engine's whole contract. Everything is a call that returns what
   modeled end of the pass, and whether it progressed at all.
 * `advance_tiers(now_ms) -> TierAdvance`: the offload tiers' transfers due by `now_ms`
   landed between passes; `next_deadline()` says when the next one is due.
-* `metrics()`, `is_empty()`, `is_drained()`; read-only `inspect(request_id)`,
+* `metrics()`, `num_waiting()`, `is_empty()`, `is_drained()`; read-only `inspect(request_id)`,
   `inspect_handoff(handoff_id)` and `queues()` for tests and tools.
 
 Time is data: every call takes `now_ms` from the caller, a pass returns its modeled
@@ -360,13 +360,18 @@ class Engine:
             and self.next_deadline() is None
         )
 
+    def num_waiting(self) -> int:
+        """Requests queued here and not running: waiting, parked, and destinations not yet
+        activated (the `waiting` gauge, without building the gauges)."""
+        book = self._book
+        return len(self._state.waiting) + len(book.pending) + len(book.held) + len(self._parking)
+
     def metrics(self) -> EngineMetrics:
         """The rank's gauges now (every `PassResult` carries them as of its end)."""
         kv = self._kv
         state = self._state
-        book = self._book
         active = kv.num_active_blocks()
-        waiting = len(state.waiting) + len(book.pending) + len(book.held) + len(self._parking)
+        waiting = self.num_waiting()
         num_blocks = self.num_blocks
         tiers = kv.offload
         if tiers is None:

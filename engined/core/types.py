@@ -14,14 +14,9 @@ snapshots of the engine's state are in views.py.
 from __future__ import annotations
 
 import enum
-import functools
 from typing import NamedTuple
 
 import msgspec
-
-# LEGACY: re-exported for the daemon until phase B (legacy_signals.py).
-from engined.core.legacy_signals import OutputSignal as OutputSignal
-from engined.core.legacy_signals import signals_of
 
 RequestId = str
 HandoffId = str
@@ -413,7 +408,7 @@ class TierAdvance(msgspec.Struct, frozen=True):
         return bool(self.kv_events or self.lifecycle_events)
 
 
-class PassResult(msgspec.Struct, frozen=True, dict=True):
+class PassResult(msgspec.Struct, frozen=True):
     """Everything one engine pass produced; the daemon publishes it, the core forgets it."""
 
     # Modeled end of the pass; the daemon paces to it and stamps outputs with it.
@@ -440,16 +435,3 @@ class PassResult(msgspec.Struct, frozen=True, dict=True):
     # MTP acceptance: visible output tokens and the decode forwards that produced them.
     accept_length_output_tokens: int = 0
     accept_length_decode_forwards: int = 0
-
-    # --- LEGACY VIEW: the daemon's pre-restructure shape (engined/core/legacy.py) ----------
-    # Removed when the shell consumes `outputs` and `ended` directly (issue 11, phase B).
-
-    @functools.cached_property
-    def output_signals(self) -> list[OutputSignal]:
-        """`outputs` as the old per-token signals (legacy_signals.py)."""
-        return signals_of(self.outputs)
-
-    @property
-    def completed_requests(self) -> int:
-        """How many requests left the core this pass (legacy; `len(ended)`)."""
-        return len(self.ended)

@@ -13,21 +13,18 @@ once it reads again.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
 from engined.core import types as core
 from engined.core.errors import CoreError
-from engined.core.scheduler import VllmCore
 from engined.server.clients import DELIMITER, ClientTable, Episode
 from engined.server.engine_loop import EngineLoop
 from engined.server.load import LoadWatch
@@ -35,7 +32,7 @@ from engined.server.log_throttle import LogThrottle
 from engined.server.ownership import HandoffRoute, Ownership
 from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire
-from engined.wire.convert import group_outputs, rank_stats, to_core_request, to_wire_lifecycle
+from engined.wire.convert import rank_stats, to_core_command, to_output_entry, to_wire_lifecycle
 from engined.wire.errors import WireError, bound_message
 
 log = structlog.get_logger(__name__)
@@ -262,7 +259,8 @@ class ControlServer:
             )
             return
         loop = self._loops[rank]
-        capacity = loop.core.num_blocks * loop.core.block_size
+        engine = loop.engine
+        capacity = engine.num_blocks * engine.block_size
         # NOTE: a destination's prompt is left to the core, which refuses it with `capacity`.
         if len(request.token_ids) > capacity and not isinstance(msg, wire.ReserveDestination):
             self._error(
@@ -273,7 +271,7 @@ class ControlServer:
                 f"capacity of {capacity} tokens",
             )
             return
-        if self._max_queued and len(loop.core.state.waiting) + loop.queued >= self._max_queued:
+        if self._max_queued and engine.num_waiting() + loop.queued >= self._max_queued:
             self._error(
                 identity,
                 msg.id,
@@ -282,21 +280,15 @@ class ControlServer:
             )
             return
         request_id = request.request_id or str(uuid.uuid4())
-        core_request = to_core_request(request)
-        if request.request_id is None:
-            core_request = msgspec.structs.replace(core_request, request_id=request_id)
+        command = to_core_command(msg, request_id=request_id)
+        assert command is not None
         routes: dict[str, HandoffRoute] | None = None
         handoff_id = ""
-        command: core.Command
         match msg:
-            case wire.Submit():
-                command = core.Submit(core_request)
             case wire.SubmitHandoffPrefill():
                 routes, handoff_id = self._ownership.sources, msg.handoff_id
-                command = core.SubmitHandoffPrefill(msg.handoff_id, core_request)
             case wire.ReserveDestination():
                 routes, handoff_id = self._ownership.destinations, msg.handoff_id
-                command = core.ReserveDestination(msg.handoff_id, core_request)
         existing = None if routes is None else routes.get(handoff_id)
         if existing is not None:
             # The core that owns the handoff id must see the duplicate and refuse it.
@@ -353,16 +345,8 @@ class ControlServer:
         if route is None:
             self._reply(identity, wire.Noop(id=msg.id))
             return
-        command: core.Command
-        match msg:
-            case wire.ReleaseSource():
-                command = core.ReleaseSource(msg.handoff_id)
-            case wire.CancelSource():
-                command = core.CancelSource(msg.handoff_id)
-            case wire.ActivateDestination():
-                command = core.ActivateDestination(msg.handoff_id)
-            case wire.CancelDestination():
-                command = core.CancelDestination(msg.handoff_id)
+        command = to_core_command(msg)
+        assert command is not None
         loop = self._loops[route.rank]
         effects = await loop.call(command)
         applied = isinstance(effects.result, core.Applied)
@@ -371,7 +355,7 @@ class ControlServer:
         if applied and not isinstance(msg, wire.ActivateDestination):
             if routes.get(msg.handoff_id) is route:
                 self._ownership.drop_route(routes, msg.handoff_id)
-            self._ownership.end_dropped(route.rank, route.request_id, loop.core)
+            self._ownership.end_ended(route.rank, effects.ended)
         self._reply(identity, wire.Applied(id=msg.id) if applied else wire.Noop(id=msg.id))
 
     async def expire_handoffs(self) -> None:
@@ -387,9 +371,8 @@ class ControlServer:
             return
         refused = []
         for rank in ranks:
-            future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            self._loops[rank].post(functools.partial(_reset_into, future))
-            if not await future:
+            effects = await self._loops[rank].call(core.ResetPrefixCache())
+            if effects.result is not core.APPLIED:
                 refused.append(rank)
         if refused:
             self._error(
@@ -418,7 +401,7 @@ class ControlServer:
             id=msg_id,
             ranks=[
                 rank_stats(
-                    loop.core.metrics(),
+                    loop.engine.metrics(),
                     passes_total=loop.passes_total,
                     lateness_ms=loop.lateness_summary(),
                     kv_events_overflows=loop.kv_overflows,
@@ -429,17 +412,18 @@ class ControlServer:
 
     # --- delivery (called by the engine loops) ------------------------------------------
 
-    def deliver_outputs(self, rank: int, signals: list[core.OutputSignal]) -> None:
+    def deliver_outputs(self, rank: int, outputs: list[core.RequestOutput]) -> None:
         ownership = self._ownership
-        per_client: dict[bytes, list[core.OutputSignal]] = defaultdict(list)
-        for signal in signals:
-            owner = ownership.owner(rank, signal.request_id)
+        per_client: dict[bytes, list[wire.OutputEntry]] = defaultdict(list)
+        for output in outputs:
+            request_id = output.request_id
+            owner = ownership.owner(rank, request_id)
             if owner is not None:
-                per_client[owner].append(signal)
-                if signal.completed:
-                    ownership.finished(rank, signal.request_id)
-        for identity, batch in per_client.items():
-            self._reply(identity, wire.Output(dp_rank=rank, outputs=group_outputs(batch)))
+                per_client[owner].append(to_output_entry(output))
+                if output.finish_reason is not None:
+                    ownership.finished(rank, request_id)
+        for identity, entries in per_client.items():
+            self._reply(identity, wire.Output(dp_rank=rank, outputs=entries))
             self._clients.settle(identity)
 
     def deliver_lifecycle(self, rank: int, events: list[core.LifecycleEvent]) -> None:
@@ -478,7 +462,3 @@ class ControlServer:
     def _recovered(self, identity: bytes, episode: Episode) -> None:
         if episode.watching:
             self._load.watch(identity)
-
-
-def _reset_into(future: asyncio.Future[bool], core_: VllmCore) -> None:
-    future.set_result(core_.reset_prefix_cache())

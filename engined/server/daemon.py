@@ -25,8 +25,9 @@ import zmq.asyncio
 
 import engined
 from engined.config import DaemonConfig, endpoint_for_rank
+from engined.core.engine import Engine
 from engined.core.policy import context_length
-from engined.core.scheduler import VllmCore
+from engined.core.types import LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
 from engined.server.control import ControlServer
 from engined.server.engine_loop import EngineLoop
@@ -166,7 +167,7 @@ class Daemon:
             else:
                 fpm = NullFpmPublisher()
             fpms.append(fpm)
-            core = VllmCore(engine, dp_rank=rank, worker_id=rank)
+            core = Engine(engine, dp_rank=rank, worker_id=rank)
             self.loops.append(
                 EngineLoop(
                     core,
@@ -342,7 +343,7 @@ class Daemon:
         tokens = sum(loop.tokens_total for loop in self.loops)
         rate = (tokens - self._status_tokens) / max(now - self._status_at, 1e-6)
         self._status_tokens, self._status_at = tokens, now
-        metrics = [loop.core.metrics() for loop in self.loops]
+        metrics = [loop.engine.metrics() for loop in self.loops]
         line = (
             f"{len(self.loops)} ranks, {sum(m.running for m in metrics)} running, "
             f"{sum(m.waiting for m in metrics)} waiting, {rate:.0f} tokens/s"
@@ -356,10 +357,10 @@ class _LateDelivery:
     def __init__(self, controls: list[ControlServer]) -> None:
         self._controls = controls
 
-    def deliver_outputs(self, rank: int, signals: list) -> None:  # type: ignore[type-arg]
-        self._controls[0].deliver_outputs(rank, signals)
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
+        self._controls[0].deliver_outputs(rank, outputs)
 
-    def deliver_lifecycle(self, rank: int, events: list) -> None:  # type: ignore[type-arg]
+    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
         self._controls[0].deliver_lifecycle(rank, events)
 
 

@@ -18,7 +18,13 @@ A rank with nothing to do sleeps on its wake event (publishing an FPM heartbeat 
 a pass that changed nothing also waits for the next command instead of spinning. With offload
 tiers, such a rank also wakes at the earliest tier-transfer deadline (paced: sleeps until it;
 speedup 0: moves the virtual clock to it): a busy core then runs a pass, an empty one ticks
-its tiers (`tick_offload_only`) and publishes what landed.
+its tiers (`Engine.advance_tiers`) and publishes what landed.
+
+The loop reads only what the engine returns (`CommandEffects`, `PassResult`, `TierAdvance`)
+and its public gauges; commands are `engined.core` commands, applied through the inbox by
+`call` (the caller awaits the effects) or `send` (fire and forget, e.g. a cancel for a
+vanished client). Either way the command observers see the effects, so every request that
+ends is seen ending.
 """
 
 from __future__ import annotations
@@ -31,15 +37,15 @@ from typing import Any, Protocol
 
 import structlog
 
+from engined.core.engine import Engine
 from engined.core.errors import CoreError
-from engined.core.scheduler import VllmCore
 from engined.core.types import (
     Command,
     CommandEffects,
-    EngineMetrics,
+    KvEvent,
     LifecycleEvent,
-    OutputSignal,
     PassResult,
+    RequestOutput,
 )
 
 log = structlog.get_logger(__name__)
@@ -70,12 +76,14 @@ class FpmSink(Protocol):
 class Delivery(Protocol):
     """Where a rank's results go: the control server routes them to clients."""
 
-    def deliver_outputs(self, rank: int, signals: list[OutputSignal]) -> None: ...
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None: ...
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None: ...
 
 
-Job = Callable[[VllmCore], None]
+# A command waiting for the next pass boundary: the command, the `now_ms` of its arrival,
+# and the future of its caller (None: sent, nobody awaits its effects).
+_Entry = tuple[Command, float, "asyncio.Future[CommandEffects] | None"]
 # Told of every pass that changed something, right after it ran: (rank, pass start ms, result).
 # Before pacing, so no await separates the core's new state from what observers saw, and their
 # work fits in the pass's modeled time. Prometheus metrics (engined.server.metrics) are one.
@@ -89,7 +97,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        core: VllmCore,
+        engine: Engine,
         *,
         kv: KvSink,
         fpm: FpmSink,
@@ -104,8 +112,8 @@ class EngineLoop:
         passes a virtual clock and its sleep to run paced passes without waiting. A custom
         `clock` without a `sleep` keeps the event loop's timers (and their precision wait).
         """
-        self.core = core
-        self.rank = core.dp_rank
+        self.engine = engine
+        self.rank = engine.dp_rank
         self._kv = kv
         self._fpm = fpm
         self._delivery = delivery
@@ -113,7 +121,7 @@ class EngineLoop:
         self._clock = clock
         self._sleep = sleep
         self._wall_clock = wall_clock
-        self._inbox: deque[Job] = deque()
+        self._inbox: deque[_Entry] = deque()
         self._wake = asyncio.Event()
         self._start = clock()
         self._virtual_ms = 0.0
@@ -164,30 +172,16 @@ class EngineLoop:
     def queued(self) -> int:
         return len(self._inbox)
 
-    def post(self, job: Job) -> None:
-        """Run `job(core)` at the next pass boundary."""
-        self._inbox.append(job)
+    def send(self, command: Command) -> None:
+        """Apply `command` at the next pass boundary; nobody awaits it (a refusal is logged)."""
+        self._inbox.append((command, self.now_ms(), None))
         self._wake.set()
 
     async def call(self, command: Command) -> CommandEffects:
         """Apply a command at the next boundary; raises its CoreError if it failed."""
         future: asyncio.Future[CommandEffects] = asyncio.get_running_loop().create_future()
-        called_ms = self.now_ms()
-
-        def job(core: VllmCore) -> None:
-            try:
-                # An offload the command causes starts when the command is applied.
-                effects = core.apply_live_command(command, True, self.now_ms())
-            except CoreError as exc:
-                future.set_exception(exc)
-                return
-            for observer in self.command_observers:
-                observer(self.rank, called_ms, command, effects)
-            future.set_result(effects)
-            if effects.lifecycle_events:
-                self._delivery.deliver_lifecycle(self.rank, effects.lifecycle_events)
-
-        self.post(job)
+        self._inbox.append((command, self.now_ms(), future))
+        self._wake.set()
         return await future
 
     def stop(self) -> None:
@@ -203,22 +197,21 @@ class EngineLoop:
         return self._virtual_ms
 
     async def run(self) -> None:
-        core = self.core
+        engine = self.engine
         progressed = True
         while True:
-            if not self._inbox and (core.is_empty() or not progressed):
-                if self._stopped and core.is_empty():
+            if not self._inbox and (engine.is_empty() or not progressed):
+                if self._stopped and engine.is_empty():
                     return
                 await self._wait_for_work()
                 progressed = True
             self._drain_inbox()
-            if core.is_empty():
-                self._tick_offload()
+            if engine.is_empty():
+                self._advance_tiers()
                 continue
-            before = core.metrics()
             start_ms = self.now_ms()
             result = self._execute(start_ms)
-            progressed = self._progressed(result, before)
+            progressed = result.progressed
             if not progressed:
                 continue
             for observer in self.pass_observers:
@@ -229,24 +222,11 @@ class EngineLoop:
     def _execute(self, now_ms: float) -> PassResult:
         if self._next_start is not None:
             self.lateness_ms.append(max(now_ms - self._next_start, 0.0))
-        result = self.core.execute_pass(now_ms)
+        result = self.engine.execute_pass(now_ms)
         self.passes_total += 1
         if result.kv_events:
             self._kv.publish(result.kv_events, self._wall_clock())
         return result
-
-    @staticmethod
-    def _progressed(result: PassResult, before: EngineMetrics) -> bool:
-        """Whether a pass changed anything; a pass that did not waits for the next command."""
-        return bool(
-            result.output_signals
-            or result.admissions
-            or result.kv_events
-            or result.lifecycle_events
-            or result.completed_requests
-            or result.fpm.wall_time_secs > 0
-            or result.metrics != before
-        )
 
     async def _pace(self, end_ms: float) -> None:
         """Wait for the pass's modeled end; always yields at least once (see the module doc)."""
@@ -280,29 +260,39 @@ class EngineLoop:
             await asyncio.sleep(0)
 
     def _publish(self, result: PassResult) -> None:
-        if result.output_signals:
-            self.tokens_total += len(result.output_signals)
-            self._delivery.deliver_outputs(self.rank, result.output_signals)
+        if result.outputs:
+            self.tokens_total += result.accept_length_output_tokens
+            self._delivery.deliver_outputs(self.rank, result.outputs)
         self._fpm.publish(result.fpm)
-        lifecycle = result.lifecycle_events + self.core.retry_pending_destinations()
-        if lifecycle:
-            self._delivery.deliver_lifecycle(self.rank, lifecycle)
+        if result.lifecycle_events:
+            self._delivery.deliver_lifecycle(self.rank, result.lifecycle_events)
 
     def _drain_inbox(self) -> None:
+        """Apply the queued commands in arrival order; their KV events go out as one batch,
+        before the next pass's (a reset's AllBlocksCleared, the offloads a command starts)."""
         inbox = self._inbox
-        core = self.core
+        engine = self.engine
+        kv_events: list[KvEvent] = []
         while inbox:
-            inbox.popleft()(core)
-        # Commands may have freed capacity without a pass (e.g. a released source).
-        events = core.retry_pending_destinations()
-        if events:
-            self._delivery.deliver_lifecycle(self.rank, events)
-        # KV events of commands (reset_prefix_cache's AllBlocksCleared) ride on the next pass;
-        # an empty core runs none, so it publishes them now rather than at the next request.
-        if core.is_empty():
-            kv_events = core.take_kv_events()
-            if kv_events:
-                self._kv.publish(kv_events, self._wall_clock())
+            command, arrived_ms, future = inbox.popleft()
+            try:
+                # An offload the command causes starts when the command is applied.
+                effects = engine.apply(command, now_ms=self.now_ms())
+            except CoreError as exc:
+                if future is None:
+                    log.warning("command refused", command=type(command).__name__, error=str(exc))
+                elif not future.done():  # its caller may have given up waiting
+                    future.set_exception(exc)
+                continue
+            for observer in self.command_observers:
+                observer(self.rank, arrived_ms, command, effects)
+            if future is not None and not future.done():
+                future.set_result(effects)
+            kv_events += effects.kv_events
+            if effects.lifecycle_events:
+                self._delivery.deliver_lifecycle(self.rank, effects.lifecycle_events)
+        if kv_events:
+            self._kv.publish(kv_events, self._wall_clock())
 
     async def _wait_for_work(self) -> None:
         """Sleep until a command arrives or a tier transfer is due, with FPM heartbeats."""
@@ -340,10 +330,10 @@ class EngineLoop:
     def _offload_due_in(self) -> float | None:
         """Seconds until the core's next tier-transfer deadline (None: no transfer).
 
-        Measured with `now_ms`, as `_tick_offload` is, so "due" means the same to both. At
+        Measured with `now_ms`, as `_advance_tiers` is, so "due" means the same to both. At
         speedup 0 nothing waits for time: the virtual clock moves to the deadline.
         """
-        deadline_ms = self.core.earliest_offload_deadline()
+        deadline_ms = self.engine.next_deadline()
         if deadline_ms is None:
             return None
         if not self._paced:
@@ -351,15 +341,15 @@ class EngineLoop:
             return 0.0
         return (deadline_ms - self.now_ms()) / 1000.0
 
-    def _tick_offload(self) -> None:
-        """Land the tier transfers due by now on an empty core and publish their events."""
-        core = self.core
-        deadline_ms = core.earliest_offload_deadline()
+    def _advance_tiers(self) -> None:
+        """Land the tier transfers due by now on an empty engine and publish their events."""
+        engine = self.engine
+        deadline_ms = engine.next_deadline()
         now_ms = self.now_ms()
         if deadline_ms is None or now_ms < deadline_ms:
             return
-        effects = core.tick_offload_only(now_ms)
-        if effects.kv_events:
-            self._kv.publish(effects.kv_events, self._wall_clock())
-        if effects.lifecycle_events:
-            self._delivery.deliver_lifecycle(self.rank, effects.lifecycle_events)
+        advanced = engine.advance_tiers(now_ms)
+        if advanced.kv_events:
+            self._kv.publish(advanced.kv_events, self._wall_clock())
+        if advanced.lifecycle_events:
+            self._delivery.deliver_lifecycle(self.rank, advanced.lifecycle_events)

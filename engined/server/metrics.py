@@ -18,8 +18,11 @@ observer) and once per command (a command observer, for arrival times and cancel
 * histograms are bucket counts in plain lists (`LatencyHistogram`), because prometheus_client's
   `Histogram` has no observe-with-count. The collector turns them into `HistogramMetricFamily`
   at scrape time;
-* gauges and `vllm:num_preemptions_total` are read from the cores at scrape time, so scraping
-  reads state and adds no work to passes.
+* gauges and `vllm:num_preemptions_total` are read from the engines' `metrics()` at scrape
+  time, so scraping adds no work to passes;
+* a request's record ends when a result says it ended: `PassResult.ended` (finished,
+  rejected) or `CommandEffects.ended` (cancelled by any path, since every path that ends a
+  request early is a command the loop applies and observes).
 
 Latencies are modeled time. The core's millisecond clock is modeled time at speedup 0
 (virtual clock); at speedup ratio r > 0 the core's times are wall time (modeled durations
@@ -51,12 +54,11 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from engined.core.types import (
-    Applied,
-    Cancel,
     Command,
     CommandEffects,
     DestinationAccepted,
     EngineMetrics,
+    FinishReason,
     PassResult,
     ReserveDestination,
     Submit,
@@ -67,7 +69,6 @@ from engined.server.publisher_metrics import PublisherMetrics, WatchedPublisher
 
 if TYPE_CHECKING:
     from engined.config import DaemonConfig
-    from engined.core.scheduler import VllmCore
     from engined.server.engine_loop import EngineLoop
 
 # Bucket boundaries (seconds) of vLLM's PrometheusStatLogger, vllm/v1/metrics/loggers.py:
@@ -145,17 +146,22 @@ class RankMetrics:
     """Tallies of one rank, fed by its EngineLoop's observers, read by the collector.
 
     Args:
-        core: the rank's core; its queues tell which requests still live (`reconcile`) and its
-            `metrics()` gives the gauges at scrape time.
-        now_ms: the rank's clock (`EngineLoop.now_ms`), for drops noticed outside a pass.
+        rank: the data-parallel rank (the `engine` label).
+        gauges: the rank's engine gauges now (`Engine.metrics`), read at scrape time.
+        now_ms: the rank's clock (`EngineLoop.now_ms`), for requests a command ended.
         seconds_per_ms: modeled seconds per core millisecond (`modeled_seconds_per_ms`).
     """
 
     def __init__(
-        self, core: VllmCore, *, now_ms: Callable[[], float], seconds_per_ms: float
+        self,
+        rank: int,
+        *,
+        gauges: Callable[[], EngineMetrics],
+        now_ms: Callable[[], float],
+        seconds_per_ms: float,
     ) -> None:
-        self.core = core
-        self.rank = core.dp_rank
+        self.rank = rank
+        self.gauges = gauges
         self._now_ms = now_ms
         self._scale = seconds_per_ms
         self.requests: dict[str, _Request] = {}
@@ -178,14 +184,16 @@ class RankMetrics:
     def on_command(
         self, rank: int, arrival_ms: float, command: Command, effects: CommandEffects
     ) -> None:
-        """A command was applied: a new request starts its clock; a cancel ends one."""
+        """A command was applied: a new request starts its clock; a dropped one ends."""
         result = effects.result
         if isinstance(result, Submitted | DestinationAccepted) and isinstance(
             command, Submit | SubmitHandoffPrefill | ReserveDestination
         ):
             self.requests[result.request_id] = _Request(arrival_ms, len(command.request.token_ids))
-        elif isinstance(command, Cancel) and isinstance(result, Applied):
-            self._finish(command.request_id, self._now_ms(), "abort")
+        if effects.ended:
+            now_ms = self._now_ms()
+            for ended in effects.ended:
+                self._finish(ended.request_id, now_ms, "abort")
 
     def on_pass(self, rank: int, now_ms: float, result: PassResult) -> None:
         """Fold one pass in: per-pass totals, and per-request work only where it is unavoidable."""
@@ -197,28 +205,22 @@ class RankMetrics:
             record = requests.get(admission.request_id)
             if record is not None and record.admitted_ms is None:
                 record.admitted_ms = now_ms  # vLLM's scheduled_ts: the step that scheduled it
-        signals = result.output_signals
-        if signals:
-            end_ms = result.end_ms
-            # NOTE: comprehensions, not map(attrgetter): twice as fast on 3.11 for msgspec
-            # Structs (specialised attribute loads), and this runs for every signal.
-            done = [signal for signal in signals if signal.completed]
-            emitters = {signal.request_id for signal in signals}
-            for signal in done:
-                if signal.token_id is None:  # rejected, or max_tokens 0: no token, no latency
-                    emitters.discard(signal.request_id)
+        end_ms = result.end_ms
+        outputs = result.outputs
+        if outputs:
+            # NOTE: a comprehension, not map(attrgetter): twice as fast on 3.11 for msgspec
+            # Structs (specialised attribute loads), and this runs for every output. A
+            # token-less output (rejected, or max_tokens 0) has no latency.
+            emitters = {out.request_id for out in outputs if out.new_token_ids}
             if emitters:
                 self._emitted(emitters, end_ms)
-            for signal in done:
-                request_id = signal.request_id
-                record = requests.get(request_id)
-                if record is not None and record.first_ms is None and not signal.rejected:
-                    self.prompt_tokens += record.prompt_len  # prefilled, finished tokenless
-                self._finish(request_id, end_ms, "abort" if signal.rejected else "length")
-        # Requests dropped between passes without a Cancel command (a vanished client, a
-        # handoff cancel) would otherwise stay here forever; an O(1) count check finds them.
-        if len(requests) > _live_count(self.core):
-            self.reconcile(now_ms)
+        for ended in result.ended:
+            request_id = ended.request_id
+            finished = ended.reason is FinishReason.LENGTH
+            record = requests.get(request_id)
+            if record is not None and record.first_ms is None and finished:
+                self.prompt_tokens += record.prompt_len  # prefilled, finished tokenless
+            self._finish(request_id, end_ms, "length" if finished else "abort")
 
     def _emitted(self, emitters: set[str], end_ms: float) -> None:
         """Latencies of the requests that emitted tokens in a pass ending at `end_ms`."""
@@ -260,20 +262,6 @@ class RankMetrics:
         if record.admitted_ms is not None:
             self.queue.add((record.admitted_ms - record.arrival_ms) * scale)
 
-    def reconcile(self, now_ms: float | None = None) -> None:
-        """End (as "abort") every tracked request the core no longer has."""
-        requests = self.requests
-        if len(requests) <= _live_count(self.core):
-            return
-        when = self._now_ms() if now_ms is None else now_ms
-        core = self.core
-        live = core.state.requests
-        pending = core.pending_destinations.by_request
-        held = core.destination_holds.by_request
-        for request_id in [r for r in requests if r not in live]:
-            if request_id not in pending and request_id not in held:
-                self._finish(request_id, when, "abort")
-
 
 def _tier_blocks(
     labels: list[tuple[RankMetrics, list[str]]], gauges: Mapping[int, EngineMetrics]
@@ -296,11 +284,6 @@ def _tier_blocks(
                 family.add_metric([*values, tier, "inactive"], inactive)
                 family.add_metric([*values, tier, "free"], total - active - inactive)
     return family
-
-
-def _live_count(core: VllmCore) -> int:
-    """Requests a core still owns: queued or running, plus destinations not yet activated."""
-    return len(core.state.requests) + len(core.pending_destinations) + len(core.destination_holds)
 
 
 def modeled_seconds_per_ms(speedup_ratio: float) -> float:
@@ -351,7 +334,12 @@ class VllmMetrics(Collector):
 
     def attach(self, loop: EngineLoop) -> RankMetrics:
         """Start tallying a rank: register its observers on the loop."""
-        rank = RankMetrics(loop.core, now_ms=loop.now_ms, seconds_per_ms=self.seconds_per_ms)
+        rank = RankMetrics(
+            loop.rank,
+            gauges=loop.engine.metrics,
+            now_ms=loop.now_ms,
+            seconds_per_ms=self.seconds_per_ms,
+        )
         loop.command_observers.append(rank.on_command)
         loop.pass_observers.append(rank.on_pass)
         self.ranks.append(rank)
@@ -366,13 +354,11 @@ class VllmMetrics(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        """Every family, read from the tallies and the cores as they are now."""
+        """Every family, read from the tallies and the engines as they are now."""
         model = self.model_name
         ranks = self.ranks
-        for rank in ranks:
-            rank.reconcile()
         labels = [(rank, [model, str(rank.rank)]) for rank in ranks]
-        gauges = {rank.rank: rank.core.metrics() for rank in ranks}
+        gauges = {rank.rank: rank.gauges() for rank in ranks}
 
         running = GaugeMetricFamily(
             "vllm:num_requests_running",

@@ -17,7 +17,6 @@ ends is told (`released`), so its per-client state can be freed at once (issue 1
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from dataclasses import dataclass
 import structlog
 
 from engined.core import types as core
-from engined.core.scheduler import VllmCore
 from engined.server.engine_loop import EngineLoop
 
 log = structlog.get_logger(__name__)
@@ -185,15 +183,15 @@ class Ownership:
         if identity is None:
             return False
         if in_core:
-            self._loops[rank].post(functools.partial(_cancel_quietly, request_id))
+            self._loops[rank].send(core.Cancel(request_id))
         self._notify(identity, rank, [request_id])
         self._settle(identity)
         return True
 
-    def end_dropped(self, rank: int, request_id: str, core_: VllmCore) -> None:
-        """A handoff command or timeout dropped a request that may still be streaming."""
-        if self.owner(rank, request_id) is not None and request_id not in core_.state.requests:
-            self.end(rank, request_id)
+    def end_ended(self, rank: int, ended: Sequence[core.EndedRequest]) -> None:
+        """A handoff command or timeout dropped these requests; their owners are told."""
+        for request in ended:
+            self.end(rank, request.request_id)
 
     def end_client(self, identity: bytes) -> int:
         """End every request `identity` owns, on every rank (it was dropped); the count."""
@@ -201,7 +199,7 @@ class Ownership:
         per_rank: dict[int, list[str]] = {}
         for rank, request_id in mine:
             self._forget(rank, request_id)
-            self._loops[rank].post(functools.partial(_cancel_quietly, request_id))
+            self._loops[rank].send(core.Cancel(request_id))
             per_rank.setdefault(rank, []).append(request_id)
         for rank, request_ids in per_rank.items():
             self._notify(identity, rank, request_ids)
@@ -214,7 +212,7 @@ class Ownership:
             per_owner: dict[bytes, list[str]] = {}
             for request_id, identity in list(owners.items()):
                 self._forget(rank, request_id)
-                self._loops[rank].core.cancel(request_id)
+                self._loops[rank].send(core.Cancel(request_id))
                 per_owner.setdefault(identity, []).append(request_id)
             for identity, request_ids in per_owner.items():
                 self._notify(identity, rank, request_ids)
@@ -252,11 +250,7 @@ class Ownership:
                     effects = await loop.call(command(handoff_id))
                     if isinstance(effects.result, core.Applied) and routes.get(handoff_id) is route:
                         self.drop_route(routes, handoff_id)
-                        self.end_dropped(route.rank, route.request_id, loop.core)
+                        self.end_ended(route.rank, effects.ended)
                         log.warning(
                             "handoff timed out", handoff_id=handoff_id, request_id=route.request_id
                         )
-
-
-def _cancel_quietly(request_id: str, core_: VllmCore) -> None:
-    core_.cancel(request_id)

@@ -1,13 +1,10 @@
 """Conversions between the core's values and control protocol messages.
 
 The daemon calls these at the boundary: a decoded message becomes a core command, a pass's
-output signals and lifecycle events become streamed messages. Pure functions, no state.
+request outputs and lifecycle events become streamed messages. Pure functions, no state.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from engined.core import types as core
 from engined.wire.control import (
@@ -31,34 +28,41 @@ from engined.wire.control import (
 )
 
 
-def to_core_request(request: WireRequest) -> core.Request:
-    """The core's request; `dp_rank` is the daemon's routing concern and is not passed on."""
+def to_core_request(request: WireRequest, request_id: str | None = None) -> core.Request:
+    """The core's request; `dp_rank` is the daemon's routing concern and is not passed on.
+
+    `request_id` replaces the message's (the daemon names a request the client left unnamed).
+    """
     return core.Request(
         token_ids=request.token_ids,
         max_tokens=request.max_tokens,
-        request_id=request.request_id,
+        request_id=request.request_id if request_id is None else request_id,
         output_token_ids=request.output_token_ids,
     )
 
 
-def to_core_command(msg: ClientMessage) -> core.Command | None:
+def to_core_command(msg: ClientMessage, *, request_id: str | None = None) -> core.Command | None:
     """The core command a message asks for; None for the daemon's own messages.
 
-    (`hello`, `stats`, `reset_prefix_cache`, `ping` are answered without a core command.)
+    (`hello`, `stats`, `reset_prefix_cache`, `ping` and the others that name no request or
+    handoff are answered without one.) `request_id` names the request of a message that
+    carries one, as in `to_core_request`.
     """
     match msg:
         case Submit():
-            return core.Submit(to_core_request(msg.request))
+            return core.Submit(to_core_request(msg.request, request_id))
         case Cancel():
             return core.Cancel(msg.request_id)
         case SubmitHandoffPrefill():
-            return core.SubmitHandoffPrefill(msg.handoff_id, to_core_request(msg.request))
+            return core.SubmitHandoffPrefill(
+                msg.handoff_id, to_core_request(msg.request, request_id)
+            )
         case ReleaseSource():
             return core.ReleaseSource(msg.handoff_id)
         case CancelSource():
             return core.CancelSource(msg.handoff_id)
         case ReserveDestination():
-            return core.ReserveDestination(msg.handoff_id, to_core_request(msg.request))
+            return core.ReserveDestination(msg.handoff_id, to_core_request(msg.request, request_id))
         case ActivateDestination():
             return core.ActivateDestination(msg.handoff_id)
         case CancelDestination():
@@ -67,44 +71,26 @@ def to_core_command(msg: ClientMessage) -> core.Command | None:
             return None
 
 
-@dataclass(slots=True)
-class _EntryBuilder:
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    cached_tokens: int | None = None
-    handoff_delay_ms: float | None = None
+_FINISH_REASONS: dict[core.FinishReason | None, FinishReason | None] = {
+    None: None,
+    core.FinishReason.LENGTH: "length",
+    core.FinishReason.REJECTED: "rejected",
+    core.FinishReason.CANCELLED: "cancelled",
+}
 
 
-def group_outputs(signals: Iterable[core.OutputSignal]) -> list[OutputEntry]:
-    """Fold per-token signals into one entry per request, in order of first appearance.
-
-    The daemon calls this once per client per pass, which is what keeps a speculative burst
-    in one entry and the protocol at one `output` message per client per pass.
-    """
-    builders: dict[str, _EntryBuilder] = {}
-    for signal in signals:
-        builder = builders.get(signal.request_id)
-        if builder is None:
-            builder = builders[signal.request_id] = _EntryBuilder()
-        if signal.token_id is not None:
-            builder.token_ids.append(signal.token_id)
-        if signal.cached_tokens is not None and builder.cached_tokens is None:
-            builder.cached_tokens = signal.cached_tokens
-        if signal.handoff_delay_ms is not None:
-            builder.handoff_delay_ms = signal.handoff_delay_ms
-        if signal.completed:
-            builder.finish_reason = "rejected" if signal.rejected else "length"
-    return [
-        OutputEntry(
-            request_id=request_id,
-            token_ids=b.token_ids,
-            finished=b.finish_reason is not None,
-            finish_reason=b.finish_reason,
-            cached_tokens=b.cached_tokens,
-            handoff_delay_ms=b.handoff_delay_ms,
-        )
-        for request_id, b in builders.items()
-    ]
+def to_output_entry(output: core.RequestOutput) -> OutputEntry:
+    """The streamed form of one request's output of one pass (a speculative burst stays one
+    entry, so the protocol keeps one entry per request per pass)."""
+    reason = _FINISH_REASONS[output.finish_reason]
+    return OutputEntry(
+        request_id=output.request_id,
+        token_ids=output.new_token_ids,
+        finished=reason is not None,
+        finish_reason=reason,
+        cached_tokens=output.cached_tokens,
+        handoff_delay_ms=output.handoff_delay_ms,
+    )
 
 
 def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:

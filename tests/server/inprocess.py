@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from engined.core.args import EngineArgs, PerfModelKind
-from engined.core.scheduler import VllmCore
+from engined.core.engine import Engine
 from engined.server.control import ControlServer
 from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import NullFpmPublisher
@@ -62,9 +62,9 @@ class _Delivery:
     def __init__(self) -> None:
         self.control: ControlServer | None = None
 
-    def deliver_outputs(self, rank: int, signals: list[Any]) -> None:
+    def deliver_outputs(self, rank: int, outputs: list[Any]) -> None:
         assert self.control is not None
-        self.control.deliver_outputs(rank, signals)
+        self.control.deliver_outputs(rank, outputs)
 
     def deliver_lifecycle(self, rank: int, events: list[Any]) -> None:
         assert self.control is not None
@@ -100,7 +100,7 @@ async def serve(tmp_path: Path, *, sndhwm: int = 100_000, **args: Any) -> AsyncI
     sock.setsockopt(zmq.SNDBUF, 4096)
     delivery = _Delivery()
     loop = EngineLoop(
-        VllmCore(engine_args(**args)),
+        Engine(engine_args(**args)),
         kv=NullKvPublisher(),
         fpm=NullFpmPublisher(),
         delivery=delivery,

@@ -84,7 +84,7 @@ def test_vanished_clients_are_remembered_up_to_a_bound(
             for n in range(120):
                 await vanish_with_a_running_request(served, n)
                 assert state()["dropped"] <= 16
-            await until(lambda: not served.loop.core.state.requests, "every request cancelled")
+            await until(lambda: served.loop.engine.is_empty(), "every request cancelled")
             assert state()["owning"] == 0
             assert state()["dropped"] == 16
             assert state()["notices"] == 16  # one `cancelled` terminal each
@@ -103,7 +103,7 @@ def test_notices_beyond_the_budget_evict_the_oldest_dropped_clients(
             state = served.control.client_state
             for n in range(40):
                 await vanish_with_a_running_request(served, n)
-            await until(lambda: not served.loop.core.state.requests, "every request cancelled")
+            await until(lambda: served.loop.engine.is_empty(), "every request cancelled")
             assert state()["notices"] == 10
             assert state()["dropped"] == 10
 
@@ -140,7 +140,7 @@ def test_a_client_that_comes_back_learns_its_request_was_cancelled(tmp_path: Pat
             await first.send(encode(type="submit", request=request, id=1))
             await first.recv()
             first.close()
-            await until(lambda: not served.loop.core.state.requests, "the request cancelled")
+            await until(lambda: served.loop.engine.is_empty(), "the request cancelled")
             assert state()["dropped"] == 1
             again = served.dealer(identity=b"comes-back")
             await again.send(encode(type="ping", id=2))

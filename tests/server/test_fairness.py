@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from engined.client import EngineClient
 from engined.core.args import EngineArgs, PerfModelKind
-from engined.core.scheduler import VllmCore
+from engined.core.engine import Engine
 from engined.core.types import PassResult, Request, Submit
 from engined.server.control import CONTROL_TURN_MESSAGES, ControlServer
 from engined.server.daemon import CONTROL_HWM
@@ -120,7 +120,7 @@ def test_a_ping_burst_yields_to_passes_and_to_other_clients(tmp_path: Path) -> N
             rcvhwm=CONTROL_HWM,
             router_mandatory=True,
         )
-        core = VllmCore(fast_args())
+        core = Engine(fast_args())
         loops: list[EngineLoop] = []
         handled = 0  # control messages dispatched so far
         # (messages dispatched when the pass ran, stream entries received by then)
@@ -129,9 +129,9 @@ def test_a_ping_burst_yields_to_passes_and_to_other_clients(tmp_path: Path) -> N
         control: ControlServer | None = None
 
         class Delivery:
-            def deliver_outputs(self, rank: int, signals: list[Any]) -> None:
+            def deliver_outputs(self, rank: int, outputs: list[Any]) -> None:
                 assert control is not None
-                control.deliver_outputs(rank, signals)
+                control.deliver_outputs(rank, outputs)
 
             def deliver_lifecycle(self, rank: int, events: list[Any]) -> None:
                 assert control is not None
@@ -211,14 +211,14 @@ def test_a_late_rank_yields_once_per_pass() -> None:
 
     async def scenario() -> None:
         clock = VirtualClock()
-        core = VllmCore(fast_args(speedup_ratio=1.0))
+        core = Engine(fast_args(speedup_ratio=1.0))
         sink = NullFpmPublisher()
 
         class Delivery:
             finished = asyncio.Event()
 
-            def deliver_outputs(self, rank: int, signals: list[Any]) -> None:
-                if any(s.completed for s in signals):
+            def deliver_outputs(self, rank: int, outputs: list[Any]) -> None:
+                if any(o.finish_reason is not None for o in outputs):
                     self.finished.set()
 
             def deliver_lifecycle(self, rank: int, events: list[Any]) -> None:

@@ -30,21 +30,20 @@ from prometheus_client.samples import Sample
 from engined.client import EngineClient, Generation
 from engined.config import DaemonConfig
 from engined.core.args import EngineArgs
-from engined.core.legacy import outputs_of
-from engined.core.scheduler import VllmCore
+from engined.core.engine import Engine
 from engined.core.types import (
     ActivateDestination,
     Admission,
     Cancel,
     CancelDestination,
     Command,
-    CommandEffects,
     EndedRequest,
+    FinishReason,
     FpmSnapshot,
     LifecycleEvent,
-    OutputSignal,
     PassResult,
     Request,
+    RequestOutput,
     ReserveDestination,
     Submit,
     SubmitHandoffPrefill,
@@ -85,29 +84,32 @@ VLLM_NAMES = {
 # --- helpers ------------------------------------------------------------------------------
 
 
-def make_core(**args: object) -> VllmCore:
+def make_core(**args: object) -> Engine:
     defaults: dict[str, object] = {"block_size": 16, "num_gpu_blocks": 1024, "speedup_ratio": 0.0}
-    return VllmCore(EngineArgs(**{**defaults, **args}))  # type: ignore[arg-type]
+    return Engine(EngineArgs(**{**defaults, **args}))  # type: ignore[arg-type]
+
+
+def tally(core: Engine, clock: Callable[[], float] = lambda: 0.0) -> RankMetrics:
+    return RankMetrics(0, gauges=core.metrics, now_ms=clock, seconds_per_ms=0.001)
 
 
 def submit(
-    core: VllmCore, metrics: RankMetrics, request_id: str, prompt: int, max_tokens: int, at: float
+    core: Engine, metrics: RankMetrics, request_id: str, prompt: int, max_tokens: int, at: float
 ) -> None:
-    """What EngineLoop.call does for a Submit: apply it, then tell the command observer."""
+    """What EngineLoop does for a Submit: apply it, then tell the command observer."""
     command = Submit(
         Request(token_ids=list(range(prompt)), max_tokens=max_tokens, request_id=request_id)
     )
-    metrics.on_command(0, at, command, core.apply_command_effects(command))
+    metrics.on_command(0, at, command, core.apply(command, now_ms=at))
 
 
 def hand_pass(
-    core: VllmCore,
+    core: Engine,
     end_ms: float,
-    signals: list[OutputSignal],
+    outputs: list[RequestOutput],
     admissions: tuple[str, ...] = (),
 ) -> PassResult:
-    """A PassResult with only what the metrics read filled in (given as legacy signals)."""
-    outputs = outputs_of(signals)
+    """A PassResult with only what the metrics read filled in."""
     return PassResult(
         end_ms=end_ms,
         outputs=outputs,
@@ -121,14 +123,13 @@ def hand_pass(
         metrics=core.metrics(),
         kv_events=[],
         fpm=FpmSnapshot(),
-        accept_length_output_tokens=sum(
-            1 for s in signals if s.token_id is not None and not s.rejected
-        ),
+        accept_length_output_tokens=sum(len(out.new_token_ids) for out in outputs),
     )
 
 
-def token(request_id: str, completed: bool = False) -> OutputSignal:
-    return OutputSignal(request_id, 7, completed)
+def token(request_id: str, completed: bool = False, count: int = 1) -> RequestOutput:
+    """`count` tokens of one request in one pass; the last one ends it if `completed`."""
+    return RequestOutput(request_id, [7] * count, FinishReason.LENGTH if completed else None)
 
 
 def reference(samples_ms: list[float], bounds: tuple[float, ...]) -> LatencyHistogram:
@@ -153,7 +154,7 @@ class _Sinks:
     def maybe_heartbeat(self, now: float) -> None:
         pass
 
-    def deliver_outputs(self, rank: int, signals: list[OutputSignal]) -> None:
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
         pass
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
@@ -252,14 +253,14 @@ def test_modeled_time_undoes_the_speedup() -> None:
 
 def test_cohort_itl_mtp_bursts_pauses_and_completion() -> None:
     core = make_core()
-    metrics = RankMetrics(core, now_ms=lambda: 0.0, seconds_per_ms=0.001)
+    metrics = tally(core)
     submit(core, metrics, "a", 100, 10, at=0.0)
     submit(core, metrics, "b", 50, 10, at=4.0)
     # Pass 1 [0, 10]: a is admitted and emits its first token.
     metrics.on_pass(0, 0.0, hand_pass(core, 10.0, [token("a")], ("a",)))
     # Pass 2 [10, 30]: b is admitted and emits its first token; a emits an MTP burst of three
     # tokens, which is one step and so one inter-token sample.
-    burst = [token("a"), token("a"), token("b"), token("a")]
+    burst = [token("a", count=3), token("b")]
     metrics.on_pass(0, 10.0, hand_pass(core, 30.0, burst, ("b",)))
     # Pass 3 [30, 35]: b pauses (preempted); pass 4 [35, 50]: a pauses, b is re-admitted.
     metrics.on_pass(0, 30.0, hand_pass(core, 35.0, [token("a")]))
@@ -283,15 +284,15 @@ def test_cohort_itl_mtp_bursts_pauses_and_completion() -> None:
 def test_a_reused_request_id_starts_afresh() -> None:
     """An id may be submitted again once its request ended; its first token is a TTFT."""
     core = make_core()
-    metrics = RankMetrics(core, now_ms=lambda: 0.0, seconds_per_ms=0.001)
+    metrics = tally(core)
     submit(core, metrics, "a", 10, 1, at=0.0)
     submit(core, metrics, "b", 10, 5, at=0.0)
     metrics.on_pass(0, 0.0, hand_pass(core, 10.0, [token("a", True), token("b")], ("a", "b")))
-    core.cancel("a")
+    core.apply(Cancel("a"), now_ms=10.0)  # the hand-made pass ended it; the engine did not
     submit(core, metrics, "a", 10, 5, at=10.0)
     metrics.on_pass(0, 10.0, hand_pass(core, 20.0, [token("a"), token("b")], ("a",)))
     cancel = Cancel("b")
-    metrics.on_command(0, 20.0, cancel, core.apply_command_effects(cancel))
+    metrics.on_command(0, 20.0, cancel, core.apply(cancel, now_ms=20.0))
     submit(core, metrics, "b", 10, 5, at=20.0)
     metrics.on_pass(0, 20.0, hand_pass(core, 30.0, [token("a"), token("b")], ("b",)))
     assert_same(metrics.ttft, reference([10.0, 10.0, 10.0, 10.0], TTFT_BUCKETS))
@@ -300,11 +301,11 @@ def test_a_reused_request_id_starts_afresh() -> None:
 
 def test_rejected_and_tokenless_requests() -> None:
     core = make_core()
-    metrics = RankMetrics(core, now_ms=lambda: 0.0, seconds_per_ms=0.001)
+    metrics = tally(core)
     submit(core, metrics, "big", 64, 4, at=0.0)
     submit(core, metrics, "zero", 32, 0, at=0.0)
-    rejected = OutputSignal("big", None, True, True)
-    tokenless = OutputSignal("zero", None, True)
+    rejected = RequestOutput("big", [], FinishReason.REJECTED)
+    tokenless = RequestOutput("zero", [], FinishReason.LENGTH)
     metrics.on_pass(0, 0.0, hand_pass(core, 8.0, [rejected, tokenless], ("zero",)))
     # Neither emitted a token: no TTFT, no ITL; the prefilled one counts its prompt.
     assert metrics.ttft.count == metrics.itl.count == 0
@@ -314,40 +315,60 @@ def test_rejected_and_tokenless_requests() -> None:
     assert metrics.queue.count == 1  # the rejected one was never scheduled
 
 
-def test_cancel_and_unannounced_drops_end_as_abort() -> None:
+def test_every_command_that_ends_a_request_ends_it_as_abort() -> None:
+    """Every early end is a command the loop applies and observes (a client's cancel, a
+    vanished client's, shutdown's, a handoff cancel): its `ended` ends the record."""
     clock = [0.0]
     core = make_core()
-    metrics = RankMetrics(core, now_ms=lambda: clock[0], seconds_per_ms=0.001)
+    metrics = tally(core, lambda: clock[0])
     for request_id in ("c", "gone", "shutdown"):
         submit(core, metrics, request_id, 40, 10, at=0.0)
-    # An explicit Cancel goes through EngineLoop.call: the command observer ends it.
-    clock[0] = 5.0
-    cancel = Cancel("c")
-    metrics.on_command(0, 5.0, cancel, core.apply_command_effects(cancel))
-    assert metrics.finished["abort"] == 1
-    # A vanished client's cancel is a posted job: the next pass notices the request is gone.
-    core.cancel("gone")
-    metrics.on_pass(0, 7.0, hand_pass(core, 9.0, []))
-    assert metrics.finished["abort"] == 2
-    # Shutdown cancels without a pass: the next scrape notices.
-    core.cancel("shutdown")
-    clock[0] = 30.0
-    metrics.reconcile()
-    assert metrics.finished["abort"] == 3
+    for at, request_id in ((5.0, "c"), (7.0, "gone"), (30.0, "shutdown")):
+        clock[0] = at
+        cancel = Cancel(request_id)
+        metrics.on_command(0, at, cancel, core.apply(cancel, now_ms=at))
+    assert metrics.finished == {"stop": 0, "length": 0, "abort": 3}
     assert_same(metrics.e2e, reference([5.0, 7.0, 30.0], REQUEST_LATENCY_BUCKETS))
     assert metrics.requests == {}
-    # A Cancel that found nothing changes nothing.
-    metrics.on_command(0, 31.0, Cancel("c"), CommandEffects(core.cancel("c"), []))
+    # A Cancel that found nothing ends nothing.
+    effects = core.apply(Cancel("c"), now_ms=31.0)
+    assert effects.ended == []
+    metrics.on_command(0, 31.0, Cancel("c"), effects)
     assert metrics.finished["abort"] == 3
+
+
+def test_a_sent_cancel_reaches_the_metrics_through_the_loop() -> None:
+    """`EngineLoop.send` (a vanished client's cancel) is observed like `call`."""
+
+    async def scenario() -> None:
+        config = DaemonConfig(engine=EngineArgs(block_size=16, num_gpu_blocks=64).normalized())
+        metrics = VllmMetrics.from_config(config)
+        sinks = _Sinks()
+        loop = EngineLoop(
+            Engine(config.engine), kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0
+        )
+        tallies = metrics.attach(loop)
+        runner = asyncio.create_task(loop.run())
+        request = Request(token_ids=list(range(40)), max_tokens=10_000, request_id="x")
+        await loop.call(Submit(request))
+        assert set(tallies.requests) == {"x"}
+        loop.send(Cancel("x"))
+        await loop.call(Cancel("not-there"))  # applied after the sent one
+        assert tallies.requests == {}
+        assert tallies.finished == {"stop": 0, "length": 0, "abort": 1}
+        loop.stop()
+        await runner
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 def test_handoff_sides_are_tracked_until_they_end() -> None:
     """Destinations live outside the core's request table until activated; sources end held."""
     decode = make_core(worker_type="decode", num_gpu_blocks=64)
-    metrics = RankMetrics(decode, now_ms=lambda: 0.0, seconds_per_ms=0.001)
+    metrics = tally(decode)
 
-    def command(core: VllmCore, tallies: RankMetrics, at: float, cmd: Command) -> None:
-        tallies.on_command(0, at, cmd, core.apply_command_effects(cmd))
+    def command(core: Engine, tallies: RankMetrics, at: float, cmd: Command) -> None:
+        tallies.on_command(0, at, cmd, core.apply(cmd, now_ms=at))
 
     for handoff_id in ("h1", "h2"):
         request = Request(token_ids=list(range(40)), max_tokens=5, request_id=f"d-{handoff_id}")
@@ -363,14 +384,15 @@ def test_handoff_sides_are_tracked_until_they_end() -> None:
     assert (metrics.ttft.count, metrics.requests) == (1, {})
 
     prefill = make_core(worker_type="prefill", num_gpu_blocks=64)
-    source = RankMetrics(prefill, now_ms=lambda: 0.0, seconds_per_ms=0.001)
+    source = tally(prefill)
     request = Request(token_ids=list(range(40)), max_tokens=1, request_id="p")
     command(prefill, source, 0.0, SubmitHandoffPrefill("h", request))
     while not prefill.is_empty():
         source.on_pass(0, 0.0, prefill.execute_pass(0.0))
     assert source.finished == {"stop": 0, "length": 1, "abort": 0}
     assert source.requests == {}
-    assert len(prefill.source_holds) == 1  # its KV is held, the request has finished
+    held = prefill.inspect_handoff("h")  # its KV is held, the request has finished
+    assert held is not None and held.source is not None
 
 
 # --- RankMetrics against a real core and a per-token reference ------------------------------
@@ -389,7 +411,7 @@ class _Truth:
 
 
 def run_core(
-    core: VllmCore, metrics: RankMetrics, count: int, seed: int, *, prompt_max: int = 300
+    core: Engine, metrics: RankMetrics, count: int, seed: int, *, prompt_max: int = 300
 ) -> _Truth:
     """Closed loop: requests arrive over time (some mid-run), every pass goes to `metrics`."""
     rng = random.Random(seed)
@@ -413,14 +435,14 @@ def run_core(
         now = result.end_ms
         for admission in result.admissions:
             truth.admitted.setdefault(admission.request_id, start)
-        for signal in result.output_signals:
-            if signal.token_id is not None:
-                truth.tokens += 1
-                passes = truth.token_passes.setdefault(signal.request_id, [])
+        for output in result.outputs:
+            if output.new_token_ids:
+                truth.tokens += len(output.new_token_ids)
+                passes = truth.token_passes.setdefault(output.request_id, [])
                 if not passes or passes[-1] != now:
                     passes.append(now)
-            if signal.completed:
-                truth.finished[signal.request_id] = now
+            if output.finish_reason is not None:
+                truth.finished[output.request_id] = now
         metrics.on_pass(0, start, result)
     truth.prompt_tokens = sum(prompts.values())
     return truth
@@ -437,11 +459,11 @@ def run_core(
 )
 def test_real_core_passes_match_a_per_token_reference(name: str, args: dict[str, object]) -> None:
     core = make_core(**args)
-    metrics = RankMetrics(core, now_ms=lambda: 0.0, seconds_per_ms=0.001)
+    metrics = tally(core)
     # A fixed seed per case (str hash() changes between processes).
     truth = run_core(core, metrics, count=40, seed=zlib.crc32(name.encode()) % 1000)
     if "preempting" in name:
-        assert core.state.preemptions_total > 0
+        assert core.metrics().preemptions_total > 0
     ttft, itl, e2e, queue = [], [], [], []
     for request_id, arrival in truth.arrival.items():
         passes = truth.token_passes[request_id]
@@ -467,7 +489,7 @@ def test_latencies_are_modeled_time_at_any_speedup() -> None:
     for ratio in (0.0, 4.0):
         core = make_core(speedup_ratio=ratio, num_gpu_blocks=60)
         metrics = RankMetrics(
-            core, now_ms=lambda: 0.0, seconds_per_ms=modeled_seconds_per_ms(ratio)
+            0, gauges=core.metrics, now_ms=lambda: 0.0, seconds_per_ms=modeled_seconds_per_ms(ratio)
         )
         run_core(core, metrics, count=20, seed=7)
         sums.append((metrics.ttft.sum, metrics.itl.sum, metrics.e2e.sum, metrics.itl.count))
@@ -487,7 +509,7 @@ def test_collector_exposes_vllm_names_and_labels_per_rank() -> None:
     metrics = VllmMetrics.from_config(config)
     sinks = _Sinks()
     for dp_rank in range(2):
-        core = VllmCore(config.engine, dp_rank=dp_rank)
+        core = Engine(config.engine, dp_rank=dp_rank)
         loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0)
         tallies = metrics.attach(loop)
         assert loop.pass_observers == [tallies.on_pass]
@@ -512,7 +534,7 @@ def test_collector_exposes_vllm_names_and_labels_per_rank() -> None:
         assert (
             value(ttft, "vllm:time_to_first_token_seconds_bucket", engine=engine, le="+Inf") == done
         )
-        preemptions = metrics.ranks[int(engine)].core.state.preemptions_total
+        preemptions = metrics.ranks[int(engine)].gauges().preemptions_total
         assert preemptions > 0
         got = value(families["vllm:num_preemptions"], "vllm:num_preemptions_total", engine=engine)
         assert got == preemptions
@@ -544,7 +566,7 @@ def test_offload_tiers_are_exposed_per_tier_and_state() -> None:
     config = DaemonConfig(model_name="m", engine=engine)
     metrics = VllmMetrics.from_config(config)
     sinks = _Sinks()
-    core = VllmCore(config.engine)
+    core = Engine(config.engine)
     loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0)
     run_core(core, metrics.attach(loop), count=12, seed=3)
     gauges = core.metrics()
@@ -569,20 +591,18 @@ def test_offload_tiers_are_exposed_per_tier_and_state() -> None:
 
 
 def test_scrapes_at_every_await_point_see_no_phantom_aborts() -> None:
-    """A scrape reconciles tallies with the core; it must never see a pass half observed.
+    """A scrape reads the tallies and the engine's gauges; it must never see a pass half
+    observed, nor count an abort that did not happen.
 
     Paced, a pass awaits its deadline between running and publishing. Observers run before
-    that await, so a scrape there finds the tallies already matching the core (observing after
-    it counted every completion as an abort).
+    that await, so a scrape there finds the tallies already matching the engine.
     """
 
     async def scenario() -> None:
         engine = EngineArgs(block_size=16, num_gpu_blocks=24, speedup_ratio=100.0).normalized()
         metrics = VllmMetrics.from_config(DaemonConfig(engine=engine))
         sinks = _Sinks()
-        loop = EngineLoop(
-            VllmCore(engine), kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=100.0
-        )
+        loop = EngineLoop(Engine(engine), kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=100.0)
         tallies = metrics.attach(loop)
         runner = asyncio.create_task(loop.run())
         finished = asyncio.Event()
@@ -607,7 +627,7 @@ def test_scrapes_at_every_await_point_see_no_phantom_aborts() -> None:
         finished.set()
         assert await scraping > 12
         assert tallies.finished == {"stop": 0, "length": 12, "abort": 0}
-        assert tallies.core.state.preemptions_total > 0
+        assert tallies.gauges().preemptions_total > 0
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
 

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from engined.core.args import EngineArgs, PerfModelKind
-from engined.core.scheduler import VllmCore
+from engined.core.engine import Engine
 from engined.core.types import (
     BlockStored,
     KvEvent,
     LifecycleEvent,
     Medium,
-    OutputSignal,
     Request,
+    RequestOutput,
     Submit,
 )
 from engined.server.engine_loop import EngineLoop
@@ -52,8 +52,8 @@ class Capture:
     def maybe_heartbeat(self, now: float) -> None:
         pass
 
-    def deliver_outputs(self, rank: int, signals: list[OutputSignal]) -> None:
-        self.finished.update(s.request_id for s in signals if s.completed)
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
+        self.finished.update(o.request_id for o in outputs if o.finish_reason is not None)
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
         pass
@@ -70,9 +70,9 @@ class Capture:
         return at
 
 
-def offload_core(speedup_ratio: float) -> VllmCore:
+def offload_core(speedup_ratio: float) -> Engine:
     """2 G1 blocks, 1 MB blocks, 1 GB/s links: each block hop takes 1 ms; passes take none."""
-    return VllmCore(
+    return Engine(
         EngineArgs(
             perf_model=PerfModelKind.FIXED,
             fixed_prefill_ms_per_token=0.0,
@@ -125,7 +125,7 @@ def test_idle_core_wakes_at_the_offload_deadline(speedup_ratio: float) -> None:
         await until(lambda: "b" in capture.finished)
         await until(lambda: capture.stored(Medium.STORAGE))
         assert core.is_empty()
-        assert core.earliest_offload_deadline() is None
+        assert core.next_deadline() is None
         # The G2 -> G3 copy starts at the tick that lands the block in G2 (published by the
         # pass after it) and takes 1 ms; only the deadline wake-up can publish its landing.
         hop_ms = capture.stored_at_ms(Medium.STORAGE) - capture.stored_at_ms(Medium.CPU)

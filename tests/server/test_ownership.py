@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engined.client import EngineClient
+from engined.core.types import Cancel, EndedRequest, FinishReason
 from engined.server.ownership import HandoffRoute, Ownership
 from engined.wire.control import (
     Applied,
@@ -278,21 +279,14 @@ def test_engine_client_streams_end_on_any_cancel(daemon: DaemonProcess) -> None:
 # --- unit level: every path through Ownership ------------------------------------------------
 
 
-class _Core:
+class _Loop:
+    """An EngineLoop's command inbox, recording the cancels it was sent."""
+
     def __init__(self) -> None:
         self.cancelled: list[str] = []
-        self.state = type("State", (), {"requests": {}})()
 
-    def cancel(self, request_id: str) -> None:
-        self.cancelled.append(request_id)
-
-
-class _Loop:
-    def __init__(self) -> None:
-        self.core = _Core()
-
-    def post(self, job: Callable[[_Core], None]) -> None:
-        job(self.core)
+    def send(self, command: Cancel) -> None:
+        self.cancelled.append(command.request_id)
 
 
 IDENTITIES = [b"a", b"b", b"c"]
@@ -360,7 +354,9 @@ class OwnershipMachine(RuleBasedStateMachine):
         handoff = f"h-{rank}-{request_id}"
         route = self.ownership.drop_route(self.ownership.destinations, handoff)
         if route is not None:
-            self.ownership.end_dropped(route.rank, route.request_id, self.loops[rank].core)  # type: ignore[arg-type]
+            self.ownership.end_ended(
+                route.rank, [EndedRequest(route.request_id, FinishReason.CANCELLED)]
+            )
             key = (route.rank, route.request_id)
             if self.live.pop(key, None) is not None:
                 self.ended.add(key)
@@ -368,14 +364,22 @@ class OwnershipMachine(RuleBasedStateMachine):
     @rule(who=st.sampled_from(IDENTITIES))
     def drop_client(self, who: bytes) -> None:
         mine = [key for key, owner in self.live.items() if owner == who]
+        for loop in self.loops:
+            loop.cancelled.clear()
         assert self.ownership.end_client(who) == len(mine)
+        sent = [(rank, r) for rank, loop in enumerate(self.loops) for r in loop.cancelled]
+        assert sorted(sent) == sorted(mine)  # the engines are told, once per request
         for key in mine:
             self.live.pop(key)
             self.ended.add(key)
 
     @rule()
     def shutdown(self) -> None:
+        for loop in self.loops:
+            loop.cancelled.clear()
         self.ownership.end_all()
+        for rank, request_id in self.live:
+            assert request_id in self.loops[rank].cancelled  # the engine is told as well
         self.ended |= set(self.live)
         self.live.clear()
 

@@ -9,28 +9,19 @@ client that vanishes with 20,000 queued requests froze the daemon for seconds
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
+from engined.core.types import Cancel
 from engined.server.ownership import Ownership
 
 
 class _Loop:
-    """Records the jobs posted to a rank instead of running them."""
+    """Records the commands sent to a rank instead of applying them."""
 
-    def __init__(self) -> None:
-        self.jobs: list[Callable[[Any], None]] = []
-
-    def post(self, job: Callable[[Any], None]) -> None:
-        self.jobs.append(job)
-
-
-class _Core:
     def __init__(self) -> None:
         self.cancelled: list[str] = []
 
-    def cancel(self, request_id: str) -> None:
-        self.cancelled.append(request_id)
+    def send(self, command: Cancel) -> None:
+        self.cancelled.append(command.request_id)
 
 
 def test_a_dropped_clients_requests_are_cancelled_in_submission_order() -> None:
@@ -47,12 +38,8 @@ def test_a_dropped_clients_requests_are_cancelled_in_submission_order() -> None:
         for i, request_id in enumerate(ids):
             assert ownership.claim(i % 2, request_id, b"client")
         assert ownership.end_client(b"client") == len(ids)
-        cores = [_Core(), _Core()]
-        for rank, loop in enumerate(loops):
-            for job in loop.jobs:
-                job(cores[rank])
-        assert cores[0].cancelled == ["z", "y", "x"]
-        assert cores[1].cancelled == ["b", "a"]
+        assert loops[0].cancelled == ["z", "y", "x"]
+        assert loops[1].cancelled == ["b", "a"]
         assert notified == [(0, ["z", "y", "x"]), (1, ["b", "a"])]
 
     asyncio.run(scenario())

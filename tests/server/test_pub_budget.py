@@ -25,8 +25,8 @@ from prometheus_client.exposition import generate_latest
 
 from engined.core import types as core
 from engined.core.args import EngineArgs
-from engined.core.scheduler import VllmCore
-from engined.core.types import Request
+from engined.core.engine import Engine
+from engined.core.types import Request, Submit
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes, messages_within
 from engined.server.metrics import VllmMetrics
 from engined.wire.kv_events import KvEventEncoder, KvEventFormat, read_seq
@@ -92,15 +92,15 @@ def test_no_pass_publishes_a_batch_beyond_the_bound(
     args, requests = workload
     bound = max_batch_bytes(args, fmt)
     encoder = KvEventEncoder(fmt)
-    core_ = VllmCore(args)
+    engine = Engine(args)
     for request in requests:
-        if len(request.token_ids) < core_.num_blocks * core_.block_size:
-            core_.receive(request)
+        if len(request.token_ids) < engine.num_blocks * engine.block_size:
+            engine.apply(Submit(request), now_ms=0.0)
     now = 0.0
     for _ in range(400):
-        if core_.is_drained():
+        if engine.is_drained():
             break
-        result = core_.execute_pass(now)
+        result = engine.execute_pass(now)
         now = max(result.end_ms, now + 1.0)
         if result.kv_events:
             assert len(encoder.encode_batch(1.0e9, result.kv_events, 0)) <= bound

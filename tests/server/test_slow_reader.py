@@ -106,7 +106,7 @@ async def submit_and_stop_reading(served: Served, sock: zmq.asyncio.Socket) -> N
         await sock.send(encode(type="submit", request=request, id=n + 1))
     state = served.control.client_state
     await until(lambda: state()["dropped"] == 1, "the client dropped")
-    await until(lambda: not served.loop.core.state.requests, "its requests cancelled")
+    await until(lambda: served.loop.engine.is_empty(), "its requests cancelled")
 
 
 def log_events(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
@@ -235,7 +235,7 @@ def test_a_load_watcher_is_subscribed_again_when_it_reads(tmp_path: Path) -> Non
             await worker.close()
             await until(lambda: state()["dropped"] == 1, "the watcher dropped")
             assert state()["watching"] == 0
-            await until(lambda: not served.loop.core.state.requests, "the worker's requests done")
+            await until(lambda: served.loop.engine.is_empty(), "the worker's requests done")
             seen: list[DaemonMessage] = []
             await watcher.send(encode(type="ping", id=2))
             await read_until(watcher, seen, lambda: bool(replies(seen, 2)))
@@ -244,7 +244,7 @@ def test_a_load_watcher_is_subscribed_again_when_it_reads(tmp_path: Path) -> Non
             await read_until(watcher, seen, lambda: bool(replies(seen, 3)))
             # Whatever it missed, the last load it has is the rank's load now.
             last = [m for m in seen if isinstance(m, Load)][-1]
-            assert last == load_message(served.loop.core.metrics())
+            assert last == load_message(served.loop.engine.metrics())
             assert state()["dropped"] == 0
 
     asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -15,25 +15,6 @@ CORE_REQUEST = core.Request(
 )
 
 
-def signal(
-    request_id: str,
-    token_id: int | None,
-    *,
-    completed: bool = False,
-    rejected: bool = False,
-    cached_tokens: int | None = None,
-    handoff_delay_ms: float | None = None,
-) -> core.OutputSignal:
-    return core.OutputSignal(
-        request_id=request_id,
-        token_id=token_id,
-        completed=completed,
-        rejected=rejected,
-        cached_tokens=cached_tokens,
-        handoff_delay_ms=handoff_delay_ms,
-    )
-
-
 def test_to_core_request_drops_only_the_routing_rank() -> None:
     assert convert.to_core_request(REQUEST) == CORE_REQUEST
     minimal = control.WireRequest(token_ids=[4], max_tokens=0)
@@ -68,49 +49,61 @@ def test_to_core_command(msg: control.ClientMessage, command: core.Command | Non
     assert convert.to_core_command(msg) == command
 
 
-class TestGroupOutputs:
-    def test_a_burst_is_one_entry_and_order_is_first_appearance(self) -> None:
-        entries = convert.group_outputs(
-            [
-                signal("b", 10, cached_tokens=32),
-                signal("a", 1, cached_tokens=0),
-                signal("b", 11),
-                signal("b", 12, completed=True),
-            ]
-        )
-        assert entries == [
-            control.OutputEntry(
-                request_id="b",
-                token_ids=[10, 11, 12],
-                finished=True,
-                finish_reason="length",
-                cached_tokens=32,
-            ),
-            control.OutputEntry(
-                request_id="a",
-                token_ids=[1],
-                finished=False,
-                finish_reason=None,
-                cached_tokens=0,
-            ),
-        ]
+def test_to_core_command_names_an_unnamed_request() -> None:
+    unnamed = control.WireRequest(token_ids=[4], max_tokens=1)
+    named = core.Request(token_ids=[4], max_tokens=1, request_id="given")
+    assert convert.to_core_command(
+        control.Submit(request=unnamed), request_id="given"
+    ) == core.Submit(named)
+    assert convert.to_core_command(
+        control.ReserveDestination(handoff_id="h", request=unnamed), request_id="given"
+    ) == core.ReserveDestination("h", named)
+    assert convert.to_core_command(control.Cancel(request_id="c"), request_id="x") == core.Cancel(
+        "c"
+    )
 
-    def test_token_less_rejection(self) -> None:
-        (entry,) = convert.group_outputs([signal("r", None, completed=True, rejected=True)])
-        assert entry == control.OutputEntry(
-            request_id="r", token_ids=[], finished=True, finish_reason="rejected"
+
+class TestToOutputEntry:
+    def test_a_burst_is_one_entry_with_its_cached_tokens(self) -> None:
+        entry = convert.to_output_entry(
+            core.RequestOutput("b", [10, 11, 12], core.FinishReason.LENGTH, 32)
         )
+        assert entry == control.OutputEntry(
+            request_id="b",
+            token_ids=[10, 11, 12],
+            finished=True,
+            finish_reason="length",
+            cached_tokens=32,
+        )
+
+    def test_an_unfinished_output(self) -> None:
+        entry = convert.to_output_entry(core.RequestOutput("a", [1], None, 0))
+        assert entry == control.OutputEntry(
+            request_id="a", token_ids=[1], finished=False, finish_reason=None, cached_tokens=0
+        )
+
+    @pytest.mark.parametrize(
+        ("reason", "spelled"),
+        [(core.FinishReason.REJECTED, "rejected"), (core.FinishReason.CANCELLED, "cancelled")],
+    )
+    def test_token_less_ends(self, reason: core.FinishReason, spelled: str) -> None:
+        entry = convert.to_output_entry(core.RequestOutput("r", [], reason))
+        assert entry == control.OutputEntry(
+            request_id="r", token_ids=[], finished=True, finish_reason=spelled
+        )
+        assert type(entry.finish_reason) is str  # the wire's literal, not the core's enum
 
     def test_prefill_terminal_carries_the_handoff_delay(self) -> None:
-        (entry,) = convert.group_outputs(
-            [signal("p", 5, completed=True, cached_tokens=0, handoff_delay_ms=3.25)]
+        entry = convert.to_output_entry(
+            core.RequestOutput("p", [5], core.FinishReason.LENGTH, 0, 3.25)
         )
         assert entry.handoff_delay_ms == 3.25
         assert entry.cached_tokens == 0
         assert entry.finish_reason == "length"
 
-    def test_no_signals_no_entries(self) -> None:
-        assert convert.group_outputs([]) == []
+    def test_every_core_reason_has_a_wire_spelling(self) -> None:
+        for reason in core.FinishReason:
+            assert convert.to_output_entry(core.RequestOutput("r", [], reason)).finished
 
 
 def test_to_wire_lifecycle() -> None:
