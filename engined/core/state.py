@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, KeysView
 from dataclasses import dataclass
 
 from engined.core.sequence import Sequence
@@ -51,16 +51,48 @@ class SchedulerState:
 
     Both queues are kept exact (no stale entries): a request leaves its queue when it leaves
     the state, so a re-submitted id can never resurface at its old position.
+
+    The waiting queue is an insertion-ordered dict, so a cancel or a park anywhere in it is
+    O(1) like the head pop and both appends. Beside it, the prebuilt waiting requests are kept
+    in the same order: while a destination is pending only they may be admitted, and finding
+    the first one by walking the queue made every pass O(waiting) on a decode engine.
+    Requests enter the queue only at its two ends, so the index keeps queue order by entering
+    them at the same end. Whether a request is prebuilt is taken on entry: its computed and
+    allocated tokens change only while it runs, before an activated destination is queued, and
+    in preemption before the victim is queued again (a failed admission keeps neither).
     """
 
-    __slots__ = ("preemptions_total", "requests", "running", "running_members", "waiting")
+    __slots__ = (
+        "_prebuilt",
+        "_queue",
+        "preemptions_total",
+        "requests",
+        "running",
+        "running_members",
+    )
 
     def __init__(self) -> None:
-        self.waiting: deque[str] = deque()
+        self._queue: OrderedDict[str, None] = OrderedDict()
+        self._prebuilt: OrderedDict[str, None] = OrderedDict()
         self.running: list[str] = []
         self.running_members: set[str] = set()
         self.requests: dict[str, RequestState] = {}
         self.preemptions_total = 0
+
+    @property
+    def waiting(self) -> KeysView[str]:
+        """The waiting request ids, in queue order."""
+        return self._queue.keys()
+
+    @waiting.setter
+    def waiting(self, request_ids: Iterable[str]) -> None:
+        # Assignable as the deque it replaced was (tests instrument the queue); rebuilt
+        # through the queue operations so the index and a subclass's tallies follow.
+        order = list(request_ids)
+        for request_id in list(self._queue):
+            self.remove_waiting(request_id)
+        for request_id in order:
+            self.push_waiting(request_id)
 
     def enqueue(self, state: RequestState) -> None:
         """A new (or newly activated) request joins the back of the waiting queue."""
@@ -68,27 +100,32 @@ class SchedulerState:
         self.push_waiting(state.request_id)
 
     def push_waiting(self, request_id: str) -> None:
-        self.waiting.append(request_id)
+        self._queue[request_id] = None
+        if self.requests[request_id].prompt_is_prebuilt():
+            self._prebuilt[request_id] = None
 
     def prepend_waiting(self, request_id: str) -> None:
-        self.waiting.appendleft(request_id)
+        queue = self._queue
+        queue[request_id] = None
+        queue.move_to_end(request_id, last=False)
+        if self.requests[request_id].prompt_is_prebuilt():
+            prebuilt = self._prebuilt
+            prebuilt[request_id] = None
+            prebuilt.move_to_end(request_id, last=False)
 
     def remove_waiting(self, request_id: str) -> None:
-        waiting = self.waiting
-        if waiting and waiting[0] == request_id:
-            waiting.popleft()
-        elif request_id in waiting:
-            waiting.remove(request_id)
+        queue = self._queue
+        if request_id in queue:
+            del queue[request_id]
+            prebuilt = self._prebuilt
+            if request_id in prebuilt:
+                del prebuilt[request_id]
 
     def next_waiting(self, prefer_prebuilt: bool) -> str | None:
         """The FIFO head; while destinations are pending, the first prebuilt request instead."""
-        if prefer_prebuilt:
-            requests = self.requests
-            for request_id in self.waiting:
-                if requests[request_id].prompt_is_prebuilt():
-                    return request_id
-            return None
-        return self.waiting[0] if self.waiting else None
+        for request_id in self._prebuilt if prefer_prebuilt else self._queue:
+            return request_id
+        return None
 
     def transition_to_running(self, request_id: str) -> None:
         self.remove_waiting(request_id)
