@@ -24,11 +24,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
+import msgspec
 import structlog
 
 from engined.client import ClientClosedError, EngineClient, EngineError
 from engined.dynamo.args import DisaggregationMode
-from engined.wire.control import DestinationReservedEvent, OutputEntry
+from engined.wire.control import (
+    DestinationReservedEvent,
+    OutputEntry,
+    SourceHeldEvent,
+    TransferTiming,
+)
+from engined.wire.convert import to_core_timing
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -219,20 +226,21 @@ class RequestHandler:
         # The source is held from the pass that finished the prompt; taking the event also
         # forgets the client's queue for this handoff.
         try:
-            await self._client.next_lifecycle(handoff_id, timeout=CALL_TIMEOUT_S)
+            held = await self._client.next_lifecycle(handoff_id, timeout=CALL_TIMEOUT_S)
         except TimeoutError:
             raise RequestFailed(
                 500, f"engined never held the source of handoff {handoff_id}"
             ) from None
-        last["disaggregated_params"] = {
-            PARAMS_KEY: {
-                "handoff_id": handoff_id,
-                "control_endpoint": self._limits.control_endpoint,
-                "dp_rank": submitted.dp_rank,
-                "handoff_delay_ms": delay_ms,
-                "speedup_ratio": self._limits.speedup_ratio,
-            }
+        params: dict[str, Any] = {
+            "handoff_id": handoff_id,
+            "control_endpoint": self._limits.control_endpoint,
+            "dp_rank": submitted.dp_rank,
+            "handoff_delay_ms": delay_ms,
+            "speedup_ratio": self._limits.speedup_ratio,
         }
+        if isinstance(held, SourceHeldEvent) and held.transfer_timing is not None:
+            params["transfer_timing"] = msgspec.to_builtins(held.transfer_timing)
+        last["disaggregated_params"] = {PARAMS_KEY: params}
         yield last
 
     async def _decode(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
@@ -259,7 +267,7 @@ class RequestHandler:
             )
             if not isinstance(reserved, DestinationReservedEvent):
                 return
-            wait_s = _transfer_wait_s(params)
+            wait_s = _transfer_wait_s(params, reserved)
             if (
                 wait_s > 0
                 and await self._until_stopped(asyncio.sleep(wait_s, True), context) is None
@@ -399,16 +407,29 @@ def _handoff_params(prefill_result: Any) -> dict[str, Any]:
     return ours
 
 
-def _transfer_wait_s(params: dict[str, Any]) -> float:
-    """The modeled KV transfer time in wall seconds (none at speedup 0)."""
-    delay_ms = params.get("handoff_delay_ms") or 0.0
+def _transfer_wait_s(params: dict[str, Any], reserved: DestinationReservedEvent) -> float:
+    """The modeled KV transfer time in wall seconds (none at speedup 0).
+
+    With the source's `transfer_timing` (its `kv_transfer_timing_mode`), the delay is the
+    coordinator's: `destination_missing` moves only what this destination's reservation
+    lacks. Without it (an older prefill worker) the prefill output's full-prompt delay.
+    """
     speedup = params.get("speedup_ratio") or 0.0
-    if (
-        not isinstance(delay_ms, int | float)
-        or not isinstance(speedup, int | float)
-        or speedup <= 0
-    ):
+    if not isinstance(speedup, int | float) or speedup <= 0:
         return 0.0
+    timing = params.get("transfer_timing")
+    if timing is None:
+        delay_ms = params.get("handoff_delay_ms") or 0.0
+        if not isinstance(delay_ms, int | float):
+            return 0.0
+    else:
+        try:
+            wire_timing = msgspec.convert(timing, TransferTiming)
+        except msgspec.ValidationError as exc:
+            raise RequestFailed(
+                400, f"prefill_result.disaggregated_params.engined.transfer_timing: {exc}"
+            ) from None
+        delay_ms = to_core_timing(wire_timing).delay_ms(reserved.transferable_prompt_tokens) or 0.0
     return max(float(delay_ms), 0.0) / 1000.0 / float(speedup)
 
 

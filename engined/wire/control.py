@@ -309,9 +309,29 @@ class Output(DaemonMessageBase, tag="output", gc=False):
     outputs: list[OutputEntry]
 
 
+KvTransferTimingMode: TypeAlias = Literal["full_prompt", "destination_missing"]
+
+
+class TransferTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """How the coordinator models a held source's KV transfer (PROTOCOL.md §1.7).
+
+    The delay is `tokens * kv_bytes_per_token / (bandwidth_gb_s * 1e9)` seconds, where
+    `tokens` is `full_prompt_tokens` in `full_prompt` mode and the destination's
+    `transferable_prompt_tokens` (what its prefix cache lacks) in `destination_missing`
+    mode; no delay is modelled while either figure is null (or the bandwidth <= 0).
+    """
+
+    mode: KvTransferTimingMode
+    full_prompt_tokens: int
+    kv_bytes_per_token: int | None
+    bandwidth_gb_s: float | None
+
+
 class SourceHeldEvent(msgspec.Struct, tag_field="kind", tag="source_held", frozen=True):
     handoff_id: str
     request_id: str
+    # Added in protocol v1 without a version change; absent (null) from older daemons.
+    transfer_timing: TransferTiming | None = None
 
 
 class DestinationReservedEvent(

@@ -23,6 +23,7 @@ from engined.wire.control import (
     SourceHeldEvent,
     Submit,
     SubmitHandoffPrefill,
+    TransferTiming,
     WireLifecycleEvent,
     WireRequest,
 )
@@ -94,10 +95,20 @@ def to_output_entry(output: core.RequestOutput) -> OutputEntry:
 
 
 def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:
-    """The streamed form of a lifecycle event (the source's transfer timing stays inside)."""
+    """The streamed form of a lifecycle event; a source's carries its transfer timing."""
     match event:
         case core.SourceHeld():
-            return SourceHeldEvent(handoff_id=event.handoff_id, request_id=event.request_id)
+            timing = event.transfer_timing
+            return SourceHeldEvent(
+                handoff_id=event.handoff_id,
+                request_id=event.request_id,
+                transfer_timing=TransferTiming(
+                    mode=timing.mode.value,
+                    full_prompt_tokens=timing.full_prompt_tokens,
+                    kv_bytes_per_token=timing.kv_bytes_per_token,
+                    bandwidth_gb_s=timing.bandwidth_gb_s,
+                ),
+            )
         case core.DestinationReserved():
             return DestinationReservedEvent(
                 handoff_id=event.handoff_id,
@@ -105,6 +116,16 @@ def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:
                 transferable_prompt_tokens=event.transferable_prompt_tokens,
             )
     raise TypeError(f"Not a lifecycle event: {event!r}")
+
+
+def to_core_timing(timing: TransferTiming) -> core.TransferTiming:
+    """A `source_held` event's timing as the core's, whose `delay_ms` is the one formula."""
+    return core.TransferTiming(
+        core.KvTransferTimingMode(timing.mode),
+        timing.full_prompt_tokens,
+        timing.kv_bytes_per_token,
+        timing.bandwidth_gb_s,
+    )
 
 
 def load_message(metrics: core.EngineMetrics) -> Load:

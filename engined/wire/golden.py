@@ -114,7 +114,16 @@ OUTPUT: Final = control.Output(
 LIFECYCLE: Final = control.Lifecycle(
     dp_rank=1,
     events=[
-        control.SourceHeldEvent(handoff_id="h-1", request_id="req-3"),
+        control.SourceHeldEvent(
+            handoff_id="h-1",
+            request_id="req-3",
+            transfer_timing=control.TransferTiming(
+                mode="destination_missing",
+                full_prompt_tokens=100,
+                kv_bytes_per_token=131072,
+                bandwidth_gb_s=25.0,
+            ),
+        ),
         control.DestinationReservedEvent(
             handoff_id="h-2", request_id="req-4", transferable_prompt_tokens=48
         ),

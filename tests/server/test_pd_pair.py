@@ -3,11 +3,11 @@ a test playing the coordinator (submit_handoff_prefill -> source_held lifecycle 
 reserve_destination -> destination_reserved lifecycle -> activate_destination ->
 release_source) ends with both drained.
 
-The test is the handoff coordinator of Dynamo's mocker (mocker-protocols.md §1.9, SourceFirst
-order): it drives both daemons over their control sockets with `EngineClient`, checks every
-reply and lifecycle event, and at the end checks that both daemons hold no KV and that each KV
-event stream (`KvStream`, gaps filled by replay) is one a router accepts without a violation
-(`ReferenceIndexer`, one worker id per daemon).
+The test is the handoff coordinator of Dynamo's mocker (docs/upstream/dynamo-mocker.md §7.1,
+SourceFirst order): it drives both daemons over their control sockets with `EngineClient`,
+checks every reply and lifecycle event, and at the end checks that both daemons hold no KV
+and that each KV event stream (`KvStream`, gaps filled by replay) is one a router accepts
+without a violation (`ReferenceIndexer`, one worker id per daemon).
 
 Every wait is bounded: replies are awaited with timeouts, `stats` is polled with a deadline, and
 each scenario runs under `asyncio.wait_for`. No sleep is used to synchronise.
@@ -34,7 +34,9 @@ from engined.wire.control import (
     Noop,
     RankStats,
     SourceHeldEvent,
+    TransferTiming,
 )
+from engined.wire.convert import to_core_timing
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import DaemonProcess, KvStream, start_daemon, to_core_events
 
@@ -172,6 +174,7 @@ async def coordinate(
     decode_tokens: int,
     *,
     shared_blocks: int = 0,
+    timing_mode: str = "full_prompt",
 ) -> tuple[Generation, Generation]:
     """One handoff in SourceFirst order; returns (prefill output, decode output).
 
@@ -183,7 +186,16 @@ async def coordinate(
     submitted = await pc.submit_handoff_prefill(handoff_id, tokens, 1, request_id=request_id)
     assert submitted.request_id == request_id
     held = await pc.next_lifecycle(handoff_id, timeout=WAIT_S)
-    assert held == SourceHeldEvent(handoff_id=handoff_id, request_id=request_id)
+    assert held == SourceHeldEvent(
+        handoff_id=handoff_id,
+        request_id=request_id,
+        transfer_timing=TransferTiming(
+            mode=timing_mode,  # type: ignore[arg-type]
+            full_prompt_tokens=len(tokens),
+            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+            bandwidth_gb_s=KV_BANDWIDTH_GB_S,
+        ),
+    )
     prefill = await pc.collect(submitted, timeout=WAIT_S)
 
     accepted = await dc.reserve_destination(
@@ -249,6 +261,53 @@ def test_handoff_lifecycle_drains_both_workers(tmp_path: Path) -> None:
             assert indexer.overlap(tokens + decode.token_ids, worker_id=DECODE) > full_blocks
 
     with pd_pair(tmp_path) as (p, d):
+        run(scenario(p, d))
+
+
+@pytest.mark.parametrize(
+    ("mode", "moved_tokens"), [("full_prompt", 104), ("destination_missing", 48)]
+)
+def test_transfer_timing_mode_decides_what_the_coordinator_moves(
+    tmp_path: Path, mode: str, moved_tokens: int
+) -> None:
+    """1. start the pair, the prefill daemon with `--kv-transfer-timing-mode <mode>`;
+    2. hand off a 104-token prompt whose first 64 tokens (4 blocks) a finished handoff has
+       left in the decode worker's prefix cache;
+    3. compute the coordinator's transfer delay from the `source_held` event's
+       `transfer_timing` and the `destination_reserved` event's `transferable_prompt_tokens`.
+
+    Result: the reservation lacks 3 of the 7 blocks (48 tokens); the delay moves the whole
+    prompt (104 tokens) in `full_prompt` mode and the 48 missing tokens in
+    `destination_missing` mode (128 KiB per token over 25 GB/s); the prefill output's
+    `handoff_delay_ms` is the full prompt's in both modes (as upstream's).
+    """
+    shared = prompt(7, 64)
+    first, second = shared + prompt(1, 40), shared + prompt(2, 40)
+    flags = (*PREFILL_FLAGS, "--kv-transfer-timing-mode", mode)
+
+    async def scenario(p: DaemonProcess, d: DaemonProcess) -> None:
+        async with connected(p, d) as (pc, dc, _):
+            await coordinate(pc, dc, "h-warm", first, 2, timing_mode=mode)
+            submitted = await pc.submit_handoff_prefill("h-2", second, 1, request_id="r-2")
+            held = await pc.next_lifecycle("h-2", timeout=WAIT_S)
+            prefill = await pc.collect(submitted, timeout=WAIT_S)
+            accepted = await dc.reserve_destination("h-2", second, 2, request_id="r-2")
+            reserved = await dc.next_lifecycle("h-2", timeout=WAIT_S)
+            assert isinstance(held, SourceHeldEvent) and held.transfer_timing is not None
+            assert isinstance(reserved, DestinationReservedEvent)
+            assert reserved.transferable_prompt_tokens == 48
+            delay = to_core_timing(held.transfer_timing).delay_ms(
+                reserved.transferable_prompt_tokens
+            )
+            assert delay == pytest.approx(transfer_delay_ms(moved_tokens))
+            assert prefill.handoff_delay_ms == pytest.approx(transfer_delay_ms(len(second)))
+            assert isinstance(await dc.activate_destination("h-2"), Applied)
+            assert (await dc.collect(accepted, timeout=WAIT_S)).finish_reason == "length"
+            assert isinstance(await pc.release_source("h-2"), Applied)
+            assert_drained(await rank0(pc))
+            assert_drained(await rank0(dc))
+
+    with pd_pair(tmp_path, prefill=flags) as (p, d):
         run(scenario(p, d))
 
 

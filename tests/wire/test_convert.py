@@ -117,14 +117,33 @@ def test_to_wire_lifecycle() -> None:
     reserved = core.DestinationReserved(
         handoff_id="h2", request_id="r2", transferable_prompt_tokens=16
     )
-    assert convert.to_wire_lifecycle(held) == control.SourceHeldEvent(
-        handoff_id="h", request_id="r"
+    wire_held = convert.to_wire_lifecycle(held)
+    assert wire_held == control.SourceHeldEvent(
+        handoff_id="h",
+        request_id="r",
+        transfer_timing=control.TransferTiming(
+            mode="full_prompt", full_prompt_tokens=8, kv_bytes_per_token=None, bandwidth_gb_s=None
+        ),
     )
+    assert isinstance(wire_held, control.SourceHeldEvent) and wire_held.transfer_timing
+    assert convert.to_core_timing(wire_held.transfer_timing) == timing
     assert convert.to_wire_lifecycle(reserved) == control.DestinationReservedEvent(
         handoff_id="h2", request_id="r2", transferable_prompt_tokens=16
     )
     with pytest.raises(TypeError, match="Not a lifecycle event"):
         convert.to_wire_lifecycle("source_held")  # type: ignore[arg-type]
+
+
+def test_core_timing_keeps_the_one_delay_formula() -> None:
+    wire = control.TransferTiming(
+        mode="destination_missing",
+        full_prompt_tokens=100,
+        kv_bytes_per_token=131072,
+        bandwidth_gb_s=25.0,
+    )
+    timing = convert.to_core_timing(wire)
+    assert timing.mode is core.KvTransferTimingMode.DESTINATION_MISSING
+    assert timing.delay_ms(48) == pytest.approx(48 * 131072 / 25e9 * 1000)
 
 
 def test_rank_stats() -> None:
