@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, KeysView
+from collections.abc import Callable, KeysView
 from dataclasses import dataclass
 
 from engined.core.sequence import Sequence
@@ -83,16 +83,6 @@ class SchedulerState:
     def waiting(self) -> KeysView[str]:
         """The waiting request ids, in queue order."""
         return self._queue.keys()
-
-    @waiting.setter
-    def waiting(self, request_ids: Iterable[str]) -> None:
-        # Assignable as the deque it replaced was (tests instrument the queue); rebuilt
-        # through the queue operations so the index and a subclass's tallies follow.
-        order = list(request_ids)
-        for request_id in list(self._queue):
-            self.remove_waiting(request_id)
-        for request_id in order:
-            self.push_waiting(request_id)
 
     def enqueue(self, state: RequestState) -> None:
         """A new (or newly activated) request joins the back of the waiting queue."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +22,7 @@ from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
 from engined.core.errors import CoreError
 from engined.core.fpm import welford
-from engined.core.state import RequestStatus
+from engined.core.state import RequestState, RequestStatus
 from engined.core.types import (
     ActivateDestination,
     Cancel,
@@ -38,28 +37,46 @@ from tests.core.factories import (
 )
 
 
-class CountingDeque(deque[str]):
-    """The waiting queue, counting every full iteration anyone starts."""
+class CountingRequests(dict[str, RequestState]):
+    """The request table, counting every record read (a queue walk reads one per request)."""
 
-    iterations = 0
+    reads = 0
+
+    def __getitem__(self, key: str) -> RequestState:
+        CountingRequests.reads += 1
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        CountingRequests.reads += 1
+        return super().get(key, default)
+
+    def values(self) -> Any:
+        CountingRequests.reads += len(self)
+        return super().values()
+
+    def items(self) -> Any:
+        CountingRequests.reads += len(self)
+        return super().items()
 
     def __iter__(self) -> Iterator[str]:
-        CountingDeque.iterations += 1
+        CountingRequests.reads += len(self)
         return super().__iter__()
 
 
 def test_a_pass_does_not_walk_a_deep_waiting_queue() -> None:
+    """50 passes over 20,000 waiting requests read a bounded number of records per pass
+    (the 4 running ones and the admission's), not one per waiting request."""
     core = Engine(EngineArgs(block_size=16, num_gpu_blocks=4096, max_num_seqs=4, speedup_ratio=0.0))
     state = core.parts.state
-    state.waiting = CountingDeque(state.waiting)
+    state.requests = CountingRequests(state.requests)
     for i in range(20_000):
         submit(core, Request(token_ids=[i, i + 1], max_tokens=1_000, request_id=f"r{i}"))
-    CountingDeque.iterations = 0
+    CountingRequests.reads = 0
     now = 0.0
     for _ in range(50):
         result = core.execute_pass(now)
         now = result.end_ms
-    assert CountingDeque.iterations == 0
+    assert CountingRequests.reads <= 50 * 16, CountingRequests.reads
     assert result.fpm.num_queued_prefill == 20_000 - 4
     assert result.fpm.sum_queued_prefill_tokens == 2 * (20_000 - 4)
 

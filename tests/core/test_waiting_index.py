@@ -312,17 +312,6 @@ def test_a_reused_id_takes_its_new_place_and_status(state: SchedulerState) -> No
     check(state)
 
 
-def test_assigning_the_queue_reorders_it_through_its_operations() -> None:
-    counted: list[str] = []
-    state = TalliedState(lambda req: counted.append(req.request_id))  # type: ignore[func-returns-value]
-    fill(state, "aBcD")
-    state.waiting = ["D", "c", "B", "a"]  # type: ignore[assignment]
-    assert list(state.waiting) == ["D", "c", "B", "a"]
-    assert state.next_waiting(True) == "D"
-    assert counted == ["a", "B", "c", "D", "D", "c", "B", "a"]
-    check(state)
-
-
 # --- the cost of a pass ---------------------------------------------------------------------
 
 
