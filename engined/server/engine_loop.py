@@ -47,12 +47,11 @@ from engined.core.types import (
     PassResult,
     RequestOutput,
 )
+from engined.server.pacer import Pacer, open_pacer
 
 log = structlog.get_logger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
-# Lead before a pass deadline where the loop stops sleeping and yields until the deadline.
-PRECISE_WAKE_S = 0.0015
 # Pass-start lateness percentiles are re-sorted at most this often (seconds of `clock`), so a
 # client polling `stats` costs a sort of the window per interval, not per message.
 LATENESS_SUMMARY_TTL_S = 0.1
@@ -109,8 +108,10 @@ class EngineLoop:
     ) -> None:
         """`clock` (seconds) and `sleep` (waits that many seconds of `clock`) are the loop's
         time; the defaults are the monotonic clock and the event loop's timers, and a test
-        passes a virtual clock and its sleep to run paced passes without waiting. A custom
-        `clock` without a `sleep` keeps the event loop's timers (and their precision wait).
+        passes a virtual clock and its sleep to run paced passes without waiting. Without a
+        `sleep`, passes are paced by an `engined.server.pacer` opened on the first paced wait
+        (a timerfd for the default clock on Linux, else the event loop's timers) and closed
+        when `run` ends.
         """
         self.engine = engine
         self.rank = engine.dp_rank
@@ -133,6 +134,7 @@ class EngineLoop:
         self._lateness_summary: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self._lateness_at: tuple[int, float] | None = None  # (passes_total, clock) of it
         self._next_start: float | None = None
+        self._pacer: Pacer | None = None
         self.pass_observers: list[PassObserver] = []
         self.command_observers: list[CommandObserver] = []
 
@@ -197,6 +199,14 @@ class EngineLoop:
         return self._virtual_ms
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            pacer, self._pacer = self._pacer, None
+            if pacer is not None:
+                pacer.close()
+
+    async def _run(self) -> None:
         engine = self.engine
         progressed = True
         while True:
@@ -245,19 +255,15 @@ class EngineLoop:
             await self._precise_sleep(self._start + end_ms / 1000.0)
 
     async def _precise_sleep(self, deadline: float) -> None:
-        """Sleep on the event loop's timers until `clock()` reaches `deadline`.
+        """Sleep until `clock()` reaches `deadline`, without spinning (engined.server.pacer).
 
-        NOTE: epoll rounds timeouts up to whole milliseconds, so a plain sleep wakes up to
-        1 ms late. The timer is set PRECISE_WAKE_S early and the rest is yielded away: only
-        that last stretch (under 1.5 ms) re-polls, and other tasks run while it does. A rank
-        that is on time spends it; a late one never gets here.
+        The pacer is opened here, on the event loop that runs the passes, and reused (one
+        timerfd per rank, re-armed for every pass); `run` closes it when the loop ends.
         """
-        clock = self._clock
-        delay = deadline - clock() - PRECISE_WAKE_S
-        if delay > 0:
-            await asyncio.sleep(delay)
-        while clock() < deadline:
-            await asyncio.sleep(0)
+        pacer = self._pacer
+        if pacer is None:
+            pacer = self._pacer = open_pacer(self._clock)
+        await pacer.sleep_until(deadline)
 
     def _publish(self, result: PassResult) -> None:
         if result.outputs:
