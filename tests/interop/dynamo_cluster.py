@@ -51,6 +51,7 @@ from typing import IO, Any, Final, Literal, overload
 
 from tests.interop.peers import peer_env
 from tests.interop.tiny_model import build_tiny_model
+from tests.support import free_tcp_port
 
 READY_TIMEOUT_S: Final = 60.0  # a cold Dynamo start on a busy 2-core machine is slow
 STOP_TIMEOUT_S: Final = 15.0
@@ -73,13 +74,6 @@ _SCRUBBED_ENV: Final = (
 
 # A direct opener: proxy settings of the environment must not route loopback calls.
 _OPENER: Final = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def free_system_port() -> int:
@@ -547,7 +541,7 @@ class Frontend(DynamoProcess):
     def start(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Start and wait for the HTTP API; retried on another port if that one was taken."""
         for _attempt in range(5):
-            self.port = free_port()
+            self.port = free_tcp_port()
             self._spawn()
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -904,7 +898,7 @@ class EnginedDaemon(DynamoProcess):
     def start(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Start and wait until it answers `ping`; retried on another port if taken."""
         for _attempt in range(5):
-            self.control = f"tcp://127.0.0.1:{free_port()}"
+            self.control = f"tcp://127.0.0.1:{free_tcp_port()}"
             self._spawn()
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:

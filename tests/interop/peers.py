@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import pytest
+
+from tests.support import free_tcp_port
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 PEERS_PYTHON_ENV: Final = "INTEROP_PEERS_PYTHON"
@@ -117,13 +118,6 @@ def peer_env(tmp: Path | None = None) -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 # A direct opener: proxy settings of the environment must not route loopback calls.
 _OPENER: Final = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -197,7 +191,7 @@ class DynamoIndexer:
     def start(self) -> None:
         """Start the indexer and wait for `/health`; retries if the chosen port was taken."""
         for _attempt in range(5):
-            self.port = _free_port()
+            self.port = free_tcp_port()
             with self.log_path.open("wb") as log:
                 self.proc = subprocess.Popen(
                     [

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -41,6 +41,7 @@ from engined.client import EngineClient
 from tests.interop.peers import DynamoIndexer
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import DaemonProcess, KvStream, start_daemon, to_core_events
+from tests.support import run
 
 T = TypeVar("T")
 
@@ -89,13 +90,6 @@ class Scenario:
     indexers: list[DynamoIndexer] = field(default_factory=list)
     done: list[Done] = field(default_factory=list)
     sentinels: int = 0
-
-
-def run(scenario: Awaitable[T]) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(scenario, SCENARIO_TIMEOUT_S)
-
-    return asyncio.run(bounded())
 
 
 def jobs(phase: int, families: str, count: int, dp_size: int) -> list[Job]:
@@ -333,7 +327,7 @@ def test_dynamo_indexer_matches_the_daemon_cache(
         try:
             early.start()
             register(early, daemon, dp_size)
-            run(scenario(daemon, early, late))
+            run(scenario(daemon, early, late), SCENARIO_TIMEOUT_S)
         finally:
             early.stop()
             late.stop()

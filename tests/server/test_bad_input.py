@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import pytest
@@ -45,12 +45,9 @@ from engined.wire.control import (
     WireError,
 )
 from tests.server.daemon_harness import DaemonProcess, start_daemon
+from tests.server.support import WAIT_S, assert_idle, rank0, wait_for_stats
+from tests.support import run
 
-T = TypeVar("T")
-
-SCENARIO_TIMEOUT_S = 60.0
-WAIT_S = 10.0
-POLL_S = 0.005
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096  # 65,536 tokens: a request filling it streams for a few seconds
 POOL_TOKENS = BLOCK_SIZE * NUM_BLOCKS
@@ -69,42 +66,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 encode = msgspec.msgpack.encode
 
 
-def run(scenario: Awaitable[T], timeout: float = SCENARIO_TIMEOUT_S) -> T:
-    """Run an async scenario in a fresh event loop, bounded by `timeout`."""
-
-    async def bounded() -> T:
-        return await asyncio.wait_for(scenario, timeout)
-
-    return asyncio.run(bounded())
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """One fast daemon (speedup 0, a 4096-block pool) shared by the tests that leave it idle."""
     with start_daemon(tmp_path_factory.mktemp("bad-input"), *FAST) as d:
         yield d
-
-
-async def rank0(client: EngineClient) -> RankStats:
-    return (await client.stats()).ranks[0]
-
-
-def assert_idle(stats: RankStats) -> None:
-    assert (stats.active_blocks, stats.waiting, stats.running) == (0, 0, 0), stats
-
-
-async def wait_for_stats(
-    client: EngineClient, predicate: Callable[[RankStats], bool], what: str
-) -> RankStats:
-    """Poll `stats` until `predicate` holds for rank 0, or fail after WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        stats = await rank0(client)
-        if predicate(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {WAIT_S} s: {stats}")
-        await asyncio.sleep(POLL_S)
 
 
 def submit_body(**request: Any) -> bytes:

@@ -30,8 +30,10 @@ from engined.client import EngineClient
 from engined.server import clients
 from engined.wire.control import DaemonMessage, Output, Pong, ReplyDecoder
 from tests.server.inprocess import Served, serve
+from tests.support import run
 
 WAIT_S = 30.0
+SCENARIO_TIMEOUT_S = 120.0
 DECODER = ReplyDecoder()
 
 
@@ -44,10 +46,6 @@ async def until(condition: Callable[[], bool], what: str) -> None:
         while not condition():
             await asyncio.sleep(0.005)
     assert condition(), what
-
-
-def run(scenario: Any) -> None:
-    asyncio.run(asyncio.wait_for(scenario, 120))
 
 
 async def vanish_with_a_running_request(served: Served, n: int) -> None:
@@ -70,7 +68,7 @@ def test_short_lived_clients_leave_nothing_behind(tmp_path: Path) -> None:
             await until(lambda: state()["tracked"] == 0, "every client's state freed")
             assert state() == dict.fromkeys(state(), 0)
 
-    run(scenario())
+    run(scenario(), SCENARIO_TIMEOUT_S)
 
 
 def test_vanished_clients_are_remembered_up_to_a_bound(
@@ -90,7 +88,7 @@ def test_vanished_clients_are_remembered_up_to_a_bound(
             assert state()["notices"] == 16  # one `cancelled` terminal each
             assert state()["tracked"] == 16
 
-    run(scenario())
+    run(scenario(), SCENARIO_TIMEOUT_S)
 
 
 def test_notices_beyond_the_budget_evict_the_oldest_dropped_clients(
@@ -107,7 +105,7 @@ def test_notices_beyond_the_budget_evict_the_oldest_dropped_clients(
             assert state()["notices"] == 10
             assert state()["dropped"] == 10
 
-    run(scenario())
+    run(scenario(), SCENARIO_TIMEOUT_S)
 
 
 def test_vanished_load_watchers_are_forgotten(tmp_path: Path) -> None:
@@ -128,7 +126,7 @@ def test_vanished_load_watchers_are_forgotten(tmp_path: Path) -> None:
             assert state()["watching"] == 0
             assert state()["dropped"] == 40
 
-    run(scenario())
+    run(scenario(), SCENARIO_TIMEOUT_S)
 
 
 def test_a_client_that_comes_back_learns_its_request_was_cancelled(tmp_path: Path) -> None:
@@ -160,4 +158,4 @@ def test_a_client_that_comes_back_learns_its_request_was_cancelled(tmp_path: Pat
             await until(lambda: state()["tracked"] == 0, "its state freed")
             assert state()["dropped"] == 0
 
-    run(scenario())
+    run(scenario(), SCENARIO_TIMEOUT_S)

@@ -20,9 +20,9 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import cast
 
 import pytest
 import zmq
@@ -41,21 +41,10 @@ from engined.wire.kv_events import (
 )
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import DaemonProcess, KvStream, start_daemon, to_core_events
-
-T = TypeVar("T")
+from tests.server.support import WAIT_S, assert_idle, rank0, wait_for_stats
+from tests.support import run
 
 SCENARIO_TIMEOUT_S = 120.0
-WAIT_S = 10.0
-POLL_S = 0.01
-
-
-def run(scenario: Awaitable[T], timeout: float = SCENARIO_TIMEOUT_S) -> T:
-    """Run an async scenario to completion in a fresh event loop, bounded by `timeout`."""
-
-    async def bounded() -> T:
-        return await asyncio.wait_for(scenario, timeout)
-
-    return asyncio.run(bounded())
 
 
 def engine_flags(
@@ -87,35 +76,6 @@ def engine_flags(
 
 
 # --- observing the daemon -------------------------------------------------------------------
-
-
-async def rank0(client: EngineClient) -> RankStats:
-    stats = await client.stats(timeout=WAIT_S)
-    assert len(stats.ranks) == 1
-    return stats.ranks[0]
-
-
-def assert_idle(stats: RankStats, total_blocks: int) -> None:
-    """The seed's `assert_scheduler_idle`, plus empty queues and the pool size."""
-    assert stats.active_blocks == 0, stats
-    assert stats.kv_cache_usage == 0.0, stats
-    assert stats.total_blocks == total_blocks, stats
-    assert stats.running == 0, stats
-    assert stats.waiting == 0, stats
-
-
-async def wait_for_stats(
-    client: EngineClient, done: Callable[[RankStats], bool], *, timeout: float = WAIT_S
-) -> RankStats:
-    """Poll `stats` until `done(stats)` holds; fails with the last stats at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = await rank0(client)
-        if done(stats):
-            return stats
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"stats never satisfied the condition within {timeout} s: {stats}")
-        await asyncio.sleep(POLL_S)  # poll interval, not synchronisation
 
 
 async def assert_stream_complete(
@@ -271,7 +231,7 @@ def test_scheduler_token_generation_patterns(
             ctx.term()
 
     with start_daemon(tmp_path, *flags) as daemon:
-        generations, stats, stream = run(scenario(daemon))
+        generations, stats, stream = run(scenario(daemon), SCENARIO_TIMEOUT_S)
 
     assert len(generations) == num_requests
     assert_all_finished(generations, max_tokens)
@@ -330,7 +290,7 @@ def test_scheduler_mtp_lifecycle_drains_small_blocks(tmp_path: Path) -> None:
             ctx.term()
 
     with start_daemon(tmp_path, *flags) as daemon:
-        generations, stats, stream = run(scenario(daemon))
+        generations, stats, stream = run(scenario(daemon), SCENARIO_TIMEOUT_S)
 
     assert_all_finished(generations, max_tokens)
     # Accept rates 1,1: bursts of up to 3 tokens, so fewer entries than tokens.
@@ -370,7 +330,7 @@ def test_cache_hit_rate_with_identical_requests(tmp_path: Path) -> None:
             return generations, await rank0(client)
 
     with start_daemon(tmp_path, *flags) as daemon:
-        generations, stats = run(scenario(daemon))
+        generations, stats = run(scenario(daemon), SCENARIO_TIMEOUT_S)
 
     assert sum(len(g.token_ids) for g in generations) == num_requests * max_tokens
     assert_all_finished(generations, max_tokens)
@@ -415,7 +375,7 @@ def test_receiver_drop_cleans_up_resources(tmp_path: Path) -> None:
         return received, idle, after
 
     with start_daemon(tmp_path, *flags) as daemon:
-        received, idle, after = run(scenario(daemon))
+        received, idle, after = run(scenario(daemon), SCENARIO_TIMEOUT_S)
         gone = client_gone_records(daemon)
 
     assert received >= 129
@@ -460,7 +420,7 @@ def test_live_scheduler_forwards_buffered_kv_token_ids(tmp_path: Path) -> None:
             ctx.term()
 
     with start_daemon(tmp_path, *flags) as daemon:
-        gen, stream = run(scenario(daemon))
+        gen, stream = run(scenario(daemon), SCENARIO_TIMEOUT_S)
 
     assert gen.finish_reason == "length"
     assert len(gen.token_ids) == 1
@@ -508,7 +468,7 @@ def test_live_pathological_load_no_router_event_errors(tmp_path: Path) -> None:
             ctx.term()
 
     with start_daemon(tmp_path, *flags) as daemon:
-        generations, stats, stream = run(scenario(daemon))
+        generations, stats, stream = run(scenario(daemon), SCENARIO_TIMEOUT_S)
 
     assert sum(len(g.token_ids) for g in generations) == 8 * 4
     assert_all_finished(generations, 4)
@@ -552,7 +512,7 @@ def test_productive_zero_duration_live_pass_continues_without_external_wake(
             return await client.generate([1] * 4, 1, request_id="req-31001", timeout=WAIT_S)
 
     with start_daemon(tmp_path, *flags) as daemon:
-        gen = run(scenario(daemon))
+        gen = run(scenario(daemon), SCENARIO_TIMEOUT_S)
 
     assert gen.request_id == "req-31001"
     assert gen.finish_reason == "length"
@@ -637,7 +597,7 @@ def test_fpm_sent_through_sink(tmp_path: Path) -> None:
             ctx.term()
 
     with start_daemon(tmp_path, *flags) as daemon:
-        messages, gen = run(scenario(daemon))
+        messages, gen = run(scenario(daemon), SCENARIO_TIMEOUT_S)
 
     assert gen.finish_reason == "length"
     assert len(gen.token_ids) == 2

@@ -62,6 +62,7 @@ from engined.server.metrics import (
     modeled_seconds_per_ms,
 )
 from tests.server.daemon_harness import DaemonProcess, start_daemon
+from tests.support import free_tcp_port
 
 VLLM_NAMES = {
     "vllm:num_requests_running",
@@ -171,12 +172,6 @@ def value(samples: list[Sample], name: str, **labels: str) -> float:
     found = [s.value for s in samples if s.name == name and labels.items() <= s.labels.items()]
     assert len(found) == 1, (name, labels, found)
     return found[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -785,7 +780,7 @@ COUNTERS = (
 
 
 def test_live_scrape_under_load_matches_the_clients_tallies(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_tcp_port()
     args = [
         "--speedup-ratio", "10", "--block-size", "16", "--num-gpu-blocks", "48",
         "--data-parallel-size", "2", "--nextn", "2", "--model-name", "metrics-test",
@@ -860,7 +855,7 @@ def test_live_scrape_under_load_matches_the_clients_tallies(tmp_path: Path) -> N
 
 
 def test_live_health_is_503_while_draining(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_tcp_port()
     args = ["--speedup-ratio", "1", "--drain-timeout", "60", "--http-port", str(port)]
 
     async def scenario(control: str, terminate: Callable[[], None]) -> None:

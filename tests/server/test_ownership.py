@@ -53,6 +53,7 @@ from engined.wire.control import (
     ReplyDecoder,
 )
 from tests.server.daemon_harness import DaemonProcess, start_daemon
+from tests.support import run
 
 WAIT_S = 10.0
 PACED = (
@@ -161,10 +162,6 @@ async def clients(daemon: DaemonProcess, count: int) -> AsyncIterator[list[Raw]]
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     with start_daemon(tmp_path_factory.mktemp("ownership"), *PACED) as running:
         yield running
-
-
-def run(scenario: Any) -> None:
-    asyncio.run(asyncio.wait_for(scenario, 60))
 
 
 def test_another_clients_cancel_ends_the_owners_stream(daemon: DaemonProcess) -> None:

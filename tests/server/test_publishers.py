@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from engined.wire.kv_events import (
     seq_bytes,
 )
 from engined.zmq_sockets import SocketRegistry, make_socket
+from tests.support import free_tcp_port
 
 WAIT_S = 5.0
 PROBE_POLL_MS = 20
@@ -65,14 +65,6 @@ async def zmq_env() -> AsyncIterator[tuple[zmq.asyncio.Context, SocketRegistry]]
 
 def ipc(tmp_path: Path, name: str) -> str:
     return f"ipc://{tmp_path / name}"
-
-
-def free_tcp_port() -> int:
-    """An ephemeral port, found by binding port 0 and releasing it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def stored(n: int) -> core.BlockStored:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import zmq
@@ -38,8 +38,7 @@ from engined.wire.kv_events import (
 )
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import DaemonProcess, KvStream, start_daemon, to_core_events
-
-T = TypeVar("T")
+from tests.support import run
 
 SCENARIO_TIMEOUT_S = 60.0
 WAIT_S = 10.0
@@ -47,15 +46,6 @@ POLL_MS = 20
 BLOCK_SIZE = 16
 # 48 blocks of 16 tokens: the workload below overflows it, so cached blocks get evicted.
 FLAGS = ("--speedup-ratio", "0", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", "48")
-
-
-def run(scenario: Awaitable[T], timeout: float = SCENARIO_TIMEOUT_S) -> T:
-    """Run an async scenario in a fresh event loop, bounded by `timeout`."""
-
-    async def bounded() -> T:
-        return await asyncio.wait_for(scenario, timeout)
-
-    return asyncio.run(bounded())
 
 
 def prompts(start: int, count: int, *, shared: bool = True) -> list[list[int]]:

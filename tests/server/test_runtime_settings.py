@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import TypeVar
 
 import msgspec
 import pytest
@@ -20,8 +18,8 @@ import zmq.asyncio
 from engined.client import EngineClient, EngineError
 from engined.wire.control import ErrorReply, Load
 from tests.server.daemon_harness import DaemonProcess, read_fpm, start_daemon
+from tests.support import run
 
-T = TypeVar("T")
 TIMEOUT_S = 10.0
 FLAGS = (
     "--speedup-ratio",
@@ -37,13 +35,6 @@ FLAGS = (
     "--max-model-len",
     "512",
 )
-
-
-def run(scenario: Awaitable[T]) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(scenario, 60)
-
-    return asyncio.run(bounded())
 
 
 @pytest.fixture(scope="module")

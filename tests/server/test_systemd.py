@@ -42,6 +42,7 @@ from engined.config import FLAGS, load_config
 from engined.server.systemd import Notifier, NullNotifier, keepalive, watchdog_interval
 from tests.server import daemon_harness
 from tests.server.daemon_harness import DaemonProcess, read_fpm, start_daemon
+from tests.support import free_tcp_port
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "systemd"
@@ -427,12 +428,6 @@ def test_template_and_single_unit_differ_only_in_naming() -> None:
 def mdwe_supported() -> bool:
     # PR_GET_MDWE (66) fails with EINVAL on kernels before 6.3.
     return int(ctypes.CDLL(None).prctl(66, 0, 0, 0, 0)) >= 0
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_daemon_serves_inside_the_units_sandbox(
