@@ -437,6 +437,7 @@ def test_events_judges_rank_and_follow_against_the_daemon(daemon: DaemonProcess)
     result = invoke("events", "--rank", "5", "--control-endpoint", daemon.control)
     assert result.exit_code == 2
     assert "'--rank'" in plain(result.output) and f"has {DP_SIZE} rank(s)" in result.output
+    assert "'--dp-rank' / '--rank'" in plain(result.output)  # named as typer names it
     result = invoke("events", "--no-follow", "--control-endpoint", daemon.control)
     assert result.exit_code == 2
     assert "'--no-follow'" in plain(result.output)

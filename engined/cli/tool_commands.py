@@ -125,7 +125,8 @@ def _run(json_lines: bool, main: Callable[[Output], Coroutine[Any, Any, int]]) -
     try:
         code = run_tool(lambda: main(out), out)
     except UsageError as error:
-        raise typer.BadParameter(error.message, param_hint=f"'{error.option}'") from None
+        hint = " / ".join(f"'{option}'" for option in error.options)
+        raise typer.BadParameter(error.message, param_hint=hint) from None
     raise typer.Exit(code)
 
 

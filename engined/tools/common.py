@@ -52,9 +52,10 @@ class ToolError(Exception):
 class UsageError(ToolError):
     """An option whose value turned out wrong once the daemon answered (exit code 2)."""
 
-    def __init__(self, option: str, message: str) -> None:
+    def __init__(self, option: str | tuple[str, ...], message: str) -> None:
         super().__init__(message, exit_code=EXIT_USAGE)
-        self.option = option
+        # Every spelling of the option, its name first, as typer names one it refuses.
+        self.options = (option,) if isinstance(option, str) else option
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -222,12 +223,13 @@ async def discover(client: EngineClient, endpoint: str, timeout: float) -> Welco
 
 
 def pick_rank(endpoints: Sequence[str], rank: int, what: str) -> str:
-    """The endpoint of `rank` among a welcome's per-rank list (`--rank` out of range: usage)."""
+    """The endpoint of `rank` among a welcome's per-rank list (`--dp-rank` out of range: usage)."""
     if not endpoints:
         raise ToolError(f"the daemon publishes no {what}")
     if not 0 <= rank < len(endpoints):
         raise UsageError(
-            "--rank", f"rank {rank} does not exist: the daemon has {len(endpoints)} rank(s)"
+            ("--dp-rank", "--rank"),
+            f"rank {rank} does not exist: the daemon has {len(endpoints)} rank(s)",
         )
     return endpoints[rank]
 
