@@ -8,7 +8,8 @@ the test's to choose (a slow reader is dropped after a few dozen messages instea
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +18,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from engined.core.args import EngineArgs, PerfModelKind
+from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
+from engined.core.types import LifecycleEvent, RequestOutput
 from engined.server.control import ControlServer
-from engined.server.engine_loop import EngineLoop
+from engined.server.engine_loop import Delivery, EngineLoop, FpmSink, KvSink, Sleep
 from engined.server.fpm_publisher import NullFpmPublisher
 from engined.server.kv_publisher import NullKvPublisher
 from engined.server.settings import RuntimeSettings
@@ -46,8 +48,8 @@ def welcome() -> wire.Welcome:
     return wire.Welcome(
         protocol=wire.PROTOCOL_VERSION,
         version="test",
-        engine_type="vllm",
-        worker_type="aggregated",
+        engine_type=EngineType.VLLM,
+        worker_type=WorkerType.AGGREGATED,
         block_size=16,
         num_gpu_blocks=1024,
         dp_size=1,
@@ -62,11 +64,11 @@ class _Delivery:
     def __init__(self) -> None:
         self.control: ControlServer | None = None
 
-    def deliver_outputs(self, rank: int, outputs: list[Any]) -> None:
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
         assert self.control is not None
         self.control.deliver_outputs(rank, outputs)
 
-    def deliver_lifecycle(self, rank: int, events: list[Any]) -> None:
+    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
         assert self.control is not None
         self.control.deliver_lifecycle(rank, events)
 
@@ -76,7 +78,12 @@ class Served:
     endpoint: str
     ctx: zmq.asyncio.Context
     control: ControlServer
-    loop: EngineLoop
+    loops: list[EngineLoop]
+
+    @property
+    def loop(self) -> EngineLoop:
+        """Rank 0's loop."""
+        return self.loops[0]
 
     def dealer(self, *, rcvhwm: int = 1000, identity: bytes | None = None) -> zmq.asyncio.Socket:
         """A raw client; small kernel buffers, so a reader that stops is noticed soon."""
@@ -90,33 +97,87 @@ class Served:
         return sock
 
 
+def engine_loop(
+    delivery: Delivery,
+    *,
+    rank: int = 0,
+    kv: KvSink | None = None,
+    fpm: FpmSink | None = None,
+    clock: Callable[[], float] | None = None,
+    sleep: Sleep | None = None,
+    **args: Any,
+) -> EngineLoop:
+    """One rank: a core of `engine_args(**args)` in an EngineLoop paced at its speedup ratio,
+    publishing to `kv` and `fpm` (null publishers by default), on `clock` and `sleep` (the
+    loop's defaults when None: the monotonic clock and the event loop's timers)."""
+    engine = Engine(engine_args(**args), dp_rank=rank, worker_id=rank)
+    speedup_ratio = float(args.get("speedup_ratio", 0.0))
+    return EngineLoop(
+        engine,
+        kv=NullKvPublisher() if kv is None else kv,
+        fpm=NullFpmPublisher() if fpm is None else fpm,
+        delivery=delivery,
+        speedup_ratio=speedup_ratio,
+        clock=time.monotonic if clock is None else clock,
+        sleep=sleep,
+    )
+
+
 @asynccontextmanager
-async def serve(tmp_path: Path, *, sndhwm: int = 100_000, **args: Any) -> AsyncIterator[Served]:
+async def serve(
+    tmp_path: Path,
+    *,
+    ranks: int = 1,
+    sndhwm: int = 100_000,
+    rcvhwm: int = 100_000,
+    sndbuf: int | None = 4096,
+    kv: Callable[[int], KvSink] | None = None,
+    fpm: Callable[[int], FpmSink] | None = None,
+    clock: Callable[[], float] | None = None,
+    sleep: Sleep | None = None,
+    **args: Any,
+) -> AsyncIterator[Served]:
+    """A ControlServer on a ROUTER at `ipc://{tmp_path}/control` with `ranks` engine loops of
+    `engine_args(**args)` (see `engine_loop`; `kv` and `fpm` make a rank's sinks).
+
+    The ROUTER's high-water marks are the test's, and its kernel send buffer is 4096 bytes by
+    default (`sndbuf=None`: the system's), so a slow reader is dropped after a few dozen
+    messages. The server and the loops run as tasks of the test's event loop from the first
+    await in the `async with` body: what the body does before it (adding pass observers,
+    wrapping the server's methods) is in place for the first message and the first pass.
+    """
     endpoint = f"ipc://{tmp_path}/control"
     ctx = zmq.asyncio.Context()
     sock = make_socket(
-        ctx, zmq.ROUTER, endpoint, bind=True, sndhwm=sndhwm, rcvhwm=100_000, router_mandatory=True
+        ctx, zmq.ROUTER, endpoint, bind=True, sndhwm=sndhwm, rcvhwm=rcvhwm, router_mandatory=True
     )
-    sock.setsockopt(zmq.SNDBUF, 4096)
+    if sndbuf is not None:
+        sock.setsockopt(zmq.SNDBUF, sndbuf)
     delivery = _Delivery()
-    loop = EngineLoop(
-        Engine(engine_args(**args)),
-        kv=NullKvPublisher(),
-        fpm=NullFpmPublisher(),
-        delivery=delivery,
-        speedup_ratio=float(args.get("speedup_ratio", 0.0)),
-    )
+    loops = [
+        engine_loop(
+            delivery,
+            rank=rank,
+            kv=None if kv is None else kv(rank),
+            fpm=None if fpm is None else fpm(rank),
+            clock=clock,
+            sleep=sleep,
+            **args,
+        )
+        for rank in range(ranks)
+    ]
     control = ControlServer(
         sock,
-        [loop],
+        loops,
         welcome=welcome,
         settings=RuntimeSettings(vocab_size=None, excluded_token_ids=(), fpm_worker_id="w", fpm=[]),
         max_queued_requests=0,
     )
     delivery.control = control
-    tasks = [asyncio.create_task(control.serve()), asyncio.create_task(loop.run())]
+    tasks = [asyncio.create_task(control.serve())]
+    tasks += [asyncio.create_task(loop.run()) for loop in loops]
     try:
-        yield Served(endpoint, ctx, control, loop)
+        yield Served(endpoint, ctx, control, loops)
     finally:
         for task in tasks:
             task.cancel()

@@ -21,44 +21,24 @@ import itertools
 import signal
 import threading
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient
-from engined.core.args import EngineArgs, PerfModelKind
-from engined.core.engine import Engine
-from engined.core.types import PassResult, Request, Submit
-from engined.server.control import CONTROL_TURN_MESSAGES, ControlServer
+from engined.core.types import LifecycleEvent, PassResult, Request, RequestOutput, Submit
+from engined.server.control import CONTROL_TURN_MESSAGES
 from engined.server.daemon import CONTROL_HWM
-from engined.server.engine_loop import EngineLoop
-from engined.server.fpm_publisher import NullFpmPublisher
-from engined.server.kv_publisher import NullKvPublisher
-from engined.server.settings import RuntimeSettings
 from engined.server.systemd import NullNotifier, keepalive
 from engined.wire import control as wire
-from engined.zmq_sockets import make_socket
 from tests.server.daemon_harness import DaemonProcess
+from tests.server.inprocess import engine_loop, serve
 from tests.server.virtual_clock import VirtualClock
 
 BURST = 100_000
 STREAM_TOKENS = 300
-
-
-def fast_args(**overrides: Any) -> EngineArgs:
-    fields: dict[str, Any] = {
-        "perf_model": PerfModelKind.FIXED,
-        "fixed_prefill_ms_per_token": 0.0,
-        "fixed_pass_overhead_ms": 0.0,
-        "fixed_decode_ms_per_pass": 1.0,
-        "block_size": 16,
-        "num_gpu_blocks": 256,
-        "speedup_ratio": 0.0,
-    }
-    fields.update(overrides)
-    return EngineArgs(**fields)
+NUM_GPU_BLOCKS = 256
 
 
 class CountingNotifier(NullNotifier):
@@ -70,22 +50,6 @@ class CountingNotifier(NullNotifier):
     def watchdog(self) -> bool:
         self.watchdogs += 1
         return True
-
-
-def welcome() -> wire.Welcome:
-    return wire.Welcome(
-        protocol=wire.PROTOCOL_VERSION,
-        version="test",
-        engine_type="vllm",
-        worker_type="aggregated",
-        block_size=16,
-        num_gpu_blocks=256,
-        dp_size=1,
-        model_name="m",
-        kv_events_endpoints=[],
-        kv_replay_endpoints=[],
-        fpm_endpoints=[],
-    )
 
 
 def flood(endpoint: str, count: int) -> None:
@@ -109,98 +73,59 @@ def flood(endpoint: str, count: int) -> None:
 
 def test_a_ping_burst_yields_to_passes_and_to_other_clients(tmp_path: Path) -> None:
     async def scenario() -> None:
-        endpoint = f"ipc://{tmp_path}/control"
-        ctx = zmq.asyncio.Context()
-        sock = make_socket(
-            ctx,
-            zmq.ROUTER,
-            endpoint,
-            bind=True,
-            sndhwm=CONTROL_HWM,
-            rcvhwm=CONTROL_HWM,
-            router_mandatory=True,
-        )
-        core = Engine(fast_args())
-        loops: list[EngineLoop] = []
         handled = 0  # control messages dispatched so far
         # (messages dispatched when the pass ran, stream entries received by then)
         passes: list[int] = []
         stream_done_at: int | None = None
-        control: ControlServer | None = None
+        async with serve(
+            tmp_path,
+            sndhwm=CONTROL_HWM,
+            rcvhwm=CONTROL_HWM,
+            sndbuf=None,
+            num_gpu_blocks=NUM_GPU_BLOCKS,
+        ) as served:
+            endpoint, control = served.endpoint, served.control
+            served.loop.pass_observers.append(lambda rank, now_ms, result: passes.append(handled))
+            dispatch = control._dispatch
 
-        class Delivery:
-            def deliver_outputs(self, rank: int, outputs: list[Any]) -> None:
-                assert control is not None
-                control.deliver_outputs(rank, outputs)
+            def counting_dispatch(identity: bytes, msg: wire.ClientMessage) -> None:
+                nonlocal handled
+                handled += 1
+                dispatch(identity, msg)
 
-            def deliver_lifecycle(self, rank: int, events: list[Any]) -> None:
-                assert control is not None
-                control.deliver_lifecycle(rank, events)
-
-        loop = EngineLoop(
-            core,
-            kv=NullKvPublisher(),
-            fpm=NullFpmPublisher(),
-            delivery=Delivery(),
-            speedup_ratio=0.0,
-        )
-        loops.append(loop)
-        loop.pass_observers.append(lambda rank, now_ms, result: passes.append(handled))
-        control = ControlServer(
-            sock,
-            loops,
-            welcome=welcome,
-            settings=RuntimeSettings(
-                vocab_size=None, excluded_token_ids=(), fpm_worker_id="w", fpm=[]
-            ),
-            max_queued_requests=0,
-        )
-        dispatch = control._dispatch
-
-        def counting_dispatch(identity: bytes, msg: wire.ClientMessage) -> None:
-            nonlocal handled
-            handled += 1
-            dispatch(identity, msg)
-
-        control._dispatch = counting_dispatch  # type: ignore[method-assign]
-        notifier = CountingNotifier()
-        tasks = [
-            asyncio.create_task(control.serve()),
-            asyncio.create_task(loop.run()),
-            asyncio.create_task(keepalive(notifier, str, watchdog_s=0.001)),
-        ]
-        client = await EngineClient.connect(endpoint, ctx=ctx)
-        try:
-            await client.ping()
-            flooder = threading.Thread(target=flood, args=(endpoint, BURST))
-            flooder.start()
-            # The burst is under way once the first of its pings was handled.
-            while handled < 2:
-                await asyncio.sleep(0)
-            watchdogs_before = notifier.watchdogs
-            await client.submit(list(range(64)), STREAM_TOKENS, request_id="stream")
-            async for entry in client.outputs("stream"):
-                if entry.finished:
-                    stream_done_at = handled
-            assert stream_done_at is not None
-            # The stream ran to its end while the burst was still being read ...
-            assert stream_done_at < BURST / 2, stream_done_at
-            # ... the watchdog task kept its turns ...
-            assert notifier.watchdogs > watchdogs_before
-            await asyncio.to_thread(flooder.join, 60)
-            assert not flooder.is_alive()
-            # ... and no pass waited for more than one bounded turn of the reader. (The ping
-            # and submit of the streaming client are two more messages per turn at most.)
-            gaps = [later - earlier for earlier, later in itertools.pairwise(passes)]
-            assert len(passes) >= STREAM_TOKENS
-            assert max(gaps) <= CONTROL_TURN_MESSAGES, max(gaps)
-        finally:
-            await client.close()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            sock.close(linger=0)
-            ctx.term()
+            control._dispatch = counting_dispatch  # type: ignore[method-assign]
+            notifier = CountingNotifier()
+            watchdog = asyncio.create_task(keepalive(notifier, str, watchdog_s=0.001))
+            client = await EngineClient.connect(endpoint, ctx=served.ctx)
+            try:
+                await client.ping()
+                flooder = threading.Thread(target=flood, args=(endpoint, BURST))
+                flooder.start()
+                # The burst is under way once the first of its pings was handled.
+                while handled < 2:
+                    await asyncio.sleep(0)
+                watchdogs_before = notifier.watchdogs
+                await client.submit(list(range(64)), STREAM_TOKENS, request_id="stream")
+                async for entry in client.outputs("stream"):
+                    if entry.finished:
+                        stream_done_at = handled
+                assert stream_done_at is not None
+                # The stream ran to its end while the burst was still being read ...
+                assert stream_done_at < BURST / 2, stream_done_at
+                # ... the watchdog task kept its turns ...
+                assert notifier.watchdogs > watchdogs_before
+                await asyncio.to_thread(flooder.join, 60)
+                assert not flooder.is_alive()
+                # ... and no pass waited for more than one bounded turn of the reader. (The
+                # ping and submit of the streaming client are two more messages per turn at
+                # most.)
+                gaps = [later - earlier for earlier, later in itertools.pairwise(passes)]
+                assert len(passes) >= STREAM_TOKENS
+                assert max(gaps) <= CONTROL_TURN_MESSAGES, max(gaps)
+            finally:
+                await client.close()
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
 
@@ -211,28 +136,24 @@ def test_a_late_rank_yields_once_per_pass() -> None:
 
     async def scenario() -> None:
         clock = VirtualClock()
-        core = Engine(fast_args(speedup_ratio=1.0))
-        sink = NullFpmPublisher()
 
         class Delivery:
             finished = asyncio.Event()
 
-            def deliver_outputs(self, rank: int, outputs: list[Any]) -> None:
+            def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
                 if any(o.finish_reason is not None for o in outputs):
                     self.finished.set()
 
-            def deliver_lifecycle(self, rank: int, events: list[Any]) -> None:
+            def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
                 pass
 
         delivery = Delivery()
-        loop = EngineLoop(
-            core,
-            kv=NullKvPublisher(),
-            fpm=sink,
-            delivery=delivery,
-            speedup_ratio=1.0,
+        loop = engine_loop(
+            delivery,
             clock=clock,
             sleep=clock.sleep,
+            speedup_ratio=1.0,
+            num_gpu_blocks=NUM_GPU_BLOCKS,
         )
         ticks = 0
         seen: list[int] = []
