@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from engined.client import ClientClosedError, EngineClient, EngineError, ProtocolError
+from engined.core.args import EngineType, WorkerType
 from engined.wire.control import (
     Applied,
     Cancel,
@@ -57,6 +58,8 @@ WAIT_S = 5.0
 
 Handler = Callable[[ClientMessage], list[DaemonMessage]]
 
+T = TypeVar("T")
+
 
 def async_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
     """Run an async test body in a fresh event loop (pytest-asyncio is not installed)."""
@@ -73,8 +76,8 @@ def welcome(message_id: int | str | None) -> Welcome:
         id=message_id,
         protocol=1,
         version="0.1.0",
-        engine_type="vllm",
-        worker_type="aggregated",
+        engine_type=EngineType.VLLM,
+        worker_type=WorkerType.AGGREGATED,
         block_size=16,
         num_gpu_blocks=1024,
         dp_size=1,
@@ -200,7 +203,7 @@ async def daemon_and_client(
         ctx.term()
 
 
-async def collect(stream: AsyncIterator[OutputEntry]) -> list[OutputEntry]:
+async def collect(stream: AsyncIterator[T]) -> list[T]:
     return [e async for e in stream]
 
 
@@ -492,6 +495,7 @@ class TestLifecycle:
             feed = client.lifecycle_events(timeout=WAIT_S)
             assert await anext(feed) == held
             assert await anext(feed) == reserved
+            assert isinstance(feed, AsyncGenerator)  # what EngineClient returns is one
             await feed.aclose()
 
             assert isinstance(await client.release_source("h1"), Applied)

@@ -168,7 +168,7 @@ def run_until_empty(
     core: Engine, now_ms: float = 0.0, max_passes: int = 10_000
 ) -> list[PassResult]:
     """Run passes back to back until the core holds no request."""
-    passes = []
+    passes: list[PassResult] = []
     for _ in range(max_passes):
         if core.is_empty():
             return passes

@@ -70,7 +70,7 @@ def test_dynamo_indexer_reports_offloaded_prefixes_per_tier(
                     await asyncio.sleep(POLL_S)
             await stream.catch_up()
             ref = ReferenceIndexer(BLOCK_SIZE, lower_tier_edges=True)
-            ref.apply(to_core_events(stream.batches), worker_id=WORKER_ID)  # type: ignore[arg-type]
+            ref.apply(to_core_events(stream.batches), worker_id=WORKER_ID)
             ref.assert_clean()
         finally:
             stream.close()

@@ -22,8 +22,21 @@ import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient
+from engined.core import types as core
+from engined.core.types import KvEvent
 from engined.wire.fpm import ForwardPassMetrics, decode_fpm
-from engined.wire.kv_events import REPLAY_END_SEQ, DecodedBatch, decode_batch, read_seq, seq_bytes
+from engined.wire.kv_events import (
+    REPLAY_END_SEQ,
+    ArrayBlockRemoved,
+    ArrayBlockStored,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    ExternalBlockHash,
+    decode_batch,
+    read_seq,
+    seq_bytes,
+)
 
 ENGINED = [sys.executable, "-m", "engined.cli"]
 
@@ -175,7 +188,7 @@ async def read_fpm(
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(endpoint)
     try:
-        out = []
+        out: list[ForwardPassMetrics] = []
         while len(out) < count:
             _topic, _seq, payload = await asyncio.wait_for(sub.recv_multipart(), timeout)
             out.append(decode_fpm(payload))
@@ -184,40 +197,47 @@ async def read_fpm(
         sub.close()
 
 
-def to_core_events(batches: list[DecodedBatch]) -> list[object]:
+def to_core_events(batches: list[DecodedBatch]) -> list[KvEvent]:
     """Wire events as core events for the reference indexer.
 
     The vLLM format has no event ids and no per-block content hashes: ids are numbered in
     stream order, and local hashes are computed from the blocks' token ids, so the indexer's
     chain check verifies the wire hashes against the tokens the wire carries.
     """
-    from engined.core import types as core
     from tests.reference_indexer import local_block_hash
 
-    out: list[object] = []
+    out: list[KvEvent] = []
     for batch in batches:
         rank = batch.data_parallel_rank or 0
         for event in batch.events:
-            name = type(event).__name__.removeprefix("Array")
-            medium = core.Medium(getattr(event, "medium", None) or "GPU")
-            if name == "BlockStored":
+            if isinstance(event, BlockStored | ArrayBlockStored):
                 bs = event.block_size
                 tokens = list(event.token_ids)
                 local = [local_block_hash(tokens[i : i + bs]) for i in range(0, len(tokens), bs)]
+                parent = None if event.parent_block_hash is None else _hash(event.parent_block_hash)
                 out.append(
                     core.BlockStored(
                         len(out),
                         rank,
-                        event.parent_block_hash,
-                        list(event.block_hashes),
+                        parent,
+                        [_hash(h) for h in event.block_hashes],
                         local,
                         tokens,
                         bs,
-                        medium,
+                        core.Medium(event.medium or "GPU"),
                     )
                 )
-            elif name == "BlockRemoved":
-                out.append(core.BlockRemoved(len(out), rank, list(event.block_hashes), medium))
+            elif isinstance(event, BlockRemoved | ArrayBlockRemoved):
+                hashes = [_hash(h) for h in event.block_hashes]
+                out.append(
+                    core.BlockRemoved(len(out), rank, hashes, core.Medium(event.medium or "GPU"))
+                )
             else:
                 out.append(core.AllBlocksCleared(len(out), rank))
     return out
+
+
+def _hash(block_hash: ExternalBlockHash) -> int:
+    """engined publishes block hashes as integers (vLLM may send bytes; engined never does)."""
+    assert isinstance(block_hash, int), block_hash
+    return block_hash

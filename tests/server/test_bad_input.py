@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -316,10 +316,11 @@ def test_prompt_larger_than_the_kv_pool(daemon: DaemonProcess) -> None:
 
     async def scenario() -> None:
         async with await EngineClient.connect(daemon.control) as client:
-            for call in (
+            calls: tuple[Callable[[], Awaitable[object]], ...] = (
                 lambda: client.submit(too_long, 1),
                 lambda: client.submit_handoff_prefill("h-big", too_long, 1),
-            ):
+            )
+            for call in calls:
                 with pytest.raises(EngineError) as refused:
                     await call()
                 assert refused.value.code == "invalid_request"

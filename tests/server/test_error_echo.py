@@ -66,7 +66,8 @@ def test_errors_are_bounded_and_keep_their_id(tmp_path: Path) -> None:
         log = daemon.log()
     replies = [ReplyDecoder().decode(body) for body in raw]
     assert all(isinstance(r, ErrorReply) and r.code == "bad_message" for r in replies)
-    assert [r.id for r in replies] == [41, 42, "id-43", 44, 45]
+    # (Every reply is an ErrorReply, checked above: the filter only narrows the type.)
+    assert [r.id for r in replies if isinstance(r, ErrorReply)] == [41, 42, "id-43", 44, 45]
     assert len(raw[0]) < 1024
     assert isinstance(replies[0], ErrorReply)
     assert replies[0].message.startswith("Object contains unknown field `KKKK")

@@ -22,14 +22,12 @@ import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
 
 import pytest
 import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient, Generation
-from engined.core.types import KvEvent
 from engined.wire.control import RankStats, Submitted
 from engined.wire.fpm import ForwardPassMetrics, decode_fpm
 from engined.wire.kv_events import (
@@ -110,7 +108,7 @@ def check_kv_stream(stream: KvStream, block_size: int) -> ReferenceIndexer:
             assert event.block_size == block_size, event
             assert len(event.token_ids) == len(event.block_hashes) * block_size, event
     indexer = ReferenceIndexer(block_size)
-    indexer.apply(cast(list[KvEvent], to_core_events(stream.batches)))
+    indexer.apply(to_core_events(stream.batches))
     indexer.assert_clean()
     return indexer
 

@@ -152,6 +152,8 @@ class _Sinks:
     def publish(self, *_: object) -> None:
         pass
 
+    overflows = 0  # a KV sink's count of batches it could not publish
+
     def maybe_heartbeat(self, now: float) -> None:
         pass
 

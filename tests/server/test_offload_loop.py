@@ -49,6 +49,8 @@ class Capture:
             self.kv_events.extend(events)
             self.published_at_ms.extend(self.loop.now_ms() for _ in events)
 
+    overflows = 0  # a KV sink's count of batches it could not publish
+
     def maybe_heartbeat(self, now: float) -> None:
         pass
 

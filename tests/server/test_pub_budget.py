@@ -192,7 +192,7 @@ def test_prometheus_shows_slow_reader_counters() -> None:
     metrics = VllmMetrics(model_name="m", speedup_ratio=0.0, cache_info={})
     without_replay = FakePublisher()
     without_replay.replay = None
-    metrics.watch_publishers([FakePublisher(), without_replay])  # type: ignore[list-item]
+    metrics.watch_publishers([FakePublisher(), without_replay])
     text = generate_latest(metrics.registry).decode()
     assert 'engined:kv_events_overflows_total{engine="0",model_name="m"} 3.0' in text
     assert 'engined:kv_events_overflows_total{engine="1",model_name="m"} 3.0' in text

@@ -22,7 +22,7 @@ from engined.core import types as core
 from engined.core.types import FpmSnapshot
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher, NullKvPublisher
-from engined.wire.fpm import decode_fpm
+from engined.wire.fpm import ForwardPassMetrics, decode_fpm
 from engined.wire.kv_events import (
     REPLAY_END_SEQ,
     ArrayBlockStored,
@@ -421,7 +421,7 @@ class TestFpmPublisher:
             first = await join_fpm(pub, sub)
             pub.publish(SNAPSHOT)
             pub.publish(SNAPSHOT)
-            got = []
+            got: list[tuple[bytes, ForwardPassMetrics]] = []
             while len(got) < 2:
                 topic, seq, payload = await recv(sub)
                 assert topic == b""
@@ -475,7 +475,7 @@ class TestFpmPublisher:
             assert not heartbeat_sent(103.0)
             assert heartbeat_sent(103.3)
 
-            kinds = []
+            kinds: list[tuple[int, bool]] = []
             while len(kinds) < 4:
                 _, seq, payload = await recv(sub)
                 n = int.from_bytes(seq, "big")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ def stored(n: int) -> list[core.KvEvent]:
 async def publisher(
     tmp_path: Path, clock: VirtualClock | None, **kwargs: Any
 ) -> AsyncIterator[tuple[zmq.asyncio.Context, KvPublisher]]:
+    timing: dict[str, Any] = {} if clock is None else {"clock": clock, "sleep": clock.sleep}
     ctx = zmq.asyncio.Context()
     registry = SocketRegistry()
     pub = KvPublisher(
@@ -61,7 +62,7 @@ async def publisher(
         dp_rank=0,
         replay_endpoint=f"ipc://{tmp_path}/replay",
         replay_buffer=BUFFERED,
-        **({} if clock is None else {"clock": clock, "sleep": clock.sleep}),
+        **timing,
         **kwargs,
     )
     try:
@@ -82,7 +83,7 @@ def dealer(ctx: zmq.asyncio.Context, endpoint: str, rcvhwm: int = 1000) -> zmq.a
 
 
 async def read_replay(sock: zmq.asyncio.Socket) -> list[int]:
-    seqs = []
+    seqs: list[int] = []
     while True:
         _, _topic, seq, _payload = await asyncio.wait_for(sock.recv_multipart(), 10)
         if seq == REPLAY_END_SEQ:
@@ -90,9 +91,9 @@ async def read_replay(sock: zmq.asyncio.Socket) -> list[int]:
         seqs.append(read_seq(seq))
 
 
-async def until(condition: object, timeout_s: float = 20.0) -> None:
+async def until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():  # type: ignore[operator]
+    while not condition():
         assert asyncio.get_running_loop().time() < deadline, "timed out"
         await asyncio.sleep(0.001)
 

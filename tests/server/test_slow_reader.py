@@ -24,7 +24,7 @@ requests, received messages), never sleeps standing in for an event.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,6 @@ import zmq.asyncio
 
 from engined.client import EngineClient
 from engined.server import clients
-from engined.server.load import load_message
 from engined.wire.control import (
     DaemonMessage,
     DirectReply,
@@ -47,6 +46,7 @@ from engined.wire.control import (
     Pong,
     ReplyDecoder,
 )
+from engined.wire.convert import load_message
 from tests.server.inprocess import Served, serve
 
 SNDHWM = 256
@@ -109,12 +109,12 @@ async def submit_and_stop_reading(served: Served, sock: zmq.asyncio.Socket) -> N
     await until(lambda: served.loop.engine.is_empty(), "its requests cancelled")
 
 
-def log_events(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
+def log_events(logs: list[MutableMapping[str, Any]], event: str) -> list[MutableMapping[str, Any]]:
     return [entry for entry in logs if entry["event"] == event]
 
 
 def test_a_reader_that_comes_back_learns_what_happened(tmp_path: Path) -> None:
-    async def scenario() -> list[dict[str, Any]]:
+    async def scenario() -> list[MutableMapping[str, Any]]:
         with structlog.testing.capture_logs() as logs:
             async with serve(tmp_path, sndhwm=SNDHWM) as served:
                 sock = served.dealer(rcvhwm=SNDHWM)

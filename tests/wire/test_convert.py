@@ -86,7 +86,9 @@ class TestToOutputEntry:
         ("reason", "spelled"),
         [(core.FinishReason.REJECTED, "rejected"), (core.FinishReason.CANCELLED, "cancelled")],
     )
-    def test_token_less_ends(self, reason: core.FinishReason, spelled: str) -> None:
+    def test_token_less_ends(
+        self, reason: core.FinishReason, spelled: control.FinishReason
+    ) -> None:
         entry = convert.to_output_entry(core.RequestOutput("r", [], reason))
         assert entry == control.OutputEntry(
             request_id="r", token_ids=[], finished=True, finish_reason=spelled
