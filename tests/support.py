@@ -1,14 +1,15 @@
 """Helpers shared by the test packages (plain functions; fixtures live in conftest.py files).
 
-`run` bounds an async scenario and runs it in a fresh event loop; `free_tcp_port` finds a
-loopback port nothing listens on.
+`run` bounds an async scenario and runs it in a fresh event loop; `until` waits, bounded, for
+state that other tasks of the loop change; `free_tcp_port` finds a loopback port nothing
+listens on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -31,3 +32,18 @@ def free_tcp_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+async def until(
+    condition: Callable[[], object],
+    what: str = "the condition",
+    *,
+    timeout: float = 20.0,
+    poll_s: float = 0.005,
+) -> None:
+    """Yield to the event loop (`poll_s` between looks) until `condition()` holds; fails
+    naming `what` after `timeout`, which only bounds a broken run."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: timed out"
+        await asyncio.sleep(poll_s)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +63,11 @@ FAST = (
 PACED = ("--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "10")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+# The `daemon` fixture (tests/server/conftest.py): one fast daemon (speedup 0, a 4096-block
+# pool) shared by the tests that leave it idle.
+DAEMON_FLAGS = FAST
+
 encode = msgspec.msgpack.encode
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """One fast daemon (speedup 0, a 4096-block pool) shared by the tests that leave it idle."""
-    with start_daemon(tmp_path_factory.mktemp("bad-input"), *FAST) as d:
-        yield d
 
 
 def submit_body(**request: Any) -> bytes:

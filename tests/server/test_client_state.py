@@ -19,7 +19,6 @@ Waits are bounded loops on the server's state or on received messages.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from engined.client import EngineClient
 from engined.server import clients
 from engined.wire.control import DaemonMessage, Output, Pong, ReplyDecoder
 from tests.server.inprocess import Served, serve
-from tests.support import run
+from tests.support import run, until
 
 WAIT_S = 30.0
 SCENARIO_TIMEOUT_S = 120.0
@@ -39,13 +38,6 @@ DECODER = ReplyDecoder()
 
 def encode(**fields: Any) -> bytes:
     return msgspec.msgpack.encode(fields)
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while not condition():
-            await asyncio.sleep(0.005)
-    assert condition(), what
 
 
 async def vanish_with_a_running_request(served: Served, n: int) -> None:
@@ -65,7 +57,9 @@ def test_short_lived_clients_leave_nothing_behind(tmp_path: Path) -> None:
                     generation = await c.generate([n % 97 + 1] * 16, 2)
                     assert generation.finish_reason == "length"
             state = served.control.client_state
-            await until(lambda: state()["tracked"] == 0, "every client's state freed")
+            await until(
+                lambda: state()["tracked"] == 0, "every client's state freed", timeout=WAIT_S
+            )
             assert state() == dict.fromkeys(state(), 0)
 
     run(scenario(), SCENARIO_TIMEOUT_S)
@@ -82,7 +76,9 @@ def test_vanished_clients_are_remembered_up_to_a_bound(
             for n in range(120):
                 await vanish_with_a_running_request(served, n)
                 assert state()["dropped"] <= 16
-            await until(lambda: served.loop.engine.is_empty(), "every request cancelled")
+            await until(
+                lambda: served.loop.engine.is_empty(), "every request cancelled", timeout=WAIT_S
+            )
             assert state()["owning"] == 0
             assert state()["dropped"] == 16
             assert state()["notices"] == 16  # one `cancelled` terminal each
@@ -101,7 +97,9 @@ def test_notices_beyond_the_budget_evict_the_oldest_dropped_clients(
             state = served.control.client_state
             for n in range(40):
                 await vanish_with_a_running_request(served, n)
-            await until(lambda: served.loop.engine.is_empty(), "every request cancelled")
+            await until(
+                lambda: served.loop.engine.is_empty(), "every request cancelled", timeout=WAIT_S
+            )
             assert state()["notices"] == 10
             assert state()["dropped"] == 10
 
@@ -138,7 +136,9 @@ def test_a_client_that_comes_back_learns_its_request_was_cancelled(tmp_path: Pat
             await first.send(encode(type="submit", request=request, id=1))
             await first.recv()
             first.close()
-            await until(lambda: served.loop.engine.is_empty(), "the request cancelled")
+            await until(
+                lambda: served.loop.engine.is_empty(), "the request cancelled", timeout=WAIT_S
+            )
             assert state()["dropped"] == 1
             again = served.dealer(identity=b"comes-back")
             await again.send(encode(type="ping", id=2))
@@ -155,7 +155,7 @@ def test_a_client_that_comes_back_learns_its_request_was_cancelled(tmp_path: Pat
             ]
             assert finals == [("left", "cancelled")]
             assert isinstance(seen[-1], Pong)
-            await until(lambda: state()["tracked"] == 0, "its state freed")
+            await until(lambda: state()["tracked"] == 0, "its state freed", timeout=WAIT_S)
             assert state()["dropped"] == 0
 
     run(scenario(), SCENARIO_TIMEOUT_S)

@@ -29,6 +29,7 @@ from engined.core.types import (
 from engined.server.engine_loop import EngineLoop
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.virtual_clock import VirtualClock
+from tests.support import until
 
 BLOCK_SIZE = 4
 
@@ -95,14 +96,6 @@ def offload_core(speedup_ratio: float) -> Engine:
     )
 
 
-async def until(condition: Any, timeout_s: float = 10.0) -> None:
-    """Yield to the loop until `condition()` holds (the timeout only bounds a broken run)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0)
-
-
 @pytest.mark.parametrize("speedup_ratio", [0.0, 1.0])
 def test_idle_core_wakes_at_the_offload_deadline(speedup_ratio: float) -> None:
     async def scenario() -> None:
@@ -122,10 +115,10 @@ def test_idle_core_wakes_at_the_offload_deadline(speedup_ratio: float) -> None:
         runner = asyncio.create_task(loop.run())
         # A's block is cached; B's first token needs A's slot: A goes G1 -> G2 -> G3.
         await loop.call(Submit(Request(token_ids=[1, 2, 3, 4], max_tokens=1, request_id="a")))
-        await until(lambda: "a" in capture.finished)
+        await until(lambda: "a" in capture.finished, timeout=10.0, poll_s=0)
         await loop.call(Submit(Request(token_ids=[5, 6, 7, 8], max_tokens=1, request_id="b")))
-        await until(lambda: "b" in capture.finished)
-        await until(lambda: capture.stored(Medium.STORAGE))
+        await until(lambda: "b" in capture.finished, timeout=10.0, poll_s=0)
+        await until(lambda: capture.stored(Medium.STORAGE), timeout=10.0, poll_s=0)
         assert core.is_empty()
         assert core.next_deadline() is None
         # The G2 -> G3 copy starts at the tick that lands the block in G2 (published by the

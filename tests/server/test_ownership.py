@@ -31,7 +31,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
-import pytest
 import zmq
 import zmq.asyncio
 from hypothesis import settings
@@ -52,7 +51,7 @@ from engined.wire.control import (
     Pong,
     ReplyDecoder,
 )
-from tests.server.daemon_harness import DaemonProcess, start_daemon
+from tests.server.daemon_harness import DaemonProcess
 from tests.support import run
 
 WAIT_S = 10.0
@@ -74,6 +73,7 @@ PACED = (
     "--drain-timeout",
     "1",
 )
+DAEMON_FLAGS = PACED  # the `daemon` fixture's (tests/server/conftest.py)
 LONG = 2000  # output tokens: 20 s at 10 ms a pass, far longer than any scenario
 
 
@@ -156,12 +156,6 @@ async def clients(daemon: DaemonProcess, count: int) -> AsyncIterator[list[Raw]]
         for raw in raws:
             raw.sock.close()
         ctx.term()
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with start_daemon(tmp_path_factory.mktemp("ownership"), *PACED) as running:
-        yield running
 
 
 def test_another_clients_cancel_ends_the_owners_stream(daemon: DaemonProcess) -> None:

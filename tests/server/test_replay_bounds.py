@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from engined.wire.kv_events import REPLAY_END_SEQ, read_seq, seq_bytes
 from engined.zmq_sockets import SocketRegistry
 from tests.server.daemon_harness import DaemonProcess
 from tests.server.virtual_clock import VirtualClock
+from tests.support import until
 
 BATCH_TOKENS = 256  # one batch is ~1.3 KB
 BUFFERED = 2_000
@@ -91,13 +92,6 @@ async def read_replay(sock: zmq.asyncio.Socket) -> list[int]:
         seqs.append(read_seq(seq))
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.001)
-
-
 def test_a_client_that_never_reads_is_bounded_and_abandoned(tmp_path: Path) -> None:
     async def scenario() -> None:
         clock = VirtualClock()
@@ -115,7 +109,7 @@ def test_a_client_that_never_reads_is_bounded_and_abandoned(tmp_path: Path) -> N
             stalled = dealer(ctx, endpoint, rcvhwm=8)
             for _ in range(2):
                 await stalled.send_multipart([b"", seq_bytes(0)])
-            await until(lambda: replay.abandoned == 1)
+            await until(lambda: replay.abandoned == 1, poll_s=0.001)
             assert clock() >= kv_replay.STALL_TIMEOUT_S
             # The passes go on while a replay stalls: publishing never waited.
             pub.publish(stored(BUFFERED), 1.0)
@@ -155,7 +149,7 @@ def test_a_reading_client_is_served_next_to_a_stalled_one(tmp_path: Path) -> Non
             reader = dealer(ctx, endpoint)
             await reader.send_multipart([b"", seq_bytes(0)])
             assert await read_replay(reader) == list(range(BUFFERED))
-            await until(lambda: replay.abandoned == 1)
+            await until(lambda: replay.abandoned == 1, poll_s=0.001)
             assert replay.streaming == 0
             stalled.close()
             reader.close()
@@ -183,11 +177,11 @@ def test_streams_are_capped_and_excess_requests_refused(
             clients = [dealer(ctx, endpoint, rcvhwm=4) for _ in range(4)]
             for client in clients:
                 await client.send_multipart([b"", seq_bytes(0)])
-            await until(lambda: replay.refused == 1)
+            await until(lambda: replay.refused == 1, poll_s=0.001)
             assert replay.streaming == 2
             # The two stalled streams are abandoned; the waiting client then gets a slot.
-            await until(lambda: replay.abandoned >= 2)
-            await until(lambda: replay.abandoned == 3 and replay.streaming == 0)
+            await until(lambda: replay.abandoned >= 2, poll_s=0.001)
+            await until(lambda: replay.abandoned == 3 and replay.streaming == 0, poll_s=0.001)
             for client in clients:
                 client.close()
 

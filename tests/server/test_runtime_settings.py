@@ -35,12 +35,7 @@ FLAGS = (
     "--max-model-len",
     "512",
 )
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> object:
-    with start_daemon(tmp_path_factory.mktemp("settings"), *FLAGS) as d:
-        yield d
+DAEMON_FLAGS = FLAGS  # the `daemon` fixture's (tests/server/conftest.py)
 
 
 def test_welcome_reports_what_a_model_card_needs(daemon: DaemonProcess) -> None:

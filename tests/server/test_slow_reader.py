@@ -48,6 +48,7 @@ from engined.wire.control import (
 )
 from engined.wire.convert import load_message
 from tests.server.inprocess import Served, serve
+from tests.support import until
 
 SNDHWM = 256
 WAIT_S = 20.0
@@ -57,14 +58,6 @@ DECODER = ReplyDecoder()
 
 def encode(**fields: Any) -> bytes:
     return msgspec.msgpack.encode(fields)
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Wait, bounded, for state the server changes on its own event loop turns."""
-    async with asyncio.timeout(WAIT_S):
-        while not condition():
-            await asyncio.sleep(0.005)
-    assert condition(), what
 
 
 async def read_until(
