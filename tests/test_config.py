@@ -563,10 +563,10 @@ def test_vocabulary_empty_text_unsets(tmp_path: Path) -> None:
     engine = load(toml, tmp_path=tmp_path).engine
     assert (engine.vocab_size, engine.excluded_token_ids) == (None, ())
     env = {"ENGINED_VOCAB_SIZE": "", "ENGINED_EXCLUDED_TOKEN_IDS": ""}
-    engine = load(
+    config = load(
         "[engine]\nvocab_size = 9\nexcluded_token_ids = [1]\n", env=env, tmp_path=tmp_path
     )
-    assert (engine.engine.vocab_size, engine.engine.excluded_token_ids) == (None, ())
+    assert (config.engine.vocab_size, config.engine.excluded_token_ids) == (None, ())
 
 
 def test_excluded_ids_take_text_in_toml(tmp_path: Path) -> None:

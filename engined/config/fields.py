@@ -127,15 +127,6 @@ def _is_union(annotation: Any) -> bool:
     return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
-# Every name an engine error may be about: the fields, the legacy keys, `sglang.page_size`...
-ENGINE_KEY_NAMES: frozenset[str] = ENGINE_TABLE_KEYS | {
-    f"{name}.{sub.name}"
-    for name, annotation in ENGINE_FIELD_TYPES.items()
-    if (table := table_struct(annotation)) is not None
-    for sub in msgspec.structs.fields(table)
-}
-
-
 def env_name(key: str) -> str:
     """The environment variable of a dotted config key: `engine.block_size` -> ENGINED_BLOCK_SIZE.
 

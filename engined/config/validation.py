@@ -13,7 +13,6 @@ from engined.config.endpoints import WILDCARD_HOSTS, parse_endpoint
 from engined.config.fields import (
     DAEMON_FIELD_TYPES,
     ENGINE_FIELD_TYPES,
-    ENGINE_KEY_NAMES,
     KEYS,
     table_struct,
     unconstrained,
@@ -58,14 +57,12 @@ def validate(layers: Layers) -> DaemonConfig:
         engine = EngineArgs.from_mapping(layers.engine)
     except InvalidArgsError as error:
         # NOTE: the upstream message is kept verbatim so it can be searched in Dynamo's issues.
-        message = str(error)
-        raise layers.error(_engine_key(message), message) from None
+        raise layers.error(_engine_key(error), str(error)) from None
     try:
         # Offload tiers are built per core; refuse an impossible shape before any is.
         OffloadConfig.from_args(engine)
     except InvalidArgsError as error:
-        message = str(error)
-        raise layers.error(_engine_key(message), message) from None
+        raise layers.error(_engine_key(error), str(error)) from None
     if engine.engine_type is EngineType.SGLANG:
         # The engine refuses it; refusing here makes it a bad setting (exit 2), not a crash.
         raise layers.error(
@@ -152,20 +149,14 @@ def _conversion_problem(value: Any, annotation: Any) -> str | None:
     return None
 
 
-def _engine_key(message: str) -> str:
-    """The engine key an InvalidArgsError of the core is about.
+def _engine_key(error: InvalidArgsError) -> str:
+    """The dotted config key of a core error: its `key` (`engine.sglang.page_size`).
 
-    The core's errors carry upstream's message and no key; every one names its key in the
-    text, first (`block_size must be greater than 0`, `Failed to validate MockEngineArgs:
-    dp_size must be >= 1`, `Invalid engine_type 'x'`), so the first word that is an engine
-    field (or `sglang.page_size`-like sub-field) is the key. A rule across two keys is
-    reported under the first one it names.
+    Every refusal of `EngineArgs` and `OffloadConfig` names its field. The bare `engine`
+    table stands in only for an error raised without one (none of those is reached here
+    today), so that such an error still reports rather than crashes.
     """
-    for word in message.replace("`", " ").replace("$", " ").split():
-        name = word.strip(".,:;'\"()").partition("[")[0].partition("=")[0]
-        if name in ENGINE_KEY_NAMES:
-            return f"engine.{name}"
-    return "engine"
+    return "engine" if error.key is None else f"engine.{error.key}"
 
 
 def _check_endpoints(config: DaemonConfig, layers: Layers) -> None:

@@ -14,9 +14,19 @@ class CoreError(Exception):
 
 
 class InvalidArgsError(CoreError, ValueError):
-    """Engine arguments failed validation; the message names the key."""
+    """Engine arguments failed validation; the message names the key, and so does `key`.
+
+    `key` is the `EngineArgs` field the error is about (`block_size`, `sglang.page_size`, or
+    a legacy key such as `is_prefill`), so the daemon can name it in a config error without
+    reading it back out of upstream's text. None where the raiser knows no field (the MTP
+    sampler and perf model check values that `EngineArgs` has validated already).
+    """
 
     code = "invalid_args"
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class InvalidRequestError(CoreError, ValueError):

@@ -27,23 +27,31 @@ def vocabulary_error(vocab_size: int | None, excluded_token_ids: Iterable[int]) 
     One function serves `EngineArgs` and the `SetVocabulary` command, so a setting refused
     at start-up is refused at run time with the same words.
     """
+    problem = vocabulary_problem(vocab_size, excluded_token_ids)
+    return None if problem is None else problem[1]
+
+
+def vocabulary_problem(
+    vocab_size: int | None, excluded_token_ids: Iterable[int]
+) -> tuple[str, str] | None:
+    """`vocabulary_error` with the field it is about: (key, message), for `EngineArgs`."""
     excluded = list(excluded_token_ids)
     if vocab_size is not None and not 1 <= vocab_size <= VOCAB_SIZE_MAX:
-        return f"vocab_size must be in [1, {VOCAB_SIZE_MAX}], got {vocab_size}"
+        return "vocab_size", f"vocab_size must be in [1, {VOCAB_SIZE_MAX}], got {vocab_size}"
     for index, token_id in enumerate(excluded):
         if token_id < 0:
-            return f"excluded_token_ids[{index}] must be >= 0, got {token_id}"
+            return "excluded_token_ids", f"excluded_token_ids[{index}] must be >= 0, got {token_id}"
         if vocab_size is not None and token_id >= vocab_size:
-            return (
+            return "excluded_token_ids", (
                 f"excluded_token_ids[{index}] must be < vocab_size ({vocab_size}), got {token_id}"
             )
         if token_id >= VOCAB_SIZE_MAX:
-            return (
+            return "excluded_token_ids", (
                 f"excluded_token_ids[{index}] must be < {VOCAB_SIZE_MAX} (token ids are u32), "
                 f"got {token_id}"
             )
     if vocab_size is not None and len(set(excluded)) >= vocab_size:
-        return (
+        return "excluded_token_ids", (
             f"excluded_token_ids leave none of the {vocab_size} ids of vocab_size drawable; "
             "at least one must remain"
         )

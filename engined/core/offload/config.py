@@ -47,19 +47,31 @@ class OffloadConfig:
     bandwidth_g3_to_g2_gbps: float = DEFAULT_G2_G3_GBPS
 
     def __post_init__(self) -> None:
-        for name in ("num_g2_blocks", "block_size_tokens", "offload_batch_size"):
+        # `key` is the EngineArgs field `from_args` fills each one from.
+        for name, key in (
+            ("num_g2_blocks", "num_g2_blocks"),
+            ("block_size_tokens", "block_size"),
+            ("offload_batch_size", "offload_batch_size"),
+        ):
             if getattr(self, name) < 1:
-                raise InvalidArgsError(f"offload {name} must be >= 1, got {getattr(self, name)}")
+                raise InvalidArgsError(
+                    f"offload {name} must be >= 1, got {getattr(self, name)}", key=key
+                )
         if self.num_g3_blocks is not None and self.num_g3_blocks < 1:
-            raise InvalidArgsError(f"offload num_g3_blocks must be >= 1, got {self.num_g3_blocks}")
-        if self.block_size_bytes is not None and self.block_size_bytes < 0:
             raise InvalidArgsError(
-                f"offload block_size_bytes must be >= 0, got {self.block_size_bytes}"
+                f"offload num_g3_blocks must be >= 1, got {self.num_g3_blocks}",
+                key="num_g3_blocks",
+            )
+        if self.block_size_bytes is not None and self.block_size_bytes < 0:
+            # NOTE: block_size * kv_bytes_per_token, and block_size is >= 1 by then.
+            raise InvalidArgsError(
+                f"offload block_size_bytes must be >= 0, got {self.block_size_bytes}",
+                key="kv_bytes_per_token",
             )
         for link in ("g1_to_g2", "g2_to_g1", "g2_to_g3", "g3_to_g2"):
-            gbps = getattr(self, f"bandwidth_{link}_gbps")
-            if math.isnan(gbps):
-                raise InvalidArgsError(f"offload bandwidth_{link}_gbps must be a number")
+            name = f"bandwidth_{link}_gbps"
+            if math.isnan(getattr(self, name)):
+                raise InvalidArgsError(f"offload {name} must be a number", key=name)
 
     @property
     def block_bytes(self) -> int:
@@ -82,16 +94,16 @@ class OffloadConfig:
         lower_tier = num_g3_blocks is not None or args.enable_g4_storage
         if args.num_g2_blocks is None:
             if lower_tier:
-                raise InvalidArgsError(G3_NEEDS_G2)
+                raise InvalidArgsError(G3_NEEDS_G2, key="num_g2_blocks")
             return None
         if args.num_g2_blocks == 0:
             return None
         if args.kv_bytes_per_token is None:
             if lower_tier:
-                raise InvalidArgsError(G3_NEEDS_BYTES)
+                raise InvalidArgsError(G3_NEEDS_BYTES, key="kv_bytes_per_token")
             return None
         if args.enable_g4_storage:
-            raise InvalidArgsError(G4_UNSUPPORTED)
+            raise InvalidArgsError(G4_UNSUPPORTED, key="enable_g4_storage")
 
         def bandwidth(value: float | None, default: float) -> float:
             return default if value is None else value
