@@ -172,9 +172,11 @@ async def serve(
         welcome=welcome,
         settings=RuntimeSettings(vocab_size=None, excluded_token_ids=(), fpm_worker_id="w", fpm=[]),
         max_queued_requests=0,
+        # As the daemon does (engined.server.daemon).
+        handoff_timeout_s=loops[0].engine.args.handoff_session_timeout_ms / 1000.0,
     )
     delivery.control = control
-    tasks = [asyncio.create_task(control.serve())]
+    tasks = [asyncio.create_task(control.serve()), asyncio.create_task(control.expire_handoffs())]
     tasks += [asyncio.create_task(loop.run()) for loop in loops]
     try:
         yield Served(endpoint, ctx, control, loops)
