@@ -15,6 +15,7 @@ import pstats
 import random
 import time
 
+from engined.core import build
 from engined.core.args import EngineArgs
 from engined.core.engine import Engine
 from engined.core.types import Request, Submit
@@ -65,6 +66,7 @@ def run(total_requests: int, concurrency: int, prompt: int, output: int, groups:
                 core.apply(Submit(make(submitted)), now_ms=now)
                 submitted += 1
     elapsed = time.perf_counter() - start
+    print(f"core                {build()}")
     print(f"requests            {total_requests} (concurrency {concurrency})")
     print(f"passes              {passes}  ({passes / elapsed:,.0f} passes/s)")
     print(f"output tokens       {tokens}  ({tokens / elapsed:,.0f} tokens/s)")

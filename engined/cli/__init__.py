@@ -17,6 +17,7 @@ import typer
 from engined import __version__
 from engined.cli import dynamo_worker, tool_commands
 from engined.cli.serve import CONFIG_ERROR, STARTUP_FAILURE, PlainHelpCommand, serve_command
+from engined.core import build as core_build
 
 __all__ = ["CONFIG_ERROR", "STARTUP_FAILURE", "app", "main"]
 
@@ -32,6 +33,9 @@ app = typer.Typer(
 def _print_version(value: bool) -> None:
     if value:
         typer.echo(f"engined {__version__}")
+        # Which core is installed (setup.py's ENGINED_MYPYC=1 build): on stderr, so stdout
+        # stays the bare version scripts parse.
+        typer.echo(f"core: {core_build()}", err=True)
         raise typer.Exit()
 
 
