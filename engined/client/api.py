@@ -166,9 +166,13 @@ class EngineClient(Connection):
         return await self.collect(submitted, timeout=timeout)
 
     async def collect(
-        self, submitted: Submitted, *, timeout: float | None = DEFAULT_TIMEOUT
+        self,
+        submitted: Submitted | DestinationAccepted,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Generation:
-        """Gather the outputs of a submitted request (also a handoff prefill) into one value."""
+        """Gather the outputs of a submitted request (a handoff prefill, an accepted
+        destination too) into one value."""
         tokens: list[int] = []
         finish_reason: FinishReason | None = None
         cached_tokens: int | None = None

@@ -7,9 +7,8 @@ and names the layer that set it (`(from ENGINED_BLOCK_SIZE)`). A bad setting is 
 any socket is bound, rather than surfacing later as a bind error or a failing rank.
 
 Each setting is declared once: the fields of `DaemonConfig` and `EngineArgs` give keys, types and
-defaults, and a daemon field's `msgspec.Meta(description=...)` its `--help` text; `FLAGS` gives
-the command-line spelling (and the help of engine keys, whose core struct carries none yet);
-environment names derive from keys.
+defaults, and a field's `msgspec.Meta(description=...)` (on `DaemonConfig` or `EngineArgs`) its
+`--help` text; `FLAGS` gives the command-line spelling; environment names derive from keys.
 
 One rule holds in every layer: for an optional setting an empty string means "unset" (`None`).
 That is the only way to say `None` in TOML or in the environment, e.g. `fpm_endpoint = ""` turns
