@@ -47,6 +47,8 @@ from engined.wire.control import (
 from tests.server.daemon_harness import DaemonProcess, start_daemon
 from tests.server.support import WAIT_S, assert_idle, rank0, wait_for_stats
 from tests.support import run
+from tests.wire import strategies
+from tests.wire.strategies import msgpack_scalars
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096  # 65,536 tokens: a request filling it streams for a few seconds
@@ -525,23 +527,8 @@ TEMPLATES: list[dict[str, Any]] = [
     {"type": "hello"},
 ]
 
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
-    | st.floats(allow_nan=True)
-    | st.text(max_size=40)
-    | st.binary(max_size=40)
-)
-msgpack_values = st.recursive(
-    scalars,
-    lambda inner: (
-        st.lists(inner, max_size=5)
-        | st.dictionaries(st.text(max_size=12) | st.sampled_from(FIELDS), inner, max_size=5)
-        | st.dictionaries(st.integers(min_value=-5, max_value=5), inner, max_size=3)
-    ),
-    max_leaves=20,
-)
+scalars = msgpack_scalars(text_size=40)
+msgpack_values = strategies.msgpack_values(scalars, FIELDS, key_size=12, max_leaves=20)
 
 
 @st.composite

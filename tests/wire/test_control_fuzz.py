@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from engined.wire import control
 from engined.wire.control import ControlDecoder, WireError
+from tests.wire import strategies
 from tests.wire._paths import read_golden
+from tests.wire.strategies import msgpack_scalars
 
 DECODER = ControlDecoder()
 FIELDS = [
@@ -27,23 +29,8 @@ FIELDS = [
     "worker_id",
 ]
 
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
-    | st.floats(allow_nan=True)
-    | st.text(max_size=300)
-    | st.binary(max_size=40)
-)
-msgpack_values = st.recursive(
-    scalars,
-    lambda inner: (
-        st.lists(inner, max_size=5)
-        | st.dictionaries(st.text(max_size=20) | st.sampled_from(FIELDS), inner, max_size=5)
-        | st.dictionaries(st.integers(min_value=-5, max_value=5), inner, max_size=3)
-    ),
-    max_leaves=25,
-)
+scalars = msgpack_scalars(text_size=300)
+msgpack_values = strategies.msgpack_values(scalars, FIELDS, key_size=20, max_leaves=25)
 # Maps shaped like messages, so examples get past the tag into field validation.
 message_like = st.fixed_dictionaries(
     {"type": st.sampled_from(control.CLIENT_MESSAGE_TAGS) | st.text(max_size=10)},
