@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import zmq
@@ -32,19 +30,16 @@ from engined.wire.control import (
     Applied,
     DestinationReservedEvent,
     Noop,
-    RankStats,
     SourceHeldEvent,
     TransferTiming,
 )
 from engined.wire.convert import to_core_timing
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import DaemonProcess, KvStream, start_daemon, to_core_events
+from tests.server.support import assert_idle, rank0, wait_for_stats
+from tests.support import run
 
-T = TypeVar("T")
-
-SCENARIO_TIMEOUT_S = 60.0
 WAIT_S = 10.0
-POLL_S = 0.005
 BLOCK_SIZE = 16
 PREFILL = 0  # worker ids of the two daemons in the reference indexer
 DECODE = 1
@@ -67,15 +62,6 @@ DECODE_FLAGS = ("--worker-type", "decode", "--speedup-ratio", "0", "--block-size
 # Both end idle when a test passes; when one fails midway, a reservation nobody activates
 # would hold the shutdown for the default 30 s drain.
 DRAIN = ("--drain-timeout", "2")
-
-
-def run(scenario: Awaitable[T], timeout: float = SCENARIO_TIMEOUT_S) -> T:
-    """Run an async scenario in a fresh event loop, bounded by `timeout`."""
-
-    async def bounded() -> T:
-        return await asyncio.wait_for(scenario, timeout)
-
-    return asyncio.run(bounded())
 
 
 @contextlib.contextmanager
@@ -102,28 +88,6 @@ def prompt(seed: int, length: int = 100) -> list[int]:
 
 def transfer_delay_ms(prompt_len: int) -> float:
     return prompt_len * KV_BYTES_PER_TOKEN / (KV_BANDWIDTH_GB_S * 1e9) * 1000.0
-
-
-async def rank0(client: EngineClient) -> RankStats:
-    return (await client.stats()).ranks[0]
-
-
-async def wait_for_stats(
-    client: EngineClient, predicate: Callable[[RankStats], bool], what: str
-) -> RankStats:
-    """Poll `stats` until `predicate` holds for rank 0, or fail after WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        stats = await rank0(client)
-        if predicate(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {WAIT_S} s: {stats}")
-        await asyncio.sleep(POLL_S)
-
-
-def assert_drained(stats: RankStats) -> None:
-    assert (stats.active_blocks, stats.waiting, stats.running) == (0, 0, 0), stats
 
 
 class Streams:
@@ -251,8 +215,8 @@ def test_handoff_lifecycle_drains_both_workers(tmp_path: Path) -> None:
             prefill, decode = await coordinate(pc, dc, "h-1", tokens, 30)
             assert_prefill_output(prefill, tokens)
             assert_decode_output(decode, 30)
-            assert_drained(await rank0(pc))
-            assert_drained(await rank0(dc))
+            assert_idle(await rank0(pc))
+            assert_idle(await rank0(dc))
             indexer = await streams.check()
             full_blocks = len(tokens) // BLOCK_SIZE
             assert indexer.overlap(tokens, worker_id=PREFILL) == full_blocks
@@ -304,8 +268,8 @@ def test_transfer_timing_mode_decides_what_the_coordinator_moves(
             assert isinstance(await dc.activate_destination("h-2"), Applied)
             assert (await dc.collect(accepted, timeout=WAIT_S)).finish_reason == "length"
             assert isinstance(await pc.release_source("h-2"), Applied)
-            assert_drained(await rank0(pc))
-            assert_drained(await rank0(dc))
+            assert_idle(await rank0(pc))
+            assert_idle(await rank0(dc))
 
     with pd_pair(tmp_path, prefill=flags) as (p, d):
         run(scenario(p, d))
@@ -333,8 +297,8 @@ def test_concurrent_handoffs(tmp_path: Path) -> None:
             for (_, tokens, n), (prefill, decode) in zip(jobs, results, strict=True):
                 assert_prefill_output(prefill, tokens)
                 assert_decode_output(decode, n)
-            assert_drained(await rank0(pc))
-            assert_drained(await rank0(dc))
+            assert_idle(await rank0(pc))
+            assert_idle(await rank0(dc))
             await streams.check()
 
     with pd_pair(tmp_path) as (p, d):
@@ -399,8 +363,8 @@ def test_pending_destination_is_reserved_after_the_first_completes(tmp_path: Pat
             assert_decode_output(await dc.collect(accepted_b, timeout=WAIT_S), 8)
             for h in tokens:
                 assert isinstance(await pc.release_source(h), Applied)
-            assert_drained(await rank0(pc))
-            assert_drained(await rank0(dc))
+            assert_idle(await rank0(pc))
+            assert_idle(await rank0(dc))
             await streams.check()
 
     with pd_pair(tmp_path, decode=decode) as (p, d):
@@ -442,7 +406,7 @@ def test_cancel_source_of_a_running_prefill(tmp_path: Path) -> None:
             assert (gen.token_ids, gen.finish_reason, gen.num_outputs) == ([], "cancelled", 1)
             assert isinstance(await pc.cancel_source("s"), Noop)
             assert isinstance(await pc.release_source("s"), Noop)
-            assert_drained(await rank0(pc))
+            assert_idle(await rank0(pc))
             # Lifecycle events precede the replies that follow them: none came for "s".
             with pytest.raises(TimeoutError):
                 await pc.next_lifecycle(timeout=0)
@@ -500,8 +464,8 @@ def test_handoff_command_idempotency_and_conflicts(tmp_path: Path) -> None:
             assert isinstance(await dc.cancel_destination("x"), Noop)
             assert isinstance(await pc.release_source("x"), Applied)
             assert isinstance(await pc.release_source("x"), Noop)
-            assert_drained(await rank0(pc))
-            assert_drained(await rank0(dc))
+            assert_idle(await rank0(pc))
+            assert_idle(await rank0(dc))
             await streams.check()
 
     with pd_pair(tmp_path) as (p, d):
@@ -527,7 +491,7 @@ def test_trtllm_refuses_destination_reservation(tmp_path: Path) -> None:
             assert refused.value.message == "destination reservation is not supported for TRT-LLM"
             assert isinstance(await client.activate_destination("t"), Noop)
             assert isinstance(await client.cancel_destination("t"), Noop)
-            assert_drained(await rank0(client))
+            assert_idle(await rank0(client))
 
     with start_daemon(tmp_path, "--engine-type", "trtllm", "--worker-type", "decode") as daemon:
         run(scenario(daemon))
