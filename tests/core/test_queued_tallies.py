@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -20,21 +19,15 @@ from hypothesis import strategies as st
 
 from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
-from engined.core.errors import CoreError
 from engined.core.fpm import welford
 from engined.core.state import RequestState, RequestStatus
 from engined.core.types import (
-    ActivateDestination,
-    Cancel,
-    CancelDestination,
-    Command,
     Request,
-    ReserveDestination,
-    Submit,
 )
 from tests.core.factories import (
     submit,
 )
+from tests.core.pd_workload import PROMPTS, drive, settle
 
 
 class CountingRequests(dict[str, RequestState]):
@@ -118,9 +111,6 @@ def check(core: Engine) -> None:
         assert math.isclose(variance, summary[2], rel_tol=1e-12, abs_tol=1e-9)
 
 
-PROMPTS = [list(range(100, 100 + n)) for n in (3, 8, 13, 21)]
-
-
 @st.composite
 def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[str, int, int]]]:
     tiers = draw(st.booleans())
@@ -165,44 +155,7 @@ def test_tallies_equal_the_walk_after_every_step(
 ) -> None:
     args, ops = workload
     core = Engine(args)
-    now = 0.0
-    for op, n, prompt in ops:
-        tokens = [*PROMPTS[prompt], n]  # shared prefixes: cached, offloaded, onboarded
-        command: Command | None = None
-        match op:
-            case "submit":
-                command = Submit(Request(token_ids=tokens, max_tokens=n, request_id=f"r{n}"))
-            case "cancel":
-                command = Cancel(f"r{n}")
-            case "reserve":
-                request = Request(token_ids=tokens, max_tokens=n + 1, request_id=f"d{n}")
-                command = ReserveDestination(f"h{n}", request)
-            case "activate":
-                command = ActivateDestination(f"h{n}")
-            case "drop":
-                command = CancelDestination(f"h{n}")
-            case "pass":
-                now = core.execute_pass(now).end_ms
-            case "wait":
-                now += n  # tier transfers land while the rank idles
-        if command is not None:
-            with contextlib.suppress(CoreError):
-                core.apply(command, now_ms=now)
-        check(core)
-    for _ in range(200):
-        for handoff in list(core.parts.book.held.by_handoff):
-            core.apply(ActivateDestination(handoff), now_ms=now)
-        now = max(core.execute_pass(now).end_ms, now + 1.0)
-        check(core)
-    # What could not finish (a destination that never fits blocks the queue, as upstream's
-    # does) is cancelled; the tallies then read zero.
-    for handoff in [*core.queues().pending_destinations, *core.parts.book.held.by_handoff]:
-        core.apply(CancelDestination(handoff), now_ms=now)
-        check(core)
-    queues = core.queues()
-    for request_id in queues.waiting + queues.running + queues.parked:
-        core.apply(Cancel(request_id), now_ms=now)
-        check(core)
+    settle(core, drive(core, ops, lambda: check(core)), lambda: check(core))
     queued = core.parts.queued
     assert queued.prefill.summary() == queued.decode.summary() == (0, 0, 0.0)
 

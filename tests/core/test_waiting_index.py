@@ -15,7 +15,6 @@ O(waiting) per pass; the state now keeps the prebuilt ones in queue order beside
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
 from typing import Any
@@ -26,19 +25,17 @@ from hypothesis import strategies as st
 
 from engined.core.args import EngineArgs, PerfModelKind, PrefixHitRule, WorkerType
 from engined.core.engine import Engine
-from engined.core.errors import CoreError
 from engined.core.queued import TalliedState
 from engined.core.sequence import Sequence
 from engined.core.state import RequestState, RequestStatus, SchedulerState
 from engined.core.types import (
     ActivateDestination,
-    Cancel,
-    CancelDestination,
     Command,
     Request,
     ReserveDestination,
     Submit,
 )
+from tests.core.pd_workload import drive, settle
 
 # Three families sharing their first blocks: a small G1 evicts them to G2 and onboards them.
 PROMPTS = [list(range(base, base + n)) for base in (100, 300, 500) for n in (3, 8, 17)]
@@ -117,42 +114,16 @@ def test_the_index_equals_the_walk_after_every_step(
     args, ops = workload
     core = Engine(args)
     state = core.parts.state
-    now = 0.0
-    for op, n, prompt in ops:
-        tokens = [*PROMPTS[prompt], n]  # shared prefixes: cached, offloaded, onboarded
-        command: Command | None = None
-        match op:
-            case "submit":
-                command = Submit(Request(token_ids=tokens, max_tokens=n, request_id=f"r{n}"))
-            case "cancel":
-                command = Cancel(f"r{n}" if n % 2 else f"d{n}")
-            case "reserve":
-                request = Request(token_ids=tokens, max_tokens=2 * n + 1, request_id=f"d{n}")
-                command = ReserveDestination(f"h{n}", request)
-            case "activate":
-                command = ActivateDestination(f"h{n}")
-            case "drop":
-                command = CancelDestination(f"h{n}")
-            case "pass":
-                now = max(core.execute_pass(now).end_ms, now + 0.25)
-            case "wait":
-                now += n  # tier transfers land while the rank idles
-        if command is not None:
-            with contextlib.suppress(CoreError):
-                core.apply(command, now_ms=now)
-        check(state)
-    for _ in range(200):
-        for handoff in list(core.parts.book.held.by_handoff):
-            core.apply(ActivateDestination(handoff), now_ms=now)
-        now = max(core.execute_pass(now).end_ms, now + 1.0)
-        check(state)
-    for handoff in [*core.queues().pending_destinations, *core.parts.book.held.by_handoff]:
-        core.apply(CancelDestination(handoff), now_ms=now)
-        check(state)
-    queues = core.queues()
-    for request_id in queues.waiting + queues.running + queues.parked:
-        core.apply(Cancel(request_id), now_ms=now)
-        check(state)
+    now = drive(
+        core,
+        ops,
+        lambda: check(state),
+        prompts=PROMPTS,
+        destination_max_tokens=lambda n: 2 * n + 1,
+        cancelled=lambda n: f"r{n}" if n % 2 else f"d{n}",
+        min_pass_ms=0.25,
+    )
+    settle(core, now, lambda: check(state))
     assert state.next_waiting(True) is None and state.next_waiting(False) is None
 
 
