@@ -17,7 +17,7 @@ import itertools
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 
 import structlog
 import zmq
@@ -26,10 +26,10 @@ import zmq.asyncio
 from engined.core import types as core
 from engined.core.errors import CoreError
 from engined.server.clients import DELIMITER, ClientTable, Episode
-from engined.server.engine_loop import EngineLoop
 from engined.server.load import LoadWatch
 from engined.server.log_throttle import LogThrottle
 from engined.server.ownership import HandoffRoute, Ownership
+from engined.server.rank_handle import RankHandle
 from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire
 from engined.wire.convert import rank_stats, to_core_command, to_output_entry, to_wire_lifecycle
@@ -58,7 +58,7 @@ class ControlServer:
     def __init__(
         self,
         sock: zmq.asyncio.Socket,
-        loops: list[EngineLoop],
+        loops: Sequence[RankHandle],
         *,
         welcome: Callable[[], wire.Welcome],
         settings: RuntimeSettings,

@@ -1,5 +1,9 @@
 """Start-up, serving and shutdown of the daemon: one asyncio loop, one EngineLoop per rank.
 
+With `rank_processes` N >= 1 the ranks run in N worker processes instead
+(`engined.server.rank_worker`), seen here through `RankProxy`s; the control ROUTER, the
+protocol and this lifecycle are the same, and a worker that dies ends the daemon non-zero.
+
 `Daemon.serve()` reads as the lifecycle: start up (bind every socket, or fail with
 STARTUP_FAILURE), serve until a signal or a fatal error, shut down. Shutdown stops taking new
 requests, lets in-flight ones finish for up to `drain_timeout` seconds, ends the rest as
@@ -12,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -24,16 +31,16 @@ import zmq
 import zmq.asyncio
 
 import engined
-from engined.config import DaemonConfig, endpoint_for_rank
-from engined.core.engine import Engine
+from engined.config import DaemonConfig
 from engined.core.policy import context_length
 from engined.core.types import LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
 from engined.server.control import ControlServer
-from engined.server.engine_loop import EngineLoop
-from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
-from engined.server.settings import RuntimeSettings
+from engined.server.rank_handle import RankHandle
+from engined.server.rank_proxy import RankWorkerDied, WorkerIds, WorkerProcess, split_ranks
+from engined.server.ranks import build_rank
+from engined.server.settings import RuntimeSettings, WorkerIdSink
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
 from engined.wire import control as wire
 from engined.zmq_sockets import SocketRegistry
@@ -49,6 +56,8 @@ EXIT_FAILURE = 1
 STARTUP_FAILURE = 3
 CONTROL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CONTROL_HWM = 100_000
+# A rank worker's heartbeat period (seconds), shorter under a systemd watchdog (see startup).
+WORKER_HEARTBEAT_S = 1.0
 
 
 class Daemon:
@@ -59,10 +68,17 @@ class Daemon:
         on_ready: Callable[[Daemon], None] | None = None,
         notifier: AnyNotifier | None = None,
         watchdog_s: float | None = None,
+        rank_processes: int = 0,
     ) -> None:
+        """`rank_processes`: 0 runs every rank in this process's event loop; N >= 1 runs
+        them in min(N, dp_size) worker processes, in contiguous blocks of ranks."""
         self.config = config
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-        self.loops: list[EngineLoop] = []
+        self.loops: list[RankHandle] = []
+        self.rank_processes = max(0, rank_processes)
+        self.workers: list[WorkerProcess] = []
+        self._worker_dir: str | None = None
+        self._worker_died = False
         self.control: ControlServer | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._registry: SocketRegistry | None = None
@@ -92,7 +108,8 @@ class Daemon:
             return STARTUP_FAILURE
         code = await self.main_loop()
         await self.shutdown(drain=code == EXIT_OK)
-        return code
+        # A worker that died while the daemon drained still ends it non-zero.
+        return EXIT_FAILURE if self._worker_died else code
 
     async def startup(self) -> None:
         cfg = self.config
@@ -125,64 +142,49 @@ class Daemon:
         kv_endpoints: list[str] = []
         replay_endpoints: list[str] = []
         fpm_endpoints: list[str] = []
-        fpms: list[FpmPublisher | NullFpmPublisher] = []
+        fpm_sinks: list[WorkerIdSink] = []
         controls: list[ControlServer] = []
-        # The byte budgets of slow KV subscribers and replay clients become message bounds
-        # through the largest batch a pass can produce (engined.server.kv_publisher).
-        batch_bytes = max_batch_bytes(engine, cfg.kv_events_format)
-        for rank in range(engine.dp_size):
-            kv_endpoint = endpoint_for_rank(cfg.kv_events_endpoint, rank)
-            replay = (
-                endpoint_for_rank(cfg.kv_replay_endpoint, rank) if cfg.kv_replay_endpoint else None
-            )
-            kv = KvPublisher(
-                self._ctx,
-                registry,
-                endpoint=kv_endpoint,
-                bind=not cfg.kv_events_connect,
-                topic=cfg.kv_events_topic,
-                fmt=cfg.kv_events_format,
-                dp_rank=rank,
-                replay_endpoint=replay,
-                replay_buffer=cfg.kv_replay_buffer,
-                buffer_bytes=cfg.kv_events_buffer_bytes,
-                replay_client_bytes=cfg.kv_replay_client_bytes,
-                batch_bytes=batch_bytes,
-            )
-            self._publishers.append(kv)
-            kv_endpoints.append(kv.endpoint)
-            if kv.replay_endpoint:
-                replay_endpoints.append(kv.replay_endpoint)
-            fpm: FpmPublisher | NullFpmPublisher
-            if cfg.fpm_endpoint:
-                fpm_endpoint = endpoint_for_rank(cfg.fpm_endpoint, rank)
-                fpm = FpmPublisher(
+        delivery = _LateDelivery(controls)
+        if self.rank_processes:
+            batch_bytes, hwms = await self._start_workers(delivery)
+            for worker in self.workers:
+                assert worker.ready is not None
+                for ready in worker.ready.ranks:
+                    kv_endpoints.append(ready.kv_endpoint)
+                    if ready.replay_endpoint:
+                        replay_endpoints.append(ready.replay_endpoint)
+                    if ready.fpm_endpoint:
+                        fpm_endpoints.append(ready.fpm_endpoint)
+            fpm_sinks.append(WorkerIds(self.workers, self.worker_id))
+        else:
+            # The byte budgets of slow KV subscribers and replay clients become message
+            # bounds through the largest batch a pass can produce (engined.server.kv_publisher).
+            batch_bytes = max_batch_bytes(engine, cfg.kv_events_format)
+            for rank in range(engine.dp_size):
+                parts = build_rank(
                     self._ctx,
                     registry,
-                    endpoint=fpm_endpoint,
+                    cfg,
+                    rank,
                     worker_id=self.worker_id,
-                    dp_rank=rank,
+                    delivery=delivery,
+                    batch_bytes=batch_bytes,
                 )
-                fpm_endpoints.append(fpm.endpoint)
-            else:
-                fpm = NullFpmPublisher()
-            fpms.append(fpm)
-            core = Engine(engine, dp_rank=rank, worker_id=rank)
-            self.loops.append(
-                EngineLoop(
-                    core,
-                    kv=kv,
-                    fpm=fpm,
-                    delivery=_LateDelivery(controls),
-                    speedup_ratio=engine.speedup_ratio,
-                )
-            )
+                self._publishers.append(parts.kv)
+                kv_endpoints.append(parts.kv.endpoint)
+                if parts.kv.replay_endpoint:
+                    replay_endpoints.append(parts.kv.replay_endpoint)
+                if parts.fpm.endpoint:
+                    fpm_endpoints.append(parts.fpm.endpoint)
+                fpm_sinks.append(parts.fpm)
+                self.loops.append(parts.loop)
+            hwms = (self._publishers[0].hwm, self._publishers[0].replay_hwm)
 
         settings = RuntimeSettings(
             vocab_size=engine.vocab_size,
             excluded_token_ids=engine.excluded_token_ids,
             fpm_worker_id=self.worker_id,
-            fpm=fpms,
+            fpm=fpm_sinks,
         )
 
         def welcome() -> wire.Welcome:
@@ -215,7 +217,9 @@ class Daemon:
         if self.metrics is not None:
             for loop in self.loops:
                 self.metrics.attach(loop)
-            self.metrics.watch_publishers(self._publishers)
+            if self._publishers:
+                # NOTE: in worker processes the publishers' slow-reader counters stay there.
+                self.metrics.watch_publishers(self._publishers)
         self.control = ControlServer(
             control_sock,
             self.loops,
@@ -231,8 +235,13 @@ class Daemon:
         self._tasks.append(
             asyncio.create_task(self.control.expire_handoffs(), name="handoff-timeouts")
         )
-        for loop in self.loops:
-            self._tasks.append(asyncio.create_task(loop.run(), name=f"rank-{loop.rank}"))
+        if self.workers:
+            for worker in self.workers:
+                name = f"rank-worker-{worker.index}"
+                self._tasks.append(asyncio.create_task(worker.run(), name=name))
+        else:
+            for loop in self.loops:
+                self._tasks.append(asyncio.create_task(loop.run(), name=f"rank-{loop.rank}"))
         self.started = True
         log.info(
             "engined started",
@@ -244,14 +253,76 @@ class Daemon:
             kv_replay_endpoints=replay_endpoints,
             fpm_endpoints=fpm_endpoints,
             engine=_engine_summary(cfg),
-            limits=_limits(cfg, self._publishers, batch_bytes),
+            limits=_limits(cfg, hwms, batch_bytes),
+            rank_processes=[worker.pid for worker in self.workers],
         )
         self._notifier.ready(status=self._status_line())
         if self._notifier.enabled:
-            status = keepalive(self._notifier, self._status_line, watchdog_s=self._watchdog_s)
+            status = keepalive(
+                self._notifier,
+                self._status_line,
+                watchdog_s=self._watchdog_s,
+                healthy=self.workers_healthy if self.workers else None,
+            )
             self._tasks.append(asyncio.create_task(status, name="systemd"))
         if self._on_ready is not None:
             self._on_ready(self)
+
+    async def _start_workers(self, delivery: _LateDelivery) -> tuple[int, tuple[int, int]]:
+        """Start the rank worker processes and wait until every one has bound its ranks.
+
+        Each worker gets a PAIR in a private directory. Raises OSError when one fails to
+        start (a start-up failure, as a bind failure in process is). Returns the KV batch
+        bound and rank 0's high-water marks, for the start-up log.
+        """
+        assert self._ctx is not None and self._registry is not None
+        cfg = self.config
+        self._worker_dir = tempfile.mkdtemp(prefix="engined-ranks-")
+        paced = cfg.engine.speedup_ratio > 0
+        for index, ranks in enumerate(split_ranks(cfg.engine.dp_size, self.rank_processes)):
+            endpoint = f"ipc://{self._worker_dir}/worker-{index}"
+            self.workers.append(
+                WorkerProcess(
+                    index,
+                    ranks,
+                    ctx=self._ctx,
+                    registry=self._registry,
+                    endpoint=endpoint,
+                    delivery=delivery,
+                    paced=paced,
+                )
+            )
+        # Heartbeats at least 4 times per watchdog ping interval, so one late frame is not
+        # yet a silent worker (workers_healthy).
+        heartbeat_s = min(WORKER_HEARTBEAT_S, (self._watchdog_s or math.inf) / 4)
+        started = await asyncio.gather(
+            *(
+                worker.start(cfg, worker_id=self.worker_id, heartbeat_s=heartbeat_s)
+                for worker in self.workers
+            ),
+            return_exceptions=True,
+        )
+        for outcome in started:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        for worker in self.workers:
+            self.loops.extend(worker.proxies[rank] for rank in worker.ranks)
+        ready = self.workers[0].ready
+        assert ready is not None
+        return ready.batch_bytes, (ready.ranks[0].kv_hwm, ready.ranks[0].replay_hwm)
+
+    def workers_healthy(self) -> bool:
+        """Whether every rank worker was heard from within a watchdog ping interval: the
+        systemd watchdog is pinged only then, so a stuck worker gets the daemon restarted."""
+        silence = self._watchdog_s if self._watchdog_s is not None else math.inf
+        return all(worker.healthy(silence) for worker in self.workers)
+
+    def _worker_failed(self) -> bool:
+        return any(
+            task.done() and not task.cancelled() and task.exception() is not None
+            for task in self._tasks
+            if task.get_name().startswith("rank-worker-")
+        )
 
     async def main_loop(self) -> int:
         """Serve until asked to stop (EXIT_OK) or until a task fails (EXIT_FAILURE)."""
@@ -300,8 +371,10 @@ class Daemon:
             loop.stop()
         for task in self._tasks:
             if task.get_name().startswith("rank-") and not task.done():
-                with contextlib.suppress(TimeoutError):
+                # A worker that died is logged by its run() and counted below.
+                with contextlib.suppress(TimeoutError, RankWorkerDied):
                     await asyncio.wait_for(asyncio.shield(task), 1.0)
+        self._worker_died = self._worker_failed()
         await self.close()
         log.info("engined stopped")
 
@@ -310,7 +383,7 @@ class Daemon:
         pending = control.owned_requests()
         if pending:
             log.info("draining", requests=pending, timeout_s=self.config.drain_timeout)
-        while control.owned_requests() and not self._force:
+        while control.owned_requests() and not self._force and not self._worker_failed():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 log.warning("drain timeout", cancelling=control.owned_requests())
@@ -330,11 +403,16 @@ class Daemon:
             await self.http.close()
         for kv in self._publishers:
             await kv.close()
+        for worker in self.workers:
+            worker.kill()
         if self._registry is not None:
             self._registry.close()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self._worker_dir is not None:
+            shutil.rmtree(self._worker_dir, ignore_errors=True)
+            self._worker_dir = None
         self._notifier.close()
 
     def _status_line(self) -> str:
@@ -364,19 +442,19 @@ class _LateDelivery:
         self._controls[0].deliver_lifecycle(rank, events)
 
 
-def _limits(
-    cfg: DaemonConfig, publishers: list[KvPublisher], batch_bytes: int
-) -> dict[str, object]:
-    """The bounds in force (README "Limits and guarantees"), as the start-up log shows them."""
-    kv = publishers[0]
+def _limits(cfg: DaemonConfig, hwms: tuple[int, int], batch_bytes: int) -> dict[str, object]:
+    """The bounds in force (README "Limits and guarantees"), as the start-up log shows them.
+
+    `hwms`: rank 0's KV PUB and replay high-water marks (every rank has the same)."""
+    kv_hwm, replay_hwm = hwms
     return {
         "max_queued_requests": cfg.max_queued_requests,
         "control_max_message_bytes": CONTROL_MAX_MESSAGE_BYTES,
         "kv_batch_bytes_max": batch_bytes,
         "kv_events_buffer_bytes": cfg.kv_events_buffer_bytes,
-        "kv_events_hwm": kv.hwm,
+        "kv_events_hwm": kv_hwm,
         "kv_replay_client_bytes": cfg.kv_replay_client_bytes,
-        "kv_replay_hwm": kv.replay_hwm,
+        "kv_replay_hwm": replay_hwm,
     }
 
 
@@ -395,11 +473,12 @@ def _engine_summary(cfg: DaemonConfig) -> dict[str, object]:
     }
 
 
-async def _serve(config: DaemonConfig) -> int:
+async def _serve(config: DaemonConfig, rank_processes: int = 0) -> int:
     daemon = Daemon(
         config,
         notifier=Notifier.from_env(os.environ),
         watchdog_s=watchdog_interval(os.environ),
+        rank_processes=rank_processes,
     )
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -412,7 +491,9 @@ async def _serve(config: DaemonConfig) -> int:
             loop.remove_signal_handler(sig)
 
 
-def run(config: DaemonConfig) -> int:
-    """Run the daemon in the foreground; returns the process exit code."""
+def run(config: DaemonConfig, rank_processes: int = 0) -> int:
+    """Run the daemon in the foreground; returns the process exit code.
+
+    `rank_processes` as for `Daemon` (until the configuration has a key for it)."""
     configure_logging(config.log_format, config.log_level)
-    return asyncio.run(_serve(config))
+    return asyncio.run(_serve(config, rank_processes))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from engined.core.types import Command, CommandEffects, EngineMetrics, PassResult
-from engined.server.engine_loop import EngineLoop
+from engined.server.rank_handle import RankHandle
 from engined.wire import control as wire
 from engined.wire.convert import load_message
 
@@ -23,7 +23,7 @@ Send = Callable[[bytes, wire.DaemonMessage], None]
 class LoadWatch:
     """The `watch_load` subscribers of one daemon and the last load each rank announced."""
 
-    def __init__(self, loops: Sequence[EngineLoop], send: Send) -> None:
+    def __init__(self, loops: Sequence[RankHandle], send: Send) -> None:
         self._loops = loops
         self._send = send
         self._watchers: set[bytes] = set()

@@ -69,7 +69,7 @@ from engined.server.publisher_metrics import PublisherMetrics, WatchedPublisher
 
 if TYPE_CHECKING:
     from engined.config import DaemonConfig
-    from engined.server.engine_loop import EngineLoop
+    from engined.server.rank_handle import RankHandle
 
 # Bucket boundaries (seconds) of vLLM's PrometheusStatLogger, vllm/v1/metrics/loggers.py:
 # `vllm:time_to_first_token_seconds` (22 boundaries),
@@ -332,7 +332,7 @@ class VllmMetrics(Collector):
             cache_info=cache_config_info(config),
         )
 
-    def attach(self, loop: EngineLoop) -> RankMetrics:
+    def attach(self, loop: RankHandle) -> RankMetrics:
         """Start tallying a rank: register its observers on the loop."""
         rank = RankMetrics(
             loop.rank,

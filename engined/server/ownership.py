@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import structlog
 
 from engined.core import types as core
-from engined.server.engine_loop import EngineLoop
+from engined.server.rank_handle import RankHandle
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +47,7 @@ class Ownership:
 
     def __init__(
         self,
-        loops: Sequence[EngineLoop],
+        loops: Sequence[RankHandle],
         *,
         notify: Notify,
         released: Released,

@@ -166,6 +166,7 @@ async def keepalive(
     watchdog_s: float | None,
     status_s: float = STATUS_INTERVAL_S,
     clock: Callable[[], float] = time.monotonic,
+    healthy: Callable[[], bool] | None = None,
 ) -> None:
     """Ping the watchdog every `watchdog_s` and refresh STATUS every `status_s`, forever.
 
@@ -173,15 +174,27 @@ async def keepalive(
     turning: a rank stuck in a pass (or any blocking call) stops them and systemd restarts
     the daemon. The first ping goes out at once. The next deadline counts from when a ping
     was actually sent, so a loop that was late catches up with one ping, not a burst.
+
+    `healthy` covers what this loop cannot see turning (rank worker processes): while it
+    answers False no ping goes out (checked again every quarter interval), so systemd
+    restarts a daemon one of whose processes is stuck.
     """
     now = clock()
     next_ping = now if watchdog_s else math.inf
     next_status = now + status_s
+    unhealthy = False
     while True:
         now = clock()
         if now >= next_ping:
-            notifier.watchdog()
-            next_ping = now + (watchdog_s or math.inf)
+            if healthy is None or healthy():
+                notifier.watchdog()
+                next_ping = now + (watchdog_s or math.inf)
+                unhealthy = False
+            else:
+                if not unhealthy:
+                    log.warning("a rank worker is not answering; watchdog pings withheld")
+                unhealthy = True
+                next_ping = now + (watchdog_s or math.inf) / 4
         if now >= next_status:
             notifier.status(status())
             next_status = now + status_s

@@ -1,0 +1,354 @@
+"""A rank worker process: the ranks a daemon gave it, on its own core and event loop.
+
+`python -m engined.server.rank_worker` (started by `engined.server.rank_proxy`) reads its
+`RankInit` from stdin, builds each rank exactly as an in-process daemon does
+(`engined.server.ranks.build_rank`: the same core, `EngineLoop` and publishers, bound to the
+same per-rank endpoints), and talks to the daemon over one ZeroMQ PAIR (`rank_wire`).
+
+A process started with `subprocess`, not `multiprocessing`: spawn re-imports the parent's
+`__main__` (the CLI, or a test runner) and pickles its arguments, while this entry point
+imports only what a rank needs and takes plain msgpack; the daemon watches its exit through a
+pidfd, with no child watcher.
+
+The daemon owns the lifecycle: SIGINT and SIGTERM are ignored here (a terminal's Ctrl-C
+reaches the whole process group; the daemon drains and then stops us), and the worker dies
+with the daemon (PR_SET_PDEATHSIG, and a parent check each heartbeat) instead of serving
+endpoints nobody routes to.
+
+What the daemon needs leaves in one frame per event-loop turn or two (`Outbox`): a pass's
+observer data and its outputs travel together, outputs once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from engined.config import DaemonConfig
+from engined.core.errors import CoreError
+from engined.core.types import Command, CommandEffects, LifecycleEvent, PassResult, RequestOutput
+from engined.logs import configure_logging
+from engined.server import rank_wire as w
+from engined.server.engine_loop import EngineLoop
+from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
+from engined.server.kv_publisher import KvPublisher, max_batch_bytes
+from engined.server.ranks import build_rank
+from engined.zmq_sockets import SocketRegistry, make_socket
+
+log = structlog.get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_STARTUP = 3
+_PR_SET_PDEATHSIG = 1
+
+
+class Outbox:
+    """Items for the daemon, in the order they happened, sent one frame per turn or two.
+
+    The flush runs two event-loop turns after the first item: at speedup 0 a rank's pass
+    (observer data) and its delivery (after the pass's `sleep(0)`) are one turn apart, so
+    they leave together. Each frame ends with the counters of the ranks it concerns.
+    """
+
+    def __init__(self, send: Callable[[bytes], bool]) -> None:
+        self._send = send
+        self._items: list[w.Item] = []
+        self._touched: set[int] = set()
+        self._scheduled = False
+        self.loops: dict[int, EngineLoop] = {}
+        self.last_outputs: dict[int, list[RequestOutput]] = {}
+
+    def add(self, item: w.Item, rank: int | None = None) -> None:
+        self._items.append(item)
+        if rank is not None:
+            self._touched.add(rank)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if not self._items:
+            return
+        items, self._items = self._items, []
+        for rank in sorted(self._touched):
+            loop = self.loops[rank]
+            items.append(
+                w.Gauges(
+                    rank, loop.now_ms(), loop.passes_total, loop.tokens_total, loop.kv_overflows
+                )
+            )
+        self._touched.clear()
+        self.send_now(items)
+
+    def send_now(self, items: list[w.Item]) -> None:
+        # NOTE: the PAIR has no high-water mark (the daemon is trusted and reads promptly),
+        # so a send fails only once the daemon is gone, and then we are about to die too.
+        if not self._send(w.encoder.encode(items)):
+            log.warning("daemon not reachable, frame dropped", items=len(items))
+
+
+class _Delivery:
+    """The loops' `Delivery`: outputs and lifecycle events become outbox items."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self._outbox = outbox
+
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
+        same = self._outbox.last_outputs.get(rank) is outputs
+        self._outbox.add(w.Outputs(rank, None if same else outputs), rank)
+
+    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
+        self._outbox.add(w.Lifecycle(rank, events), rank)
+
+
+class RankWorker:
+    def __init__(self, init: w.RankInit, config: DaemonConfig) -> None:
+        self._init = init
+        self._config = config
+        self._ctx = zmq.asyncio.Context()
+        self._registry = SocketRegistry()
+        self._loops: dict[int, EngineLoop] = {}
+        self._kvs: list[KvPublisher] = []
+        self._fpms: list[FpmPublisher | NullFpmPublisher] = []
+        # id(command) -> correlation id, from the command's arrival until it is applied.
+        self._pending: dict[int, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._failed: asyncio.Future[BaseException] | None = None
+
+    async def serve(self) -> int:
+        self._failed = asyncio.get_running_loop().create_future()
+        sock = self._registry.add(
+            make_socket(self._ctx, zmq.PAIR, self._init.endpoint, bind=False, sndhwm=0, rcvhwm=0)
+        )
+        outbox = self._outbox = Outbox(w.pair_sender(sock))
+        try:
+            ready = self._build(outbox)
+        except (zmq.ZMQError, OSError) as exc:
+            outbox.send_now([w.StartupFailed(str(exc))])
+            await self._close()
+            return EXIT_STARTUP
+        outbox.send_now([ready])
+        for kv in self._kvs:
+            kv.start()
+        runs = {
+            asyncio.create_task(loop.run(), name=f"rank-{rank}"): rank
+            for rank, loop in self._loops.items()
+        }
+        reader = asyncio.create_task(self._read(sock), name="commands")
+        heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        code = EXIT_OK
+        try:
+            pending: set[asyncio.Future[object]] = {*runs, reader, heartbeat, self._failed}  # type: ignore[arg-type]
+            while runs.keys() & pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                failed = [f for f in done if f not in runs or f.exception() is not None]
+                if failed:
+                    for future in failed:
+                        error = future.result() if future is self._failed else future.exception()
+                        rank = runs.get(future)  # type: ignore[call-overload]
+                        log.error("fatal error in rank worker", rank=rank, exc_info=error)
+                    code = EXIT_FAILURE
+                    break
+            if code == EXIT_OK:
+                outbox.flush()
+                outbox.send_now([w.Stopped()])
+        finally:
+            for task in (reader, heartbeat, *runs):
+                task.cancel()
+            await self._close()
+        return code
+
+    def _build(self, outbox: Outbox) -> w.Ready:
+        cfg = self._config
+        batch_bytes = max_batch_bytes(cfg.engine, cfg.kv_events_format)
+        delivery = _Delivery(outbox)
+        ready: list[w.RankReady] = []
+        for rank in self._init.ranks:
+            loop, kv, fpm = build_rank(
+                self._ctx,
+                self._registry,
+                cfg,
+                rank,
+                worker_id=self._init.worker_id,
+                delivery=delivery,
+                batch_bytes=batch_bytes,
+            )
+            loop.pass_observers.append(self._on_pass)
+            loop.command_observers.append(self._on_command)
+            self._loops[rank] = outbox.loops[rank] = loop
+            self._kvs.append(kv)
+            self._fpms.append(fpm)
+            ready.append(
+                w.RankReady(
+                    rank,
+                    kv.endpoint,
+                    kv.replay_endpoint,
+                    fpm.endpoint,
+                    loop.engine.num_blocks,
+                    loop.engine.block_size,
+                    kv.hwm,
+                    kv.replay_hwm,
+                    loop.engine.metrics(),
+                )
+            )
+        return w.Ready(ready, batch_bytes)
+
+    # --- observers: what the daemon's observers and callers will see ---------------------
+
+    def _on_pass(self, rank: int, start_ms: float, result: PassResult) -> None:
+        outbox = self._outbox
+        outbox.last_outputs[rank] = result.outputs
+        outbox.add(
+            w.Pass(
+                rank,
+                start_ms,
+                result.end_ms,
+                result.outputs,
+                result.ended,
+                result.admissions,
+                result.metrics,
+                self._loops[rank].engine.num_waiting(),
+                result.prefix_cache_queries,
+                result.prefix_cache_hits,
+                result.accept_length_output_tokens,
+                result.accept_length_decode_forwards,
+            ),
+            rank,
+        )
+
+    def _on_command(
+        self, rank: int, arrived_ms: float, command: Command, effects: CommandEffects
+    ) -> None:
+        corr = self._pending.pop(id(command), 0)
+        kind, text = w.encode_result(effects.result)
+        engine = self._loops[rank].engine
+        self._outbox.add(
+            w.Reply(
+                corr,
+                rank,
+                arrived_ms,
+                kind,
+                text,
+                effects.ended,
+                effects.lifecycle_events,
+                effects.progressed,
+                engine.metrics(),
+                engine.num_waiting(),
+            ),
+            rank,
+        )
+
+    # --- the daemon's messages ------------------------------------------------------------
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            frame = await sock.recv()
+            try:
+                corr, rank, kind, body = w.command_header_decoder.decode(frame)
+                rank_loop = self._loops[rank]
+                if kind == w.STOP:
+                    # call_soon: after the first steps of the command tasks made before it,
+                    # so every command sent before the stop reaches the inbox first.
+                    loop.call_soon(rank_loop.stop)
+                elif kind == w.FPM_WORKER_ID:
+                    worker_id = msgspec.msgpack.decode(body, type=str)
+                    for fpm in self._fpms:
+                        fpm.worker_id = worker_id
+                else:
+                    command = w.command_decoders[kind].decode(body)
+                    task = asyncio.ensure_future(self._call(rank_loop, corr, command))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._call_done)
+            except (msgspec.DecodeError, KeyError, IndexError) as exc:
+                # The daemon is the same build; this is a bug, and the daemon goes on.
+                log.error("bad frame from the daemon", error=str(exc))
+
+    async def _call(self, loop: EngineLoop, corr: int, command: Command) -> None:
+        self._pending[id(command)] = corr
+        try:
+            await loop.call(command)
+        except CoreError as exc:
+            self._pending.pop(id(command), None)
+            failure = w.Failure(corr, loop.rank, type(exc).__name__, exc.code, str(exc))
+            self._outbox.add(failure, loop.rank)
+
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._failed is not None and not self._failed.done():
+            self._failed.set_result(exc)
+
+    async def _heartbeat(self) -> None:
+        """Gauges of every rank each `heartbeat_s`: proof of life for the systemd watchdog
+        (this loop turns), and the figures only worth reading now and then (lateness)."""
+        init = self._init
+        while True:
+            if os.getppid() != init.parent_pid:
+                log.error("the daemon is gone, exiting", parent_pid=init.parent_pid)
+                os._exit(EXIT_FAILURE)
+            for rank, loop in self._loops.items():
+                engine = loop.engine
+                self._outbox.add(
+                    w.Gauges(
+                        rank,
+                        loop.now_ms(),
+                        loop.passes_total,
+                        loop.tokens_total,
+                        loop.kv_overflows,
+                        engine.metrics(),
+                        engine.num_waiting(),
+                        loop.lateness_summary(),
+                    )
+                )
+            await asyncio.sleep(init.heartbeat_s)
+
+    async def _close(self) -> None:
+        for kv in self._kvs:
+            with contextlib.suppress(Exception):
+                await kv.close()
+        self._registry.close()
+        self._ctx.term()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL us when the daemon (the thread that started us) dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+    init = w.init_decoder.decode(sys.stdin.buffer.read())
+    if os.getppid() != init.parent_pid:
+        return EXIT_FAILURE  # the daemon died before PR_SET_PDEATHSIG took effect
+    config = msgspec.json.decode(init.config, type=DaemonConfig)
+    configure_logging(config.log_format, config.log_level)
+    structlog.contextvars.bind_contextvars(rank_worker=os.getpid(), ranks=init.ranks)
+    return asyncio.run(RankWorker(init, config).serve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""One data-parallel rank's parts, built the same way wherever the rank runs.
+
+The daemon builds its ranks here when they run in its own event loop, and so does a rank
+worker process (`engined.server.rank_worker`) for the ranks it owns: the same core, loop and
+publishers, bound to the same per-rank endpoints (`endpoint_for_rank`), so a client cannot
+tell which process serves a rank.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import zmq.asyncio
+
+from engined.config import DaemonConfig, endpoint_for_rank
+from engined.core.engine import Engine
+from engined.server.engine_loop import Delivery, EngineLoop
+from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
+from engined.server.kv_publisher import KvPublisher
+from engined.zmq_sockets import SocketRegistry
+
+
+class RankParts(NamedTuple):
+    loop: EngineLoop
+    kv: KvPublisher
+    fpm: FpmPublisher | NullFpmPublisher
+
+
+def build_rank(
+    ctx: zmq.asyncio.Context,
+    registry: SocketRegistry,
+    cfg: DaemonConfig,
+    rank: int,
+    *,
+    worker_id: str,
+    delivery: Delivery,
+    batch_bytes: int,
+) -> RankParts:
+    """Bind rank `rank`'s KV PUB (+ replay ROUTER) and FPM PUB and build its core and loop.
+
+    Raises zmq.ZMQError or OSError when a socket cannot be bound (the caller reports a
+    start-up failure).
+    """
+    engine = cfg.engine
+    replay = endpoint_for_rank(cfg.kv_replay_endpoint, rank) if cfg.kv_replay_endpoint else None
+    kv = KvPublisher(
+        ctx,
+        registry,
+        endpoint=endpoint_for_rank(cfg.kv_events_endpoint, rank),
+        bind=not cfg.kv_events_connect,
+        topic=cfg.kv_events_topic,
+        fmt=cfg.kv_events_format,
+        dp_rank=rank,
+        replay_endpoint=replay,
+        replay_buffer=cfg.kv_replay_buffer,
+        buffer_bytes=cfg.kv_events_buffer_bytes,
+        replay_client_bytes=cfg.kv_replay_client_bytes,
+        batch_bytes=batch_bytes,
+    )
+    fpm: FpmPublisher | NullFpmPublisher
+    if cfg.fpm_endpoint:
+        fpm = FpmPublisher(
+            ctx,
+            registry,
+            endpoint=endpoint_for_rank(cfg.fpm_endpoint, rank),
+            worker_id=worker_id,
+            dp_rank=rank,
+        )
+    else:
+        fpm = NullFpmPublisher()
+    core = Engine(engine, dp_rank=rank, worker_id=rank)
+    loop = EngineLoop(core, kv=kv, fpm=fpm, delivery=delivery, speedup_ratio=engine.speedup_ratio)
+    return RankParts(loop, kv, fpm)
