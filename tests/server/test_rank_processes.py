@@ -31,6 +31,7 @@ from engined.server.systemd import NullNotifier, keepalive
 from engined.wire.control import Applied, DestinationReservedEvent, ErrorReply, Pong
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import KvStream, to_core_events
+from tests.support import free_tcp_port
 
 T = TypeVar("T")
 
@@ -150,15 +151,17 @@ def test_every_rank_answers_from_its_process(tmp_path: Path, dp_size: int, proce
     run(scenario())
 
 
-def test_same_tokens_stats_and_errors_as_in_process(tmp_path: Path) -> None:
+def test_same_tokens_stats_metrics_and_errors_as_in_process(tmp_path: Path) -> None:
     """The same seeded sequential workload in process and in 2 worker processes (4 ranks):
-    identical token ids, identical stats, identical error replies (a core refusal included)."""
+    identical token ids, stats, Prometheus tallies (the pass and command observers, fed
+    from the workers) and error replies (a core refusal included)."""
 
     async def workload(processes: int) -> tuple[list[Generation], object, list[object]]:
         path = tmp_path / f"p{processes}"
         path.mkdir()
+        cfg = config(path, 4, http_port=free_tcp_port())
         async with (
-            serving(config(path, 4), processes) as running,
+            serving(cfg, processes) as running,
             await EngineClient.connect(running.endpoint) as client,
         ):
             gens = await sequential(client, 4, 3)
@@ -174,13 +177,29 @@ def test_same_tokens_stats_and_errors_as_in_process(tmp_path: Path) -> None:
             stats = await client.stats()
             welcome = await client.hello()
             shape = (type(welcome), sorted(msgspec_fields(welcome)))
-            return gens, (stats, shape), errors
+            metrics = running.daemon.metrics
+            assert metrics is not None
+            tallies = [
+                (
+                    rank.generation_tokens,
+                    rank.prompt_tokens,
+                    rank.prefix_cache_queries,
+                    rank.prefix_cache_hits,
+                    dict(rank.finished),
+                    *((h.counts, h.sum) for h in (rank.ttft, rank.itl, rank.e2e, rank.queue)),
+                    rank.gauges(),
+                )
+                for rank in metrics.ranks
+            ]
+            return gens, (stats, shape, tallies), errors
 
     async def scenario() -> None:
         in_process = await workload(0)
         in_workers = await workload(2)
         assert [g.token_ids for g in in_workers[0]] == [g.token_ids for g in in_process[0]]
         assert in_workers[1] == in_process[1]
+        tallies = in_process[1][2]  # type: ignore[index]
+        assert all(rank[0] > 0 for rank in tallies)  # every rank generated and was tallied
         assert in_workers[2] == in_process[2]
 
     run(scenario())
