@@ -38,7 +38,13 @@ from engined.logs import configure_logging
 from engined.server.control import ControlServer
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.rank_handle import RankHandle
-from engined.server.rank_proxy import RankWorkerDied, WorkerIds, WorkerProcess, split_ranks
+from engined.server.rank_process import (
+    RankWorkerDied,
+    WorkerIds,
+    WorkerProcess,
+    available_cores,
+    split_ranks,
+)
 from engined.server.ranks import build_rank
 from engined.server.settings import RuntimeSettings, WorkerIdSink
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
@@ -58,6 +64,8 @@ CONTROL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CONTROL_HWM = 100_000
 # A rank worker's heartbeat period (seconds), shorter under a systemd watchdog (see startup).
 WORKER_HEARTBEAT_S = 1.0
+# `rank_processes`: one worker process per available core (at most one per rank).
+AUTO_RANK_PROCESSES = -1
 
 
 class Daemon:
@@ -71,11 +79,14 @@ class Daemon:
         rank_processes: int = 0,
     ) -> None:
         """`rank_processes`: 0 runs every rank in this process's event loop; N >= 1 runs
-        them in min(N, dp_size) worker processes, in contiguous blocks of ranks."""
+        them in min(N, dp_size) worker processes, in contiguous blocks of ranks;
+        AUTO_RANK_PROCESSES (-1) in one per core this process may run on, at most dp_size."""
         self.config = config
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.loops: list[RankHandle] = []
-        self.rank_processes = max(0, rank_processes)
+        if rank_processes < 0:
+            rank_processes = min(config.engine.dp_size, available_cores())
+        self.rank_processes = rank_processes
         self.workers: list[WorkerProcess] = []
         self._worker_dir: str | None = None
         self._worker_died = False

@@ -44,6 +44,7 @@ COMMAND_KIND: Final[dict[type[Any], int]] = {cls: i for i, cls in enumerate(COMM
 CONTROL: Final = 100
 STOP: Final = CONTROL  # body: None; stop that rank once drained
 FPM_WORKER_ID: Final = CONTROL + 1  # body: the new worker id (every rank of the worker)
+UNTIL_IDLE: Final = CONTROL + 2  # body: None; answered by `Idle(corr)` once the rank is idle
 
 # Command results as (kind, text): text is the request id or the refusal's reason.
 _RESULTS: Final[tuple[type[Any], ...]] = (
@@ -148,11 +149,19 @@ class Gauges(msgspec.Struct, frozen=True, tag="gauges", array_like=True, gc=Fals
     lateness: tuple[float, float, float] | None = None
 
 
+class Idle(msgspec.Struct, frozen=True, tag="idle", array_like=True):
+    """The rank's `until_idle` returned: everything before it was applied and delivered."""
+
+    corr: int
+
+
 class Stopped(msgspec.Struct, frozen=True, tag="stopped", array_like=True):
     """The worker's last message: every rank drained, nothing follows."""
 
 
-Item = Ready | StartupFailed | Reply | Failure | Pass | Outputs | Lifecycle | Gauges | Stopped
+Item = (
+    Ready | StartupFailed | Reply | Failure | Pass | Outputs | Lifecycle | Gauges | Idle | Stopped
+)
 
 encoder: Final = msgspec.msgpack.Encoder()
 item_decoder: Final = msgspec.msgpack.Decoder(list[Item])

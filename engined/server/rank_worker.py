@@ -266,6 +266,10 @@ class RankWorker:
                     # call_soon: after the first steps of the command tasks made before it,
                     # so every command sent before the stop reaches the inbox first.
                     loop.call_soon(rank_loop.stop)
+                elif kind == w.UNTIL_IDLE:
+                    task = asyncio.ensure_future(self._until_idle(rank_loop, corr))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._call_done)
                 elif kind == w.FPM_WORKER_ID:
                     worker_id = msgspec.msgpack.decode(body, type=str)
                     for fpm in self._fpms:
@@ -287,6 +291,10 @@ class RankWorker:
             self._pending.pop(id(command), None)
             failure = w.Failure(corr, loop.rank, type(exc).__name__, exc.code, str(exc))
             self._outbox.add(failure, loop.rank)
+
+    async def _until_idle(self, loop: EngineLoop, corr: int) -> None:
+        await loop.until_idle()
+        self._outbox.add(w.Idle(corr), loop.rank)
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
