@@ -39,6 +39,7 @@ from engined.wire.control import (
     Submit,
     SubmitHandoffPrefill,
     Submitted,
+    WaitIdle,
     WatchLoad,
     Welcome,
     WireLifecycleEvent,
@@ -274,6 +275,14 @@ class EngineClient(Connection):
 
     async def ping(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> Pong:
         return await self._call(Ping(id=self._next_id()), Pong, timeout)
+
+    async def wait_idle(
+        self, dp_rank: int | None = None, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> StatsReply:
+        """The stats once `dp_rank` (every rank when None) is idle: nothing queued, running
+        or parked, everything sent before applied and its outputs delivered."""
+        msg = WaitIdle(dp_rank=dp_rank, id=self._next_id())
+        return await self._call(msg, StatsReply, timeout)
 
     async def reset_prefix_cache(
         self, dp_rank: int | None = None, *, timeout: float | None = DEFAULT_TIMEOUT

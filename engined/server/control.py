@@ -41,6 +41,8 @@ log = structlog.get_logger(__name__)
 # (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
 CONTROL_TURN_MESSAGES = 64
 CONTROL_TURN_S = 0.002
+# `wait_idle` messages waiting at once, from every client together.
+WAIT_IDLE_LIMIT = 1024
 
 
 def split_envelope(frames: list[bytes]) -> tuple[bytes, bool, bytes] | None:
@@ -85,6 +87,7 @@ class ControlServer:
         self._decoder = wire.ControlDecoder()
         self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
+        self._idle_waits = 0
         self._tasks: set[asyncio.Task[None]] = set()
         # Set when a handler fails unexpectedly: a bug, which must end the daemon non-zero.
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -188,6 +191,8 @@ class ControlServer:
                 self._reply(identity, wire.Pong(id=msg.id))
             case wire.Stats():
                 self._reply(identity, self.stats(msg.id))
+            case wire.WaitIdle():
+                self._wait_idle(identity, msg)
             case wire.Submit() | wire.SubmitHandoffPrefill() | wire.ReserveDestination():
                 self._command(identity, self._submit(identity, msg))
             case wire.Cancel():
@@ -383,6 +388,34 @@ class ControlServer:
             )
         else:
             self._reply(identity, wire.Applied(id=msg.id))
+
+    def _wait_idle(self, identity: bytes, msg: wire.WaitIdle) -> None:
+        """Answer `stats` once the named ranks are idle; at most WAIT_IDLE_LIMIT wait at once,
+        so a flood of them costs a bounded number of tasks."""
+        if msg.dp_rank is not None and msg.dp_rank >= len(self._loops):
+            self._error(
+                identity, msg.id, "invalid_request", f"dp_rank: {msg.dp_rank} is out of range"
+            )
+            return
+        if self._idle_waits >= WAIT_IDLE_LIMIT:
+            self._error(
+                identity,
+                msg.id,
+                "overloaded",
+                f"{WAIT_IDLE_LIMIT} wait_idle messages are already waiting",
+            )
+            return
+        self._idle_waits += 1
+        self._command(identity, self._until_idle(identity, msg))
+
+    async def _until_idle(self, identity: bytes, msg: wire.WaitIdle) -> None:
+        try:
+            ranks = range(len(self._loops)) if msg.dp_rank is None else [msg.dp_rank]
+            for rank in ranks:
+                await self._loops[rank].until_idle()
+        finally:
+            self._idle_waits -= 1
+        self._reply(identity, self.stats(msg.id))
 
     async def _set_vocabulary(self, identity: bytes, msg: wire.SetVocabulary) -> None:
         """Every rank or none: the cores validate alike, so only the first can refuse."""

@@ -135,6 +135,9 @@ class EngineLoop:
         self._lateness_at: tuple[int, float] | None = None  # (passes_total, clock) of it
         self._next_start: float | None = None
         self._pacer: Pacer | None = None
+        # `until_idle` callers, and whether the loop sleeps with nothing left to do.
+        self._idle_waiters: list[asyncio.Future[None]] = []
+        self._idle = False
         self.pass_observers: list[PassObserver] = []
         self.command_observers: list[CommandObserver] = []
 
@@ -186,6 +189,25 @@ class EngineLoop:
         self._wake.set()
         return await future
 
+    async def until_idle(self) -> None:
+        """Return once nothing is queued, running or parked on this rank and no command
+        waits: everything received before the call has been applied, and every output and
+        lifecycle event it caused has been delivered. Held sources, reserved destinations
+        and tier transfers do not count as work. A rank that stops also releases waiters.
+        """
+        if self._idle and not self._inbox:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(future)
+        self._wake.set()  # a sleeping loop looks again, and finds itself idle
+        await future
+
+    def _release_idle_waiters(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for future in waiters:
+            if not future.done():
+                future.set_result(None)
+
     def stop(self) -> None:
         """End the loop once its core is empty and its inbox drained."""
         self._stopped = True
@@ -202,6 +224,7 @@ class EngineLoop:
         try:
             await self._run()
         finally:
+            self._release_idle_waiters()
             pacer, self._pacer = self._pacer, None
             if pacer is not None:
                 pacer.close()
@@ -211,9 +234,14 @@ class EngineLoop:
         progressed = True
         while True:
             if not self._inbox and (engine.is_empty() or not progressed):
-                if self._stopped and engine.is_empty():
+                idle = engine.is_empty()
+                if idle and self._idle_waiters:
+                    self._release_idle_waiters()
+                if self._stopped and idle:
                     return
+                self._idle = idle
                 await self._wait_for_work()
+                self._idle = False
                 progressed = True
             self._drain_inbox()
             if engine.is_empty():

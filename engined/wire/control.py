@@ -126,6 +126,17 @@ class Ping(ClientMessageBase, tag="ping"):
     pass
 
 
+class WaitIdle(ClientMessageBase, tag="wait_idle"):
+    """Answer (a `stats` reply) once `dp_rank`, or every rank when absent, is idle.
+
+    Idle: nothing queued, running or parked, and every command the daemon received before
+    this message applied and its outputs sent. Tests and benchmarks that wait for a workload
+    to finish then need no `stats` polling loop.
+    """
+
+    dp_rank: DpRank | None = None
+
+
 class SetVocabulary(ClientMessageBase, tag="set_vocabulary"):
     """Draw generated ids from `[0, vocab_size)` without `excluded_token_ids`, on every rank.
 
@@ -168,6 +179,7 @@ ClientMessage: TypeAlias = (
     | Stats
     | ResetPrefixCache
     | Ping
+    | WaitIdle
     | SetVocabulary
     | SetFpmWorkerId
     | WatchLoad

@@ -522,6 +522,7 @@ TEMPLATES: list[dict[str, Any]] = [
     {"type": "activate_destination", "handoff_id": "h"},
     {"type": "cancel_destination", "handoff_id": "h"},
     {"type": "reset_prefix_cache", "dp_rank": 0},
+    {"type": "wait_idle", "dp_rank": 0},
     {"type": "stats", "id": "s"},
     {"type": "ping"},
     {"type": "hello"},

@@ -36,6 +36,8 @@ CLIENT_MESSAGES: list[control.ClientMessage] = [
     control.ResetPrefixCache(),
     control.ResetPrefixCache(dp_rank=1),
     control.Ping(id="p"),
+    control.WaitIdle(id=5),
+    control.WaitIdle(dp_rank=1),
     control.SetVocabulary(vocab_size=1000, excluded_token_ids=[0, 1, 2]),
     control.SetVocabulary(id=4, vocab_size=None),
     control.SetFpmWorkerId(worker_id="10477718404275941139"),
@@ -137,6 +139,7 @@ def test_tags_are_the_protocols_snake_case_names() -> None:
         "stats",
         "reset_prefix_cache",
         "ping",
+        "wait_idle",
         "set_vocabulary",
         "set_fpm_worker_id",
         "watch_load",
@@ -333,6 +336,11 @@ INVALID_REQUEST_CASES = [
         encode({"type": "reset_prefix_cache", "dp_rank": -2}),
         r"`\$\.dp_rank`",
         id="negative-reset-rank",
+    ),
+    pytest.param(
+        encode({"type": "wait_idle", "dp_rank": -1}),
+        r"`\$\.dp_rank`",
+        id="wait-idle-negative-rank",
     ),
     pytest.param(
         _submit(request_id=""), r"length >= 1 - at `\$\.request\.request_id`", id="empty-request-id"

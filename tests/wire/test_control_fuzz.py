@@ -106,6 +106,7 @@ def test_client_message_tags_cover_the_protocol() -> None:
         "stats",
         "reset_prefix_cache",
         "ping",
+        "wait_idle",
         "set_vocabulary",
         "set_fpm_worker_id",
         "watch_load",
