@@ -63,6 +63,13 @@ def test_unrelated_environment_is_ignored() -> None:
     assert load(env={"PATH": "/bin", "ENGINED": "x", "engined_block_size": "8"}) == DaemonConfig()
 
 
+def test_the_build_and_test_variables_are_not_settings() -> None:
+    """`ENGINED_MYPYC=1` (the compiled-core build) and `ENGINED_EXPECT_COMPILED` (the test
+    suite) may stay exported in a shell that then starts a daemon."""
+    env = {"ENGINED_MYPYC": "1", "ENGINED_EXPECT_COMPILED": "0"}
+    assert load(env=env) == DaemonConfig()
+
+
 # --- layering ---------------------------------------------------------------------------------
 
 TOML = """
