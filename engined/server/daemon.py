@@ -24,7 +24,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import structlog
 import zmq
@@ -54,6 +54,7 @@ from engined.zmq_sockets import SocketRegistry
 if TYPE_CHECKING:
     from engined.server.http import HealthState, HttpServer
     from engined.server.metrics import VllmMetrics
+    from engined.server.publisher_metrics import WatchedPublisher
 
 log = structlog.get_logger(__name__)
 
@@ -229,8 +230,13 @@ class Daemon:
             for loop in self.loops:
                 self.metrics.attach(loop)
             if self._publishers:
-                # NOTE: in worker processes the publishers' slow-reader counters stay there.
                 self.metrics.watch_publishers(self._publishers)
+            else:
+                # The proxies carry the same counters (`overflows`, `replay` with abandoned,
+                # refused, streaming) as of each worker's heartbeat; WatchedPublisher names
+                # the in-process ReplayServer type, whose attributes ReplayCounters mirrors.
+                proxies = cast("list[WatchedPublisher]", self.loops)
+                self.metrics.watch_publishers(proxies)
         self.control = ControlServer(
             control_sock,
             self.loops,

@@ -34,6 +34,16 @@ log = structlog.get_logger(__name__)
 _EMPTY_FPM = FpmSnapshot()
 
 
+class ReplayCounters:
+    """A worker's replay server counters, as of its latest heartbeat (the `ReplayServer`
+    attributes `engined.server.publisher_metrics` reads)."""
+
+    def __init__(self) -> None:
+        self.abandoned = 0
+        self.refused = 0
+        self.streaming = 0
+
+
 class WorkerLink(Protocol):
     """What a proxy needs of its worker process (`rank_process.WorkerProcess`)."""
 
@@ -82,11 +92,17 @@ class RankProxy:
         self.tokens_total = 0
         self.kv_overflows = 0
         self._lateness = (0.0, 0.0, 0.0)
+        self.replay = ReplayCounters() if ready.replay_endpoint is not None else None
         self._now_ms = 0.0
         self._now_at = time.monotonic()
         self._last_outputs: list[RequestOutput] = []
         self.pass_observers: list[PassObserver] = []
         self.command_observers: list[CommandObserver] = []
+
+    @property
+    def overflows(self) -> int:
+        """`kv_overflows` under the name the publisher metrics read."""
+        return self.kv_overflows
 
     def lateness_summary(self) -> tuple[float, float, float]:
         """As of the worker's latest heartbeat (at most a heartbeat interval old)."""
@@ -181,3 +197,5 @@ class RankProxy:
             self.engine.update(item.metrics, item.num_waiting)
         if item.lateness is not None:
             self._lateness = item.lateness
+        if item.replay is not None and self.replay is not None:
+            self.replay.abandoned, self.replay.refused, self.replay.streaming = item.replay

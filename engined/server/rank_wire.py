@@ -147,6 +147,8 @@ class Gauges(msgspec.Struct, frozen=True, tag="gauges", array_like=True, gc=Fals
     metrics: core.EngineMetrics | None = None
     num_waiting: int = 0
     lateness: tuple[float, float, float] | None = None
+    # The replay server's (abandoned, refused, streaming), when replay is on.
+    replay: tuple[int, int, int] | None = None
 
 
 class Idle(msgspec.Struct, frozen=True, tag="idle", array_like=True):

@@ -312,8 +312,9 @@ class RankWorker:
             if os.getppid() != init.parent_pid:
                 log.error("the daemon is gone, exiting", parent_pid=init.parent_pid)
                 os._exit(EXIT_FAILURE)
-            for rank, loop in self._loops.items():
+            for (rank, loop), kv in zip(self._loops.items(), self._kvs, strict=True):
                 engine = loop.engine
+                replay = kv.replay
                 self._outbox.add(
                     w.Gauges(
                         rank,
@@ -324,6 +325,9 @@ class RankWorker:
                         engine.metrics(),
                         engine.num_waiting(),
                         loop.lateness_summary(),
+                        None
+                        if replay is None
+                        else (replay.abandoned, replay.refused, replay.streaming),
                     )
                 )
             await asyncio.sleep(init.heartbeat_s)

@@ -191,7 +191,13 @@ def test_same_tokens_stats_metrics_and_errors_as_in_process(tmp_path: Path) -> N
                 )
                 for rank in metrics.ranks
             ]
-            return gens, (stats, shape, tallies), errors
+            publishers = [
+                (family.name, sorted((s.labels["engine"], s.value) for s in family.samples))
+                for family in metrics.registry.collect()
+                if family.name.startswith("engined:kv_")
+            ]
+            assert len(publishers) == 4, publishers
+            return gens, (stats, shape, tallies, publishers), errors
 
     async def scenario() -> None:
         in_process = await workload(0)
