@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import structlog
 import zmq
 import zmq.asyncio
 
@@ -28,7 +29,7 @@ from engined.client import EngineClient, EngineError, Generation
 from engined.config import DaemonConfig, load_config
 from engined.server.daemon import EXIT_FAILURE, EXIT_OK, Daemon
 from engined.server.systemd import NullNotifier, keepalive
-from engined.wire.control import Applied, DestinationReservedEvent, ErrorReply, Pong
+from engined.wire.control import Applied, DestinationReservedEvent, ErrorReply, Load, Pong
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import KvStream, to_core_events
 from tests.support import free_tcp_port
@@ -153,18 +154,24 @@ def test_every_rank_answers_from_its_process(tmp_path: Path, dp_size: int, proce
 
 def test_same_tokens_stats_metrics_and_errors_as_in_process(tmp_path: Path) -> None:
     """The same seeded sequential workload in process and in 2 worker processes (4 ranks):
-    identical token ids, stats, Prometheus tallies (the pass and command observers, fed
-    from the workers) and error replies (a core refusal included)."""
+    identical token ids, stats, `load` messages per rank, Prometheus tallies (the pass and
+    command observers, fed from the workers) and error replies (a core refusal included)."""
 
     async def workload(processes: int) -> tuple[list[Generation], object, list[object]]:
         path = tmp_path / f"p{processes}"
         path.mkdir()
         cfg = config(path, 4, http_port=free_tcp_port())
+        loads: list[Load] = []
         async with (
             serving(cfg, processes) as running,
             await EngineClient.connect(running.endpoint) as client,
+            await EngineClient.connect(running.endpoint) as watcher,
         ):
+            await watcher.watch_load(loads.append)
             gens = await sequential(client, 4, 3)
+            await watcher.ping()  # after every load sent before it
+            per_rank = [[load for load in loads if load.dp_rank == r] for r in range(4)]
+            assert all(len(rank) > 2 for rank in per_rank), per_rank
             errors: list[object] = []
             for call in (
                 lambda: client.set_vocabulary(4, [0, 1, 2, 3]),
@@ -197,7 +204,7 @@ def test_same_tokens_stats_metrics_and_errors_as_in_process(tmp_path: Path) -> N
                 if family.name.startswith("engined:kv_")
             ]
             assert len(publishers) == 4, publishers
-            return gens, (stats, shape, tallies, publishers), errors
+            return gens, (stats, shape, tallies, publishers, per_rank), errors
 
     async def scenario() -> None:
         in_process = await workload(0)
@@ -341,7 +348,7 @@ def test_malformed_message_is_answered_and_the_daemon_goes_on(tmp_path: Path) ->
 
 def test_a_killed_worker_ends_the_daemon_non_zero(tmp_path: Path) -> None:
     """SIGKILL one of two workers while a request runs: the daemon exits 1 within a bound,
-    and the other worker is gone too."""
+    logging the dead worker's ranks, and the other worker is gone too."""
 
     async def scenario() -> None:
         ready = asyncio.Event()
@@ -361,7 +368,13 @@ def test_a_killed_worker_ends_the_daemon_non_zero(tmp_path: Path) -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(survivor.pid, 0)
 
-    run(scenario())
+    with structlog.testing.capture_logs() as logs:
+        run(scenario())
+    died = [entry for entry in logs if entry["event"] == "rank worker died"]
+    assert [(d["ranks"], d["reason"]) for d in died] == [([2, 3], "killed by signal 9")]
+    assert any(
+        "ranks [2, 3]" in str(e.get("exc_info")) for e in logs if e["event"] == "fatal error"
+    )
 
 
 def test_watchdog_pings_only_while_every_worker_answers(tmp_path: Path) -> None:
@@ -504,3 +517,64 @@ def test_a_worker_that_cannot_bind_is_a_startup_failure(tmp_path: Path) -> None:
                 os.kill(worker.pid, 0)
 
     run(scenario())
+
+
+def test_second_sigterm_skips_the_drain(tmp_path: Path) -> None:
+    """Two SIGTERMs (as `handle_exit` receives them) while long requests run on both workers:
+    no drain; each owner's stream ends with one `cancelled` terminal and the daemon exits 0."""
+
+    async def scenario() -> None:
+        ready = asyncio.Event()
+        cfg = config(tmp_path, 2, drain_timeout=60)
+        daemon = Daemon(cfg, on_ready=lambda _: ready.set(), rank_processes=2)
+        task = asyncio.create_task(daemon.serve())
+        await asyncio.wait_for(ready.wait(), 60)
+        async with await EngineClient.connect(cfg.control_endpoint) as client:
+            submitted = [
+                await client.submit(prompt(r), 10_000_000, dp_rank=r, timeout=WAIT_S)
+                for r in (0, 1)
+            ]
+            daemon.handle_exit(signal.SIGTERM)
+            daemon.handle_exit(signal.SIGTERM)
+            gens = [await client.collect(s, timeout=WAIT_S) for s in submitted]
+        assert [g.finish_reason for g in gens] == ["cancelled", "cancelled"]
+        assert await asyncio.wait_for(task, WAIT_S) == EXIT_OK
+
+    run(scenario())
+
+
+def gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie nobody reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_workers_die_with_the_daemon(tmp_path: Path) -> None:
+    """SIGKILL the daemon process: its workers do not outlive it (PR_SET_PDEATHSIG)."""
+    cfg = config(tmp_path, 2, log_format="json")
+    log_path = tmp_path / "daemon.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRAPPER, encode(cfg).decode()],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not (log_path.read_text() and "engined started" in log_path.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)  # a poll interval for the log line, not synchronisation
+        pids = started_workers(log_path)
+        proc.kill()
+        proc.wait(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while not all(gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"workers {pids} outlived the daemon"
+            time.sleep(0.02)  # a poll interval, not synchronisation
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
