@@ -61,7 +61,11 @@ class WorkerProcess:
     ) -> None:
         self.index = index
         self.ranks = list(ranks)
-        self._sock = registry.make(ctx, zmq.PAIR, endpoint, bind=True, sndhwm=0, rcvhwm=0)
+        # Commands in are bounded by the control server's limits (queued requests per rank);
+        # frames out by the worker's flow control (rank_wire.WORKER_FRAMES_AHEAD).
+        self._sock = registry.make(
+            ctx, zmq.PAIR, endpoint, bind=True, sndhwm=0, rcvhwm=w.WORKER_FRAMES_AHEAD
+        )
         self._send = w.pair_sender(self._sock)
         self._endpoint = endpoint
         self._delivery = delivery

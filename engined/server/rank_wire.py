@@ -174,20 +174,38 @@ command_decoders: Final[tuple[msgspec.msgpack.Decoder[Any], ...]] = tuple(
 init_decoder: Final = msgspec.msgpack.Decoder(RankInit)
 
 
-def pair_sender(sock: zmq.asyncio.Socket) -> Callable[[bytes], bool]:
-    """A never-blocking send on a socket this process also reads; False when refused.
+# Frames from a worker that may wait unread, at each end of its PAIR: a worker more than
+# this far ahead of the daemon blocks (`pair_sender(block=True)`) until the daemon catches up.
+WORKER_FRAMES_AHEAD: Final = 16
+
+
+def pair_sender(sock: zmq.asyncio.Socket, *, block: bool = False) -> Callable[[bytes], bool]:
+    """A send on a socket this process also reads; False when refused (or closed).
+
+    Without `block` it never blocks. With it, a full queue (the high-water mark) blocks the
+    whole process until the peer reads: a worker at speedup 0 would otherwise run passes
+    faster than the daemon delivers them and queue their frames without bound. The engine
+    loop of the worker calls this synchronously, so blocking is the only way to hold it.
 
     NOTE: not `zmq_sockets.nonblocking_sender`: a send through a shadow socket can take the
     socket's (edge-triggered) readiness with it, and a pending asyncio `recv` then sleeps
-    with a frame queued. The asyncio socket's own send re-arms its reader.
+    with a frame queued. The asyncio socket's own send re-arms its reader; after a blocking
+    send through the shadow, reading EVENTS through the asyncio socket re-arms it.
     """
+    shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
 
     def send(frame: bytes) -> bool:
         if sock.closed:
             return False
         # pyzmq types the result as an Awaitable; it is an asyncio Future, done at once.
         sent = cast("asyncio.Future[object]", sock.send(frame, flags=zmq.NOBLOCK))
-        return sent.done() and sent.exception() is None
+        if sent.done() and sent.exception() is None:
+            return True
+        if not block:
+            return False
+        shadow.send(frame)
+        sock.get(zmq.EVENTS)
+        return True
 
     return send
 

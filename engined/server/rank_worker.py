@@ -96,8 +96,8 @@ class Outbox:
         self.send_now(items)
 
     def send_now(self, items: list[w.Item]) -> None:
-        # NOTE: the PAIR has no high-water mark (the daemon is trusted and reads promptly),
-        # so a send fails only once the daemon is gone, and then we are about to die too.
+        # NOTE: a send blocks while the daemon is WORKER_FRAMES_AHEAD frames behind (flow
+        # control), and fails only once the daemon is gone, when we are about to die too.
         if not self._send(w.encoder.encode(items)):
             log.warning("daemon not reachable, frame dropped", items=len(items))
 
@@ -133,9 +133,16 @@ class RankWorker:
     async def serve(self) -> int:
         self._failed = asyncio.get_running_loop().create_future()
         sock = self._registry.add(
-            make_socket(self._ctx, zmq.PAIR, self._init.endpoint, bind=False, sndhwm=0, rcvhwm=0)
+            make_socket(
+                self._ctx,
+                zmq.PAIR,
+                self._init.endpoint,
+                bind=False,
+                sndhwm=w.WORKER_FRAMES_AHEAD,
+                rcvhwm=0,
+            )
         )
-        outbox = self._outbox = Outbox(w.pair_sender(sock))
+        outbox = self._outbox = Outbox(w.pair_sender(sock, block=True))
         try:
             ready = self._build(outbox)
         except (zmq.ZMQError, OSError) as exc:
