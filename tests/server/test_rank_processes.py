@@ -578,3 +578,29 @@ def test_workers_die_with_the_daemon(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_wait_idle_follows_every_output_from_the_workers(tmp_path: Path) -> None:
+    """`wait_idle` across processes: its stats reply comes after the last output of every
+    request submitted before it, and shows the ranks idle."""
+
+    async def scenario() -> None:
+        async with (
+            serving(config(tmp_path, 4), 2) as running,
+            await EngineClient.connect(running.endpoint) as client,
+        ):
+            submitted = [
+                await client.submit(prompt(n), 5 + n, dp_rank=n % 4, timeout=WAIT_S)
+                for n in range(8)
+            ]
+            stats = await client.wait_idle(timeout=WAIT_S)
+            assert all(r.running == r.waiting == r.active_blocks == 0 for r in stats.ranks)
+            for n, request in enumerate(submitted):
+                generation = await client.collect(request, timeout=0)
+                assert (len(generation.token_ids), generation.finish_reason) == (5 + n, "length")
+            request = await client.submit(prompt(9), 3, dp_rank=3, timeout=WAIT_S)
+            stats = await client.wait_idle(dp_rank=3, timeout=WAIT_S)
+            assert stats.ranks[3].running == 0
+            assert (await client.collect(request, timeout=0)).finish_reason == "length"
+
+    run(scenario())
