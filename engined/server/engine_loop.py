@@ -52,6 +52,9 @@ from engined.server.pacer import Pacer, open_pacer
 log = structlog.get_logger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+# Paced, with requests running: the most time (seconds of the loop's clock) a pass boundary
+# spends applying queued commands before the due pass runs (`_drain_inbox`).
+INBOX_TURN_S = 0.001
 # Pass-start lateness percentiles are re-sorted at most this often (seconds of `clock`), so a
 # client polling `stats` costs a sort of the window per interval, not per message.
 LATENESS_SUMMARY_TTL_S = 0.1
@@ -310,11 +313,25 @@ class EngineLoop:
 
     def _drain_inbox(self) -> None:
         """Apply the queued commands in arrival order; their KV events go out as one batch,
-        before the next pass's (a reset's AllBlocksCleared, the offloads a command starts)."""
+        before the next pass's (a reset's AllBlocksCleared, the offloads a command starts).
+
+        Paced with requests running, a boundary applies commands for at most INBOX_TURN_S of
+        the loop's clock (one at least) and leaves the rest to the next: a burst of submits
+        (~20 us each for a 256-token prompt) would otherwise hold a due pass, and every
+        running request's next token, for as long as it takes. Unpaced, everything is
+        applied: nobody waits on a virtual clock, and the order of work stays exact.
+        """
         inbox = self._inbox
         engine = self.engine
         kv_events: list[KvEvent] = []
+        clock = self._clock
+        bounded = self._paced and not engine.is_empty()
+        turn_ends = clock() + INBOX_TURN_S if bounded else 0.0
+        first = True
         while inbox:
+            if bounded and not first and clock() >= turn_ends:
+                break
+            first = False
             command, arrived_ms, future = inbox.popleft()
             try:
                 # An offload the command causes starts when the command is applied.

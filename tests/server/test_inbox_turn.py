@@ -1,0 +1,83 @@
+"""A burst of commands cannot hold a due pass (engined/server/engine_loop.py `_drain_inbox`).
+
+Paced with requests running, a pass boundary applies queued commands for at most
+INBOX_TURN_S of the loop's clock and leaves the rest to the next boundary. Time is a
+virtual clock (tests/server/virtual_clock.py) that each applied command moves on by 0.4 ms,
+so the number of commands per boundary is exact whatever the machine: three (0.4, 0.8, 1.2
+ms; the third ends the 1 ms turn). Unpaced, a boundary applies them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from engined.core.types import Command, CommandEffects, LifecycleEvent, PassResult, Submit
+from engined.core.types import Request as CoreRequest
+from engined.server.engine_loop import INBOX_TURN_S
+from tests.server.inprocess import engine_loop
+from tests.server.virtual_clock import VirtualClock
+from tests.support import run, until
+
+COMMAND_COST_S = 0.0004
+BURST = 20
+
+
+class _Delivery:
+    def __init__(self) -> None:
+        self.finished: set[str] = set()
+
+    def deliver_outputs(self, rank: int, outputs: list[Any]) -> None:
+        self.finished.update(o.request_id for o in outputs if o.finish_reason is not None)
+
+    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
+        pass
+
+
+def request(request_id: str, max_tokens: int) -> Submit:
+    return Submit(CoreRequest(token_ids=[1, 2, 3, 4], max_tokens=max_tokens, request_id=request_id))
+
+
+@pytest.mark.parametrize(("speedup", "per_boundary"), [(1.0, [3, 3, 3, 3, 3, 3, 2]), (0.0, [20])])
+def test_a_burst_is_applied_a_turn_per_pass(speedup: float, per_boundary: list[int]) -> None:
+    assert INBOX_TURN_S == 0.001  # the figures above assume the 1 ms turn
+
+    async def scenario() -> None:
+        clock = VirtualClock()
+        delivery = _Delivery()
+        loop = engine_loop(
+            delivery,
+            clock=clock if speedup else None,
+            sleep=clock.sleep if speedup else None,
+            speedup_ratio=speedup,
+            fixed_decode_ms_per_pass=5.0,
+        )
+        applied: list[str] = []
+        boundaries: list[int] = []  # commands of the burst applied before each pass
+
+        def on_command(rank: int, at: float, command: Command, effects: CommandEffects) -> None:
+            request_id = command.request.request_id if isinstance(command, Submit) else None
+            if request_id is not None and request_id != "long":
+                applied.append(request_id)
+                clock.now += COMMAND_COST_S
+
+        def on_pass(rank: int, start_ms: float, result: PassResult) -> None:
+            if applied and (not boundaries or len(applied) != sum(boundaries)):
+                boundaries.append(len(applied) - sum(boundaries))
+
+        loop.command_observers.append(on_command)
+        loop.pass_observers.append(on_pass)
+        task = asyncio.ensure_future(loop.run())
+        await loop.call(request("long", 400))  # running, so passes are due
+        for n in range(BURST):
+            loop.send(request(f"b{n}", 1))
+        await until(lambda: len(applied) == BURST, "the burst applied")
+        assert applied == [f"b{n}" for n in range(BURST)]  # in arrival order
+        assert boundaries == per_boundary
+        loop.stop()
+        await until(lambda: "long" in delivery.finished, "the long request done")
+        await task
+
+    run(scenario())
