@@ -400,7 +400,7 @@ def test_watchdog_pings_only_while_every_worker_answers(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with serving(config(tmp_path, 2), 2, watchdog_s=0.4) as running:
             daemon = running.daemon
-            assert daemon.workers_healthy()
+            await until(daemon.workers_healthy, "workers heard")
             pid = daemon.workers[0].pid
             assert pid is not None
             recorder = Recorder()
