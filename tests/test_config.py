@@ -63,6 +63,18 @@ def test_unrelated_environment_is_ignored() -> None:
     assert load(env={"PATH": "/bin", "ENGINED": "x", "engined_block_size": "8"}) == DaemonConfig()
 
 
+@pytest.mark.parametrize(("text", "value"), [("0", 0), ("4", 4), ("-1", -1)])
+def test_rank_processes(text: str, value: int) -> None:
+    assert load(env={"ENGINED_RANK_PROCESSES": text}).rank_processes == value
+    assert load(flags={"rank_processes": value}).rank_processes == value
+
+
+def test_rank_processes_below_auto_is_refused() -> None:
+    with raises("rank_processes") as info:
+        load(flags={"rank_processes": -2})
+    assert info.value.key == "rank_processes"
+
+
 def test_the_build_and_test_variables_are_not_settings() -> None:
     """`ENGINED_MYPYC=1` (the compiled-core build) and `ENGINED_EXPECT_COMPILED` (the test
     suite) may stay exported in a shell that then starts a daemon."""
@@ -484,6 +496,7 @@ ISSUE_FLAGS = {
     "--worker-id": "worker_id",
     "--max-queued-requests": "max_queued_requests",
     "--drain-timeout": "drain_timeout",
+    "--rank-processes": "rank_processes",
     "--log-format": "log_format",
     "--log-level": "log_level",
     "--http-port": "http_port",

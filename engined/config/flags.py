@@ -107,6 +107,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--worker-id", "worker_id"),
     Flag("--max-queued-requests", "max_queued_requests"),
     Flag("--drain-timeout", "drain_timeout"),
+    Flag("--rank-processes", "rank_processes"),
     Flag("--log-format", "log_format"),
     Flag("--log-level", "log_level"),
     Flag("--http-port", "http_port"),

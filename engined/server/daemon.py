@@ -77,12 +77,15 @@ class Daemon:
         on_ready: Callable[[Daemon], None] | None = None,
         notifier: AnyNotifier | None = None,
         watchdog_s: float | None = None,
-        rank_processes: int = 0,
+        rank_processes: int | None = None,
     ) -> None:
-        """`rank_processes`: 0 runs every rank in this process's event loop; N >= 1 runs
-        them in min(N, dp_size) worker processes, in contiguous blocks of ranks;
-        AUTO_RANK_PROCESSES (-1) in one per core this process may run on, at most dp_size."""
+        """`rank_processes` (default: the config's): 0 runs every rank in this process's
+        event loop; N >= 1 runs them in min(N, dp_size) worker processes, in contiguous
+        blocks of ranks; AUTO_RANK_PROCESSES (-1) in one per core this process may run on,
+        at most dp_size."""
         self.config = config
+        if rank_processes is None:
+            rank_processes = config.rank_processes
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.loops: list[RankHandle] = []
         if rank_processes < 0:
@@ -490,12 +493,11 @@ def _engine_summary(cfg: DaemonConfig) -> dict[str, object]:
     }
 
 
-async def _serve(config: DaemonConfig, rank_processes: int = 0) -> int:
+async def _serve(config: DaemonConfig) -> int:
     daemon = Daemon(
         config,
         notifier=Notifier.from_env(os.environ),
         watchdog_s=watchdog_interval(os.environ),
-        rank_processes=rank_processes,
     )
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -508,9 +510,7 @@ async def _serve(config: DaemonConfig, rank_processes: int = 0) -> int:
             loop.remove_signal_handler(sig)
 
 
-def run(config: DaemonConfig, rank_processes: int = 0) -> int:
-    """Run the daemon in the foreground; returns the process exit code.
-
-    `rank_processes` as for `Daemon` (until the configuration has a key for it)."""
+def run(config: DaemonConfig) -> int:
+    """Run the daemon in the foreground; returns the process exit code."""
     configure_logging(config.log_format, config.log_level)
-    return asyncio.run(_serve(config, rank_processes))
+    return asyncio.run(_serve(config))

@@ -428,7 +428,7 @@ import msgspec
 from engined.config import DaemonConfig
 from engined.server.daemon import run
 config = msgspec.json.decode(sys.argv[1], type=DaemonConfig)
-sys.exit(run(config, rank_processes=2))
+sys.exit(run(msgspec.structs.replace(config, rank_processes=2)))
 """
 
 
