@@ -45,7 +45,7 @@ from engined.server.rank_process import (
     available_cores,
     split_ranks,
 )
-from engined.server.ranks import build_rank
+from engined.server.ranks import build_rank, freeze_startup_heap
 from engined.server.settings import RuntimeSettings, WorkerIdSink
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
 from engined.wire import control as wire
@@ -263,6 +263,7 @@ class Daemon:
             for loop in self.loops:
                 self._tasks.append(asyncio.create_task(loop.run(), name=f"rank-{loop.rank}"))
         self.started = True
+        freeze_startup_heap()
         log.info(
             "engined started",
             version=engined.__version__,

@@ -42,7 +42,7 @@ from engined.server import rank_wire as w
 from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
-from engined.server.ranks import build_rank
+from engined.server.ranks import build_rank, freeze_startup_heap
 from engined.zmq_sockets import SocketRegistry, make_socket
 
 log = structlog.get_logger(__name__)
@@ -150,6 +150,7 @@ class RankWorker:
             await self._close()
             return EXIT_STARTUP
         outbox.send_now([ready])
+        freeze_startup_heap()
         for kv in self._kvs:
             kv.start()
         runs = {
