@@ -78,16 +78,19 @@ def free_port() -> int:
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU a process has used (Linux /proc), or None elsewhere.
+    """User + system CPU a process and its live children (rank worker processes) have used
+    (Linux /proc), or None elsewhere.
 
     Less sensitive to other load on the machine than wall-clock throughput, so it is the number
     to compare when a change costs a few percent.
     """
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(int(child)) or 0.0 for child in children)
 
 
 def start(
@@ -280,6 +283,8 @@ def throughput(args: argparse.Namespace) -> None:
                 "--max-num-seqs",
                 str(args.concurrency),
                 *(["--http-port", str(http_port)] if http_port is not None else []),
+                *(["--data-parallel-size", str(args.dp_size)] if args.dp_size > 1 else []),
+                *(["--rank-processes", str(args.rank_processes)] if args.rank_processes else []),
             ],
         )
         try:
@@ -599,6 +604,15 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=256)
     parser.add_argument("--pacing", action="store_true")
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument(
+        "--dp-size", type=int, default=1, help="throughput mode: the daemon's data-parallel ranks"
+    )
+    parser.add_argument(
+        "--rank-processes",
+        type=int,
+        default=0,
+        help="throughput mode: the daemon's --rank-processes (0: ranks in its own process)",
+    )
     parser.add_argument("--pacing-requests", type=int, default=256)
     parser.add_argument(
         "--http-port", type=int, default=None, help="serve and scrape /metrics (0 = a free port)"
