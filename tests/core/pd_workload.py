@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
+from hypothesis import strategies as st
+
 from engined.core.engine import Engine
 from engined.core.errors import CoreError
 from engined.core.types import (
@@ -26,6 +28,17 @@ from engined.core.types import (
 
 PROMPTS = [list(range(100, 100 + n)) for n in (3, 8, 13, 21)]
 Step = tuple[str, int, int]
+
+
+def steps(
+    ops: Sequence[str], *, prompts: int = len(PROMPTS), max_size: int = 60
+) -> st.SearchStrategy[list[Step]]:
+    """Random steps: an op of `ops` (repeat one to weight it), a small n, a prompt index."""
+    return st.lists(
+        st.tuples(st.sampled_from(list(ops)), st.integers(0, 5), st.integers(0, prompts - 1)),
+        min_size=1,
+        max_size=max_size,
+    )
 
 
 def drive(

@@ -27,7 +27,7 @@ from engined.core.types import (
 from tests.core.factories import (
     submit,
 )
-from tests.core.pd_workload import PROMPTS, drive, settle
+from tests.core.pd_workload import drive, settle, steps
 
 
 class CountingRequests(dict[str, RequestState]):
@@ -132,19 +132,7 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[str, int, int]]]:
             "bandwidth_g1_to_g2_gbps": 1.0,
             "bandwidth_g2_to_g1_gbps": 1.0,
         }
-    ops = draw(
-        st.lists(
-            st.tuples(
-                st.sampled_from(
-                    ["submit", "cancel", "reserve", "activate", "drop", "pass", "pass", "wait"]
-                ),
-                st.integers(0, 5),
-                st.integers(0, len(PROMPTS) - 1),
-            ),
-            min_size=1,
-            max_size=60,
-        )
-    )
+    ops = draw(steps(["submit", "cancel", "reserve", "activate", "drop", "pass", "pass", "wait"]))
     return EngineArgs(**args), ops
 
 

@@ -35,7 +35,7 @@ from engined.core.types import (
     ReserveDestination,
     Submit,
 )
-from tests.core.pd_workload import drive, settle
+from tests.core.pd_workload import drive, settle, steps
 
 # Three families sharing their first blocks: a small G1 evicts them to G2 and onboards them.
 PROMPTS = [list(range(base, base + n)) for base in (100, 300, 500) for n in (3, 8, 17)]
@@ -92,17 +92,7 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[str, int, int]]]:
     # Destination-heavy workloads keep a destination pending (only prebuilt requests are
     # admitted); request-heavy ones admit fresh requests, which is when they get parked.
     mix = draw(st.sampled_from([DESTINATION_HEAVY, REQUEST_HEAVY]))
-    ops = draw(
-        st.lists(
-            st.tuples(
-                st.sampled_from(mix),
-                st.integers(0, 5),
-                st.integers(0, len(PROMPTS) - 1),
-            ),
-            min_size=1,
-            max_size=80,
-        )
-    )
+    ops = draw(steps(mix, prompts=len(PROMPTS), max_size=80))
     return EngineArgs(**args), ops
 
 
