@@ -47,6 +47,7 @@ from engined.server.rank_process import (
 )
 from engined.server.ranks import build_rank, freeze_startup_heap
 from engined.server.settings import RuntimeSettings, WorkerIdSink
+from engined.server.startup_log import engine_summary, limits
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
 from engined.wire import control as wire
 from engined.zmq_sockets import SocketRegistry
@@ -273,8 +274,8 @@ class Daemon:
             kv_events_endpoints=kv_endpoints,
             kv_replay_endpoints=replay_endpoints,
             fpm_endpoints=fpm_endpoints,
-            engine=_engine_summary(cfg),
-            limits=_limits(cfg, hwms, batch_bytes),
+            engine=engine_summary(cfg),
+            limits=limits(cfg, hwms, batch_bytes, CONTROL_MAX_MESSAGE_BYTES),
             rank_processes=[worker.pid for worker in self.workers],
         )
         self._notifier.ready(status=self._status_line())
@@ -461,37 +462,6 @@ class _LateDelivery:
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
         self._controls[0].deliver_lifecycle(rank, events)
-
-
-def _limits(cfg: DaemonConfig, hwms: tuple[int, int], batch_bytes: int) -> dict[str, object]:
-    """The bounds in force (README "Limits and guarantees"), as the start-up log shows them.
-
-    `hwms`: rank 0's KV PUB and replay high-water marks (every rank has the same)."""
-    kv_hwm, replay_hwm = hwms
-    return {
-        "max_queued_requests": cfg.max_queued_requests,
-        "control_max_message_bytes": CONTROL_MAX_MESSAGE_BYTES,
-        "kv_batch_bytes_max": batch_bytes,
-        "kv_events_buffer_bytes": cfg.kv_events_buffer_bytes,
-        "kv_events_hwm": kv_hwm,
-        "kv_replay_client_bytes": cfg.kv_replay_client_bytes,
-        "kv_replay_hwm": replay_hwm,
-    }
-
-
-def _engine_summary(cfg: DaemonConfig) -> dict[str, object]:
-    e = cfg.engine
-    return {
-        "engine_type": str(e.engine_type),
-        "worker_type": str(e.worker_type),
-        "block_size": e.block_size,
-        "num_gpu_blocks": e.num_gpu_blocks,
-        "max_num_seqs": e.max_num_seqs,
-        "max_num_batched_tokens": e.max_num_batched_tokens,
-        "enable_prefix_caching": e.enable_prefix_caching,
-        "speedup_ratio": e.speedup_ratio,
-        "dp_size": e.dp_size,
-    }
 
 
 async def _serve(config: DaemonConfig) -> int:
