@@ -88,6 +88,7 @@ class ControlServer:
         self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
         self._idle_waits = 0
+        self._live_gauges = all(loop.gauges_live for loop in loops)
         self._tasks: set[asyncio.Task[None]] = set()
         # Set when a handler fails unexpectedly: a bug, which must end the daemon non-zero.
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -190,7 +191,10 @@ class ControlServer:
             case wire.Ping():
                 self._reply(identity, wire.Pong(id=msg.id))
             case wire.Stats():
-                self._reply(identity, self.stats(msg.id))
+                if self._live_gauges:
+                    self._reply(identity, self.stats(msg.id))
+                else:
+                    self._command(identity, self._fresh_stats(identity, msg))
             case wire.WaitIdle():
                 self._wait_idle(identity, msg)
             case wire.Submit() | wire.SubmitHandoffPrefill() | wire.ReserveDestination():
@@ -407,6 +411,12 @@ class ControlServer:
             return
         self._idle_waits += 1
         self._command(identity, self._until_idle(identity, msg))
+
+    async def _fresh_stats(self, identity: bytes, msg: wire.Stats) -> None:
+        """`stats` of ranks in worker processes: their lateness as of now, not of the last
+        heartbeat (up to a second old)."""
+        await asyncio.gather(*(loop.refresh() for loop in self._loops))
+        self._reply(identity, self.stats(msg.id))
 
     async def _until_idle(self, identity: bytes, msg: wire.WaitIdle) -> None:
         try:

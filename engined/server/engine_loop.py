@@ -205,6 +205,12 @@ class EngineLoop:
         self._wake.set()  # a sleeping loop looks again, and finds itself idle
         await future
 
+    # Every figure (`lateness_summary`, `kv_overflows`...) is read from the loop itself.
+    gauges_live = True
+
+    async def refresh(self) -> None:
+        """Nothing to fetch: an in-process rank's figures are always current."""
+
     def _release_idle_waiters(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
         for future in waiters:

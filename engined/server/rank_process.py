@@ -80,7 +80,7 @@ class WorkerProcess:
         self.proxies: dict[int, RankProxy] = {}
         self._corr = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
-        self._idle_waiters: dict[int, asyncio.Future[None]] = {}
+        self._answers: dict[int, asyncio.Future[None]] = {}  # UNTIL_IDLE, GAUGES by corr
         self._stopping: set[int] = set()
         self._bye = asyncio.Event()
         self.last_heard = time.monotonic()
@@ -186,10 +186,10 @@ class WorkerProcess:
             if not self.finished.done():
                 self.finished.set_exception(RankWorkerDied(f"{self.describe()} abandoned"))
             # A rank that stops releases its waiters (as EngineLoop's do).
-            for waiter in self._idle_waiters.values():
+            for waiter in self._answers.values():
                 if not waiter.done():
                     waiter.set_result(None)
-            self._idle_waiters.clear()
+            self._answers.clear()
             self.kill()
 
     @property
@@ -232,8 +232,8 @@ class WorkerProcess:
                         delivery.deliver_lifecycle(item.rank, item.events)
                     case w.Gauges():
                         proxies[item.rank].on_gauges(item)
-                    case w.Idle():
-                        waiter = self._idle_waiters.pop(item.corr, None)
+                    case w.Done():
+                        waiter = self._answers.pop(item.corr, None)
                         if waiter is not None and not waiter.done():
                             waiter.set_result(None)
                     case w.Stopped():
@@ -254,9 +254,16 @@ class WorkerProcess:
         self._send_frame(frame)
 
     async def until_idle(self, rank: int) -> None:
+        await self._ask(rank, w.UNTIL_IDLE)
+
+    async def refresh(self, rank: int) -> None:
+        """Until the rank's full gauges (lateness, replay counters) have arrived."""
+        await self._ask(rank, w.GAUGES)
+
+    async def _ask(self, rank: int, kind: int) -> None:
         corr = next(self._corr)
-        waiter = self._idle_waiters[corr] = asyncio.get_running_loop().create_future()
-        self._send_frame(w.encoder.encode((corr, rank, w.UNTIL_IDLE, None)))
+        waiter = self._answers[corr] = asyncio.get_running_loop().create_future()
+        self._send_frame(w.encoder.encode((corr, rank, kind, None)))
         await waiter
 
     def stop_rank(self, rank: int) -> None:

@@ -56,6 +56,8 @@ class WorkerLink(Protocol):
 
     async def until_idle(self, rank: int) -> None: ...
 
+    async def refresh(self, rank: int) -> None: ...
+
     def stop_rank(self, rank: int) -> None: ...
 
 
@@ -125,6 +127,14 @@ class RankProxy:
     async def until_idle(self) -> None:
         """As `EngineLoop.until_idle`, answered by the worker after everything it sent before."""
         await self._worker.until_idle(self.rank)
+
+    # Passes carry the cheap figures; lateness and the replay counters only heartbeats and
+    # `refresh`, which `stats` awaits.
+    gauges_live = False
+
+    async def refresh(self) -> None:
+        """Until the worker has sent every figure of the rank as of now."""
+        await self._worker.refresh(self.rank)
 
     def stop(self) -> None:
         self._worker.stop_rank(self.rank)

@@ -44,7 +44,8 @@ COMMAND_KIND: Final[dict[type[Any], int]] = {cls: i for i, cls in enumerate(COMM
 CONTROL: Final = 100
 STOP: Final = CONTROL  # body: None; stop that rank once drained
 FPM_WORKER_ID: Final = CONTROL + 1  # body: the new worker id (every rank of the worker)
-UNTIL_IDLE: Final = CONTROL + 2  # body: None; answered by `Idle(corr)` once the rank is idle
+UNTIL_IDLE: Final = CONTROL + 2  # body: None; answered by `Done(corr)` once the rank is idle
+GAUGES: Final = CONTROL + 3  # body: None; answered by the rank's full `Gauges`, then `Done(corr)`
 
 # Command results as (kind, text): text is the request id or the refusal's reason.
 _RESULTS: Final[tuple[type[Any], ...]] = (
@@ -151,8 +152,9 @@ class Gauges(msgspec.Struct, frozen=True, tag="gauges", array_like=True, gc=Fals
     replay: tuple[int, int, int] | None = None
 
 
-class Idle(msgspec.Struct, frozen=True, tag="idle", array_like=True):
-    """The rank's `until_idle` returned: everything before it was applied and delivered."""
+class Done(msgspec.Struct, frozen=True, tag="done", array_like=True):
+    """Request `corr` is answered: an `UNTIL_IDLE` (the rank's `until_idle` returned, so
+    everything before it was applied and delivered) or a `GAUGES` (its `Gauges` came first)."""
 
     corr: int
 
@@ -162,7 +164,7 @@ class Stopped(msgspec.Struct, frozen=True, tag="stopped", array_like=True):
 
 
 Item = (
-    Ready | StartupFailed | Reply | Failure | Pass | Outputs | Lifecycle | Gauges | Idle | Stopped
+    Ready | StartupFailed | Reply | Failure | Pass | Outputs | Lifecycle | Gauges | Done | Stopped
 )
 
 encoder: Final = msgspec.msgpack.Encoder()

@@ -124,6 +124,7 @@ class RankWorker:
         self._registry = SocketRegistry()
         self._loops: dict[int, EngineLoop] = {}
         self._kvs: list[KvPublisher] = []
+        self._kv_of: dict[int, KvPublisher] = {}
         self._fpms: list[FpmPublisher | NullFpmPublisher] = []
         # id(command) -> correlation id, from the command's arrival until it is applied.
         self._pending: dict[int, int] = {}
@@ -200,6 +201,7 @@ class RankWorker:
             loop.command_observers.append(self._on_command)
             self._loops[rank] = outbox.loops[rank] = loop
             self._kvs.append(kv)
+            self._kv_of[rank] = kv
             self._fpms.append(fpm)
             ready.append(
                 w.RankReady(
@@ -278,6 +280,9 @@ class RankWorker:
                     task = asyncio.ensure_future(self._until_idle(rank_loop, corr))
                     self._tasks.add(task)
                     task.add_done_callback(self._call_done)
+                elif kind == w.GAUGES:
+                    self._outbox.add(self._gauges(rank, rank_loop), rank)
+                    self._outbox.add(w.Done(corr), rank)
                 elif kind == w.FPM_WORKER_ID:
                     worker_id = msgspec.msgpack.decode(body, type=str)
                     for fpm in self._fpms:
@@ -302,7 +307,7 @@ class RankWorker:
 
     async def _until_idle(self, loop: EngineLoop, corr: int) -> None:
         await loop.until_idle()
-        self._outbox.add(w.Idle(corr), loop.rank)
+        self._outbox.add(w.Done(corr), loop.rank)
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -320,25 +325,26 @@ class RankWorker:
             if os.getppid() != init.parent_pid:
                 log.error("the daemon is gone, exiting", parent_pid=init.parent_pid)
                 os._exit(EXIT_FAILURE)
-            for (rank, loop), kv in zip(self._loops.items(), self._kvs, strict=True):
-                engine = loop.engine
-                replay = kv.replay
-                self._outbox.add(
-                    w.Gauges(
-                        rank,
-                        loop.now_ms(),
-                        loop.passes_total,
-                        loop.tokens_total,
-                        loop.kv_overflows,
-                        engine.metrics(),
-                        engine.num_waiting(),
-                        loop.lateness_summary(),
-                        None
-                        if replay is None
-                        else (replay.abandoned, replay.refused, replay.streaming),
-                    )
-                )
+            for rank, loop in self._loops.items():
+                self._outbox.add(self._gauges(rank, loop))
             await asyncio.sleep(init.heartbeat_s)
+
+    def _gauges(self, rank: int, loop: EngineLoop) -> w.Gauges:
+        """Every figure of a rank, lateness and replay counters included (heartbeats and
+        `stats`; passes send only the cheap ones)."""
+        engine = loop.engine
+        replay = self._kv_of[rank].replay
+        return w.Gauges(
+            rank,
+            loop.now_ms(),
+            loop.passes_total,
+            loop.tokens_total,
+            loop.kv_overflows,
+            engine.metrics(),
+            engine.num_waiting(),
+            loop.lateness_summary(),
+            None if replay is None else (replay.abandoned, replay.refused, replay.streaming),
+        )
 
     async def _close(self) -> None:
         for kv in self._kvs:

@@ -152,6 +152,43 @@ def test_every_rank_answers_from_its_process(tmp_path: Path, dp_size: int, proce
     run(scenario())
 
 
+def test_stats_lateness_is_current_not_a_heartbeat_old(tmp_path: Path) -> None:
+    """Paced ranks whose passes run longer than modelled (0.001 ms each) start every pass
+    late. `stats` asks the workers for their figures first: the lateness of passes run since
+    the last heartbeat (a second apart) is in the reply."""
+
+    async def scenario() -> None:
+        cfg = config(
+            tmp_path,
+            2,
+            **{
+                "engine.speedup_ratio": 1,
+                "engine.perf_model": "fixed",
+                "engine.fixed_prefill_ms_per_token": 0.0,
+                "engine.fixed_pass_overhead_ms": 0.0,
+                "engine.fixed_decode_ms_per_pass": 0.001,
+            },
+        )
+        async with (
+            serving(cfg, 2) as running,
+            await EngineClient.connect(running.endpoint) as client,
+        ):
+            submitted = [await client.submit(prompt(i), 2000, dp_rank=i % 2) for i in range(8)]
+            for request in submitted[:2]:  # several passes on both ranks
+                seen = 0
+                async for entry in client.outputs(request.request_id, timeout=WAIT_S):
+                    seen += len(entry.token_ids)
+                    if seen >= 20:
+                        break
+            stats = await client.stats()
+            assert all(rank.lateness_max_ms > 0 for rank in stats.ranks), stats
+            assert all(rank.passes_total >= 20 for rank in stats.ranks), stats
+            for request in submitted:
+                await client.cancel(request.request_id)
+
+    run(scenario())
+
+
 def test_same_tokens_stats_metrics_and_errors_as_in_process(tmp_path: Path) -> None:
     """The same seeded sequential workload in process and in 2 worker processes (4 ranks):
     identical token ids, stats, `load` messages per rank, Prometheus tallies (the pass and
