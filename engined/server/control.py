@@ -30,9 +30,10 @@ from engined.server.load import LoadWatch
 from engined.server.log_throttle import LogThrottle
 from engined.server.ownership import HandoffRoute, Ownership
 from engined.server.rank_handle import RankHandle
+from engined.server.reports import Reports
 from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire
-from engined.wire.convert import rank_stats, to_core_command, to_output_entry, to_wire_lifecycle
+from engined.wire.convert import to_core_command, to_output_entry, to_wire_lifecycle
 from engined.wire.errors import WireError, bound_message
 
 log = structlog.get_logger(__name__)
@@ -41,8 +42,6 @@ log = structlog.get_logger(__name__)
 # (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
 CONTROL_TURN_MESSAGES = 64
 CONTROL_TURN_S = 0.002
-# `wait_idle` messages waiting at once, from every client together.
-WAIT_IDLE_LIMIT = 1024
 
 
 def split_envelope(frames: list[bytes]) -> tuple[bytes, bool, bytes] | None:
@@ -87,8 +86,7 @@ class ControlServer:
         self._decoder = wire.ControlDecoder()
         self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
-        self._idle_waits = 0
-        self._live_gauges = all(loop.gauges_live for loop in loops)
+        self._reports = Reports(loops)
         self._tasks: set[asyncio.Task[None]] = set()
         # Set when a handler fails unexpectedly: a bug, which must end the daemon non-zero.
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -191,12 +189,18 @@ class ControlServer:
             case wire.Ping():
                 self._reply(identity, wire.Pong(id=msg.id))
             case wire.Stats():
-                if self._live_gauges:
-                    self._reply(identity, self.stats(msg.id))
+                if self._reports.live:
+                    self._reply(identity, self._reports.stats(msg.id))
                 else:
-                    self._command(identity, self._fresh_stats(identity, msg))
+                    self._command(
+                        identity, self._answer(identity, self._reports.fresh_stats(msg.id))
+                    )
             case wire.WaitIdle():
-                self._wait_idle(identity, msg)
+                refusal = self._reports.refusal(msg)
+                if refusal is None:
+                    self._command(identity, self._answer(identity, self._reports.until_idle(msg)))
+                else:
+                    self._error(identity, msg.id, *refusal)
             case wire.Submit() | wire.SubmitHandoffPrefill() | wire.ReserveDestination():
                 self._command(identity, self._submit(identity, msg))
             case wire.Cancel():
@@ -393,39 +397,10 @@ class ControlServer:
         else:
             self._reply(identity, wire.Applied(id=msg.id))
 
-    def _wait_idle(self, identity: bytes, msg: wire.WaitIdle) -> None:
-        """Answer `stats` once the named ranks are idle; at most WAIT_IDLE_LIMIT wait at once,
-        so a flood of them costs a bounded number of tasks."""
-        if msg.dp_rank is not None and msg.dp_rank >= len(self._loops):
-            self._error(
-                identity, msg.id, "invalid_request", f"dp_rank: {msg.dp_rank} is out of range"
-            )
-            return
-        if self._idle_waits >= WAIT_IDLE_LIMIT:
-            self._error(
-                identity,
-                msg.id,
-                "overloaded",
-                f"{WAIT_IDLE_LIMIT} wait_idle messages are already waiting",
-            )
-            return
-        self._idle_waits += 1
-        self._command(identity, self._until_idle(identity, msg))
-
-    async def _fresh_stats(self, identity: bytes, msg: wire.Stats) -> None:
-        """`stats` of ranks in worker processes: their lateness as of now, not of the last
-        heartbeat (up to a second old)."""
-        await asyncio.gather(*(loop.refresh() for loop in self._loops))
-        self._reply(identity, self.stats(msg.id))
-
-    async def _until_idle(self, identity: bytes, msg: wire.WaitIdle) -> None:
-        try:
-            ranks = range(len(self._loops)) if msg.dp_rank is None else [msg.dp_rank]
-            for rank in ranks:
-                await self._loops[rank].until_idle()
-        finally:
-            self._idle_waits -= 1
-        self._reply(identity, self.stats(msg.id))
+    async def _answer(
+        self, identity: bytes, reply: Coroutine[object, object, wire.DaemonMessage]
+    ) -> None:
+        self._reply(identity, await reply)
 
     async def _set_vocabulary(self, identity: bytes, msg: wire.SetVocabulary) -> None:
         """Every rank or none: the cores validate alike, so only the first can refuse."""
@@ -440,18 +415,7 @@ class ControlServer:
         self._reply(identity, wire.Applied(id=msg.id))
 
     def stats(self, msg_id: int | str | None = None) -> wire.StatsReply:
-        return wire.StatsReply(
-            id=msg_id,
-            ranks=[
-                rank_stats(
-                    loop.engine.metrics(),
-                    passes_total=loop.passes_total,
-                    lateness_ms=loop.lateness_summary(),
-                    kv_events_overflows=loop.kv_overflows,
-                )
-                for loop in self._loops
-            ],
-        )
+        return self._reports.stats(msg_id)
 
     # --- delivery (called by the engine loops) ------------------------------------------
 

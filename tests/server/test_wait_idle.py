@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from engined.client import EngineClient, EngineError
-from engined.server.control import WAIT_IDLE_LIMIT
+from engined.server.reports import WAIT_IDLE_LIMIT
 from tests.server.inprocess import serve
 from tests.server.support import assert_idle
 from tests.support import run

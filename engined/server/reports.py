@@ -1,0 +1,67 @@
+"""What the ranks report to clients: the `stats` reply, and `wait_idle`'s wait for it.
+
+Apart from the control server because neither routes anything: they read the ranks'
+figures (`RankHandle`), wait for ranks that keep theirs elsewhere (worker processes, whose
+lateness travels with heartbeats unless asked), and bound how many waits may be held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from engined.server.rank_handle import RankHandle
+from engined.wire import control as wire
+from engined.wire.convert import rank_stats
+
+# `wait_idle` messages waiting at once, from every client together.
+WAIT_IDLE_LIMIT = 1024
+
+
+class Reports:
+    """`stats` and `wait_idle` over the daemon's ranks."""
+
+    def __init__(self, loops: Sequence[RankHandle]) -> None:
+        self._loops = loops
+        self._waits = 0
+        # Whether every figure `stats` reads is current without asking (in-process ranks).
+        self.live = all(loop.gauges_live for loop in loops)
+
+    def stats(self, msg_id: int | str | None = None) -> wire.StatsReply:
+        return wire.StatsReply(
+            id=msg_id,
+            ranks=[
+                rank_stats(
+                    loop.engine.metrics(),
+                    passes_total=loop.passes_total,
+                    lateness_ms=loop.lateness_summary(),
+                    kv_events_overflows=loop.kv_overflows,
+                )
+                for loop in self._loops
+            ],
+        )
+
+    async def fresh_stats(self, msg_id: int | str | None) -> wire.StatsReply:
+        """`stats` once every rank has sent its figures as of now (a worker's lateness would
+        otherwise be as of its last heartbeat, up to a second old)."""
+        await asyncio.gather(*(loop.refresh() for loop in self._loops))
+        return self.stats(msg_id)
+
+    def refusal(self, msg: wire.WaitIdle) -> tuple[wire.ErrorCode, str] | None:
+        """Why `msg` cannot wait (code, message), or None: it then counts as waiting."""
+        if msg.dp_rank is not None and msg.dp_rank >= len(self._loops):
+            return "invalid_request", f"dp_rank: {msg.dp_rank} is out of range"
+        if self._waits >= WAIT_IDLE_LIMIT:
+            return "overloaded", f"{WAIT_IDLE_LIMIT} wait_idle messages are already waiting"
+        self._waits += 1
+        return None
+
+    async def until_idle(self, msg: wire.WaitIdle) -> wire.StatsReply:
+        """The stats once the named ranks are idle (after `refusal` said None)."""
+        try:
+            ranks = range(len(self._loops)) if msg.dp_rank is None else [msg.dp_rank]
+            for rank in ranks:
+                await self._loops[rank].until_idle()
+        finally:
+            self._waits -= 1
+        return self.stats(msg.id)
