@@ -54,6 +54,19 @@ from tests.core.factories import (
 )
 
 MB = 1_000_000
+
+
+def finish_within(core: Engine, request_id: str, *, passes: int) -> float:
+    """Run passes from 0 ms until `request_id` finishes (within `passes`); the clock after."""
+    now_ms = 0.0
+    for _ in range(passes):
+        result = core.execute_pass(now_ms)
+        now_ms = result.end_ms
+        if finished(result, request_id):
+            return now_ms
+    raise AssertionError(f"{request_id} did not finish within {passes} passes")
+
+
 # Four seed tests park a prompt exactly as long as the whole G1 pool (1 block for 4 tokens,
 # 3 blocks for 12) with max_output_tokens 2. engined rejects a prompt at or beyond the pool's
 # capacity when it must generate (README "Faithfulness": vLLM caps max_model_len at the pool;
@@ -257,15 +270,7 @@ def test_live_destination_eviction_uses_command_application_time() -> None:
 
     cached = uid(1)
     submit(core, request(cached, range(block_size), 1))
-    now_ms = 0.0
-    completed = False
-    for _ in range(4):
-        result = core.execute_pass(now_ms)
-        now_ms = result.end_ms
-        if finished(result, cached):
-            completed = True
-            break
-    assert completed, "cache seed request should complete normally"
+    now_ms = finish_within(core, cached, passes=4)
     assert active_blocks(core) == 0
     assert inactive_blocks(core) == 1
 
@@ -553,15 +558,7 @@ def test_destination_reservation_retries_after_presence_filtered_offload() -> No
     submit(core, request(cached, range(block_size), 1))
     cached_seen = view(core, cached)
     cached_keys = list(zip(cached_seen.block_keys, cached_seen.block_parent_keys, strict=True))
-    now_ms = 0.0
-    completed = False
-    for _ in range(4):
-        result = core.execute_pass(now_ms)
-        now_ms = result.end_ms
-        if finished(result, cached):
-            completed = True
-            break
-    assert completed, "cache seed request should complete"
+    now_ms = finish_within(core, cached, passes=4)
     assert active_blocks(core) == 0
     assert inactive_blocks(core) == 1
 
