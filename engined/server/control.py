@@ -196,7 +196,7 @@ class ControlServer:
                         identity, self._answer(identity, self._reports.fresh_stats(msg.id))
                     )
             case wire.WaitIdle():
-                refusal = self._reports.refusal(msg)
+                refusal = self._reports.admit_wait(msg)
                 if refusal is None:
                     self._command(identity, self._answer(identity, self._reports.until_idle(msg)))
                 else:

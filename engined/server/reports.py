@@ -47,8 +47,8 @@ class Reports:
         await asyncio.gather(*(loop.refresh() for loop in self._loops))
         return self.stats(msg_id)
 
-    def refusal(self, msg: wire.WaitIdle) -> tuple[wire.ErrorCode, str] | None:
-        """Why `msg` cannot wait (code, message), or None: it then counts as waiting."""
+    def admit_wait(self, msg: wire.WaitIdle) -> tuple[wire.ErrorCode, str] | None:
+        """Count `msg` as waiting and return None, or return why it cannot wait (code, message)."""
         if msg.dp_rank is not None and msg.dp_rank >= len(self._loops):
             return "invalid_request", f"dp_rank: {msg.dp_rank} is out of range"
         if self._waits >= WAIT_IDLE_LIMIT:
@@ -57,7 +57,7 @@ class Reports:
         return None
 
     async def until_idle(self, msg: wire.WaitIdle) -> wire.StatsReply:
-        """The stats once the named ranks are idle (after `refusal` said None)."""
+        """The stats once the named ranks are idle (after `admit_wait` admitted it)."""
         try:
             ranks = range(len(self._loops)) if msg.dp_rank is None else [msg.dp_rank]
             for rank in ranks:
