@@ -77,6 +77,9 @@ class Episode:
     started: float
     retry_at: float = 0.0
     backoff: float = 0.0
+    # Retries that found the pipe still full. A first EAGAIN can be a transient (libzmq's
+    # I/O thread behind, not the client); one that outlasts retries is a client not reading.
+    stalls: int = 0
     # Messages to deliver, in order, then terminals (rank, request id), then the load.
     kept: deque[wire.DaemonMessage] = field(default_factory=deque)
     terminals: list[tuple[int, str]] = field(default_factory=list)
@@ -136,6 +139,11 @@ class ClientTable:
     @property
     def notices(self) -> int:
         return self._notices
+
+    @property
+    def stalls(self) -> int:
+        """Failed retries of the clients dropped now."""
+        return sum(episode.stalls for episode in self._episodes.values())
 
     def is_dropped(self, identity: bytes) -> bool:
         return identity in self._episodes
@@ -357,6 +365,7 @@ class ClientTable:
             for identity in due:
                 episode = self._episodes.get(identity)
                 if episode is not None and not self._flush(identity):
+                    episode.stalls += 1
                     episode.backoff = min(
                         max(2 * episode.backoff, DROPPED_RETRY_S), DROPPED_RETRY_MAX_S
                     )

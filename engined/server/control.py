@@ -104,6 +104,7 @@ class ControlServer:
             "watching": self._load.watchers,
             "dropped": self._clients.episodes,
             "notices": self._clients.notices,
+            "stalls": self._clients.stalls,
         }
 
     # --- reading ------------------------------------------------------------------------
