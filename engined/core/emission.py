@@ -29,11 +29,14 @@ from engined.core.types import (
     FinishReason,
     KvTransferTimingMode,
     RequestOutput,
+    RequestStatus,
     TransferTiming,
 )
 from engined.core.vocab import Vocabulary
 
 _LENGTH = FinishReason.LENGTH
+# A request preempted earlier in the same emission is no longer RUNNING.
+_RUNNING = RequestStatus.RUNNING
 
 
 class TokenEmitter:
@@ -138,12 +141,10 @@ class TokenEmitter:
     def emit(self, ctx: PassContext) -> float:
         """Emit every ready request's tokens into `ctx`; returns the decode duration (ms)."""
         state = self._state
-        requests = state.requests
         ready: list[RequestState] = []
         finished: list[RequestState] = []
         total_len = 0
-        for request_id in state.running:
-            req = requests[request_id]
+        for req in state.running_states:
             seq = req.seq
             length = len(seq.tokens)
             if req.num_computed_tokens >= length:
@@ -181,7 +182,7 @@ class TokenEmitter:
                 and len(tokens) % bs != 0
                 and seq.generated + 1 < seq.max_output_tokens
                 and req.cached_tokens_reported
-                and request_id in running_members
+                and req.status is _RUNNING
             ):
                 # The common decode step, inlined: same draw and effect as `generate_token` for
                 # a token that neither opens a block nor ends the request.

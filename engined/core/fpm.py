@@ -50,19 +50,23 @@ def welford(values: Iterable[int]) -> LengthStats:
 
 
 def build_snapshot(
-    scheduled: Iterable[ScheduledWork],
+    scheduled: Iterable[ScheduledWork | int],
     queued_prefill: LengthStats,
     queued_decode: LengthStats,
     wall_time_secs: float,
 ) -> FpmSnapshot:
     """The snapshot of one pass; the queued halves are (count, sum, variance) of lengths,
-    tallied as requests queue (engined/core/queued.py) rather than walked each pass."""
+    tallied as requests queue (engined/core/queued.py) rather than walked each pass. An int
+    among `scheduled` is a one-token decode, by its sequence length."""
     prefill_lengths: list[int] = []
     prefill_tokens = 0
     prefill_kv = 0
     decode_lengths: list[int] = []
     for work in scheduled:
-        if work.prompt_tokens > 0:
+        if isinstance(work, int):
+            # A one-token decode by its sequence length (PassContext.scheduled).
+            decode_lengths.append(work)
+        elif work.prompt_tokens > 0:
             prefill_lengths.append(work.prompt_len)
             prefill_tokens += work.total_tokens
             prefill_kv += work.prefix_tokens

@@ -162,9 +162,15 @@ class KvManager:
 
     def apply_all(self, moves: list[BlockMove]) -> bool:
         """Apply in order, stopping at the first failure (earlier moves stay applied)."""
-        return all(self.apply(move) for move in moves)
+        # NOTE: a loop, not all() over a generator: mypyc compiles generators to objects.
+        for move in moves:  # noqa: SIM110
+            if not self.apply(move):
+                return False
+        return True
 
     def use(self, move: Use, reservation: list[int] | None = None) -> bool:
+        if not move.hashes and reservation is None and self.offload is None:
+            return self._use_partial(move.partial)
         pool = self.pool
         active_full = self.active_full
         # Existing blocks: >= 0 block id; -1 = fresh. Matched inactive blocks are revived now
@@ -213,6 +219,23 @@ class KvManager:
         if fresh_partial:
             assert partial is not None
             self.active_partial[partial] = slots[-1]
+        if evicted:
+            self._evictions(evicted)
+        return True
+
+    def _use_partial(self, partial: int | None) -> bool:
+        """`use` of a Use without full blocks: the block a decode token opens (its partial).
+
+        The same effects as the general path, without its per-block bookkeeping: one slot,
+        free or evicted, and the Removed events of what was evicted.
+        """
+        if partial is None or partial in self.active_partial:
+            return True
+        got = self.pool.allocate(1)
+        if got is None:
+            return self._exhausted()
+        slots, evicted = got
+        self.active_partial[partial] = slots[0]
         if evicted:
             self._evictions(evicted)
         return True

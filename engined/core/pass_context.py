@@ -39,8 +39,10 @@ class PassContext:
         self.now_ms = now_ms
         # Tokens this pass may still schedule.
         self.budget = budget
-        # What each scheduled request computes, for FPM and for undoing a preemption.
-        self.scheduled: dict[str, ScheduledWork] = {}
+        # What each scheduled request computes, for FPM and for undoing a preemption. A plain
+        # int is the common case, a decode of one token, by its sequence length (building a
+        # ScheduledWork per request per pass was a sixth of a decode pass's scheduling).
+        self.scheduled: dict[str, ScheduledWork | int] = {}
         # The prefill batch the timing model charges: chunks, their total length and prefix.
         self.batch_count = 0
         self.batch_isl = 0

@@ -134,16 +134,15 @@ class Scheduler:
         """Step 1 of the pass. Decoding requests (one dangling token inside an allocated
         block) take the inline path; everything else goes through `_schedule`."""
         state = self._state
-        running = state.running
-        requests = state.requests
+        # Preemption removes entries as the walk goes: hence the index.
+        running = state.running_states
         scheduled = ctx.scheduled
         bs = self.block_size
         fast = self._fast_paths
-        new_work = _new
         i = 0
         while i < len(running) and ctx.budget > 0:
-            request_id = running[i]
-            req = requests[request_id]
+            req = running[i]
+            request_id = req.request_id
             seq = req.seq
             computed = req.num_computed_tokens
             length = len(seq.tokens)
@@ -158,10 +157,8 @@ class Scheduler:
                 if length > seq.num_allocated_tokens:
                     seq.num_allocated_tokens = length
                 req.num_computed_tokens = length
-                scheduled[request_id] = new_work(
-                    ScheduledWork,
-                    (1, 0, prompt_len, prompt_len, length, seq.generated >= seq.max_output_tokens),
-                )
+                # A decode of one token: its sequence length stands for its ScheduledWork.
+                scheduled[request_id] = length
                 ctx.budget -= 1
                 i += 1
                 continue
@@ -320,6 +317,9 @@ class Scheduler:
     def _undo_scheduled(self, ctx: PassContext, victim: str) -> None:
         work = ctx.scheduled.pop(victim, None)
         if work is None:
+            return
+        if isinstance(work, int):
+            ctx.budget += 1
             return
         ctx.budget += work.total_tokens
         if work.prompt_tokens > 0 and self._counts_prefill:

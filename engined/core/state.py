@@ -69,12 +69,16 @@ class SchedulerState:
         "requests",
         "running",
         "running_members",
+        "running_states",
     )
 
     def __init__(self) -> None:
         self._queue: OrderedDict[str, None] = OrderedDict()
         self._prebuilt: OrderedDict[str, None] = OrderedDict()
         self.running: list[str] = []
+        # The records of `running`, index for index: the pass walks them without a lookup
+        # per request.
+        self.running_states: list[RequestState] = []
         self.running_members: set[str] = set()
         self.requests: dict[str, RequestState] = {}
         self.preemptions_total = 0
@@ -119,21 +123,26 @@ class SchedulerState:
 
     def transition_to_running(self, request_id: str) -> None:
         self.remove_waiting(request_id)
+        req = self.requests[request_id]
         self.running.append(request_id)
+        self.running_states.append(req)
         self.running_members.add(request_id)
-        self.requests[request_id].status = RequestStatus.RUNNING
+        req.status = RequestStatus.RUNNING
 
     def remove_running(self, request_id: str) -> None:
         if request_id in self.running_members:
-            self.running_members.discard(request_id)
-            self.running.remove(request_id)
+            self._leave_running(request_id)
 
     def take(self, request_id: str) -> RequestState:
         """Remove a request from the state entirely."""
-        req = self.requests.pop(request_id)
         if request_id in self.running_members:
-            self.running_members.discard(request_id)
-            self.running.remove(request_id)
+            self._leave_running(request_id)
         else:
             self.remove_waiting(request_id)
-        return req
+        return self.requests.pop(request_id)
+
+    def _leave_running(self, request_id: str) -> None:
+        self.running_members.discard(request_id)
+        index = self.running.index(request_id)
+        del self.running[index]
+        del self.running_states[index]

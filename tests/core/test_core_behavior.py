@@ -245,8 +245,7 @@ def test_running_request_catches_up_decode_tail_before_promote() -> None:
     parts.state.requests[rid] = RequestState(
         rid, seq, RequestStatus.RUNNING, num_computed_tokens=9, num_preemptions=1
     )
-    parts.state.running.append(rid)
-    parts.state.running_members.add(rid)
+    parts.state.transition_to_running(rid)
     result = core.execute_pass(0.0)
     req = view(core, rid)
     assert len(result.outputs) == 1

@@ -124,8 +124,7 @@ def insert_running_request(
     req.num_computed_tokens = len(seq)
     state = parts.state
     state.requests[request_id] = req
-    state.running.append(request_id)
-    state.running_members.add(request_id)
+    state.transition_to_running(request_id)
 
 
 def seed_inactive_g1_block(core: Engine) -> None:
