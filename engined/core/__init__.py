@@ -46,6 +46,8 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.offload.tier_engine",
     "engined.core.offload.tier_onboard",
     "engined.core.offload.types",
+    # The daemon's per-token conversion of a pass's outputs (`route_outputs`).
+    "engined.wire.convert",
 )
 
 

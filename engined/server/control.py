@@ -33,7 +33,7 @@ from engined.server.rank_handle import RankHandle
 from engined.server.reports import Reports
 from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire
-from engined.wire.convert import to_core_command, to_output_entry, to_wire_lifecycle
+from engined.wire.convert import route_outputs, to_core_command, to_wire_lifecycle
 from engined.wire.errors import WireError, bound_message
 
 log = structlog.get_logger(__name__)
@@ -422,14 +422,9 @@ class ControlServer:
 
     def deliver_outputs(self, rank: int, outputs: list[core.RequestOutput]) -> None:
         ownership = self._ownership
-        per_client: dict[bytes, list[wire.OutputEntry]] = defaultdict(list)
-        for output in outputs:
-            request_id = output.request_id
-            owner = ownership.owner(rank, request_id)
-            if owner is not None:
-                per_client[owner].append(to_output_entry(output))
-                if output.finish_reason is not None:
-                    ownership.finished(rank, request_id)
+        per_client, ended = route_outputs(outputs, ownership.owners_on(rank))
+        for request_id in ended:
+            ownership.finished(rank, request_id)
         for identity, entries in per_client.items():
             self._reply(identity, wire.Output(dp_rank=rank, outputs=entries))
             self._clients.settle(identity)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -76,6 +76,10 @@ class Ownership:
 
     def owner(self, rank: int, request_id: str) -> bytes | None:
         return self._owners[rank].get(request_id)
+
+    def owners_on(self, rank: int) -> Mapping[str, bytes]:
+        """The owner of every request owned on `rank` (a live view: do not keep it)."""
+        return self._owners[rank]
 
     def ranks_owning(self, request_id: str) -> list[int]:
         return [rank for rank, owners in enumerate(self._owners) if request_id in owners]

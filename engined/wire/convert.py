@@ -6,6 +6,8 @@ request outputs and lifecycle events become streamed messages. Pure functions, n
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from engined.core import types as core
 from engined.wire.control import (
     ActivateDestination,
@@ -92,6 +94,32 @@ def to_output_entry(output: core.RequestOutput) -> OutputEntry:
         cached_tokens=output.cached_tokens,
         handoff_delay_ms=output.handoff_delay_ms,
     )
+
+
+def route_outputs(
+    outputs: list[core.RequestOutput], owners: Mapping[str, bytes]
+) -> tuple[dict[bytes, list[OutputEntry]], list[str]]:
+    """A pass's outputs as entries per owner (in order), and the owned requests they end.
+
+    Outputs of requests nobody owns are dropped. This runs for every token the daemon
+    streams (and is compiled with the core: `engined.core.COMPILED_MODULES`).
+    """
+    routed: dict[bytes, list[OutputEntry]] = {}
+    ended: list[str] = []
+    for output in outputs:
+        request_id = output.request_id
+        owner = owners.get(request_id)
+        if owner is None:
+            continue
+        if output.finish_reason is not None:
+            ended.append(request_id)
+        entry = to_output_entry(output)
+        batch = routed.get(owner)
+        if batch is None:
+            routed[owner] = [entry]
+        else:
+            batch.append(entry)
+    return routed, ended
 
 
 def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:

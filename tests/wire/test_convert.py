@@ -108,6 +108,35 @@ class TestToOutputEntry:
             assert convert.to_output_entry(core.RequestOutput("r", [], reason)).finished
 
 
+class TestRouteOutputs:
+    def test_entries_per_owner_in_order_and_the_ends(self) -> None:
+        outputs = [
+            core.RequestOutput("a1", [1], None, 4),
+            core.RequestOutput("b1", [2]),
+            core.RequestOutput("gone", [3]),
+            core.RequestOutput("a2", [], core.FinishReason.CANCELLED),
+            core.RequestOutput("b2", [5], core.FinishReason.LENGTH),
+        ]
+        owners = {"a1": b"A", "a2": b"A", "b1": b"B", "b2": b"B"}
+        routed, ended = convert.route_outputs(outputs, owners)
+        assert list(routed) == [b"A", b"B"]
+        assert routed[b"A"] == [
+            convert.to_output_entry(outputs[0]),
+            convert.to_output_entry(outputs[3]),
+        ]
+        assert routed[b"B"] == [
+            convert.to_output_entry(outputs[1]),
+            convert.to_output_entry(outputs[4]),
+        ]
+        assert ended == ["a2", "b2"]
+
+    def test_nothing_owned_routes_nothing(self) -> None:
+        routed, ended = convert.route_outputs(
+            [core.RequestOutput("x", [], core.FinishReason.LENGTH)], {}
+        )
+        assert (routed, ended) == ({}, [])
+
+
 def test_to_wire_lifecycle() -> None:
     timing = core.TransferTiming(
         mode=core.KvTransferTimingMode.FULL_PROMPT,
