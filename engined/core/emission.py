@@ -191,6 +191,30 @@ class TokenEmitter:
                 seq.generated += 1
                 append(RequestOutput(request_id, [token]))
                 continue
+            if (
+                fast
+                and not offload
+                and seq.planned is None
+                and len(tokens) % bs == 0
+                and seq.generated + 1 < seq.max_output_tokens
+                and req.cached_tokens_reported
+                and req.status is _RUNNING
+            ):
+                # The decode step that opens a block, inlined: the same draw and effects as
+                # `generate_token` and `apply_all` of its moves (Promote, then the new block).
+                token = getrandbits(32) if draw is None else draw()
+                promote = seq.open_block(token)
+                if promote is not None:
+                    kv.promote(promote)
+                if kv.use_partial(seq.partial):
+                    seq.num_allocated_tokens = len(tokens)
+                    append(RequestOutput(request_id, [token]))
+                    continue
+                # No block: as the general path, undo, preempt, and retry unless it was us.
+                seq.pop()
+                victim = self._preempter.preempt()
+                if victim is None or victim == request_id:
+                    continue
             token = 0
             cleanup: list[BlockMove] = []
             sampled = completed = False

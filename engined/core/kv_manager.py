@@ -170,7 +170,7 @@ class KvManager:
 
     def use(self, move: Use, reservation: list[int] | None = None) -> bool:
         if not move.hashes and reservation is None and self.offload is None:
-            return self._use_partial(move.partial)
+            return self.use_partial(move.partial)
         pool = self.pool
         active_full = self.active_full
         # Existing blocks: >= 0 block id; -1 = fresh. Matched inactive blocks are revived now
@@ -223,7 +223,7 @@ class KvManager:
             self._evictions(evicted)
         return True
 
-    def _use_partial(self, partial: int | None) -> bool:
+    def use_partial(self, partial: int | None) -> bool:
         """`use` of a Use without full blocks: the block a decode token opens (its partial).
 
         The same effects as the general path, without its per-block bookkeeping: one slot,

@@ -245,46 +245,55 @@ class Sequence:
 
     def _push(self, token: int) -> list[BlockMove]:
         tokens = self.tokens
+        if len(tokens) % self.block_size != 0:
+            tokens.append(token)
+            self.generated += 1
+            return []
+        promote = self.open_block(token)
+        use = Use(len(self.hashes), [], [], [], None, self.partial, None, None)
+        return [use] if promote is None else [promote, use]
+
+    def open_block(self, token: int) -> Promote | None:
+        """Take `token` when it opens a new block (the length is a multiple of the block size).
+
+        Returns the Promote of the block it completes (None when that block was already
+        full, a prompt that ended on a boundary); the new block is `partial`, a fresh id the
+        caller allocates (`_push` asks for it with a Use). `pop` undoes the token.
+        """
+        tokens = self.tokens
         tokens.append(token)
         self.generated += 1
-        bs = self.block_size
-        if len(tokens) % bs != 1:
-            return []
-        moves: list[BlockMove] = []
         partial = self.partial
-        if partial is not None:
-            pos = len(self.hashes)
-            parent = self.hashes[-1] if pos else None
-            block = tokens[pos * bs : (pos + 1) * bs]
-            if self.caching:
-                lh: int | None = local_block_hash(block)
-                assert lh is not None
-                h = sequence_hash(parent, lh)
-                self.local.append(lh)
-                parent_key = self.keys[-1] if pos else None
-            else:
-                lh = None
-                h = self._rng.getrandbits(64)
-                parent_key = lineage_key(pos - 1, 0) if pos else None
-            key = lineage_key(pos, h)
-            self.hashes.append(h)
-            self.keys.append(key)
-            self.parent_keys.append(parent_key)
-            moves.append(
-                Promote(
-                    partial,
-                    h,
-                    parent,
-                    lh,
-                    key,
-                    parent_key,
-                    block.tolist() if self.emit_token_ids else None,
-                )
-            )
-        new_partial = self._next_partial_id()
-        self.partial = new_partial
-        moves.append(Use(len(self.hashes), [], [], [], None, new_partial, None, None))
-        return moves
+        self.partial = self._next_partial_id()
+        if partial is None:
+            return None
+        bs = self.block_size
+        pos = len(self.hashes)
+        parent = self.hashes[-1] if pos else None
+        block = tokens[pos * bs : (pos + 1) * bs]
+        if self.caching:
+            lh: int | None = local_block_hash(block)
+            assert lh is not None
+            h = sequence_hash(parent, lh)
+            self.local.append(lh)
+            parent_key = self.keys[-1] if pos else None
+        else:
+            lh = None
+            h = self._rng.getrandbits(64)
+            parent_key = lineage_key(pos - 1, 0) if pos else None
+        key = lineage_key(pos, h)
+        self.hashes.append(h)
+        self.keys.append(key)
+        self.parent_keys.append(parent_key)
+        return Promote(
+            partial,
+            h,
+            parent,
+            lh,
+            key,
+            parent_key,
+            block.tolist() if self.emit_token_ids else None,
+        )
 
     def pop(self) -> None:
         """Undo the last sampled token after its block could not be allocated.
