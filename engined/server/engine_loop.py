@@ -47,6 +47,7 @@ from engined.core.types import (
     PassResult,
     RequestOutput,
 )
+from engined.server.collector import Collector
 from engined.server.pacer import Pacer, open_pacer
 
 log = structlog.get_logger(__name__)
@@ -108,13 +109,16 @@ class EngineLoop:
         clock: Callable[[], float] = time.monotonic,
         sleep: Sleep | None = None,
         wall_clock: Callable[[], float] = time.time,
+        collector: Collector | None = None,
     ) -> None:
         """`clock` (seconds) and `sleep` (waits that many seconds of `clock`) are the loop's
         time; the defaults are the monotonic clock and the event loop's timers, and a test
         passes a virtual clock and its sleep to run paced passes without waiting. Without a
         `sleep`, passes are paced by an `engined.server.pacer` opened on the first paced wait
         (a timerfd for the default clock on Linux, else the event loop's timers) and closed
-        when `run` ends.
+        when `run` ends. A paced loop tells `collector` (shared by the ranks of one event
+        loop, on the same clock) when it next needs the loop and offers it every wait
+        (engined.server.collector).
         """
         self.engine = engine
         self.rank = engine.dp_rank
@@ -138,6 +142,7 @@ class EngineLoop:
         self._lateness_at: tuple[int, float] | None = None  # (passes_total, clock) of it
         self._next_start: float | None = None
         self._pacer: Pacer | None = None
+        self._collector = collector if self._paced else None
         # `until_idle` callers, and whether the loop sleeps with nothing left to do.
         self._idle_waiters: list[asyncio.Future[None]] = []
         self._idle = False
@@ -183,12 +188,14 @@ class EngineLoop:
     def send(self, command: Command) -> None:
         """Apply `command` at the next pass boundary; nobody awaits it (a refusal is logged)."""
         self._inbox.append((command, self.now_ms(), None))
+        self._needed_now()
         self._wake.set()
 
     async def call(self, command: Command) -> CommandEffects:
         """Apply a command at the next boundary; raises its CoreError if it failed."""
         future: asyncio.Future[CommandEffects] = asyncio.get_running_loop().create_future()
         self._inbox.append((command, self.now_ms(), future))
+        self._needed_now()
         self._wake.set()
         return await future
 
@@ -210,6 +217,11 @@ class EngineLoop:
 
     async def refresh(self) -> None:
         """Nothing to fetch: an in-process rank's figures are always current."""
+
+    def _needed_now(self) -> None:
+        """A command came: this rank needs the loop at once, whatever it was waiting for."""
+        if self._collector is not None:
+            self._collector.due(self.rank, self._clock())
 
     def _release_idle_waiters(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -282,6 +294,10 @@ class EngineLoop:
             await asyncio.sleep(0)
             return
         self._next_start = end_ms
+        collector = self._collector
+        if collector is not None:
+            collector.due(self.rank, self._start + end_ms / 1000.0)
+            collector.offer()
         delay = (end_ms - self.now_ms()) / 1000.0
         if delay <= 0:
             # Late: no waiting, but the rest of the daemon gets its turn before the next pass.
@@ -361,8 +377,14 @@ class EngineLoop:
     async def _wait_for_work(self) -> None:
         """Sleep until a command arrives or a tier transfer is due, with FPM heartbeats."""
         self._next_start = None
+        collector = self._collector
+        if collector is not None:
+            collector.due(self.rank, None)
         wake = self._wake
         while not wake.is_set():
+            if collector is not None:
+                # Also every heartbeat: idle ranks still see control traffic allocate.
+                collector.offer()
             timeout = HEARTBEAT_INTERVAL_S
             due_in = self._offload_due_in()
             if due_in is not None:

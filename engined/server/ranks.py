@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from engined.config import DaemonConfig, endpoint_for_rank
 from engined.core.engine import Engine
+from engined.server.collector import Collector
 from engined.server.engine_loop import Delivery, EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher
@@ -36,6 +37,7 @@ def build_rank(
     worker_id: str,
     delivery: Delivery,
     batch_bytes: int,
+    collector: Collector | None = None,
 ) -> RankParts:
     """Bind rank `rank`'s KV PUB (+ replay ROUTER) and FPM PUB and build its core and loop.
 
@@ -70,7 +72,14 @@ def build_rank(
     else:
         fpm = NullFpmPublisher()
     core = Engine(engine, dp_rank=rank, worker_id=rank)
-    loop = EngineLoop(core, kv=kv, fpm=fpm, delivery=delivery, speedup_ratio=engine.speedup_ratio)
+    loop = EngineLoop(
+        core,
+        kv=kv,
+        fpm=fpm,
+        delivery=delivery,
+        speedup_ratio=engine.speedup_ratio,
+        collector=collector,
+    )
     return RankParts(loop, kv, fpm)
 
 
@@ -83,3 +92,9 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def paced_collector(cfg: DaemonConfig) -> Collector | None:
+    """The collector of a process whose ranks are paced (engined.server.collector); None at
+    speedup 0, where nothing waits for a deadline and CPython's own collection stays."""
+    return Collector() if cfg.engine.speedup_ratio > 0 else None

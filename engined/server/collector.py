@@ -1,0 +1,146 @@
+"""Garbage collection between passes, in the time before the next one is due.
+
+CPython collects when allocations cross a threshold, so a collection runs inside whichever
+pass (or command) made the allocation that crossed it, and delays every rank of the event
+loop by its length. Measured with 8 paced ranks of 64 requests (prompt 512, output 128) on
+the shared 2-core machine: 131 young collections inside passes (up to 4.6 ms), 11 of the
+middle generation (p50 1.7 ms, up to 13.9 ms) and a full one (19.7 ms).
+
+With a Collector started, the process's automatic collection is off. Each paced rank tells
+it when it next needs the loop (`due`: its next pass's deadline, the moment a command wakes
+it, or None while it waits for work) and, about to sleep, offers the time until then
+(`offer`): the collector runs the generation CPython would run once the earliest deadline
+of every rank leaves twice that generation's last measured duration. A collection that keeps
+finding no room runs anyway once allocations reach HARD_LIMIT times the young threshold, so
+memory stays bounded and a loaded loop collects as CPython would, in larger steps. The full
+generation waits for room too, up to HARD_LIMIT times its own threshold.
+
+Unpaced ranks (speedup 0) have no deadlines: the daemon keeps CPython's collection for them.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from typing import Final, Protocol
+
+# Young allocations, in multiples of the young threshold, beyond which a collection runs
+# without room; also the multiple of the full threshold beyond which a full one does.
+HARD_LIMIT: Final = 20
+# A generation's first collections before any was measured (seconds): cautious guesses.
+INITIAL_COST_S: Final = (0.001, 0.005, 0.05)
+# How fast a generation's cost estimate forgets a long collection (per collection).
+COST_DECAY: Final = 0.8
+
+
+class GcOps(Protocol):
+    """The part of the `gc` module the collector drives (the module itself, or a test's)."""
+
+    def get_count(self) -> tuple[int, int, int]: ...
+
+    def get_threshold(self) -> tuple[int, int, int]: ...
+
+    def collect(self, generation: int = 2) -> int: ...
+
+    def disable(self) -> None: ...
+
+    def enable(self) -> None: ...
+
+
+class _ModuleGc:
+    """The interpreter's collector (`gc`), as `GcOps`."""
+
+    def get_count(self) -> tuple[int, int, int]:
+        return gc.get_count()
+
+    def get_threshold(self) -> tuple[int, int, int]:
+        return gc.get_threshold()
+
+    def collect(self, generation: int = 2) -> int:
+        return gc.collect(generation)
+
+    def disable(self) -> None:
+        gc.disable()
+
+    def enable(self) -> None:
+        gc.enable()
+
+
+class Collector:
+    """Runs the collections of one process's event loop in the gaps between its passes."""
+
+    def __init__(
+        self, *, ops: GcOps | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._gc = _ModuleGc() if ops is None else ops
+        self._clock = clock
+        self._due: dict[int, float] = {}
+        self._cost = list(INITIAL_COST_S)
+        self._running = False
+        self.collections = [0, 0, 0]
+        # Collections that ran without the room they needed (HARD_LIMIT reached).
+        self.forced = 0
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def start(self) -> None:
+        """Take over from CPython's automatic collection (after the start-up heap is frozen)."""
+        if not self._running:
+            self._gc.disable()
+            self._running = True
+
+    def close(self) -> None:
+        """Hand collection back to CPython."""
+        if self._running:
+            self._running = False
+            self._gc.enable()
+
+    def due(self, rank: int, deadline: float | None) -> None:
+        """`rank` next needs the loop at `deadline` (seconds of the clock; None: not before a
+        command wakes it)."""
+        if deadline is None:
+            self._due.pop(rank, None)
+        else:
+            self._due[rank] = deadline
+
+    def offer(self) -> None:
+        """A rank is about to wait: collect now if a collection is due and there is room."""
+        if not self._running:
+            return
+        counts = self._gc.get_count()
+        thresholds = self._gc.get_threshold()
+        if counts[0] <= thresholds[0]:
+            return
+        now = self._clock()
+        room = min(self._due.values(), default=float("inf")) - now
+        generation = self._generation(counts, thresholds, room)
+        if generation is None:
+            return
+        if 2 * self._cost[generation] > room:
+            self.forced += 1
+        started = self._clock()
+        self._gc.collect(generation)
+        spent = self._clock() - started
+        self._cost[generation] = max(spent, COST_DECAY * self._cost[generation])
+        self.collections[generation] += 1
+
+    def _generation(
+        self, counts: tuple[int, int, int], thresholds: tuple[int, int, int], room: float
+    ) -> int | None:
+        """CPython's choice (the oldest generation past its threshold), if it fits in `room`
+        or is past its hard limit; a full collection without room gives way to the middle one."""
+        young, middle, old = counts
+        if old > thresholds[2]:
+            if 2 * self._cost[2] <= room or old > HARD_LIMIT * thresholds[2]:
+                return 2
+            generation = 1
+        elif middle > thresholds[1]:
+            generation = 1
+        else:
+            generation = 0
+        if 2 * self._cost[generation] <= room or young > HARD_LIMIT * thresholds[0]:
+            return generation
+        return None
