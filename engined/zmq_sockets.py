@@ -18,7 +18,7 @@ import socket
 import stat
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Final, Self
+from typing import Final, Self, TypedDict, Unpack
 
 import structlog
 import zmq
@@ -33,20 +33,27 @@ DEFAULT_HWM: Final = 1000
 DEFAULT_LINGER_MS: Final = 1000
 
 
+class SocketOptions(TypedDict, total=False):
+    """The options of `make_socket`, declared once for it and `SocketRegistry.make`."""
+
+    sndhwm: int
+    rcvhwm: int
+    linger: int
+    maxmsgsize: int | None
+    router_mandatory: bool
+    routing_id: bytes | None
+
+
 def make_socket(
     ctx: zmq.asyncio.Context,
     socket_type: int,
     endpoint: str,
     *,
     bind: bool,
-    sndhwm: int = DEFAULT_HWM,
-    rcvhwm: int = DEFAULT_HWM,
-    linger: int = DEFAULT_LINGER_MS,
-    maxmsgsize: int | None = None,
-    router_mandatory: bool = False,
-    routing_id: bytes | None = None,
+    **options: Unpack[SocketOptions],
 ) -> zmq.asyncio.Socket:
-    """Create a socket, set its options, then bind or connect it.
+    """Create a socket, set its options (`SocketOptions`, each optional), then bind or
+    connect it.
 
     Args:
         ctx: the asyncio context that owns the socket.
@@ -54,15 +61,16 @@ def make_socket(
         endpoint: `tcp://host:port` or `ipc://path` (`tcp://host:*` binds an ephemeral port;
             read the real one from `socket.last_endpoint`).
         bind: bind when True, connect when False.
-        sndhwm, rcvhwm: high-water marks in messages; 0 means unbounded, so pass it only
-            where the peer is trusted.
-        linger: ms that unsent messages survive `close()`.
+        sndhwm, rcvhwm: high-water marks in messages (DEFAULT_HWM); 0 means unbounded, so
+            pass it only where the peer is trusted.
+        linger: ms that unsent messages survive `close()` (DEFAULT_LINGER_MS).
         maxmsgsize: largest accepted inbound message in bytes (the control ROUTER sets it
-            so a hostile client cannot make the daemon buffer gigabytes); None keeps libzmq's
-            unlimited default.
+            so a hostile client cannot make the daemon buffer gigabytes); None (default)
+            keeps libzmq's unlimited default.
         router_mandatory: ROUTER only: an unroutable send raises (EHOSTUNREACH, or EAGAIN at
-            the HWM) instead of being dropped silently.
-        routing_id: the identity a DEALER presents to a ROUTER; None lets libzmq pick one.
+            the HWM) instead of being dropped silently (default False).
+        routing_id: the identity a DEALER presents to a ROUTER; None (default) lets libzmq
+            pick one.
 
     Raises:
         ValueError: `router_mandatory` on a socket that is not a ROUTER.
@@ -70,15 +78,18 @@ def make_socket(
             (see `check_ipc_path`).
         zmq.ZMQError: the bind or connect failed; the socket is closed before re-raising.
     """
+    router_mandatory = options.get("router_mandatory", False)
+    maxmsgsize = options.get("maxmsgsize")
+    routing_id = options.get("routing_id")
     if router_mandatory and socket_type != zmq.ROUTER:
         raise ValueError(f"router_mandatory only applies to ROUTER sockets, not type {socket_type}")
     if bind:
         check_ipc_path(endpoint)
     sock = ctx.socket(socket_type)
     try:
-        sock.setsockopt(zmq.SNDHWM, sndhwm)
-        sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        sock.setsockopt(zmq.LINGER, linger)
+        sock.setsockopt(zmq.SNDHWM, options.get("sndhwm", DEFAULT_HWM))
+        sock.setsockopt(zmq.RCVHWM, options.get("rcvhwm", DEFAULT_HWM))
+        sock.setsockopt(zmq.LINGER, options.get("linger", DEFAULT_LINGER_MS))
         if maxmsgsize is not None:
             sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
         if router_mandatory:
@@ -254,12 +265,7 @@ class SocketRegistry:
         endpoint: str,
         *,
         bind: bool,
-        sndhwm: int = DEFAULT_HWM,
-        rcvhwm: int = DEFAULT_HWM,
-        linger: int = DEFAULT_LINGER_MS,
-        maxmsgsize: int | None = None,
-        router_mandatory: bool = False,
-        routing_id: bytes | None = None,
+        **options: Unpack[SocketOptions],
     ) -> zmq.asyncio.Socket:
         """`make_socket` with the same arguments, registering the result.
 
@@ -270,20 +276,7 @@ class SocketRegistry:
         claim = IpcClaim(path) if path is not None else None
         if claim is not None:
             self._claims.append(claim)
-        return self.add(
-            make_socket(
-                ctx,
-                socket_type,
-                endpoint,
-                bind=bind,
-                sndhwm=sndhwm,
-                rcvhwm=rcvhwm,
-                linger=linger,
-                maxmsgsize=maxmsgsize,
-                router_mandatory=router_mandatory,
-                routing_id=routing_id,
-            )
-        )
+        return self.add(make_socket(ctx, socket_type, endpoint, bind=bind, **options))
 
     def add(self, sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
         """Take ownership of `sock`; returns it for chaining."""
