@@ -1,4 +1,5 @@
-"""Helpers shared by the server tests: a rank's stats, bounded polls of them, idleness.
+"""Helpers shared by the server tests: a rank's stats, bounded polls of them, idleness, and
+a delivery that records which requests finished (for engine loops run without a server).
 
 Plain functions, imported as `tests.server.support` (pytest's conftest.py is for fixtures).
 """
@@ -10,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from engined.client import EngineClient
+from engined.core.types import LifecycleEvent, RequestOutput
 from engined.wire.control import RankStats
 
 WAIT_S = 10.0
@@ -49,3 +51,16 @@ async def wait_for_stats(
         if time.monotonic() >= deadline:
             raise AssertionError(f"{what} not reached within {timeout} s: {stats}")
         await asyncio.sleep(POLL_S)
+
+
+class FinishedDelivery:
+    """An engine loop's `Delivery` that keeps the ids of the requests that finished."""
+
+    def __init__(self) -> None:
+        self.finished: set[str] = set()
+
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
+        self.finished.update(o.request_id for o in outputs if o.finish_reason is not None)
+
+    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
+        pass

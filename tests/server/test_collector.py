@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from engined.config import load_config
-from engined.core.types import LifecycleEvent, Request, RequestOutput, Submit
+from engined.core.types import Request, Submit
 from engined.server.collector import HARD_LIMIT, INITIAL_COST_S, Collector
 from engined.server.daemon import EXIT_OK, Daemon
 from tests.server.inprocess import engine_loop
+from tests.server.support import FinishedDelivery
 from tests.server.virtual_clock import VirtualClock
 from tests.support import run, until
 
@@ -168,17 +169,6 @@ class TestDecisions:
         assert fake.collected == []
 
 
-class _Delivery:
-    def __init__(self) -> None:
-        self.finished: set[str] = set()
-
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
-        self.finished.update(o.request_id for o in outputs if o.finish_reason is not None)
-
-    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
-        pass
-
-
 def submit(request_id: str, max_tokens: int) -> Submit:
     return Submit(Request(token_ids=[1, 2, 3, 4], max_tokens=max_tokens, request_id=request_id))
 
@@ -193,7 +183,7 @@ class TestPacedLoops:
             fake = FakeGc(clock)
             collector = Collector(ops=fake, clock=clock)
             collector.start()
-            delivery = _Delivery()
+            delivery = FinishedDelivery()
             loop = engine_loop(
                 delivery,
                 clock=clock,
@@ -234,7 +224,7 @@ class TestPacedLoops:
             fake = FakeGc(clock)
             collector = Collector(ops=fake, clock=clock)
             collector.start()
-            delivery = _Delivery()
+            delivery = FinishedDelivery()
             slow, fast = (
                 engine_loop(
                     delivery,
@@ -273,7 +263,7 @@ class TestPacedLoops:
             fake = FakeGc(clock, (HARD_LIMIT * 700 + 1, 0, 0))
             collector = Collector(ops=fake, clock=clock)
             collector.start()
-            delivery = _Delivery()
+            delivery = FinishedDelivery()
             loop = engine_loop(delivery, collector=collector, speedup_ratio=0.0)
             task = asyncio.ensure_future(loop.run())
             await loop.call(submit("r", 5))

@@ -10,30 +10,19 @@ ms; the third ends the 1 ms turn). Unpaced, a boundary applies them all.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 
-from engined.core.types import Command, CommandEffects, LifecycleEvent, PassResult, Submit
+from engined.core.types import Command, CommandEffects, PassResult, Submit
 from engined.core.types import Request as CoreRequest
 from engined.server.engine_loop import INBOX_TURN_S
 from tests.server.inprocess import engine_loop
+from tests.server.support import FinishedDelivery
 from tests.server.virtual_clock import VirtualClock
 from tests.support import run, until
 
 COMMAND_COST_S = 0.0004
 BURST = 20
-
-
-class _Delivery:
-    def __init__(self) -> None:
-        self.finished: set[str] = set()
-
-    def deliver_outputs(self, rank: int, outputs: list[Any]) -> None:
-        self.finished.update(o.request_id for o in outputs if o.finish_reason is not None)
-
-    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
-        pass
 
 
 def request(request_id: str, max_tokens: int) -> Submit:
@@ -46,7 +35,7 @@ def test_a_burst_is_applied_a_turn_per_pass(speedup: float, per_boundary: list[i
 
     async def scenario() -> None:
         clock = VirtualClock()
-        delivery = _Delivery()
+        delivery = FinishedDelivery()
         loop = engine_loop(
             delivery,
             clock=clock if speedup else None,
