@@ -114,6 +114,19 @@ def start(
     return subprocess.Popen(cmd + extra, stderr=subprocess.DEVNULL, env=env)
 
 
+def rank_process_flags(processes: int) -> list[str]:
+    """`--rank-processes N` for a daemon that has the setting (its default became -1, one
+    worker per core, so the benchmark names what it measures); nothing for a revision from
+    before rank processes, where every rank runs in the daemon's process anyway."""
+    from engined.config import DaemonConfig
+
+    if "rank_processes" in DaemonConfig.__struct_fields__:
+        return ["--rank-processes", str(processes)]
+    if processes:
+        raise SystemExit("this revision of engined has no --rank-processes")
+    return []
+
+
 async def counter(
     ctx: zmq.asyncio.Context, endpoint: str, counts: dict[str, int], key: str
 ) -> None:
@@ -286,7 +299,7 @@ def throughput(args: argparse.Namespace) -> None:
                 str(args.concurrency),
                 *(["--http-port", str(http_port)] if http_port is not None else []),
                 *(["--data-parallel-size", str(args.dp_size)] if args.dp_size > 1 else []),
-                *(["--rank-processes", str(args.rank_processes)] if args.rank_processes else []),
+                *rank_process_flags(args.rank_processes),
             ],
         )
         try:
@@ -517,7 +530,15 @@ def pacing(args: argparse.Namespace) -> None:
     pass_log = Path(tmp) / "passes.json"
     proc = start(
         endpoints,
-        ["--speedup-ratio", "1", "--block-size", "16", "--data-parallel-size", str(args.ranks)],
+        [
+            "--speedup-ratio",
+            "1",
+            "--block-size",
+            "16",
+            "--data-parallel-size",
+            str(args.ranks),
+            *rank_process_flags(args.rank_processes),
+        ],
         program=["-c", _PACING_DAEMON],
         env={**os.environ, "E2E_BENCH_PASS_LOG": str(pass_log)},
     )
@@ -619,7 +640,8 @@ def main() -> None:
         "--rank-processes",
         type=int,
         default=0,
-        help="throughput mode: the daemon's --rank-processes (0: ranks in its own process)",
+        help="the daemon's --rank-processes (0: ranks in its own process; with --pacing the "
+        "steady-state split needs 0)",
     )
     parser.add_argument("--pacing-requests", type=int, default=256)
     parser.add_argument(

@@ -87,13 +87,14 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         float, msgspec.Meta(ge=0.0), _help("Seconds to finish in-flight requests at shutdown.")
     ] = 30.0
     # 0: every rank in the daemon's own event loop; N: N worker processes (contiguous blocks of
-    # ranks, at most one process per rank); -1: one per core the daemon may run on. Clients
-    # see the same sockets and protocol either way (docs/architecture.md, process layout).
+    # ranks, at most one process per rank); -1 (the default): one per core the daemon may run
+    # on, none when there is one rank or one core (nothing to spread). Clients see the same
+    # sockets and protocol either way (docs/architecture.md, process layout).
     rank_processes: Annotated[
         int,
         msgspec.Meta(ge=-1),
         _help("Worker processes for the ranks (0 = the daemon's own, -1 = one per core)."),
-    ] = 0
+    ] = -1
     # "auto" logs JSON when stderr is not a TTY and console lines when it is.
     log_format: Annotated[LogFormat, _help("auto: json unless stderr is a TTY.")] = "auto"
     log_level: Annotated[LogLevel, _help("Lowest level logged.")] = "info"

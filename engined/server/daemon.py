@@ -71,6 +71,14 @@ WORKER_HEARTBEAT_S = 1.0
 AUTO_RANK_PROCESSES = -1
 
 
+def auto_rank_processes(dp_size: int, cores: int) -> int:
+    """AUTO_RANK_PROCESSES resolved: a process per core, at most one per rank; none (the
+    daemon's own loop) for a single rank or a single core, where a worker only adds a hop."""
+    if dp_size == 1 or cores == 1:
+        return 0
+    return min(dp_size, cores)
+
+
 class Daemon:
     def __init__(
         self,
@@ -84,14 +92,14 @@ class Daemon:
         """`rank_processes` (default: the config's): 0 runs every rank in this process's
         event loop; N >= 1 runs them in min(N, dp_size) worker processes, in contiguous
         blocks of ranks; AUTO_RANK_PROCESSES (-1) in one per core this process may run on,
-        at most dp_size."""
+        at most dp_size (`auto_rank_processes`)."""
         self.config = config
         if rank_processes is None:
             rank_processes = config.rank_processes
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.loops: list[RankHandle] = []
         if rank_processes < 0:
-            rank_processes = min(config.engine.dp_size, available_cores())
+            rank_processes = auto_rank_processes(config.engine.dp_size, available_cores())
         self.rank_processes = rank_processes
         self.workers: list[WorkerProcess] = []
         self._worker_dir: str | None = None

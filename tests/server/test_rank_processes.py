@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from engined.client import EngineClient, EngineError, Generation
 from engined.config import DaemonConfig, load_config
+from engined.server import daemon as daemon_module
 from engined.server.daemon import EXIT_FAILURE, EXIT_OK, Daemon
 from engined.server.systemd import NullNotifier, keepalive
 from engined.wire.control import Applied, DestinationReservedEvent, ErrorReply, Load, Pong
@@ -641,3 +642,20 @@ def test_wait_idle_follows_every_output_from_the_workers(tmp_path: Path) -> None
             assert (await client.collect(request, timeout=0)).finish_reason == "length"
 
     run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("dp_size", "cores", "processes"),
+    [(1, 8, 0), (8, 1, 0), (8, 2, 2), (2, 16, 2), (8, 16, 8), (3, 2, 2)],
+)
+def test_the_default_takes_a_worker_per_core_where_there_is_something_to_spread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dp_size: int, cores: int, processes: int
+) -> None:
+    """`rank_processes` -1 (the default): one worker per core the daemon may run on, at most
+    one per rank; none for a single rank or a single core. Set, the number is taken as is."""
+    monkeypatch.setattr(daemon_module, "available_cores", lambda: cores)
+    cfg = config(tmp_path, dp_size)
+    assert cfg.rank_processes == -1
+    assert Daemon(cfg).rank_processes == processes
+    assert Daemon(config(tmp_path, dp_size, rank_processes=0)).rank_processes == 0
+    assert Daemon(cfg, rank_processes=1).rank_processes == 1
