@@ -6,14 +6,13 @@ loop by its length. Measured with 8 paced ranks of 64 requests (prompt 512, outp
 the shared 2-core machine: 131 young collections inside passes (up to 4.6 ms), 11 of the
 middle generation (p50 1.7 ms, up to 13.9 ms) and a full one (19.7 ms).
 
-With a Collector started, the process's automatic collection is off. Each paced rank tells
-it when it next needs the loop (`due`: its next pass's deadline, the moment a command wakes
-it, or None while it waits for work) and, about to sleep, offers the time until then
-(`offer`): the collector runs the generation CPython would run once the earliest deadline
-of every rank leaves twice that generation's last measured duration. A collection that keeps
-finding no room runs anyway once allocations reach HARD_LIMIT times the young threshold, so
-memory stays bounded and a loaded loop collects as CPython would, in larger steps. The full
-generation waits for room too, up to HARD_LIMIT times its own threshold.
+With a Collector started, the process's automatic collection is off. Each paced rank records
+when it next needs the loop (engined.server.deadlines) and, about to sleep, offers the time
+until then (`offer`): the collector runs the generation CPython would run once the earliest
+deadline of every rank leaves twice that generation's last measured duration. A collection
+that keeps finding no room runs anyway once allocations reach HARD_LIMIT times the young
+threshold, so memory stays bounded and a loaded loop collects as CPython would, in larger
+steps. The full generation waits for room too, up to HARD_LIMIT times its own threshold.
 
 Unpaced ranks (speedup 0) have no deadlines: the daemon keeps CPython's collection for them.
 """
@@ -24,6 +23,8 @@ import gc
 import time
 from collections.abc import Callable
 from typing import Final, Protocol
+
+from engined.server.deadlines import Deadlines
 
 # Young allocations, in multiples of the young threshold, beyond which a collection runs
 # without room; also the multiple of the full threshold beyond which a full one does.
@@ -71,11 +72,16 @@ class Collector:
     """Runs the collections of one process's event loop in the gaps between its passes."""
 
     def __init__(
-        self, *, ops: GcOps | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        deadlines: Deadlines,
+        *,
+        ops: GcOps | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`deadlines` are those of the ranks of the loop, on `clock`."""
         self._gc = _ModuleGc() if ops is None else ops
         self._clock = clock
-        self._due: dict[int, float] = {}
+        self._deadlines = deadlines
         self._cost = list(INITIAL_COST_S)
         self._running = False
         self.collections = [0, 0, 0]
@@ -98,14 +104,6 @@ class Collector:
             self._running = False
             self._gc.enable()
 
-    def due(self, rank: int, deadline: float | None) -> None:
-        """`rank` next needs the loop at `deadline` (seconds of the clock; None: not before a
-        command wakes it)."""
-        if deadline is None:
-            self._due.pop(rank, None)
-        else:
-            self._due[rank] = deadline
-
     def offer(self) -> None:
         """A rank is about to wait: collect now if a collection is due and there is room."""
         if not self._running:
@@ -114,8 +112,8 @@ class Collector:
         thresholds = self._gc.get_threshold()
         if counts[0] <= thresholds[0]:
             return
-        now = self._clock()
-        room = min(self._due.values(), default=float("inf")) - now
+        earliest = self._deadlines.earliest()
+        room = float("inf") if earliest is None else earliest - self._clock()
         generation = self._generation(counts, thresholds, room)
         if generation is None:
             return

@@ -35,7 +35,6 @@ from engined.config import DaemonConfig
 from engined.core.policy import context_length
 from engined.core.types import LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
-from engined.server.collector import Collector
 from engined.server.control import ControlServer
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.rank_handle import RankHandle
@@ -46,7 +45,7 @@ from engined.server.rank_process import (
     available_cores,
     split_ranks,
 )
-from engined.server.ranks import build_rank, freeze_startup_heap, paced_collector
+from engined.server.ranks import Pacing, build_rank, freeze_startup_heap, shared_pacing
 from engined.server.settings import RuntimeSettings, WorkerIdSink
 from engined.server.startup_log import engine_summary, limits
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
@@ -121,8 +120,8 @@ class Daemon:
         # Prometheus /metrics and /health (engined.server.http), when `http_port` is set.
         self.metrics: VllmMetrics | None = None
         self.http: HttpServer | None = None
-        # Garbage collection between the passes of paced in-process ranks.
-        self.collector: Collector | None = None
+        # What paced in-process ranks share: deadlines, garbage collection between passes.
+        self.pacing: Pacing | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -187,7 +186,7 @@ class Daemon:
             # The byte budgets of slow KV subscribers and replay clients become message
             # bounds through the largest batch a pass can produce (engined.server.kv_publisher).
             batch_bytes = max_batch_bytes(engine, cfg.kv_events_format)
-            self.collector = paced_collector(cfg)
+            self.pacing = shared_pacing(cfg)
             for rank in range(engine.dp_size):
                 parts = build_rank(
                     self._ctx,
@@ -197,7 +196,7 @@ class Daemon:
                     worker_id=self.worker_id,
                     delivery=delivery,
                     batch_bytes=batch_bytes,
-                    collector=self.collector,
+                    pacing=self.pacing,
                 )
                 self._publishers.append(parts.kv)
                 kv_endpoints.append(parts.kv.endpoint)
@@ -278,8 +277,8 @@ class Daemon:
                 self._tasks.append(asyncio.create_task(loop.run(), name=f"rank-{loop.rank}"))
         self.started = True
         freeze_startup_heap()
-        if self.collector is not None:
-            self.collector.start()
+        if self.pacing is not None:
+            self.pacing.collector.start()
         log.info(
             "engined started",
             version=engined.__version__,
@@ -451,8 +450,8 @@ class Daemon:
             shutil.rmtree(self._worker_dir, ignore_errors=True)
             self._worker_dir = None
         self._notifier.close()
-        if self.collector is not None:
-            self.collector.close()
+        if self.pacing is not None:
+            self.pacing.collector.close()
 
     def _status_line(self) -> str:
         """systemd's STATUS=, one line: load, and output tokens/s since the previous line."""

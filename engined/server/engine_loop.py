@@ -48,6 +48,7 @@ from engined.core.types import (
     RequestOutput,
 )
 from engined.server.collector import Collector
+from engined.server.deadlines import Deadlines
 from engined.server.pacer import Pacer, open_pacer
 
 log = structlog.get_logger(__name__)
@@ -109,6 +110,7 @@ class EngineLoop:
         clock: Callable[[], float] = time.monotonic,
         sleep: Sleep | None = None,
         wall_clock: Callable[[], float] = time.time,
+        deadlines: Deadlines | None = None,
         collector: Collector | None = None,
     ) -> None:
         """`clock` (seconds) and `sleep` (waits that many seconds of `clock`) are the loop's
@@ -116,9 +118,10 @@ class EngineLoop:
         passes a virtual clock and its sleep to run paced passes without waiting. Without a
         `sleep`, passes are paced by an `engined.server.pacer` opened on the first paced wait
         (a timerfd for the default clock on Linux, else the event loop's timers) and closed
-        when `run` ends. A paced loop tells `collector` (shared by the ranks of one event
-        loop, on the same clock) when it next needs the loop and offers it every wait
-        (engined.server.collector).
+        when `run` ends. A paced loop records in `deadlines` (shared by the ranks of one
+        event loop, on the same clock) when it next needs the loop, cuts its inbox turn
+        short for a rank already due, and offers `collector` every wait
+        (engined.server.deadlines, engined.server.collector).
         """
         self.engine = engine
         self.rank = engine.dp_rank
@@ -142,7 +145,10 @@ class EngineLoop:
         self._lateness_at: tuple[int, float] | None = None  # (passes_total, clock) of it
         self._next_start: float | None = None
         self._pacer: Pacer | None = None
+        self._deadlines = deadlines if self._paced else None
         self._collector = collector if self._paced else None
+        # In `_wait_for_work`: a command wakes the loop (paced waits are not interrupted).
+        self._awaiting_command = False
         # `until_idle` callers, and whether the loop sleeps with nothing left to do.
         self._idle_waiters: list[asyncio.Future[None]] = []
         self._idle = False
@@ -219,9 +225,10 @@ class EngineLoop:
         """Nothing to fetch: an in-process rank's figures are always current."""
 
     def _needed_now(self) -> None:
-        """A command came: this rank needs the loop at once, whatever it was waiting for."""
-        if self._collector is not None:
-            self._collector.due(self.rank, self._clock())
+        """A command came: a rank waiting for work needs the loop at once (one pacing a pass
+        applies it at that pass's deadline, already recorded)."""
+        if self._deadlines is not None and self._awaiting_command:
+            self._deadlines.set(self.rank, self._clock())
 
     def _release_idle_waiters(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -294,10 +301,10 @@ class EngineLoop:
             await asyncio.sleep(0)
             return
         self._next_start = end_ms
-        collector = self._collector
-        if collector is not None:
-            collector.due(self.rank, self._start + end_ms / 1000.0)
-            collector.offer()
+        if self._deadlines is not None:
+            self._deadlines.set(self.rank, self._start + end_ms / 1000.0)
+        if self._collector is not None:
+            self._collector.offer()
         delay = (end_ms - self.now_ms()) / 1000.0
         if delay <= 0:
             # Late: no waiting, but the rest of the daemon gets its turn before the next pass.
@@ -340,8 +347,11 @@ class EngineLoop:
         Paced with requests running, a boundary applies commands for at most INBOX_TURN_S of
         the loop's clock (one at least) and leaves the rest to the next: a burst of submits
         (~20 us each for a 256-token prompt) would otherwise hold a due pass, and every
-        running request's next token, for as long as it takes. Unpaced, everything is
-        applied: nobody waits on a virtual clock, and the order of work stays exact.
+        running request's next token, for as long as it takes. The turn also ends once
+        another rank of the loop is due (`Deadlines.overdue`): its pass goes first, and with
+        8 ranks a wave of submissions no longer queues 8 turns before it. Unpaced,
+        everything is applied: nobody waits on a virtual clock, and the order of work stays
+        exact.
         """
         inbox = self._inbox
         engine = self.engine
@@ -349,10 +359,15 @@ class EngineLoop:
         clock = self._clock
         bounded = self._paced and not engine.is_empty()
         turn_ends = clock() + INBOX_TURN_S if bounded else 0.0
+        deadlines = self._deadlines
         first = True
         while inbox:
-            if bounded and not first and clock() >= turn_ends:
-                break
+            if bounded and not first:
+                now = clock()
+                if now >= turn_ends or (
+                    deadlines is not None and deadlines.overdue(now, but=self.rank)
+                ):
+                    break
             first = False
             command, arrived_ms, future = inbox.popleft()
             try:
@@ -377,9 +392,10 @@ class EngineLoop:
     async def _wait_for_work(self) -> None:
         """Sleep until a command arrives or a tier transfer is due, with FPM heartbeats."""
         self._next_start = None
+        if self._deadlines is not None:
+            self._deadlines.set(self.rank, None)
+        self._awaiting_command = True
         collector = self._collector
-        if collector is not None:
-            collector.due(self.rank, None)
         wake = self._wake
         while not wake.is_set():
             if collector is not None:
@@ -394,6 +410,7 @@ class EngineLoop:
                 timeout = min(timeout, due_in)
             if not await self._wait_event(wake, timeout):
                 self._fpm.maybe_heartbeat(self._clock())
+        self._awaiting_command = False
         wake.clear()
 
     async def _wait_event(self, event: asyncio.Event, timeout: float) -> bool:

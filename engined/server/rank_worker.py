@@ -42,7 +42,7 @@ from engined.server import rank_wire as w
 from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
-from engined.server.ranks import build_rank, freeze_startup_heap, paced_collector
+from engined.server.ranks import build_rank, freeze_startup_heap, shared_pacing
 from engined.zmq_sockets import SocketRegistry, make_socket
 
 log = structlog.get_logger(__name__)
@@ -130,7 +130,7 @@ class RankWorker:
         self._pending: dict[int, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: asyncio.Future[BaseException] | None = None
-        self._collector = paced_collector(config)
+        self._pacing = shared_pacing(config)
 
     async def serve(self) -> int:
         self._failed = asyncio.get_running_loop().create_future()
@@ -153,8 +153,8 @@ class RankWorker:
             return EXIT_STARTUP
         outbox.send_now([ready])
         freeze_startup_heap()
-        if self._collector is not None:
-            self._collector.start()
+        if self._pacing is not None:
+            self._pacing.collector.start()
         for kv in self._kvs:
             kv.start()
         runs = {
@@ -199,7 +199,7 @@ class RankWorker:
                 worker_id=self._init.worker_id,
                 delivery=delivery,
                 batch_bytes=batch_bytes,
-                collector=self._collector,
+                pacing=self._pacing,
             )
             loop.pass_observers.append(self._on_pass)
             loop.command_observers.append(self._on_command)
@@ -351,8 +351,8 @@ class RankWorker:
         )
 
     async def _close(self) -> None:
-        if self._collector is not None:
-            self._collector.close()
+        if self._pacing is not None:
+            self._pacing.collector.close()
         for kv in self._kvs:
             with contextlib.suppress(Exception):
                 await kv.close()

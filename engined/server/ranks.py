@@ -16,6 +16,7 @@ import zmq.asyncio
 from engined.config import DaemonConfig, endpoint_for_rank
 from engined.core.engine import Engine
 from engined.server.collector import Collector
+from engined.server.deadlines import Deadlines
 from engined.server.engine_loop import Delivery, EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher
@@ -37,7 +38,7 @@ def build_rank(
     worker_id: str,
     delivery: Delivery,
     batch_bytes: int,
-    collector: Collector | None = None,
+    pacing: Pacing | None = None,
 ) -> RankParts:
     """Bind rank `rank`'s KV PUB (+ replay ROUTER) and FPM PUB and build its core and loop.
 
@@ -78,7 +79,8 @@ def build_rank(
         fpm=fpm,
         delivery=delivery,
         speedup_ratio=engine.speedup_ratio,
-        collector=collector,
+        deadlines=None if pacing is None else pacing.deadlines,
+        collector=None if pacing is None else pacing.collector,
     )
     return RankParts(loop, kv, fpm)
 
@@ -94,7 +96,18 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def paced_collector(cfg: DaemonConfig) -> Collector | None:
-    """The collector of a process whose ranks are paced (engined.server.collector); None at
-    speedup 0, where nothing waits for a deadline and CPython's own collection stays."""
-    return Collector() if cfg.engine.speedup_ratio > 0 else None
+class Pacing(NamedTuple):
+    """What the paced ranks of one event loop share: their deadlines and the collector that
+    runs in the gaps between them."""
+
+    deadlines: Deadlines
+    collector: Collector
+
+
+def shared_pacing(cfg: DaemonConfig) -> Pacing | None:
+    """The `Pacing` of a process whose ranks are paced; None at speedup 0, where nothing
+    waits for a deadline and CPython's own collection stays (engined.server.collector)."""
+    if cfg.engine.speedup_ratio <= 0:
+        return None
+    deadlines = Deadlines()
+    return Pacing(deadlines, Collector(deadlines))

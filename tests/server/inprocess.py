@@ -21,11 +21,11 @@ import zmq.asyncio
 from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
 from engined.core.types import LifecycleEvent, RequestOutput
-from engined.server.collector import Collector
 from engined.server.control import ControlServer
 from engined.server.engine_loop import Delivery, EngineLoop, FpmSink, KvSink, Sleep
 from engined.server.fpm_publisher import NullFpmPublisher
 from engined.server.kv_publisher import NullKvPublisher
+from engined.server.ranks import Pacing
 from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire
 from engined.zmq_sockets import make_socket
@@ -106,13 +106,13 @@ def engine_loop(
     fpm: FpmSink | None = None,
     clock: Callable[[], float] | None = None,
     sleep: Sleep | None = None,
-    collector: Collector | None = None,
+    pacing: Pacing | None = None,
     **args: Any,
 ) -> EngineLoop:
     """One rank: a core of `engine_args(**args)` in an EngineLoop paced at its speedup ratio,
     publishing to `kv` and `fpm` (null publishers by default), on `clock` and `sleep` (the
-    loop's defaults when None: the monotonic clock and the event loop's timers), collecting
-    garbage through `collector` if given."""
+    loop's defaults when None: the monotonic clock and the event loop's timers), sharing
+    `pacing` (deadlines and a garbage collector) with other loops if given."""
     engine = Engine(engine_args(**args), dp_rank=rank, worker_id=rank)
     speedup_ratio = float(args.get("speedup_ratio", 0.0))
     return EngineLoop(
@@ -123,7 +123,8 @@ def engine_loop(
         speedup_ratio=speedup_ratio,
         clock=time.monotonic if clock is None else clock,
         sleep=sleep,
-        collector=collector,
+        deadlines=None if pacing is None else pacing.deadlines,
+        collector=None if pacing is None else pacing.collector,
     )
 
 

@@ -14,6 +14,7 @@ import asyncio
 import gc
 import signal
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -21,6 +22,8 @@ from engined.config import load_config
 from engined.core.types import Request, Submit
 from engined.server.collector import HARD_LIMIT, INITIAL_COST_S, Collector
 from engined.server.daemon import EXIT_OK, Daemon
+from engined.server.deadlines import Deadlines
+from engined.server.ranks import Pacing
 from tests.server.inprocess import engine_loop
 from tests.server.support import FinishedDelivery
 from tests.server.virtual_clock import VirtualClock
@@ -62,54 +65,62 @@ class FakeGc:
         self.enabled = True
 
 
-def started(counts: tuple[int, int, int]) -> tuple[Collector, FakeGc, VirtualClock]:
-    clock = VirtualClock(100.0)
+class Started(NamedTuple):
+    collector: Collector
+    deadlines: Deadlines
+    fake: FakeGc
+    clock: VirtualClock
+
+
+def started(counts: tuple[int, int, int], clock: VirtualClock | None = None) -> Started:
+    clock = VirtualClock(100.0) if clock is None else clock
     fake = FakeGc(clock, counts)
-    collector = Collector(ops=fake, clock=clock)
+    deadlines = Deadlines()
+    collector = Collector(deadlines, ops=fake, clock=clock)
     collector.start()
-    return collector, fake, clock
+    return Started(collector, deadlines, fake, clock)
 
 
 class TestDecisions:
     def test_start_and_close_hand_collection_over_and_back(self) -> None:
-        collector, fake, _ = started((0, 0, 0))
+        collector, _, fake, _ = started((0, 0, 0))
         assert not fake.enabled and collector.running
         collector.close()
         assert fake.enabled and not collector.running
 
     def test_nothing_below_the_young_threshold(self) -> None:
-        collector, fake, _ = started((700, 0, 0))
+        collector, _, fake, _ = started((700, 0, 0))
         collector.offer()
         assert fake.collected == []
 
     def test_a_young_collection_when_every_rank_leaves_room(self) -> None:
-        collector, fake, clock = started((701, 0, 0))
-        collector.due(0, clock() + 0.010)
-        collector.due(1, clock() + 0.020)
+        collector, deadlines, fake, clock = started((701, 0, 0))
+        deadlines.set(0, clock() + 0.010)
+        deadlines.set(1, clock() + 0.020)
         collector.offer()
         assert fake.collected == [0]
         assert collector.collections == [1, 0, 0]
         assert collector.forced == 0
 
     def test_a_rank_due_soon_holds_it_back(self) -> None:
-        collector, fake, clock = started((701, 0, 0))
-        collector.due(0, clock() + 0.010)
-        collector.due(1, clock() + 2 * INITIAL_COST_S[0] - 0.0001)
+        collector, deadlines, fake, clock = started((701, 0, 0))
+        deadlines.set(0, clock() + 0.010)
+        deadlines.set(1, clock() + 2 * INITIAL_COST_S[0] - 0.0001)
         collector.offer()
         assert fake.collected == []
-        collector.due(1, None)  # it went idle: only rank 0's deadline counts
+        deadlines.set(1, None)  # it went idle: only rank 0's deadline counts
         collector.offer()
         assert fake.collected == [0]
 
     def test_a_late_rank_leaves_no_room(self) -> None:
-        collector, fake, clock = started((701, 0, 0))
-        collector.due(0, clock() - 0.001)
+        collector, deadlines, fake, clock = started((701, 0, 0))
+        deadlines.set(0, clock() - 0.001)
         collector.offer()
         assert fake.collected == []
 
     def test_past_the_hard_limit_it_collects_without_room(self) -> None:
-        collector, fake, clock = started((HARD_LIMIT * 700, 0, 0))
-        collector.due(0, clock())
+        collector, deadlines, fake, clock = started((HARD_LIMIT * 700, 0, 0))
+        deadlines.set(0, clock())
         collector.offer()
         assert fake.collected == []
         fake.counts[0] += 1
@@ -131,37 +142,37 @@ class TestDecisions:
     def test_the_generation_is_cpythons_choice_if_it_fits(
         self, counts: tuple[int, int, int], room_s: float, generation: int
     ) -> None:
-        collector, fake, clock = started(counts)
-        collector.due(0, clock() + room_s)
+        collector, deadlines, fake, clock = started(counts)
+        deadlines.set(0, clock() + room_s)
         collector.offer()
         assert fake.collected == [generation]
 
     def test_the_cost_is_learnt_from_the_collections(self) -> None:
-        collector, fake, clock = started((701, 0, 0))
+        collector, deadlines, fake, clock = started((701, 0, 0))
         fake.cost_s = 0.004
-        collector.due(0, clock() + 0.010)
+        deadlines.set(0, clock() + 0.010)
         collector.offer()  # 4 ms: the next one needs 8 ms of room
         assert fake.collected == [0]
         fake.counts[0] = 701
-        collector.due(0, clock() + 0.0079)
+        deadlines.set(0, clock() + 0.0079)
         collector.offer()
         assert fake.collected == [0]
-        collector.due(0, clock() + 0.0081)
+        deadlines.set(0, clock() + 0.0081)
         fake.cost_s = 0.0
         collector.offer()  # free this time: the estimate only decays, to 3.2 ms
         assert fake.collected == [0, 0]
         fake.counts[0] = 701
-        collector.due(0, clock() + 0.0063)
+        deadlines.set(0, clock() + 0.0063)
         collector.offer()
         assert fake.collected == [0, 0]
-        collector.due(0, clock() + 0.0065)
+        deadlines.set(0, clock() + 0.0065)
         collector.offer()
         assert fake.collected == [0, 0, 0]
 
     def test_before_start_and_after_close_it_never_collects(self) -> None:
         clock = VirtualClock()
         fake = FakeGc(clock, (HARD_LIMIT * 700 + 1, 0, 0))
-        collector = Collector(ops=fake, clock=clock)
+        collector = Collector(Deadlines(), ops=fake, clock=clock)
         collector.offer()
         collector.start()
         collector.close()
@@ -179,16 +190,13 @@ class TestPacedLoops:
         with a young generation that is always past its threshold."""
 
         async def scenario() -> tuple[list[int], int]:
-            clock = VirtualClock()
-            fake = FakeGc(clock)
-            collector = Collector(ops=fake, clock=clock)
-            collector.start()
+            collector, deadlines, fake, clock = started((0, 0, 0), VirtualClock())
             delivery = FinishedDelivery()
             loop = engine_loop(
                 delivery,
                 clock=clock,
                 sleep=clock.sleep,
-                collector=collector,
+                pacing=Pacing(deadlines, collector),
                 speedup_ratio=1.0,
                 fixed_decode_ms_per_pass=5.0,
             )
@@ -220,10 +228,7 @@ class TestPacedLoops:
         runs, rank 0's 5 ms gaps (and its idle waits) are not used; once it is idle they are."""
 
         async def scenario() -> list[bool]:
-            clock = VirtualClock()
-            fake = FakeGc(clock)
-            collector = Collector(ops=fake, clock=clock)
-            collector.start()
+            collector, deadlines, fake, clock = started((0, 0, 0), VirtualClock())
             delivery = FinishedDelivery()
             slow, fast = (
                 engine_loop(
@@ -231,7 +236,7 @@ class TestPacedLoops:
                     rank=rank,
                     clock=clock,
                     sleep=clock.sleep,
-                    collector=collector,
+                    pacing=Pacing(deadlines, collector),
                     speedup_ratio=1.0,
                     fixed_decode_ms_per_pass=ms,
                 )
@@ -259,12 +264,9 @@ class TestPacedLoops:
 
     def test_an_unpaced_loop_leaves_collection_alone(self) -> None:
         async def scenario() -> list[int]:
-            clock = VirtualClock()
-            fake = FakeGc(clock, (HARD_LIMIT * 700 + 1, 0, 0))
-            collector = Collector(ops=fake, clock=clock)
-            collector.start()
+            collector, deadlines, fake, _ = started((HARD_LIMIT * 700 + 1, 0, 0))
             delivery = FinishedDelivery()
-            loop = engine_loop(delivery, collector=collector, speedup_ratio=0.0)
+            loop = engine_loop(delivery, pacing=Pacing(deadlines, collector), speedup_ratio=0.0)
             task = asyncio.ensure_future(loop.run())
             await loop.call(submit("r", 5))
             await until(lambda: "r" in delivery.finished, "the request done")

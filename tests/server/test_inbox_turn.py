@@ -4,7 +4,8 @@ Paced with requests running, a pass boundary applies queued commands for at most
 INBOX_TURN_S of the loop's clock and leaves the rest to the next boundary. Time is a
 virtual clock (tests/server/virtual_clock.py) that each applied command moves on by 0.4 ms,
 so the number of commands per boundary is exact whatever the machine: three (0.4, 0.8, 1.2
-ms; the third ends the 1 ms turn). Unpaced, a boundary applies them all.
+ms; the third ends the 1 ms turn), and one when another rank of the loop is already due
+(engined/server/deadlines.py: its pass goes first). Unpaced, a boundary applies them all.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import pytest
 
 from engined.core.types import Command, CommandEffects, PassResult, Submit
 from engined.core.types import Request as CoreRequest
+from engined.server.collector import Collector
+from engined.server.deadlines import Deadlines
 from engined.server.engine_loop import INBOX_TURN_S
+from engined.server.ranks import Pacing
 from tests.server.inprocess import engine_loop
 from tests.server.support import FinishedDelivery
 from tests.server.virtual_clock import VirtualClock
@@ -29,17 +33,31 @@ def request(request_id: str, max_tokens: int) -> Submit:
     return Submit(CoreRequest(token_ids=[1, 2, 3, 4], max_tokens=max_tokens, request_id=request_id))
 
 
-@pytest.mark.parametrize(("speedup", "per_boundary"), [(1.0, [3, 3, 3, 3, 3, 3, 2]), (0.0, [20])])
-def test_a_burst_is_applied_a_turn_per_pass(speedup: float, per_boundary: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("speedup", "other_rank_due", "per_boundary"),
+    [
+        (1.0, False, [3, 3, 3, 3, 3, 3, 2]),
+        # Another rank of the loop already due: one command per boundary, its pass first.
+        (1.0, True, [1] * BURST),
+        (0.0, False, [20]),
+    ],
+)
+def test_a_burst_is_applied_a_turn_per_pass(
+    speedup: float, other_rank_due: bool, per_boundary: list[int]
+) -> None:
     assert INBOX_TURN_S == 0.001  # the figures above assume the 1 ms turn
 
     async def scenario() -> None:
         clock = VirtualClock()
         delivery = FinishedDelivery()
+        deadlines = Deadlines()
+        if other_rank_due:
+            deadlines.set(1, -1.0)
         loop = engine_loop(
             delivery,
             clock=clock if speedup else None,
             sleep=clock.sleep if speedup else None,
+            pacing=Pacing(deadlines, Collector(deadlines, clock=clock)),
             speedup_ratio=speedup,
             fixed_decode_ms_per_pass=5.0,
         )
