@@ -1,7 +1,7 @@
 """A/B benchmark: an older revision against the working tree, alternating runs on one machine.
 
     .venv/bin/python benchmarks/compare.py REV [--benchmark core|e2e|e2e-pacing] [--repeat 3]
-        [--new REV2] [--script-from own|new] [-- extra benchmark args]
+        [--new REV2] [--compiled none|new|both] [--script-from own|new] [-- extra args]
 
 REV is checked out in a temporary `git worktree` (removed at the end, also on Ctrl-C). Each
 side runs its *own* copy of the benchmark script with identical arguments, under this
@@ -17,6 +17,12 @@ The sides alternate old/new, new/old, ... (ABBA) for `--repeat` rounds, so drift
 machine cancels; per round and as medians, with the ratio new/old. Absolute figures on a loaded
 machine are noise; the ratio of medians is the number to read (and the daemon CPU per token of
 the e2e benchmark, which is less sensitive to other load than wall time).
+
+`--compiled new` compiles the new side's core with mypyc first (`ENGINED_MYPYC=1 setup.py
+build_ext --inplace`, under this interpreter, which needs mypy: the dev venv has it), in a copy
+of the working tree when that is the new side, so the checkout gets no `.so`; `both` compiles
+the old side's worktree too, when its revision has the compiled build (3a10a4f has not: it
+stays pure Python, which is the release's figure). Each side says which core it runs.
 
 Benchmarks: `core` = core_throughput.py, `e2e` = e2e_throughput.py (ipc and tcp throughput),
 `e2e-pacing` = e2e_throughput.py --pacing (pass-start lateness; steady-state lines and the
@@ -156,6 +162,51 @@ def check_import(tree: Path, scratch: Path) -> str:
     return out
 
 
+def copy_of_working_tree(scratch: Path) -> Path:
+    """The working tree's tracked and unignored files, as a fresh clone would have them plus
+    the uncommitted changes, in `scratch` (so compiling it leaves no `.so` in the checkout)."""
+    dest = scratch / "new-working-tree"
+    dest.mkdir()
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout
+    for name in files.decode().split("\0"):
+        source = REPO / name
+        if name and source.is_file():
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return dest
+
+
+def compile_core(tree: Path, scratch: Path) -> str:
+    """Compile the tree's core in place as `ENGINED_MYPYC=1 pip install` would; says what
+    the side then runs. A revision from before the compiled build stays pure Python."""
+    if not (tree / "setup.py").exists():
+        return "pure Python (the revision has no compiled build)"
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+        cwd=tree,
+        env={**os.environ, "ENGINED_MYPYC": "1"},
+        capture_output=True,
+        text=True,
+    )
+    check = subprocess.run(
+        [sys.executable, "-c", "import engined.core as c; print(c.compiled())"],
+        cwd=scratch,
+        env=child_env(tree),
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0 or check.stdout.strip() != "True":
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"{tree}: compiling the core failed (mypy and a C compiler?): {last}")
+    return "compiled (mypyc)"
+
+
 def run_side(tree: Path, script: Path, args: list[str]) -> str:
     """One run; its own process group, so an interrupt here also ends the daemon it started."""
     cmd = [sys.executable, str(script), *args]
@@ -244,6 +295,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="rounds (one run of each side)")
     parser.add_argument("--new", default=None, help="a revision instead of the working tree")
     parser.add_argument(
+        "--compiled",
+        choices=("none", "new", "both"),
+        default="none",
+        help="compile the core (mypyc) of the new side, or of both, before the runs "
+        "(the working tree is copied first; needs mypy and a C compiler)",
+    )
+    parser.add_argument(
         "--script-from",
         choices=("own", "new"),
         default="own",
@@ -262,22 +320,20 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="engined-compare-"))
     try:
         with worktree(ns.rev, scratch, "old") as old_tree:
-            if ns.new is None:
+            if ns.compiled == "both":
+                print(f"old core: {compile_core(old_tree, scratch)}")
+            with contextlib.ExitStack() as stack:
+                if ns.new is not None:
+                    new_tree = stack.enter_context(worktree(ns.new, scratch, "new"))
+                elif ns.compiled != "none":
+                    new_tree = copy_of_working_tree(scratch)
+                else:
+                    new_tree = REPO
+                if ns.compiled != "none":
+                    print(f"new core: {compile_core(new_tree, scratch)}")
                 run_rounds(
-                    old_tree, REPO, script, ns.script_from, args, metrics, ns.repeat, scratch
+                    old_tree, new_tree, script, ns.script_from, args, metrics, ns.repeat, scratch
                 )
-            else:
-                with worktree(ns.new, scratch, "new") as new_tree:
-                    run_rounds(
-                        old_tree,
-                        new_tree,
-                        script,
-                        ns.script_from,
-                        args,
-                        metrics,
-                        ns.repeat,
-                        scratch,
-                    )
     except KeyboardInterrupt:
         print("interrupted; worktrees removed", file=sys.stderr)
         raise SystemExit(130) from None
