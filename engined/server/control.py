@@ -26,6 +26,7 @@ import zmq.asyncio
 from engined.core import types as core
 from engined.core.errors import CoreError
 from engined.server.clients import DELIMITER, ClientTable, Episode
+from engined.server.deadlines import Deadlines
 from engined.server.load import LoadWatch
 from engined.server.log_throttle import LogThrottle
 from engined.server.ownership import HandoffRoute, Ownership
@@ -65,8 +66,14 @@ class ControlServer:
         settings: RuntimeSettings,
         max_queued_requests: int,
         handoff_timeout_s: float | None = None,
+        deadlines: Deadlines | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`deadlines` (on `clock`, the ranks' clock) are those of paced ranks in this
+        event loop: a reading turn ends early once one of them is due."""
         self._sock = sock
+        self._deadlines = deadlines
+        self._clock = clock
         self._loops = loops
         self._welcome = welcome
         self._settings = settings
@@ -112,7 +119,9 @@ class ControlServer:
     async def serve(self) -> None:
         """Read and dispatch client messages, yielding to the event loop between turns.
 
-        A turn is at most CONTROL_TURN_MESSAGES messages or CONTROL_TURN_S seconds. NOTE:
+        A turn is at most CONTROL_TURN_MESSAGES messages or CONTROL_TURN_S seconds, and
+        ends after the message at hand once a paced rank of this loop is due (`deadlines`):
+        control traffic does not hold a due pass longer than one message. NOTE:
         while messages are queued, pyzmq's recv returns a completed future and awaiting it
         does not yield; unbounded, a burst of pings or garbage held every pass, publisher,
         signal and watchdog ping until it was drained. The ROUTER fair-queues its peers, so
@@ -126,10 +135,16 @@ class ControlServer:
 
     async def _read(self) -> None:
         sock = self._sock
+        deadlines = self._deadlines
+        clock = self._clock
         turn_ends = time.perf_counter() + CONTROL_TURN_S
         read = 0
         while True:
-            if read == CONTROL_TURN_MESSAGES or time.perf_counter() >= turn_ends:
+            if (
+                read == CONTROL_TURN_MESSAGES
+                or time.perf_counter() >= turn_ends
+                or (read and deadlines is not None and deadlines.overdue(clock(), but=None))
+            ):
                 await asyncio.sleep(0)
                 read = 0
                 turn_ends = time.perf_counter() + CONTROL_TURN_S

@@ -2,9 +2,10 @@
 
 The ranks of a process share one event loop, and work that one of them does between passes
 (applying its queued commands, offering the garbage collector a gap) delays every other
-rank whose pass falls due meanwhile. Each paced `EngineLoop` records here the deadline of
-its next pass, the moment a command wakes it from waiting for work, or nothing while it
-waits; the others read it to leave room for the rank that needs the loop soonest.
+rank whose pass falls due meanwhile, and so does a turn of the control reader. Each paced
+`EngineLoop` records here the deadline of its next pass, the moment a command wakes it from
+waiting for work, or nothing while it waits; the other ranks, the collector and the control
+reader read it to leave room for the rank that needs the loop soonest.
 """
 
 from __future__ import annotations
@@ -29,6 +30,6 @@ class Deadlines:
         """The soonest deadline of any rank; None when every rank waits for work."""
         return min(self._due.values(), default=None)
 
-    def overdue(self, now: float, but: int) -> bool:
-        """Whether a rank other than `but` is already due at `now` (it waits for the loop)."""
+    def overdue(self, now: float, but: int | None) -> bool:
+        """Whether a rank (other than `but`) is already due at `now`: it waits for the loop."""
         return any(deadline <= now for rank, deadline in self._due.items() if rank != but)

@@ -22,6 +22,7 @@ from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
 from engined.core.types import LifecycleEvent, RequestOutput
 from engined.server.control import ControlServer
+from engined.server.deadlines import Deadlines
 from engined.server.engine_loop import Delivery, EngineLoop, FpmSink, KvSink, Sleep
 from engined.server.fpm_publisher import NullFpmPublisher
 from engined.server.kv_publisher import NullKvPublisher
@@ -140,10 +141,12 @@ async def serve(
     fpm: Callable[[int], FpmSink] | None = None,
     clock: Callable[[], float] | None = None,
     sleep: Sleep | None = None,
+    deadlines: Deadlines | None = None,
     **args: Any,
 ) -> AsyncIterator[Served]:
     """A ControlServer on a ROUTER at `ipc://{tmp_path}/control` with `ranks` engine loops of
-    `engine_args(**args)` (see `engine_loop`; `kv` and `fpm` make a rank's sinks).
+    `engine_args(**args)` (see `engine_loop`; `kv` and `fpm` make a rank's sinks); the server
+    reads `deadlines` (those of paced ranks) if given.
 
     The ROUTER's high-water marks are the test's, and its kernel send buffer is 4096 bytes by
     default (`sndbuf=None`: the system's), so a slow reader is dropped after a few dozen
@@ -179,6 +182,7 @@ async def serve(
         max_queued_requests=0,
         # As the daemon does (engined.server.daemon).
         handoff_timeout_s=loops[0].engine.args.handoff_session_timeout_ms / 1000.0,
+        deadlines=deadlines,
     )
     delivery.control = control
     tasks = [asyncio.create_task(control.serve()), asyncio.create_task(control.expire_handoffs())]

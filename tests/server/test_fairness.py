@@ -9,6 +9,7 @@ publishers, HTTP, signals and the systemd watchdog. These tests show that each g
 2. A paced rank whose passes run late still yields once per pass.
 3. A real daemon at speedup 1 whose every pass is late answers a ping while requests are in
    flight, and SIGTERM with `--drain-timeout 1` cancels them instead of waiting for the work.
+4. With a paced rank already due, the control reader yields after every message.
 
 Order and counts are asserted, not wall-clock intervals: which of two things happened first,
 how many messages were handled between two passes.
@@ -30,6 +31,7 @@ from engined.client import EngineClient
 from engined.core.types import LifecycleEvent, PassResult, Request, RequestOutput, Submit
 from engined.server.control import CONTROL_TURN_MESSAGES
 from engined.server.daemon import CONTROL_HWM
+from engined.server.deadlines import Deadlines
 from engined.server.systemd import NullNotifier, keepalive
 from engined.wire import control as wire
 from tests.server.daemon_harness import DaemonProcess
@@ -128,6 +130,57 @@ def test_a_ping_burst_yields_to_passes_and_to_other_clients(tmp_path: Path) -> N
                 await asyncio.gather(watchdog, return_exceptions=True)
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_a_due_rank_cuts_the_control_readers_turn_to_one_message(tmp_path: Path) -> None:
+    """With a paced rank of the loop already due (engined.server.deadlines), the reader
+    yields after every message: between two passes of the streaming rank it handles a
+    message or two, where the same burst without a due rank fills whole turns."""
+
+    async def burst_gaps(due: bool) -> int:
+        handled = 0
+        passes: list[int] = []
+        deadlines = Deadlines()
+        if due:
+            deadlines.set(99, float("-inf"))  # a paced rank that waits for the loop
+        async with serve(
+            tmp_path,
+            sndhwm=CONTROL_HWM,
+            rcvhwm=CONTROL_HWM,
+            sndbuf=None,
+            num_gpu_blocks=NUM_GPU_BLOCKS,
+            deadlines=deadlines,
+        ) as served:
+            served.loop.pass_observers.append(lambda rank, now_ms, result: passes.append(handled))
+            dispatch = served.control._dispatch
+
+            def counting_dispatch(identity: bytes, msg: wire.ClientMessage) -> None:
+                nonlocal handled
+                handled += 1
+                dispatch(identity, msg)
+
+            served.control._dispatch = counting_dispatch  # type: ignore[method-assign]
+            client = await EngineClient.connect(served.endpoint, ctx=served.ctx)
+            try:
+                await client.ping()
+                flooder = threading.Thread(target=flood, args=(served.endpoint, 5_000))
+                flooder.start()
+                while handled < 2:
+                    await asyncio.sleep(0)
+                first = len(passes)
+                await client.submit(list(range(64)), STREAM_TOKENS, request_id="stream")
+                async for entry in client.outputs("stream"):
+                    if entry.finished or handled >= 5_000:
+                        break
+                await asyncio.to_thread(flooder.join, 60)
+            finally:
+                await client.close()
+        during = passes[first:]
+        assert len(during) >= 10, len(during)
+        return max(later - earlier for earlier, later in itertools.pairwise(during))
+
+    assert asyncio.run(asyncio.wait_for(burst_gaps(due=True), 120)) <= 3
+    assert asyncio.run(asyncio.wait_for(burst_gaps(due=False), 120)) > 3
 
 
 def test_a_late_rank_yields_once_per_pass() -> None:
