@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from engined.core.args import EngineArgs, PrefixHitRule
+from engined.core.args import EngineArgs, PerfModelKind, PrefixHitRule
 from engined.core.engine import Engine
 from engined.core.types import (
     Command,
@@ -46,6 +46,27 @@ def make_args(**overrides: Any) -> EngineArgs:
         "enable_chunked_prefill": True,
         "enable_prefix_caching": False,
         "speedup_ratio": 0.0,
+    }
+    fields.update(overrides)
+    return EngineArgs(**fields)
+
+
+def tiered_args(**overrides: Any) -> EngineArgs:
+    """bs 4, 2 seqs, budget 64, prefix caching on, a G2 tier whose every hop takes 1 ms (1 MB
+    blocks at 1 GB/s both ways), and passes that take no modeled time."""
+    fields: dict[str, Any] = {
+        "block_size": 4,
+        "max_num_seqs": 2,
+        "max_num_batched_tokens": 64,
+        "enable_prefix_caching": True,
+        "speedup_ratio": 0.0,
+        "kv_bytes_per_token": 250_000,
+        "bandwidth_g1_to_g2_gbps": 1.0,
+        "bandwidth_g2_to_g1_gbps": 1.0,
+        "perf_model": PerfModelKind.FIXED,
+        "fixed_prefill_ms_per_token": 0.0,
+        "fixed_pass_overhead_ms": 0.0,
+        "fixed_decode_ms_per_pass": 0.0,
     }
     fields.update(overrides)
     return EngineArgs(**fields)

@@ -17,16 +17,14 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
+from engined.core.args import EngineArgs, EngineType, WorkerType
 from engined.core.engine import Engine
 from engined.core.fpm import welford
 from engined.core.state import RequestState, RequestStatus
 from engined.core.types import (
     Request,
 )
-from tests.core.factories import (
-    submit,
-)
+from tests.core.factories import submit, tiered_args
 from tests.core.pd_workload import drive, settle, steps
 
 
@@ -151,24 +149,7 @@ def test_tallies_equal_the_walk_after_every_step(
 def test_tallies_follow_a_parked_onboard() -> None:
     """A request whose prefix only G2 holds leaves the queue while it is onboarded and comes
     back at its front; the tallies follow it out and in."""
-    core = Engine(
-        EngineArgs(
-            block_size=4,
-            num_gpu_blocks=2,
-            max_num_seqs=2,
-            max_num_batched_tokens=64,
-            enable_prefix_caching=True,
-            speedup_ratio=0.0,
-            num_g2_blocks=4,
-            kv_bytes_per_token=250_000,  # 1 MB blocks at 1 GB/s: 1 ms per hop
-            bandwidth_g1_to_g2_gbps=1.0,
-            bandwidth_g2_to_g1_gbps=1.0,
-            perf_model=PerfModelKind.FIXED,
-            fixed_prefill_ms_per_token=0.0,
-            fixed_pass_overhead_ms=0.0,
-            fixed_decode_ms_per_pass=0.0,
-        )
-    )
+    core = Engine(tiered_args(num_gpu_blocks=2, num_g2_blocks=4))
     now = 0.0
     parked = 0
     # A's block is cached, evicted to G2 by B and C, and then A's prefix comes back.

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engined.core.args import EngineArgs, PerfModelKind, PrefixHitRule, WorkerType
+from engined.core.args import EngineArgs, PrefixHitRule, WorkerType
 from engined.core.engine import Engine
 from engined.core.queued import TalliedState
 from engined.core.sequence import Sequence
@@ -35,6 +35,7 @@ from engined.core.types import (
     ReserveDestination,
     Submit,
 )
+from tests.core.factories import tiered_args
 from tests.core.pd_workload import drive, settle, steps
 
 # Three families sharing their first blocks: a small G1 evicts them to G2 and onboards them.
@@ -120,24 +121,7 @@ def test_the_index_equals_the_walk_after_every_step(
 def test_a_landed_onboard_heads_the_queue_while_a_destination_is_admitted() -> None:
     """A parked request comes back to the front while a destination is pending: it waits
     there, and the activated destination behind it is admitted past it."""
-    core = Engine(
-        EngineArgs(
-            block_size=4,
-            num_gpu_blocks=6,
-            max_num_seqs=2,
-            max_num_batched_tokens=64,
-            enable_prefix_caching=True,
-            speedup_ratio=0.0,
-            num_g2_blocks=8,
-            kv_bytes_per_token=250_000,  # 1 MB blocks at 1 GB/s: 1 ms per hop
-            bandwidth_g1_to_g2_gbps=1.0,
-            bandwidth_g2_to_g1_gbps=1.0,
-            perf_model=PerfModelKind.FIXED,
-            fixed_prefill_ms_per_token=0.0,
-            fixed_pass_overhead_ms=0.0,
-            fixed_decode_ms_per_pass=0.0,
-        )
-    )
+    core = Engine(tiered_args(num_gpu_blocks=6, num_g2_blocks=8))
     state = core.parts.state
     now = 0.0
 
