@@ -24,7 +24,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq
@@ -55,7 +55,7 @@ from engined.zmq_sockets import SocketRegistry
 if TYPE_CHECKING:
     from engined.server.http import HealthState, HttpServer
     from engined.server.metrics import VllmMetrics
-    from engined.server.publisher_metrics import WatchedPublisher
+    from engined.server.rank_proxy import RankProxy
 
 log = structlog.get_logger(__name__)
 
@@ -97,6 +97,8 @@ class Daemon:
             rank_processes = config.rank_processes
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.loops: list[RankHandle] = []
+        # In worker mode, the same ranks as their proxies (their gauges, publisher figures).
+        self._proxies: list[RankProxy] = []
         if rank_processes < 0:
             rank_processes = auto_rank_processes(config.engine.dp_size, available_cores())
         self.rank_processes = rank_processes
@@ -245,14 +247,8 @@ class Daemon:
         if self.metrics is not None:
             for loop in self.loops:
                 self.metrics.attach(loop)
-            if self._publishers:
-                self.metrics.watch_publishers(self._publishers)
-            else:
-                # The proxies carry the same counters (`overflows`, `replay` with abandoned,
-                # refused, streaming) as of each worker's heartbeat; WatchedPublisher names
-                # the in-process ReplayServer type, whose attributes ReplayCounters mirrors.
-                proxies = cast("list[WatchedPublisher]", self.loops)
-                self.metrics.watch_publishers(proxies)
+            # In worker mode the proxies carry the same counters, as of each heartbeat.
+            self.metrics.watch_publishers(self._publishers or self._proxies)
         self.control = ControlServer(
             control_sock,
             self.loops,
@@ -343,7 +339,8 @@ class Daemon:
             if isinstance(outcome, BaseException):
                 raise outcome
         for worker in self.workers:
-            self.loops.extend(worker.proxies[rank] for rank in worker.ranks)
+            self._proxies.extend(worker.proxies[rank] for rank in worker.ranks)
+        self.loops.extend(self._proxies)
         ready = self.workers[0].ready
         assert ready is not None
         return ready.batch_bytes, (ready.ranks[0].kv_hwm, ready.ranks[0].replay_hwm)

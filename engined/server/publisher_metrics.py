@@ -14,17 +14,30 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engined.server.kv_replay import ReplayServer
-
 LABELS: tuple[str, str] = ("model_name", "engine")
 
 
+class ReplayFigures(Protocol):
+    """A rank's replay counters: its `ReplayServer`, or a rank proxy's copy of a worker's."""
+
+    @property
+    def abandoned(self) -> int: ...
+
+    @property
+    def refused(self) -> int: ...
+
+    @property
+    def streaming(self) -> int: ...
+
+
 class WatchedPublisher(Protocol):
+    """A rank's KV publisher as the metrics read it (or a rank proxy, with the same figures)."""
+
     @property
     def overflows(self) -> int: ...
 
     @property
-    def replay(self) -> ReplayServer | None: ...
+    def replay(self) -> ReplayFigures | None: ...
 
 
 class PublisherMetrics(Collector):
