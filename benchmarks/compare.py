@@ -144,15 +144,20 @@ def child_env(tree: Path) -> dict[str, str]:
     return env
 
 
-def check_import(tree: Path, scratch: Path) -> str:
-    """The `engined` the side's children import (run away from the tree: PYTHONPATH alone)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", "import engined.cli; print(engined.cli.__file__)"],
+def side_python(tree: Path, scratch: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """`python -c code` as the side's children run (away from the tree: PYTHONPATH alone)."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
         cwd=scratch,
         env=child_env(tree),
         capture_output=True,
         text=True,
     )
+
+
+def check_import(tree: Path, scratch: Path) -> str:
+    """The `engined` the side's children import."""
+    proc = side_python(tree, scratch, "import engined.cli; print(engined.cli.__file__)")
     if proc.returncode != 0:
         last = proc.stderr.strip().splitlines()[-1:] or ["no message"]
         raise SystemExit(f"{tree}: `import engined.cli` fails: {last[0]}")
@@ -194,13 +199,7 @@ def compile_core(tree: Path, scratch: Path) -> str:
         capture_output=True,
         text=True,
     )
-    check = subprocess.run(
-        [sys.executable, "-c", "import engined.core as c; print(c.compiled())"],
-        cwd=scratch,
-        env=child_env(tree),
-        capture_output=True,
-        text=True,
-    )
+    check = side_python(tree, scratch, "import engined.core as c; print(c.compiled())")
     if proc.returncode != 0 or check.stdout.strip() != "True":
         last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
         raise SystemExit(f"{tree}: compiling the core failed (mypy and a C compiler?): {last}")

@@ -21,7 +21,9 @@ import asyncio
 import itertools
 import signal
 import threading
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -29,13 +31,13 @@ import zmq.asyncio
 
 from engined.client import EngineClient
 from engined.core.types import LifecycleEvent, PassResult, Request, RequestOutput, Submit
-from engined.server.control import CONTROL_TURN_MESSAGES
+from engined.server.control import CONTROL_TURN_MESSAGES, ControlServer
 from engined.server.daemon import CONTROL_HWM
 from engined.server.deadlines import Deadlines
 from engined.server.systemd import NullNotifier, keepalive
 from engined.wire import control as wire
 from tests.server.daemon_harness import DaemonProcess
-from tests.server.inprocess import engine_loop, serve
+from tests.server.inprocess import Served, engine_loop, serve
 from tests.server.virtual_clock import VirtualClock
 
 BURST = 100_000
@@ -73,29 +75,44 @@ def flood(endpoint: str, count: int) -> None:
         ctx.term()
 
 
+def burst_server(tmp_path: Path, **kwargs: Any) -> AbstractAsyncContextManager[Served]:
+    """An in-process server whose ROUTER takes a whole burst (the daemon's high-water marks
+    and the system's kernel buffers)."""
+    return serve(
+        tmp_path,
+        sndhwm=CONTROL_HWM,
+        rcvhwm=CONTROL_HWM,
+        sndbuf=None,
+        num_gpu_blocks=NUM_GPU_BLOCKS,
+        **kwargs,
+    )
+
+
+class DispatchCounter:
+    """Counts the control messages a server dispatched (wraps its `_dispatch`)."""
+
+    def __init__(self, control: ControlServer) -> None:
+        self.handled = 0
+        dispatch = control._dispatch
+
+        def counting_dispatch(identity: bytes, msg: wire.ClientMessage) -> None:
+            self.handled += 1
+            dispatch(identity, msg)
+
+        control._dispatch = counting_dispatch  # type: ignore[method-assign]
+
+
 def test_a_ping_burst_yields_to_passes_and_to_other_clients(tmp_path: Path) -> None:
     async def scenario() -> None:
-        handled = 0  # control messages dispatched so far
         # (messages dispatched when the pass ran, stream entries received by then)
         passes: list[int] = []
         stream_done_at: int | None = None
-        async with serve(
-            tmp_path,
-            sndhwm=CONTROL_HWM,
-            rcvhwm=CONTROL_HWM,
-            sndbuf=None,
-            num_gpu_blocks=NUM_GPU_BLOCKS,
-        ) as served:
-            endpoint, control = served.endpoint, served.control
-            served.loop.pass_observers.append(lambda rank, now_ms, result: passes.append(handled))
-            dispatch = control._dispatch
-
-            def counting_dispatch(identity: bytes, msg: wire.ClientMessage) -> None:
-                nonlocal handled
-                handled += 1
-                dispatch(identity, msg)
-
-            control._dispatch = counting_dispatch  # type: ignore[method-assign]
+        async with burst_server(tmp_path) as served:
+            endpoint = served.endpoint
+            counter = DispatchCounter(served.control)
+            served.loop.pass_observers.append(
+                lambda rank, now_ms, result: passes.append(counter.handled)
+            )
             notifier = CountingNotifier()
             watchdog = asyncio.create_task(keepalive(notifier, str, watchdog_s=0.001))
             client = await EngineClient.connect(endpoint, ctx=served.ctx)
@@ -104,13 +121,13 @@ def test_a_ping_burst_yields_to_passes_and_to_other_clients(tmp_path: Path) -> N
                 flooder = threading.Thread(target=flood, args=(endpoint, BURST))
                 flooder.start()
                 # The burst is under way once the first of its pings was handled.
-                while handled < 2:
+                while counter.handled < 2:
                     await asyncio.sleep(0)
                 watchdogs_before = notifier.watchdogs
                 await client.submit(list(range(64)), STREAM_TOKENS, request_id="stream")
                 async for entry in client.outputs("stream"):
                     if entry.finished:
-                        stream_done_at = handled
+                        stream_done_at = counter.handled
                 assert stream_done_at is not None
                 # The stream ran to its end while the burst was still being read ...
                 assert stream_done_at < BURST / 2, stream_done_at
@@ -138,39 +155,26 @@ def test_a_due_rank_cuts_the_control_readers_turn_to_one_message(tmp_path: Path)
     message or two, where the same burst without a due rank fills whole turns."""
 
     async def burst_gaps(due: bool) -> int:
-        handled = 0
         passes: list[int] = []
         deadlines = Deadlines()
         if due:
             deadlines.set(99, float("-inf"))  # a paced rank that waits for the loop
-        async with serve(
-            tmp_path,
-            sndhwm=CONTROL_HWM,
-            rcvhwm=CONTROL_HWM,
-            sndbuf=None,
-            num_gpu_blocks=NUM_GPU_BLOCKS,
-            deadlines=deadlines,
-        ) as served:
-            served.loop.pass_observers.append(lambda rank, now_ms, result: passes.append(handled))
-            dispatch = served.control._dispatch
-
-            def counting_dispatch(identity: bytes, msg: wire.ClientMessage) -> None:
-                nonlocal handled
-                handled += 1
-                dispatch(identity, msg)
-
-            served.control._dispatch = counting_dispatch  # type: ignore[method-assign]
+        async with burst_server(tmp_path, deadlines=deadlines) as served:
+            counter = DispatchCounter(served.control)
+            served.loop.pass_observers.append(
+                lambda rank, now_ms, result: passes.append(counter.handled)
+            )
             client = await EngineClient.connect(served.endpoint, ctx=served.ctx)
             try:
                 await client.ping()
                 flooder = threading.Thread(target=flood, args=(served.endpoint, 5_000))
                 flooder.start()
-                while handled < 2:
+                while counter.handled < 2:
                     await asyncio.sleep(0)
                 first = len(passes)
                 await client.submit(list(range(64)), STREAM_TOKENS, request_id="stream")
                 async for entry in client.outputs("stream"):
-                    if entry.finished or handled >= 5_000:
+                    if entry.finished or counter.handled >= 5_000:
                         break
                 await asyncio.to_thread(flooder.join, 60)
             finally:
