@@ -327,10 +327,14 @@ class EngineLoop:
         then applies this rank's inbox (a submission burst hashes its prompts there) before
         the pass. A kernel wake-up costs ~0.05-0.1 ms that the old sleep(0) spin did not.
         """
+        await self._opened_pacer().sleep_until(deadline)
+
+    def _opened_pacer(self) -> Pacer:
+        """The loop's pacer, opened on first use (on the event loop that runs the passes)."""
         pacer = self._pacer
         if pacer is None:
             pacer = self._pacer = open_pacer(self._clock)
-        await pacer.sleep_until(deadline)
+        return pacer
 
     def _publish(self, result: PassResult) -> None:
         if result.outputs:
@@ -408,21 +412,29 @@ class EngineLoop:
                     await asyncio.sleep(0)  # due now: still let commands and other ranks in
                     break
                 timeout = min(timeout, due_in)
-            if not await self._wait_event(wake, timeout):
+            precise = due_in is not None and due_in <= timeout
+            if not await self._wait_event(wake, timeout, precise=precise):
                 self._fpm.maybe_heartbeat(self._clock())
         self._awaiting_command = False
         wake.clear()
 
-    async def _wait_event(self, event: asyncio.Event, timeout: float) -> bool:
-        """Whether `event` was set within `timeout` seconds of the loop's clock."""
-        if self._sleep is None:
+    async def _wait_event(self, event: asyncio.Event, timeout: float, *, precise: bool) -> bool:
+        """Whether `event` was set within `timeout` seconds of the loop's clock. `precise`
+        (a tier-transfer deadline, paced): on the pacer's timer, as a pass's end is, rather
+        than on asyncio's, which wakes up to 1 ms late."""
+        timed: Awaitable[None]
+        if self._sleep is not None:
+            timed = self._sleep(timeout)
+        elif precise and self._paced:
+            timed = self._opened_pacer().sleep_until(self._clock() + timeout)
+        else:
             try:
                 await asyncio.wait_for(event.wait(), timeout)
             except TimeoutError:
                 return False
             return True
         waiter = asyncio.ensure_future(event.wait())
-        timer = asyncio.ensure_future(self._sleep(timeout))
+        timer = asyncio.ensure_future(timed)
         try:
             await asyncio.wait((waiter, timer), return_when=asyncio.FIRST_COMPLETED)
         finally:

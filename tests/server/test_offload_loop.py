@@ -26,6 +26,7 @@ from engined.core.types import (
     RequestOutput,
     Submit,
 )
+from engined.server import engine_loop
 from engined.server.engine_loop import EngineLoop
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.virtual_clock import VirtualClock
@@ -73,14 +74,15 @@ class Capture:
         return at
 
 
-def offload_core(speedup_ratio: float) -> Engine:
-    """2 G1 blocks, 1 MB blocks, 1 GB/s links: each block hop takes 1 ms; passes take none."""
+def offload_core(speedup_ratio: float, decode_ms: float = 0.0) -> Engine:
+    """2 G1 blocks, 1 MB blocks, 1 GB/s links: each block hop takes 1 ms; passes take none
+    but `decode_ms` for a decode."""
     return Engine(
         EngineArgs(
             perf_model=PerfModelKind.FIXED,
             fixed_prefill_ms_per_token=0.0,
             fixed_pass_overhead_ms=0.0,
-            fixed_decode_ms_per_pass=0.0,
+            fixed_decode_ms_per_pass=decode_ms,
             block_size=BLOCK_SIZE,
             num_gpu_blocks=2,
             max_num_seqs=2,
@@ -96,12 +98,39 @@ def offload_core(speedup_ratio: float) -> Engine:
     )
 
 
-@pytest.mark.parametrize("speedup_ratio", [0.0, 1.0])
-def test_idle_core_wakes_at_the_offload_deadline(speedup_ratio: float) -> None:
+class VirtualPacer:
+    """The loop's pacer on the virtual clock, recording every deadline it slept to."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self.deadlines: list[float] = []
+
+    async def sleep_until(self, deadline: float) -> None:
+        self.deadlines.append(deadline)
+        await self.clock.sleep(deadline - self.clock())
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("speedup_ratio", "paced_by", "decode_ms"),
+    [(0.0, "sleep", 0.0), (1.0, "sleep", 0.0), (1.0, "pacer", 0.1)],
+)
+def test_idle_core_wakes_at_the_offload_deadline(
+    speedup_ratio: float, paced_by: str, decode_ms: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `paced_by` "pacer" no `sleep` is given, so the loop paces on its pacer (here one
+    on the virtual clock); a 0.1 ms decode ends B's last pass before the G3 copy lands, so
+    the core waits idle for that deadline, on the pacer too: asyncio's timer (1 ms late on
+    a real clock) would never see the virtual clock move, and the copy would never land."""
+    clock = VirtualClock()
+    pacer = VirtualPacer(clock)
+    monkeypatch.setattr(engine_loop, "open_pacer", lambda _clock: pacer)
+
     async def scenario() -> None:
-        core = offload_core(speedup_ratio)
+        core = offload_core(speedup_ratio, decode_ms)
         capture = Capture()
-        clock = VirtualClock()
         loop = EngineLoop(
             core,
             kv=capture,
@@ -109,7 +138,7 @@ def test_idle_core_wakes_at_the_offload_deadline(speedup_ratio: float) -> None:
             delivery=capture,
             speedup_ratio=speedup_ratio,
             clock=clock,
-            sleep=clock.sleep,
+            sleep=clock.sleep if paced_by == "sleep" else None,
         )
         capture.loop = loop
         runner = asyncio.create_task(loop.run())
@@ -130,6 +159,9 @@ def test_idle_core_wakes_at_the_offload_deadline(speedup_ratio: float) -> None:
         indexer.assert_clean()
         assert indexer.tier_overlap([1, 2, 3, 4], Medium.CPU) == 1
         assert indexer.tier_overlap([1, 2, 3, 4], Medium.STORAGE) == 1
+        if paced_by == "pacer":
+            landed_s = capture.stored_at_ms(Medium.STORAGE) / 1000.0
+            assert any(d == pytest.approx(landed_s) for d in pacer.deadlines)
         loop.stop()
         await runner
 
