@@ -144,7 +144,7 @@ class TokenEmitter:
         ready: list[RequestState] = []
         finished: list[RequestState] = []
         total_len = 0
-        for req in state.running_states:
+        for req in state.running:
             seq = req.seq
             length = len(seq.tokens)
             if req.num_computed_tokens >= length:
@@ -282,12 +282,11 @@ class TokenEmitter:
                     return 0.0
             if self._preempter.preempt() is None:
                 return 0.0
-            requests = state.requests
             ready = [
-                requests[u]
-                for u in state.running
-                if requests[u].num_computed_tokens == len(requests[u].seq.tokens)
-                and requests[u].seq.generated < requests[u].seq.max_output_tokens
+                r
+                for r in state.running
+                if r.num_computed_tokens == len(r.seq.tokens)
+                and r.seq.generated < r.seq.max_output_tokens
             ]
             if not ready:
                 return 0.0

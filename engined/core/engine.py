@@ -485,7 +485,7 @@ class Engine:
         """The waiting queue, the running list and the parked requests, in order."""
         return QueueView(
             waiting=list(self._state.waiting),
-            running=list(self._state.running),
+            running=[req.request_id for req in self._state.running],
             parked=[parked.request_id for parked in self._parking.parked],
             pending_destinations=list(self._book.pending.queue),
         )

@@ -40,23 +40,18 @@ class Preempter:
         state = self._state
         kv = self._kv
         order = reversed(state.running) if self._lifo else iter(state.running)
-        requests = state.requests
         running = RequestStatus.RUNNING
         if kv.offload is None:
-            victim = next((u for u in order if requests[u].status is running), None)
+            req = next((r for r in order if r.status is running), None)
         else:
             refresh = kv.refresh_offload_wait
-            victim = next(
-                (
-                    u
-                    for u in order
-                    if requests[u].status is running and not requests[u].offload_wait_live(refresh)
-                ),
+            req = next(
+                (r for r in order if r.status is running and not r.offload_wait_live(refresh)),
                 None,
             )
-        if victim is None:
+        if req is None:
             return None
-        req = requests[victim]
+        victim = req.request_id
         state.remove_running(victim)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

@@ -135,7 +135,7 @@ class Scheduler:
         block) take the inline path; everything else goes through `_schedule`."""
         state = self._state
         # Preemption removes entries as the walk goes: hence the index.
-        running = state.running_states
+        running = state.running
         scheduled = ctx.scheduled
         bs = self.block_size
         fast = self._fast_paths
@@ -178,11 +178,9 @@ class Scheduler:
         vLLM schedules running requests' new blocks before any admission; holding
         admission back for that one pass does the same here. Refreshes the waits.
         """
-        requests = self._state.requests
         refresh = self._kv.refresh_offload_wait
         waited = False
-        for request_id in self._state.running:
-            req = requests[request_id]
+        for req in self._state.running:
             if req.offload_wait is not None:
                 waited = True
                 req.offload_wait_live(refresh)
@@ -209,7 +207,7 @@ class Scheduler:
             elif pending_head:
                 break
             else:
-                running_seqs = (requests[u].seq for u in state.running)
+                running_seqs = (r.seq for r in state.running)
                 decision, cost = self._policy.decide(
                     req.seq, req.status is RequestStatus.WAITING, kv, running_seqs
                 )

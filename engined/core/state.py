@@ -69,16 +69,14 @@ class SchedulerState:
         "requests",
         "running",
         "running_members",
-        "running_states",
     )
 
     def __init__(self) -> None:
         self._queue: OrderedDict[str, None] = OrderedDict()
         self._prebuilt: OrderedDict[str, None] = OrderedDict()
-        self.running: list[str] = []
-        # The records of `running`, index for index: the pass walks them without a lookup
-        # per request.
-        self.running_states: list[RequestState] = []
+        # The running requests' records, in order: the pass walks them without a lookup per
+        # request; `running_members` holds their ids.
+        self.running: list[RequestState] = []
         self.running_members: set[str] = set()
         self.requests: dict[str, RequestState] = {}
         self.preemptions_total = 0
@@ -124,8 +122,7 @@ class SchedulerState:
     def transition_to_running(self, request_id: str) -> None:
         self.remove_waiting(request_id)
         req = self.requests[request_id]
-        self.running.append(request_id)
-        self.running_states.append(req)
+        self.running.append(req)
         self.running_members.add(request_id)
         req.status = RequestStatus.RUNNING
 
@@ -143,6 +140,5 @@ class SchedulerState:
 
     def _leave_running(self, request_id: str) -> None:
         self.running_members.discard(request_id)
-        index = self.running.index(request_id)
-        del self.running[index]
-        del self.running_states[index]
+        # RequestState compares by identity (eq=False): this removes exactly this record.
+        self.running.remove(self.requests[request_id])

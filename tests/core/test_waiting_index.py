@@ -236,7 +236,9 @@ def test_admission_leaves_both_heads(state: SchedulerState) -> None:
     fill(state, "aBC")
     state.transition_to_running("B")
     assert state.next_waiting(True) == "C" and state.next_waiting(False) == "a"
-    assert state.running == ["B"] and state.requests["B"].status is RequestStatus.RUNNING
+    assert [r.request_id for r in state.running] == ["B"] and state.requests[
+        "B"
+    ].status is RequestStatus.RUNNING
     state.transition_to_running("a")
     assert list(state.waiting) == ["C"]
     check(state)
