@@ -37,6 +37,7 @@ from engined.wire.kv_events import (
     read_seq,
     seq_bytes,
 )
+from tests.reference_indexer import ReferenceIndexer
 
 ENGINED = [sys.executable, "-m", "engined.cli"]
 
@@ -241,3 +242,14 @@ def _hash(block_hash: ExternalBlockHash) -> int:
     """engined publishes block hashes as integers (vLLM may send bytes; engined never does)."""
     assert isinstance(block_hash, int), block_hash
     return block_hash
+
+
+def assert_each_prompt_on_its_rank(
+    indexer: ReferenceIndexer, placed: list[tuple[list[int], int]], block_size: int
+) -> None:
+    """Of two ranks, each prompt's full blocks are all on the rank it was served by and none
+    on the other, as a KV-aware router reading both ranks' events would see them."""
+    for tokens, rank in placed:
+        full = len(tokens) // block_size
+        assert indexer.overlap(tokens, dp_rank=rank) == full
+        assert indexer.overlap(tokens, dp_rank=1 - rank) == 0

@@ -32,7 +32,7 @@ from engined.server.daemon import EXIT_FAILURE, EXIT_OK, Daemon
 from engined.server.systemd import NullNotifier, keepalive
 from engined.wire.control import Applied, DestinationReservedEvent, ErrorReply, Load, Pong
 from tests.reference_indexer import ReferenceIndexer
-from tests.server.daemon_harness import KvStream, to_core_events
+from tests.server.daemon_harness import KvStream, assert_each_prompt_on_its_rank, to_core_events
 from tests.support import free_tcp_port
 
 T = TypeVar("T")
@@ -323,10 +323,7 @@ def test_kv_event_streams_are_consistent_per_rank(tmp_path: Path) -> None:
                     assert {b.data_parallel_rank for b in stream.batches} == {rank}
                     indexer.apply(to_core_events(stream.batches))
                 indexer.assert_clean()
-                for tokens, rank in served:
-                    full = len(tokens) // BLOCK_SIZE
-                    assert indexer.overlap(tokens, dp_rank=rank) == full
-                    assert indexer.overlap(tokens, dp_rank=1 - rank) == 0
+                assert_each_prompt_on_its_rank(indexer, served, BLOCK_SIZE)
             finally:
                 for stream in streams:
                     stream.close()

@@ -37,7 +37,13 @@ from engined.wire.kv_events import (
     seq_bytes,
 )
 from tests.reference_indexer import ReferenceIndexer
-from tests.server.daemon_harness import DaemonProcess, KvStream, start_daemon, to_core_events
+from tests.server.daemon_harness import (
+    DaemonProcess,
+    KvStream,
+    assert_each_prompt_on_its_rank,
+    start_daemon,
+    to_core_events,
+)
 from tests.support import run
 
 SCENARIO_TIMEOUT_S = 60.0
@@ -450,10 +456,7 @@ def test_data_parallel_ranks_publish_separately(tmp_path: Path) -> None:
                 indexer.assert_clean()
                 expected = [(t, 1) for t in pinned] + [(t, 0) for t in explicit]
                 expected += [(t, r) for t, r in zip(unpinned, ranks, strict=True)]
-                for tokens, rank in expected:
-                    full = len(tokens) // BLOCK_SIZE
-                    assert indexer.overlap(tokens, dp_rank=rank) == full
-                    assert indexer.overlap(tokens, dp_rank=1 - rank) == 0
+                assert_each_prompt_on_its_rank(indexer, expected, BLOCK_SIZE)
             finally:
                 for stream in streams:
                     stream.close()
