@@ -273,7 +273,7 @@ def test_unknown_handoffs_and_requests_are_noops(daemon: DaemonProcess) -> None:
     run(scenario())
 
 
-def test_duplicate_request_id(daemon: DaemonProcess) -> None:
+def test_duplicate_request_id(tmp_path: Path) -> None:
     """1. submit request "dup" with a long output; 2. submit "dup" again (same and another
     client); 3. cancel "dup"; 4. submit "dup" again with 3 tokens.
 
@@ -282,7 +282,7 @@ def test_duplicate_request_id(daemon: DaemonProcess) -> None:
     completes with its 3 tokens.
     """
 
-    async def scenario() -> None:
+    async def scenario(daemon: DaemonProcess) -> None:
         async with (
             await EngineClient.connect(daemon.control) as client,
             await EngineClient.connect(daemon.control) as other,
@@ -300,7 +300,9 @@ def test_duplicate_request_id(daemon: DaemonProcess) -> None:
             assert (len(gen.token_ids), gen.finish_reason) == (3, "length")
             assert_idle(await rank0(client))
 
-    run(scenario())
+    pool = ("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", str(NUM_BLOCKS))
+    with start_daemon(tmp_path, *pool, *PACED) as daemon:
+        run(scenario(daemon))
 
 
 def test_prompt_larger_than_the_kv_pool(daemon: DaemonProcess) -> None:
