@@ -1,7 +1,8 @@
 """A/B benchmark: an older revision against the working tree, alternating runs on one machine.
 
     .venv/bin/python benchmarks/compare.py REV [--benchmark core|e2e|e2e-pacing] [--repeat 3]
-        [--new REV2] [--compiled none|new|both] [--script-from own|new] [-- extra args]
+        [--new REV2] [--compiled none|new|both] [--script-from own|new] [--clock wall|cpu]
+        [-- extra args]
 
 REV is checked out in a temporary `git worktree` (removed at the end, also on Ctrl-C). Each
 side runs its *own* copy of the benchmark script with identical arguments, under this
@@ -23,6 +24,12 @@ build_ext --inplace`, under this interpreter, which needs mypy: the dev venv has
 of the working tree when that is the new side, so the checkout gets no `.so`; `both` compiles
 the old side's worktree too, when its revision has the compiled build (3a10a4f has not: it
 stays pure Python, which is the release's figure). Each side says which core it runs.
+
+`--clock cpu` (core benchmark only) runs each side's script with `time.perf_counter` replaced
+by `time.process_time`, so its rates count CPU seconds, not wall seconds: time the process
+spent waiting for a core on a shared machine drops out (it still pays for caches and the
+other hyperthread). Both revisions' scripts time their loop with `perf_counter` alone, which
+is what makes the swap apply to old and new alike.
 
 Benchmarks: `core` = core_throughput.py, `e2e` = e2e_throughput.py (ipc and tcp throughput),
 `e2e-pacing` = e2e_throughput.py --pacing (pass-start lateness; steady-state lines and the
@@ -206,9 +213,17 @@ def compile_core(tree: Path, scratch: Path) -> str:
     return "compiled (mypyc)"
 
 
-def run_side(tree: Path, script: Path, args: list[str]) -> str:
+# Runs the script (argv[1]) as __main__ with the CPU clock standing in for perf_counter.
+_CPU_CLOCK = (
+    "import runpy, sys, time; time.perf_counter = time.process_time; "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def run_side(tree: Path, script: Path, args: list[str], clock: str = "wall") -> str:
     """One run; its own process group, so an interrupt here also ends the daemon it started."""
-    cmd = [sys.executable, str(script), *args]
+    launch = [sys.executable] if clock == "wall" else [sys.executable, "-c", _CPU_CLOCK]
+    cmd = [*launch, str(script), *args]
     proc = subprocess.Popen(
         cmd,
         cwd=tree,
@@ -306,14 +321,22 @@ def main() -> None:
         default="own",
         help="each side runs its own tree's benchmark script, or both the new side's",
     )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="rates per wall second, or per CPU second of the benchmark process (core only)",
+    )
     ns = parser.parse_args(argv)
+    if ns.clock == "cpu" and ns.benchmark != "core":
+        parser.error("--clock cpu applies to the core benchmark only (e2e runs a daemon)")
     script, fixed, metrics = BENCHMARKS[ns.benchmark]
     args = fixed + extra
     signal.signal(signal.SIGTERM, _interrupt)  # so the worktrees are removed then as well
 
     print(machine())
     shown = " ".join(args) or "(default arguments)"
-    print(f"benchmark: {script} {shown}; {ns.repeat} rounds, ABBA order")
+    print(f"benchmark: {script} {shown}; {ns.repeat} rounds, ABBA order, {ns.clock} clock")
     print(f"old: {describe(ns.rev)}")
     print(f"new: {describe(ns.new)}")
     scratch = Path(tempfile.mkdtemp(prefix="engined-compare-"))
@@ -331,7 +354,15 @@ def main() -> None:
                 if ns.compiled != "none":
                     print(f"new core: {compile_core(new_tree, scratch)}")
                 run_rounds(
-                    old_tree, new_tree, script, ns.script_from, args, metrics, ns.repeat, scratch
+                    old_tree,
+                    new_tree,
+                    script,
+                    ns.script_from,
+                    args,
+                    metrics,
+                    ns.repeat,
+                    scratch,
+                    ns.clock,
                 )
     except KeyboardInterrupt:
         print("interrupted; worktrees removed", file=sys.stderr)
@@ -349,6 +380,7 @@ def run_rounds(
     metrics: list[Metric],
     repeat: int,
     scratch: Path,
+    clock: str = "wall",
 ) -> None:
     trees = {"old": old_tree, "new": new_tree}
     scripts: dict[str, Path] = {}
@@ -360,7 +392,7 @@ def run_rounds(
         order = ("old", "new") if n % 2 == 0 else ("new", "old")
         for side in order:
             started = time.perf_counter()
-            values = parse(metrics, run_side(trees[side], scripts[side], args))
+            values = parse(metrics, run_side(trees[side], scripts[side], args, clock))
             results[side].append(values)
             shown = ", ".join(f"{k} {fmt(v)}" for k, v in values.items())
             print(f"round {n + 1} {side}: {shown}  ({time.perf_counter() - started:.1f} s)")

@@ -355,7 +355,11 @@ def throughput(args: argparse.Namespace) -> None:
 # `lateness_ms` value (the daemon's own measurement) with the monotonic time of its pass start,
 # and, through a `pass_observers` entry, the rank's running/waiting counts after each pass.
 # Cost: a timestamp and a list append per pass. Without those attributes it records nothing.
-_PACING_DAEMON = """
+# Rank worker processes (where the tree has them) run the same recorder (`_PASS_RECORDER`),
+# each into E2E_BENCH_PASS_LOG.<pid>: the daemon starts them through
+# `rank_process.WORKER_COMMAND`, which it reads at each start, so the wrapper swaps it.
+# CLOCK_MONOTONIC is one clock for all processes, so the records merge by time.
+_PASS_RECORDER = """
 import atexit, collections, json, os, time
 from engined.server import engine_loop
 
@@ -386,14 +390,37 @@ def _recording_init(self, *args, **kwargs):
 
 engine_loop.EngineLoop.__init__ = _recording_init
 
-@atexit.register
-def _dump():
-    with open(os.environ["E2E_BENCH_PASS_LOG"], "w") as f:
-        json.dump({"lateness": lateness, "states": states}, f)
-
+def _dump_to(path):
+    @atexit.register
+    def _dump():
+        with open(path, "w") as f:
+            json.dump({"lateness": lateness, "states": states}, f)
+"""
+_PACING_DAEMON = (
+    _PASS_RECORDER
+    + """
+import sys
+_dump_to(os.environ["E2E_BENCH_PASS_LOG"])
+try:
+    from engined.server import rank_process
+except ImportError:
+    rank_process = None
+if rank_process is not None and hasattr(rank_process, "WORKER_COMMAND"):
+    rank_process.WORKER_COMMAND = (sys.executable, "-c", _WORKER)
 from engined.cli import main
 main()
 """
+)
+# The worker's program: the recorder, then the rank worker's own entry point.
+_PACING_WORKER = (
+    _PASS_RECORDER
+    + """
+import sys
+_dump_to(f"{os.environ['E2E_BENCH_PASS_LOG']}.{os.getpid()}")
+from engined.server.rank_worker import main
+sys.exit(main())
+"""
+)
 
 
 def generate_load(
@@ -450,6 +477,15 @@ def lateness_summary(values: list[float]) -> tuple[float, float, float]:
     ordered = sorted(values)
     n = len(ordered)
     return ordered[n // 2], ordered[min(n - 1, (99 * n) // 100)], ordered[-1]
+
+
+def read_pass_logs(path: Path) -> dict[str, list[list[float]]] | None:
+    """The daemon's pass record merged with its rank workers' (`path.<pid>`), or None."""
+    found = [path, *sorted(path.parent.glob(f"{path.name}.*"))]
+    logs = [json.loads(p.read_text()) for p in found if p.exists()]
+    if not logs:
+        return None
+    return {key: [row for log in logs for row in log[key]] for key in ("lateness", "states")}
 
 
 def steady_start(states: list[list[float]], target: int) -> float | None:
@@ -539,7 +575,7 @@ def pacing(args: argparse.Namespace) -> None:
             str(args.ranks),
             *rank_process_flags(args.rank_processes),
         ],
-        program=["-c", _PACING_DAEMON],
+        program=["-c", f"_WORKER = {_PACING_WORKER!r}\n" + _PACING_DAEMON],
         env={**os.environ, "E2E_BENCH_PASS_LOG": str(pass_log)},
     )
     # Pacing's own defaults (256, 64) unless given: old command lines keep their workload.
@@ -586,7 +622,7 @@ def pacing(args: argparse.Namespace) -> None:
             f"p50 {r.lateness_p50_ms:.3f}  p99 {r.lateness_p99_ms:.3f}  max {r.lateness_max_ms:.3f}"
         )
     target = min(args.concurrency, args.pacing_requests)
-    log = json.loads(pass_log.read_text()) if pass_log.exists() else None
+    log = read_pass_logs(pass_log)
     shutil.rmtree(tmp, ignore_errors=True)
     if log is None:
         print("steady state: n/a (the daemon wrote no pass log)")
@@ -640,8 +676,8 @@ def main() -> None:
         "--rank-processes",
         type=int,
         default=0,
-        help="the daemon's --rank-processes (0: ranks in its own process; with --pacing the "
-        "steady-state split needs 0)",
+        help="the daemon's --rank-processes (0: ranks in its own process; with --pacing each "
+        "worker records its passes too)",
     )
     parser.add_argument("--pacing-requests", type=int, default=256)
     parser.add_argument(
