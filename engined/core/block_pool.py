@@ -77,8 +77,10 @@ class LineageIndex:
 
     def remove(self, key: int) -> None:
         """Take a block out of the inactive set (resurrected by a match, or evicted)."""
+        self._remove(key, self._nodes[key])
+
+    def _remove(self, key: int, node: _Node) -> None:
         nodes = self._nodes
-        node = nodes[key]
         assert node.real, "removing a block that is not inactive"
         node.real = False
         node.tick = -1
@@ -104,7 +106,7 @@ class LineageIndex:
             tick, key = heapq.heappop(heap)
             node = nodes.get(key)
             if node is not None and node.real and node.children == 0 and node.tick == tick:
-                self.remove(key)
+                self._remove(key, node)
                 return key
         raise AssertionError("inactive pool has no evictable leaf")
 
@@ -176,6 +178,26 @@ class BlockPool:
             evicted.append(key)
         return _new(Allocation, (slots, evicted))
 
+    def allocate_one(self) -> tuple[int, int]:
+        """`allocate(1)` without its lists: the slot (-1 with nothing changed when the pool
+        is exhausted) and the lineage key evicted for it (-1 for a free slot)."""
+        free = self._free
+        if free:
+            return free.popleft(), -1
+        if not self.inactive.count:
+            return -1, -1
+        key = self.inactive.pop_victim()
+        block_id = self._registry.pop(key)
+        self._key_of[block_id] = -1
+        return block_id, key
+
+    def register_new(self, slot: int, key: int, parent_key: int | None) -> None:
+        """`register` of a key the caller just found unregistered (`match` gave None)."""
+        self._registry[key] = slot
+        self._key_of[slot] = key
+        self._parent_of[slot] = parent_key
+        self._refs[slot] = 1
+
     def register(self, slot: int, key: int, parent_key: int | None) -> int:
         """Register a filled mutable slot under `key`, returning the block that now holds it.
 
@@ -186,10 +208,7 @@ class BlockPool:
         if existing is not None:
             self._free.append(slot)
             return existing
-        self._registry[key] = slot
-        self._key_of[slot] = key
-        self._parent_of[slot] = parent_key
-        self._refs[slot] = 1
+        self.register_new(slot, key, parent_key)
         return slot
 
     def match(self, key: int) -> int | None:

@@ -14,6 +14,7 @@ MTP burst's tokens in it), as vLLM's engine core reports a step.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from engined.core.args import EngineArgs, WorkerType
 from engined.core.finish import Finisher
@@ -166,12 +167,18 @@ class TokenEmitter:
         refresh = kv.refresh_offload_wait
         bs = self.block_size
         fast = self._fast_paths
-        getrandbits = self._rng.getrandbits
-        draw = self._vocab.draw
+        # NOTE: typed Any so that, compiled, a drawn token stays the Python int the draw made:
+        # as an `int` it would be unboxed, then boxed again for the token array and for the
+        # output's list, two allocations per token.
+        getrandbits: Any = self._rng.getrandbits
+        draw: Any = self._vocab.draw
         outputs = ctx.outputs
         # Every output of this loop carries exactly one token: their count is the tokens'.
         first_output = len(outputs)
         append = outputs.append
+        # NOTE: locals, so compiled code does not look the globals up once per token.
+        output = RequestOutput
+        running = _RUNNING
         for req in ready:
             request_id = req.request_id
             seq = req.seq
@@ -182,14 +189,14 @@ class TokenEmitter:
                 and len(tokens) % bs != 0
                 and seq.generated + 1 < seq.max_output_tokens
                 and req.cached_tokens_reported
-                and req.status is _RUNNING
+                and req.status is running
             ):
                 # The common decode step, inlined: same draw and effect as `generate_token` for
                 # a token that neither opens a block nor ends the request.
-                token = getrandbits(32) if draw is None else draw()
-                tokens.append(token)
+                drawn = getrandbits(32) if draw is None else draw()
+                tokens.append(drawn)
                 seq.generated += 1
-                append(RequestOutput(request_id, [token]))
+                append(output(request_id, [drawn]))
                 continue
             if (
                 fast
@@ -198,7 +205,7 @@ class TokenEmitter:
                 and len(tokens) % bs == 0
                 and seq.generated + 1 < seq.max_output_tokens
                 and req.cached_tokens_reported
-                and req.status is _RUNNING
+                and req.status is running
             ):
                 # The decode step that opens a block, inlined: the same draw and effects as
                 # `generate_token` and `apply_all` of its moves (Promote, then the new block).
@@ -208,7 +215,7 @@ class TokenEmitter:
                     kv.promote(promote)
                 if kv.use_partial(seq.partial):
                     seq.num_allocated_tokens = len(tokens)
-                    append(RequestOutput(request_id, [token]))
+                    append(output(request_id, [token]))
                     continue
                 # No block: as the general path, undo, preempt, and retry unless it was us.
                 seq.pop()
@@ -245,7 +252,7 @@ class TokenEmitter:
             if completed:
                 self._finish(ctx, req, [token], cleanup)
             else:
-                append(RequestOutput(request_id, [token], None, req.take_cached_tokens()))
+                append(output(request_id, [token], None, req.take_cached_tokens()))
         emitted = len(outputs) - first_output
         ctx.output_tokens += emitted
         ctx.decode_forwards += emitted

@@ -61,19 +61,32 @@ def build_snapshot(
     prefill_lengths: list[int] = []
     prefill_tokens = 0
     prefill_kv = 0
-    decode_lengths: list[int] = []
+    # The decode lengths' Welford runs inline (the steps of `welford`, in the same order, so
+    # the same bits): one decode per running request per pass, and no list of them.
+    n_decode = 0
+    sum_decode = 0
+    mean = 0.0
+    m2 = 0.0
     for work in scheduled:
         if isinstance(work, int):
             # A one-token decode by its sequence length (PassContext.scheduled).
-            decode_lengths.append(work)
+            x = work
         elif work.prompt_tokens > 0:
             prefill_lengths.append(work.prompt_len)
             prefill_tokens += work.total_tokens
             prefill_kv += work.prefix_tokens
+            continue
         elif not work.terminal:
-            decode_lengths.append(work.sequence_len)
+            x = work.sequence_len
+        else:
+            continue
+        n_decode += 1
+        sum_decode += x
+        delta = x - mean
+        mean += delta / n_decode
+        m2 += delta * (x - mean)
+    var_decode = m2 / n_decode if n_decode else 0.0
     n_prefill, _, var_prefill = welford(prefill_lengths)
-    n_decode, sum_decode, var_decode = welford(decode_lengths)
     n_qp, sum_qp, var_qp = queued_prefill
     n_qd, sum_qd, var_qd = queued_decode
     return FpmSnapshot(

@@ -16,12 +16,13 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import xxhash
 
-HASH_SEED = 1337
+HASH_SEED: Final = 1337
 
+# NOTE: the seed goes positionally: xxhash parses keyword arguments on every call.
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
 _NATIVE_LE = sys.byteorder == "little"
@@ -37,16 +38,23 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def local_block_hash(tokens: Sequence[int]) -> int:
-    return _xxh3(token_bytes(tokens), seed=HASH_SEED)
+    return _xxh3(token_bytes(tokens), HASH_SEED)
+
+
+def array_block_hash(block: array[int]) -> int:
+    """`local_block_hash` of an `array("I")` (a sequence's tokens), without the type checks."""
+    if _NATIVE_LE:
+        return _xxh3(block.tobytes(), HASH_SEED)
+    return local_block_hash(block)
 
 
 def chain_hash(parent: int, local: int) -> int:
-    return _xxh3(_pack_pair(parent, local), seed=HASH_SEED)
+    return _xxh3(_pack_pair(parent, local), HASH_SEED)
 
 
 def sequence_hash(parent: int | None, local: int) -> int:
     """The sequence hash of a block whose local hash is `local`; `parent` None at the root."""
-    return local if parent is None else _xxh3(_pack_pair(parent, local), seed=HASH_SEED)
+    return local if parent is None else _xxh3(_pack_pair(parent, local), HASH_SEED)
 
 
 class BlockHashes(NamedTuple):
@@ -61,14 +69,23 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> BlockHashes:
     data = token_bytes(tokens)
     step = block_size * 4
     n = len(tokens) // block_size
-    local = [_xxh3(data[i * step : (i + 1) * step], seed=HASH_SEED) for i in range(n)]
+    xxh3 = _xxh3
+    pack_pair = _pack_pair
+    local = [xxh3(data[i * step : (i + 1) * step], HASH_SEED) for i in range(n)]
     seq: list[int] = []
     parent = 0
     for i, h in enumerate(local):
-        parent = h if i == 0 else _xxh3(_pack_pair(parent, h), seed=HASH_SEED)
+        parent = h if i == 0 else xxh3(pack_pair(parent, h), HASH_SEED)
         seq.append(parent)
     return BlockHashes(local, seq)
 
 
+# `position << 64` for the positions of prompts up to 64k tokens of 16: a lookup instead of
+# the shift, which allocates twice when compiled (a 128-bit int is no machine word).
+_POSITION_BASES: Final = [position << 64 for position in range(4096)]
+
+
 def lineage_key(position: int, sequence_hash: int) -> int:
+    if position < 4096:
+        return _POSITION_BASES[position] | sequence_hash
     return (position << 64) | sequence_hash

@@ -231,13 +231,12 @@ class KvManager:
         """
         if partial is None or partial in self.active_partial:
             return True
-        got = self.pool.allocate(1)
-        if got is None:
+        slot, evicted = self.pool.allocate_one()
+        if slot < 0:
             return self._exhausted()
-        slots, evicted = got
-        self.active_partial[partial] = slots[0]
-        if evicted:
-            self._evictions(evicted)
+        self.active_partial[partial] = slot
+        if evicted >= 0:
+            self._evictions([evicted])
         return True
 
     def _commit_use(
@@ -247,6 +246,7 @@ class KvManager:
         active_full = self.active_full
         registered = self.registered
         matched_set = set(matched)
+        plain = self.offload is None
         meta_parent = move.parent
         run_parent = meta_parent
         run: list[int] = []
@@ -271,8 +271,12 @@ class KvManager:
             slot = slots[j]
             j += 1
             key = move.keys[i]
-            got = pool.register(slot, key, move.parent_keys[i])
-            assert got == slot, "fresh block must be a new registration"
+            if plain:
+                # `use` found the key unregistered, and a plain allocation registers nothing.
+                pool.register_new(slot, key, move.parent_keys[i])
+            else:
+                got = pool.register(slot, key, move.parent_keys[i])
+                assert got == slot, "fresh block must be a new registration"
             active_full[h] = [slot, 1]
             registered[key] = h
             run.append(i)
@@ -292,8 +296,10 @@ class KvManager:
         active_full = self.active_full
         for h in move.hashes:
             entry = active_full[h]
-            entry[1] -= 1
-            if entry[1] == 0:
+            held = entry[1] - 1
+            if held:
+                entry[1] = held
+            else:
                 del active_full[h]
             pool.release(entry[0])
 
@@ -318,7 +324,7 @@ class KvManager:
             pool.release_mutable(slot)
             self.active_full[h] = [block_id, 1]
             return False
-        pool.register(slot, key, parent_key)
+        pool.register_new(slot, key, parent_key)
         self.active_full[h] = [slot, 1]
         self.registered[key] = h
         return True

@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Callable
 from typing import NamedTuple
 
-from engined.core.hashing import block_hashes, lineage_key, local_block_hash, sequence_hash
+from engined.core.hashing import array_block_hash, block_hashes, chain_hash, lineage_key
 from engined.core.vocab import Vocabulary
 
 
@@ -272,9 +272,9 @@ class Sequence:
         parent = self.hashes[-1] if pos else None
         block = tokens[pos * bs : (pos + 1) * bs]
         if self.caching:
-            lh: int | None = local_block_hash(block)
+            lh: int | None = array_block_hash(block)
             assert lh is not None
-            h = sequence_hash(parent, lh)
+            h = lh if parent is None else chain_hash(parent, lh)
             self.local.append(lh)
             parent_key = self.keys[-1] if pos else None
         else:

@@ -1,0 +1,58 @@
+"""`build_snapshot` against `welford` over the lists it no longer builds.
+
+The decode half of a snapshot runs Welford inline over the scheduled work (a one-token decode
+is an int, other work a `ScheduledWork`); it must give upstream's Welford bits exactly, in the
+order the work was scheduled.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engined.core.fpm import LengthStats, ScheduledWork, build_snapshot, welford
+
+_lengths = st.integers(min_value=1, max_value=1 << 20)
+_work = st.one_of(
+    _lengths,
+    st.builds(
+        ScheduledWork,
+        total_tokens=st.integers(1, 8192),
+        prompt_tokens=st.integers(0, 8192),
+        prefix_tokens=st.integers(0, 8192),
+        prompt_len=_lengths,
+        sequence_len=_lengths,
+        terminal=st.booleans(),
+    ),
+)
+
+
+@given(st.lists(_work, max_size=300))
+def test_snapshot_variances_are_welfords(scheduled: list[ScheduledWork | int]) -> None:
+    decode: list[int] = []
+    prefill: list[ScheduledWork] = []
+    for work in scheduled:
+        if isinstance(work, int):
+            decode.append(work)
+        elif work.prompt_tokens > 0:
+            prefill.append(work)
+        elif not work.terminal:
+            decode.append(work.sequence_len)
+    none = LengthStats(0, 0, 0.0)
+
+    snap = build_snapshot(scheduled, none, none, 0.5)
+
+    n, total, variance = welford(decode)
+    assert (snap.num_decode_requests, snap.sum_decode_kv_tokens) == (n, total)
+    assert snap.var_decode_kv_tokens == variance  # the same bits, not approximately
+    n_p, _, var_p = welford(w.prompt_len for w in prefill)
+    assert (snap.num_prefill_requests, snap.var_prefill_length) == (n_p, var_p)
+    assert snap.sum_prefill_tokens == sum(w.total_tokens for w in prefill)
+    assert snap.sum_prefill_kv_tokens == sum(w.prefix_tokens for w in prefill)
+
+
+def test_a_decode_only_pass() -> None:
+    snap = build_snapshot([512, 514, 513], LengthStats(0, 0, 0.0), LengthStats(0, 0, 0.0), 0.0)
+    assert (snap.num_decode_requests, snap.sum_decode_kv_tokens) == (3, 1539)
+    assert snap.var_decode_kv_tokens == 2 / 3
+    assert snap.num_prefill_requests == 0
