@@ -17,8 +17,8 @@ Handles are not objects: a block's handle count lives in `_refs`, and callers ho
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
+from heapq import heappop, heappush
 from typing import NamedTuple
 
 _POS_SHIFT = 64
@@ -39,15 +39,19 @@ class _Node:
 class LineageIndex:
     """Inactive blocks as a forest keyed by lineage key, evicting leaves by insertion tick.
 
-    Leaves wait in a heap of `(tick, key)`; entries go stale when a node gains a child or is
-    resurrected, and are skipped when popped. The heap is rebuilt when stale entries
-    outnumber live nodes, so a long-running engine's heap stays proportional to its pool.
+    Leaves wait as `(tick, key)` entries in two queues: a block that is a leaf when inserted
+    has the newest tick, so those entries arrive in tick order and a FIFO holds them; a node
+    that becomes a leaf again (its last child left) keeps its old tick, and those few wait in
+    a heap. The victim is the older of the two heads. Entries go stale when a node gains a
+    child or is resurrected, and are skipped when popped. Both are rebuilt when stale entries
+    outnumber live nodes, so a long-running engine's queues stay proportional to its pool.
     """
 
-    __slots__ = ("_heap", "_next_tick", "_nodes", "count")
+    __slots__ = ("_fresh", "_heap", "_next_tick", "_nodes", "count")
 
     def __init__(self) -> None:
         self._nodes: dict[int, _Node] = {}
+        self._fresh: deque[tuple[int, int]] = deque()
         self._heap: list[tuple[int, int]] = []
         self._next_tick = 0
         self.count = 0
@@ -73,7 +77,8 @@ class LineageIndex:
             node.parent = parent_key
             parent.children += 1
         if node.children == 0:
-            self._push(tick, key)
+            self._fresh.append((tick, key))
+            self._compact()
 
     def remove(self, key: int) -> None:
         """Take a block out of the inactive set (resurrected by a match, or evicted)."""
@@ -94,28 +99,34 @@ class LineageIndex:
             parent.children -= 1
             if parent.real:
                 if parent.children == 0:
-                    self._push(parent.tick, parent_key)
+                    heappush(self._heap, (parent.tick, parent_key))
+                    self._compact()
                 return
             key, node = parent_key, parent
 
     def pop_victim(self) -> int:
         """Evict the oldest inactive leaf and return its key."""
+        fresh = self._fresh
         heap = self._heap
         nodes = self._nodes
-        while heap:
-            tick, key = heapq.heappop(heap)
+        while fresh or heap:
+            if heap and (not fresh or heap[0][0] < fresh[0][0]):
+                tick, key = heappop(heap)
+            else:
+                tick, key = fresh.popleft()
             node = nodes.get(key)
             if node is not None and node.real and node.children == 0 and node.tick == tick:
                 self._remove(key, node)
                 return key
         raise AssertionError("inactive pool has no evictable leaf")
 
-    def _push(self, tick: int, key: int) -> None:
-        heap = self._heap
-        heapq.heappush(heap, (tick, key))
-        if len(heap) > 2 * self.count + 64:
-            self._heap = [(n.tick, k) for k, n in self._nodes.items() if n.real and n.children == 0]
-            heapq.heapify(self._heap)
+    def _compact(self) -> None:
+        """Drop the stale entries once they outnumber the live nodes."""
+        if len(self._fresh) + len(self._heap) > 2 * self.count + 64:
+            leaves = [(n.tick, k) for k, n in self._nodes.items() if n.real and n.children == 0]
+            leaves.sort()
+            self._fresh = deque(leaves)
+            self._heap = []
 
 
 class Allocation(NamedTuple):

@@ -14,6 +14,7 @@ MTP burst's tokens in it), as vLLM's engine core reports a step.
 from __future__ import annotations
 
 import random
+from array import array
 from typing import Any
 
 from engined.core.args import EngineArgs, WorkerType
@@ -172,10 +173,11 @@ class TokenEmitter:
         # output's list, two allocations per token.
         getrandbits: Any = self._rng.getrandbits
         draw: Any = self._vocab.draw
+        # The array's method itself: compiled, `tokens.append` looks the name up per call.
+        append_token: Any = array.append
         outputs = ctx.outputs
         # Every output of this loop carries exactly one token: their count is the tokens'.
         first_output = len(outputs)
-        append = outputs.append
         # NOTE: locals, so compiled code does not look the globals up once per token.
         output = RequestOutput
         running = _RUNNING
@@ -194,9 +196,9 @@ class TokenEmitter:
                 # The common decode step, inlined: same draw and effect as `generate_token` for
                 # a token that neither opens a block nor ends the request.
                 drawn = getrandbits(32) if draw is None else draw()
-                tokens.append(drawn)
+                append_token(tokens, drawn)
                 seq.generated += 1
-                append(output(request_id, [drawn]))
+                outputs.append(output(request_id, [drawn]))
                 continue
             if (
                 fast
@@ -215,7 +217,7 @@ class TokenEmitter:
                     kv.promote(promote)
                 if kv.use_partial(seq.partial):
                     seq.num_allocated_tokens = len(tokens)
-                    append(output(request_id, [token]))
+                    outputs.append(output(request_id, [token]))
                     continue
                 # No block: as the general path, undo, preempt, and retry unless it was us.
                 seq.pop()
@@ -252,7 +254,7 @@ class TokenEmitter:
             if completed:
                 self._finish(ctx, req, [token], cleanup)
             else:
-                append(output(request_id, [token], None, req.take_cached_tokens()))
+                outputs.append(output(request_id, [token], None, req.take_cached_tokens()))
         emitted = len(outputs) - first_output
         ctx.output_tokens += emitted
         ctx.decode_forwards += emitted
