@@ -298,7 +298,7 @@ class Engine:
         queued = self._queued
         wall_time_secs = (end_ms - now_ms) / 1000.0
         fpm = build_snapshot(
-            ctx.scheduled.values(),
+            ctx.scheduled,
             queued.prefill.summary(),
             queued.decode.summary(),
             wall_time_secs,

@@ -50,7 +50,7 @@ def welford(values: Iterable[int]) -> LengthStats:
 
 
 def build_snapshot(
-    scheduled: Iterable[ScheduledWork | int],
+    scheduled: list[ScheduledWork | int],
     queued_prefill: LengthStats,
     queued_decode: LengthStats,
     wall_time_secs: float,
@@ -82,9 +82,11 @@ def build_snapshot(
             continue
         n_decode += 1
         sum_decode += x
-        delta = x - mean
+        # Exact: a length is far below 2**53, so float(x) is what `x - mean` converts to.
+        xf = float(x)
+        delta = xf - mean
         mean += delta / n_decode
-        m2 += delta * (x - mean)
+        m2 += delta * (xf - mean)
     var_decode = m2 / n_decode if n_decode else 0.0
     n_prefill, _, var_prefill = welford(prefill_lengths)
     n_qp, sum_qp, var_qp = queued_prefill

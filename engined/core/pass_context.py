@@ -33,16 +33,21 @@ class PassContext:
         "preempted_any",
         "rejected",
         "scheduled",
+        "scheduled_ids",
     )
 
     def __init__(self, now_ms: float, budget: int) -> None:
         self.now_ms = now_ms
         # Tokens this pass may still schedule.
         self.budget = budget
-        # What each scheduled request computes, for FPM and for undoing a preemption. A plain
-        # int is the common case, a decode of one token, by its sequence length (building a
-        # ScheduledWork per request per pass was a sixth of a decode pass's scheduling).
-        self.scheduled: dict[str, ScheduledWork | int] = {}
+        # What each scheduled request computes, in schedule order, for FPM and for undoing a
+        # preemption; `scheduled_ids[i]` is the request of `scheduled[i]`. A plain int is the
+        # common case, a decode of one token, by its sequence length (building a
+        # ScheduledWork per request per pass was a sixth of a decode pass's scheduling). Two
+        # lists, not a dict by id: a request is scheduled at most once a pass, and only a
+        # preemption looks one up, while every running request is appended every pass.
+        self.scheduled_ids: list[str] = []
+        self.scheduled: list[ScheduledWork | int] = []
         # The prefill batch the timing model charges: chunks, their total length and prefix.
         self.batch_count = 0
         self.batch_isl = 0

@@ -137,6 +137,7 @@ class Scheduler:
         # Preemption removes entries as the walk goes: hence the index.
         running = state.running
         scheduled = ctx.scheduled
+        scheduled_ids = ctx.scheduled_ids
         bs = self.block_size
         fast = self._fast_paths
         i = 0
@@ -158,7 +159,8 @@ class Scheduler:
                     seq.num_allocated_tokens = length
                 req.num_computed_tokens = length
                 # A decode of one token: its sequence length stands for its ScheduledWork.
-                scheduled[request_id] = length
+                scheduled_ids.append(request_id)
+                scheduled.append(length)
                 ctx.budget -= 1
                 i += 1
                 continue
@@ -288,16 +290,21 @@ class Scheduler:
             return _new(Scheduled, (_BLOCKED, 0, cached))
         req.num_computed_tokens = actual
         prompt_tokens = min(actual, prompt_len) - prompt_before
-        ctx.scheduled[request_id] = _new(
-            ScheduledWork,
-            (
-                tokens_used,
-                prompt_tokens,
-                prompt_before,
-                prompt_len,
-                length,
-                seq.generated >= seq.max_output_tokens,
-            ),
+        # Once a pass: a preempted request is not admitted again in the same pass.
+        assert request_id not in ctx.scheduled_ids, "a request scheduled twice in one pass"
+        ctx.scheduled_ids.append(request_id)
+        ctx.scheduled.append(
+            _new(
+                ScheduledWork,
+                (
+                    tokens_used,
+                    prompt_tokens,
+                    prompt_before,
+                    prompt_len,
+                    length,
+                    seq.generated >= seq.max_output_tokens,
+                ),
+            )
         )
         if prompt_tokens > 0 and self._counts_prefill:
             ctx.batch_count += 1
@@ -313,9 +320,12 @@ class Scheduler:
         return _new(Scheduled, (_SCHEDULED, tokens_used, cached))
 
     def _undo_scheduled(self, ctx: PassContext, victim: str) -> None:
-        work = ctx.scheduled.pop(victim, None)
-        if work is None:
+        ids = ctx.scheduled_ids
+        if victim not in ids:
             return
+        at = ids.index(victim)
+        del ids[at]
+        work = ctx.scheduled.pop(at)
         if isinstance(work, int):
             ctx.budget += 1
             return
