@@ -152,7 +152,9 @@ class Scheduler:
                 fast
                 and length - computed == 1
                 and computed >= prompt_len
-                and -(-length // bs) <= -(-seq.num_allocated_tokens // bs)
+                # ceil(length / bs) <= ceil(allocated / bs), as (n - 1) // bs + 1 is the ceil
+                # for n >= 0, without the negations.
+                and (length - 1) // bs <= (seq.num_allocated_tokens - 1) // bs
             ):
                 # Same result as `_schedule` for this case: no allocation can be needed.
                 if length > seq.num_allocated_tokens:
