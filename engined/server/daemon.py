@@ -35,6 +35,7 @@ from engined.config import DaemonConfig
 from engined.core.policy import context_length
 from engined.core.types import LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
+from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.rank_handle import RankHandle
@@ -45,7 +46,7 @@ from engined.server.rank_process import (
     available_cores,
     split_ranks,
 )
-from engined.server.ranks import Pacing, build_rank, freeze_startup_heap, shared_pacing
+from engined.server.ranks import Pacing, build_rank, shared_pacing, start_collection
 from engined.server.settings import RuntimeSettings, WorkerIdSink
 from engined.server.startup_log import engine_summary, limits
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
@@ -124,6 +125,7 @@ class Daemon:
         self.http: HttpServer | None = None
         # What paced in-process ranks share: deadlines, garbage collection between passes.
         self.pacing: Pacing | None = None
+        self._collection: Collector | YoungGeneration | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -273,9 +275,7 @@ class Daemon:
             for loop in self.loops:
                 self._tasks.append(asyncio.create_task(loop.run(), name=f"rank-{loop.rank}"))
         self.started = True
-        freeze_startup_heap()
-        if self.pacing is not None:
-            self.pacing.collector.start()
+        self._collection = start_collection(cfg, self.pacing)
         log.info(
             "engined started",
             version=engined.__version__,
@@ -448,8 +448,8 @@ class Daemon:
             shutil.rmtree(self._worker_dir, ignore_errors=True)
             self._worker_dir = None
         self._notifier.close()
-        if self.pacing is not None:
-            self.pacing.collector.close()
+        if self._collection is not None:
+            self._collection.close()
 
     def _status_line(self) -> str:
         """systemd's STATUS=, one line: load, and output tokens/s since the previous line."""

@@ -39,10 +39,11 @@ from engined.core.errors import CoreError
 from engined.core.types import Command, CommandEffects, LifecycleEvent, PassResult, RequestOutput
 from engined.logs import configure_logging
 from engined.server import rank_wire as w
+from engined.server.collector import Collector, YoungGeneration
 from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
-from engined.server.ranks import build_rank, freeze_startup_heap, shared_pacing
+from engined.server.ranks import build_rank, shared_pacing, start_collection
 from engined.zmq_sockets import SocketRegistry, make_socket
 
 log = structlog.get_logger(__name__)
@@ -131,6 +132,7 @@ class RankWorker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: asyncio.Future[BaseException] | None = None
         self._pacing = shared_pacing(config)
+        self._collection: Collector | YoungGeneration | None = None
 
     async def serve(self) -> int:
         self._failed = asyncio.get_running_loop().create_future()
@@ -152,9 +154,7 @@ class RankWorker:
             await self._close()
             return EXIT_STARTUP
         outbox.send_now([ready])
-        freeze_startup_heap()
-        if self._pacing is not None:
-            self._pacing.collector.start()
+        self._collection = start_collection(self._config, self._pacing)
         for kv in self._kvs:
             kv.start()
         runs = {
@@ -351,8 +351,8 @@ class RankWorker:
         )
 
     async def _close(self) -> None:
-        if self._pacing is not None:
-            self._pacing.collector.close()
+        if self._collection is not None:
+            self._collection.close()
         for kv in self._kvs:
             with contextlib.suppress(Exception):
                 await kv.close()

@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from engined.config import DaemonConfig, endpoint_for_rank
 from engined.core.engine import Engine
-from engined.server.collector import Collector
+from engined.server.collector import Collector, YoungGeneration
 from engined.server.deadlines import Deadlines
 from engined.server.engine_loop import Delivery, EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
@@ -94,6 +94,27 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def start_collection(
+    cfg: DaemonConfig, pacing: Pacing | None
+) -> Collector | YoungGeneration | None:
+    """Freeze the start-up heap, then collect as the process's ranks need; `close()` what it
+    returns (if anything) to hand collection back to CPython.
+
+    Paced ranks: `pacing`'s collector, in the gaps between passes. Unpaced: CPython's own
+    collection, with a wider young generation (engined.server.collector). A paced daemon
+    whose ranks run in worker processes keeps CPython's defaults for its own.
+    """
+    freeze_startup_heap()
+    collection: Collector | YoungGeneration | None = None
+    if pacing is not None:
+        collection = pacing.collector
+    elif cfg.engine.speedup_ratio <= 0:
+        collection = YoungGeneration()
+    if collection is not None:
+        collection.start()
+    return collection
 
 
 class Pacing(NamedTuple):

@@ -1,0 +1,115 @@
+"""The wider young generation of unpaced processes (engined/server/collector.py).
+
+`YoungGeneration` is driven through a fake of the two `gc` functions it uses, so what it sets
+and puts back is exact; then a daemon shows which processes get it: an unpaced one while it
+serves (and CPython's setting again after), a paced one never (its collector runs instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+from pathlib import Path
+
+import pytest
+
+from engined.config import load_config
+from engined.server.collector import UNPACED_YOUNG_THRESHOLD, YoungGeneration
+from engined.server.daemon import EXIT_OK, Daemon
+from tests.support import run
+
+
+class FakeThresholds:
+    def __init__(self, thresholds: tuple[int, int, int]) -> None:
+        self.thresholds = thresholds
+        self.sets: list[tuple[int, int, int]] = []
+
+    def get_threshold(self) -> tuple[int, int, int]:
+        return self.thresholds
+
+    def set_threshold(self, young: int, middle: int, old: int, /) -> None:
+        self.thresholds = (young, middle, old)
+        self.sets.append(self.thresholds)
+
+
+def test_start_widens_only_the_young_generation_and_close_puts_it_back() -> None:
+    fake = FakeThresholds((700, 10, 10))
+    young = YoungGeneration(20_000, ops=fake)
+    young.start()
+    assert fake.thresholds == (20_000, 10, 10)
+    young.close()
+    assert fake.thresholds == (700, 10, 10)
+    assert fake.sets == [(20_000, 10, 10), (700, 10, 10)]
+
+
+def test_a_wider_setting_is_kept() -> None:
+    fake = FakeThresholds((50_000, 5, 7))
+    young = YoungGeneration(20_000, ops=fake)
+    young.start()
+    assert fake.thresholds == (50_000, 5, 7)
+    young.close()
+    assert fake.thresholds == (50_000, 5, 7)
+
+
+def test_a_second_start_keeps_what_the_first_found_and_close_is_once() -> None:
+    fake = FakeThresholds((700, 10, 10))
+    young = YoungGeneration(20_000, ops=fake)
+    young.start()
+    young.start()
+    young.close()
+    young.close()
+    assert fake.thresholds == (700, 10, 10)
+    assert fake.sets == [(20_000, 10, 10), (700, 10, 10)]
+
+
+def test_close_before_start_changes_nothing() -> None:
+    fake = FakeThresholds((700, 10, 10))
+    YoungGeneration(20_000, ops=fake).close()
+    assert fake.sets == []
+
+
+def test_the_default_is_the_module_threshold() -> None:
+    fake = FakeThresholds((700, 10, 10))
+    young = YoungGeneration(ops=fake)
+    young.start()
+    assert fake.thresholds == (UNPACED_YOUNG_THRESHOLD, 10, 10)
+    young.close()
+
+
+@pytest.mark.parametrize(("speedup", "widened"), [(0.0, True), (1.0, False)])
+def test_an_unpaced_daemon_serves_with_the_wider_young_generation(
+    tmp_path: Path, speedup: float, widened: bool
+) -> None:
+    cfg = load_config(
+        config_path=None,
+        env={},
+        flags={
+            "control_endpoint": f"ipc://{tmp_path}/control",
+            "kv_events_endpoint": f"ipc://{tmp_path}/kv",
+            "fpm_endpoint": "",
+            "engine.speedup_ratio": speedup,
+        },
+    )
+    before = gc.get_threshold()
+    assert before[0] < UNPACED_YOUNG_THRESHOLD  # CPython's default, or the test is moot
+
+    async def scenario() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        ready = asyncio.Event()
+        daemon = Daemon(cfg, on_ready=lambda _: ready.set())
+        task = asyncio.create_task(daemon.serve())
+        await asyncio.wait_for(ready.wait(), 30)
+        serving = gc.get_threshold()
+        daemon.handle_exit(signal.SIGTERM)
+        assert await asyncio.wait_for(task, 30) == EXIT_OK
+        return serving, gc.get_threshold()
+
+    try:
+        serving, after = run(scenario())
+    finally:
+        gc.set_threshold(*before)
+        gc.enable()
+        gc.unfreeze()
+    expected = (UNPACED_YOUNG_THRESHOLD, *before[1:]) if widened else before
+    assert serving == expected
+    assert after == before
