@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -77,8 +77,9 @@ class Ownership:
     def owner(self, rank: int, request_id: str) -> bytes | None:
         return self._owners[rank].get(request_id)
 
-    def owners_on(self, rank: int) -> Mapping[str, bytes]:
-        """The owner of every request owned on `rank` (a live view: do not keep it)."""
+    def owners_on(self, rank: int) -> dict[str, bytes]:
+        """The owner of every request owned on `rank` (the live dict: do not keep or change
+        it; a dict, for the compiled `route_outputs`)."""
         return self._owners[rank]
 
     def ranks_owning(self, request_id: str) -> list[int]:

@@ -6,7 +6,7 @@ request outputs and lifecycle events become streamed messages. Pure functions, n
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import Final
 
 from engined.core import types as core
 from engined.wire.control import (
@@ -74,8 +74,8 @@ def to_core_command(msg: ClientMessage, *, request_id: str | None = None) -> cor
             return None
 
 
-_FINISH_REASONS: dict[core.FinishReason | None, FinishReason | None] = {
-    None: None,
+# Final: mypyc keeps it in a static rather than looking it up in the module's globals.
+_FINISH_REASONS: Final[dict[core.FinishReason, FinishReason]] = {
     core.FinishReason.LENGTH: "length",
     core.FinishReason.REJECTED: "rejected",
     core.FinishReason.CANCELLED: "cancelled",
@@ -85,7 +85,9 @@ _FINISH_REASONS: dict[core.FinishReason | None, FinishReason | None] = {
 def to_output_entry(output: core.RequestOutput) -> OutputEntry:
     """The streamed form of one request's output of one pass (a speculative burst stays one
     entry, so the protocol keeps one entry per request per pass)."""
-    reason = _FINISH_REASONS[output.finish_reason]
+    # Nearly every entry is unfinished: no enum hashing for those.
+    finish_reason = output.finish_reason
+    reason = None if finish_reason is None else _FINISH_REASONS[finish_reason]
     return OutputEntry(
         request_id=output.request_id,
         token_ids=output.new_token_ids,
@@ -97,15 +99,20 @@ def to_output_entry(output: core.RequestOutput) -> OutputEntry:
 
 
 def route_outputs(
-    outputs: list[core.RequestOutput], owners: Mapping[str, bytes]
+    outputs: list[core.RequestOutput], owners: dict[str, bytes]
 ) -> tuple[dict[bytes, list[OutputEntry]], list[str]]:
     """A pass's outputs as entries per owner (in order), and the owned requests they end.
 
     Outputs of requests nobody owns are dropped. This runs for every token the daemon
-    streams (and is compiled with the core: `engined.core.COMPILED_MODULES`).
+    streams (and is compiled with the core: `engined.core.COMPILED_MODULES`). `owners` is a
+    dict, not a Mapping, so the compiled lookup is the dict's own, not a method call; and
+    consecutive outputs of one owner (a single client's whole pass) find its batch without
+    another lookup.
     """
     routed: dict[bytes, list[OutputEntry]] = {}
     ended: list[str] = []
+    last_owner: bytes | None = None
+    batch: list[OutputEntry] = []
     for output in outputs:
         request_id = output.request_id
         owner = owners.get(request_id)
@@ -113,12 +120,12 @@ def route_outputs(
             continue
         if output.finish_reason is not None:
             ended.append(request_id)
-        entry = to_output_entry(output)
-        batch = routed.get(owner)
-        if batch is None:
-            routed[owner] = [entry]
-        else:
-            batch.append(entry)
+        if last_owner is None or owner != last_owner:
+            found = routed.get(owner)
+            if found is None:
+                found = routed[owner] = []
+            batch, last_owner = found, owner
+        batch.append(to_output_entry(output))
     return routed, ended
 
 

@@ -130,6 +130,15 @@ class TestRouteOutputs:
         ]
         assert ended == ["a2", "b2"]
 
+    def test_equal_identities_of_distinct_frames_share_one_batch(self) -> None:
+        # Every message's identity frame is a bytes object of its own.
+        first, second = bytes(bytearray(b"C")), bytes(bytearray(b"C"))
+        assert first == second and first is not second
+        outputs = [core.RequestOutput("c1", [1]), core.RequestOutput("c2", [2])]
+        routed, ended = convert.route_outputs(outputs, {"c1": first, "c2": second})
+        assert routed == {b"C": [convert.to_output_entry(o) for o in outputs]}
+        assert ended == []
+
     def test_nothing_owned_routes_nothing(self) -> None:
         routed, ended = convert.route_outputs(
             [core.RequestOutput("x", [], core.FinishReason.LENGTH)], {}
