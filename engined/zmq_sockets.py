@@ -190,6 +190,27 @@ def bound_endpoint(sock: zmq.asyncio.Socket, fallback: str) -> str:
     return fallback
 
 
+# Plain ints, not pyzmq's IntFlag members: `send_multipart` ORs SNDMORE into the flags for
+# every frame but the last, and each `IntFlag | IntFlag` builds a new member in Python
+# (enum's `__call__` and `__new__`): ~5.4 us for a 3-frame message against ~1.8 us this way.
+_MORE_NOBLOCK: Final = int(zmq.SNDMORE | zmq.NOBLOCK)
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+
+
+def send_frames_nowait(sock: zmq.Socket[bytes], frames: Sequence[bytes]) -> None:
+    """`sock.send_multipart(frames, flags=zmq.NOBLOCK)`, frame by frame with int flags.
+
+    The same libzmq calls in the same order, so the same errors: only the first frame can be
+    refused (EAGAIN at the high-water mark, EHOSTUNREACH from a ROUTER_MANDATORY socket);
+    once it is queued, libzmq takes the rest of the message.
+    """
+    last = len(frames) - 1
+    send = sock.send
+    for index in range(last):
+        send(frames[index], _MORE_NOBLOCK)
+    send(frames[last], _NOBLOCK)
+
+
 def nonblocking_sender(sock: zmq.asyncio.Socket) -> Callable[[Sequence[bytes]], bool]:
     """A synchronous, never-blocking multipart send for a socket nothing awaits on (PUB).
 
@@ -202,13 +223,12 @@ def nonblocking_sender(sock: zmq.asyncio.Socket) -> Callable[[Sequence[bytes]], 
     socket would touch freed memory, so every call checks the owner first.
     """
     shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-    flags = zmq.NOBLOCK
 
     def send(frames: Sequence[bytes]) -> bool:
         if sock.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket is closed")
         try:
-            shadow.send_multipart(frames, flags=flags)
+            send_frames_nowait(shadow, frames)
         except zmq.Again:
             return False
         return True

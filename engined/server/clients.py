@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from engined.wire import control as wire
+from engined.zmq_sockets import send_frames_nowait
 
 log = structlog.get_logger(__name__)
 
@@ -234,7 +235,7 @@ class ClientTable:
         delimited = client is not None and client.delimited
         frames = [identity, DELIMITER, body] if delimited else [identity, body]
         try:
-            self._send_sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            send_frames_nowait(self._send_sock, frames)
         except zmq.ZMQError as exc:
             if exc.errno == errno.EHOSTUNREACH:
                 return "unreachable"
