@@ -6,7 +6,8 @@ reply goes out when the command is applied. Each pass then runs in this order:
 
 1. `execute_pass(now_ms)`; the KV batch is published at once (vLLM publishes at pass start),
 2. wait until the pass's modeled end (an absolute deadline, so pacing never drifts; with
-   `speedup_ratio == 0` there is no waiting and the clock is virtual),
+   `speedup_ratio == 0` there is no waiting and the clock is virtual); submissions that
+   arrive meanwhile are applied as they come (`_pace`), not at the deadline,
 3. outputs (one message per client), the FPM snapshot, lifecycle events.
 
 Every pass yields to the event loop at least once, even when the rank runs late and its
@@ -46,6 +47,7 @@ from engined.core.types import (
     LifecycleEvent,
     PassResult,
     RequestOutput,
+    Submit,
 )
 from engined.server.collector import Collector
 from engined.server.deadlines import Deadlines
@@ -57,6 +59,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 # Paced, with requests running: the most time (seconds of the loop's clock) a pass boundary
 # spends applying queued commands before the due pass runs (`_drain_inbox`).
 INBOX_TURN_S = 0.001
+# Paced: a submission that arrives while a pass is paced is applied at once, unless the
+# pass's deadline is nearer than this (seconds): a submission hashes its prompt, ~0.05 ms.
+EARLY_MARGIN_S = 0.0003
 # Pass-start lateness percentiles are re-sorted at most this often (seconds of `clock`), so a
 # client polling `stats` costs a sort of the window per interval, not per message.
 LATENESS_SUMMARY_TTL_S = 0.1
@@ -305,14 +310,52 @@ class EngineLoop:
             self._deadlines.set(self.rank, self._start + end_ms / 1000.0)
         if self._collector is not None:
             self._collector.offer()
-        delay = (end_ms - self.now_ms()) / 1000.0
-        if delay <= 0:
+        deadline = self._start + end_ms / 1000.0
+        if deadline <= self._clock():
             # Late: no waiting, but the rest of the daemon gets its turn before the next pass.
             await asyncio.sleep(0)
+            return
+        wake = self._wake
+        while True:
+            self._apply_early_submits(deadline)
+            remaining = deadline - self._clock()
+            if remaining <= EARLY_MARGIN_S or self._inbox:
+                # Too close to wait for more, or a command that waits for the boundary is next
+                # (the order of commands stays theirs).
+                break
+            wake.clear()
+            if not await self._wait_event(wake, remaining, precise=True):
+                return
+        if remaining <= 0:
+            await asyncio.sleep(0)
         elif self._sleep is not None:
-            await self._sleep(delay)
+            await self._sleep(remaining)
         else:
-            await self._precise_sleep(self._start + end_ms / 1000.0)
+            await self._precise_sleep(deadline)
+
+    def _apply_early_submits(self, deadline: float) -> None:
+        """Apply the submissions at the head of the inbox while the pass is paced.
+
+        At the deadline they would run first, before the due pass (a burst of 16 prompts of
+        512 tokens is ~1 ms of hashing); now they run in the wait, as a real engine's input
+        thread takes requests while a step runs, and are admitted at the same pass as before.
+        Only plain submissions, and only from the head: anything else (a cancel, a handoff)
+        keeps its place at the boundary, after this pass's outputs. Each one stops short of
+        the deadline and of another rank's (`Deadlines.overdue`), as the inbox turn does.
+        """
+        inbox = self._inbox
+        clock = self._clock
+        deadlines = self._deadlines
+        kv_events: list[KvEvent] = []
+        while inbox and type(inbox[0][0]) is Submit:
+            now = clock()
+            if now >= deadline - EARLY_MARGIN_S or (
+                deadlines is not None and deadlines.overdue(now, but=self.rank)
+            ):
+                break
+            kv_events += self._apply(inbox.popleft())
+        if kv_events:
+            self._kv.publish(kv_events, self._wall_clock())
 
     async def _precise_sleep(self, deadline: float) -> None:
         """Sleep until `clock()` reaches `deadline`, without spinning (engined.server.pacer).
@@ -373,25 +416,29 @@ class EngineLoop:
                 ):
                     break
             first = False
-            command, arrived_ms, future = inbox.popleft()
-            try:
-                # An offload the command causes starts when the command is applied.
-                effects = engine.apply(command, now_ms=self.now_ms())
-            except CoreError as exc:
-                if future is None:
-                    log.warning("command refused", command=type(command).__name__, error=str(exc))
-                elif not future.done():  # its caller may have given up waiting
-                    future.set_exception(exc)
-                continue
-            for observer in self.command_observers:
-                observer(self.rank, arrived_ms, command, effects)
-            if future is not None and not future.done():
-                future.set_result(effects)
-            kv_events += effects.kv_events
-            if effects.lifecycle_events:
-                self._delivery.deliver_lifecycle(self.rank, effects.lifecycle_events)
+            kv_events += self._apply(inbox.popleft())
         if kv_events:
             self._kv.publish(kv_events, self._wall_clock())
+
+    def _apply(self, entry: _Entry) -> list[KvEvent]:
+        """Apply one queued command and answer its caller; returns its KV events."""
+        command, arrived_ms, future = entry
+        try:
+            # An offload the command causes starts when the command is applied.
+            effects = self.engine.apply(command, now_ms=self.now_ms())
+        except CoreError as exc:
+            if future is None:
+                log.warning("command refused", command=type(command).__name__, error=str(exc))
+            elif not future.done():  # its caller may have given up waiting
+                future.set_exception(exc)
+            return []
+        for observer in self.command_observers:
+            observer(self.rank, arrived_ms, command, effects)
+        if future is not None and not future.done():
+            future.set_result(effects)
+        if effects.lifecycle_events:
+            self._delivery.deliver_lifecycle(self.rank, effects.lifecycle_events)
+        return effects.kv_events
 
     async def _wait_for_work(self) -> None:
         """Sleep until a command arrives or a tier transfer is due, with FPM heartbeats."""

@@ -36,3 +36,33 @@ class VirtualClock:
         finally:
             self._sleepers.remove(entry)
             heapq.heapify(self._sleepers)
+
+
+class ManualClock:
+    """`clock()` reads seconds that move only when the test calls `advance_to`.
+
+    Unlike `VirtualClock`, a sleeper never moves time itself: a test can send a command at an
+    exact instant inside a paced wait, then look at what the loop did at that instant.
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        wake_at = self.now + max(seconds, 0.0)
+        await asyncio.sleep(0)
+        while self.now < wake_at:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+
+    def advance_to(self, seconds: float) -> None:
+        self.now = max(self.now, seconds)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
