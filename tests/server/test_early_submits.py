@@ -30,7 +30,7 @@ def submit(request_id: str, max_tokens: int = 1) -> Submit:
 
 def label(command: Command) -> str:
     if isinstance(command, Submit):
-        return command.request.request_id
+        return command.request.request_id or "?"
     assert isinstance(command, Cancel)
     return f"cancel {command.request_id}"
 
