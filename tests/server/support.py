@@ -1,5 +1,6 @@
-"""Helpers shared by the server tests: a rank's stats, bounded polls of them, idleness, and
-a delivery that records which requests finished (for engine loops run without a server).
+"""Helpers shared by the server tests: a rank's stats, bounded polls of them, idleness, a
+delivery that records which requests finished (for engine loops run without a server), and
+a daemon served in-process just long enough to read something of the process.
 
 Plain functions, imported as `tests.server.support` (pytest's conftest.py is for fixtures).
 """
@@ -7,15 +8,47 @@ Plain functions, imported as `tests.server.support` (pytest's conftest.py is for
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 from engined.client import EngineClient
+from engined.config import DaemonConfig, load_config
 from engined.core.types import LifecycleEvent, RequestOutput
+from engined.server.daemon import EXIT_OK, Daemon
 from engined.wire.control import RankStats
 
 WAIT_S = 10.0
 POLL_S = 0.005
+T = TypeVar("T")
+
+
+def ipc_config(tmp_path: Path, speedup: float) -> DaemonConfig:
+    """One rank on ipc endpoints under `tmp_path`, no FPM, at `speedup`."""
+    return load_config(
+        config_path=None,
+        env={},
+        flags={
+            "control_endpoint": f"ipc://{tmp_path}/control",
+            "kv_events_endpoint": f"ipc://{tmp_path}/kv",
+            "fpm_endpoint": "",
+            "engine.speedup_ratio": speedup,
+        },
+    )
+
+
+async def read_while_serving(cfg: DaemonConfig, read: Callable[[], T]) -> tuple[T, T]:
+    """`read()` once the daemon serves `cfg` (in this process), and again after it stopped."""
+    ready = asyncio.Event()
+    daemon = Daemon(cfg, on_ready=lambda _: ready.set())
+    task = asyncio.create_task(daemon.serve())
+    await asyncio.wait_for(ready.wait(), 30)
+    serving = read()
+    daemon.handle_exit(signal.SIGTERM)
+    assert await asyncio.wait_for(task, 30) == EXIT_OK
+    return serving, read()
 
 
 async def rank0(client: EngineClient, *, timeout: float = WAIT_S) -> RankStats:

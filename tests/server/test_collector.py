@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import signal
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from engined.config import load_config
 from engined.core.types import Request, Submit
 from engined.server.collector import HARD_LIMIT, INITIAL_COST_S, Collector
-from engined.server.daemon import EXIT_OK, Daemon
 from engined.server.deadlines import Deadlines
 from engined.server.ranks import Pacing
 from tests.server.inprocess import engine_loop
-from tests.server.support import FinishedDelivery
+from tests.server.support import FinishedDelivery, ipc_config, read_while_serving
 from tests.server.virtual_clock import VirtualClock
 from tests.support import run, until
 
@@ -281,29 +278,10 @@ class TestPacedLoops:
 def test_a_paced_daemon_collects_between_passes(
     tmp_path: Path, speedup: float, taken_over: bool
 ) -> None:
-    cfg = load_config(
-        config_path=None,
-        env={},
-        flags={
-            "control_endpoint": f"ipc://{tmp_path}/control",
-            "kv_events_endpoint": f"ipc://{tmp_path}/kv",
-            "fpm_endpoint": "",
-            "engine.speedup_ratio": speedup,
-        },
-    )
-
-    async def scenario() -> tuple[bool, bool]:
-        ready = asyncio.Event()
-        daemon = Daemon(cfg, on_ready=lambda _: ready.set())
-        task = asyncio.create_task(daemon.serve())
-        await asyncio.wait_for(ready.wait(), 30)
-        serving = gc.isenabled()
-        daemon.handle_exit(signal.SIGTERM)
-        assert await asyncio.wait_for(task, 30) == EXIT_OK
-        return serving, gc.isenabled()
+    cfg = ipc_config(tmp_path, speedup)
 
     try:
-        serving, after = run(scenario())
+        serving, after = run(read_while_serving(cfg, gc.isenabled))
     finally:
         gc.enable()
         gc.unfreeze()

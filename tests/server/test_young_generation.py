@@ -7,16 +7,13 @@ serves (and CPython's setting again after), a paced one never (its collector run
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import signal
 from pathlib import Path
 
 import pytest
 
-from engined.config import load_config
 from engined.server.collector import UNPACED_YOUNG_THRESHOLD, YoungGeneration
-from engined.server.daemon import EXIT_OK, Daemon
+from tests.server.support import ipc_config, read_while_serving
 from tests.support import run
 
 
@@ -81,31 +78,12 @@ def test_the_default_is_the_module_threshold() -> None:
 def test_an_unpaced_daemon_serves_with_the_wider_young_generation(
     tmp_path: Path, speedup: float, widened: bool
 ) -> None:
-    cfg = load_config(
-        config_path=None,
-        env={},
-        flags={
-            "control_endpoint": f"ipc://{tmp_path}/control",
-            "kv_events_endpoint": f"ipc://{tmp_path}/kv",
-            "fpm_endpoint": "",
-            "engine.speedup_ratio": speedup,
-        },
-    )
+    cfg = ipc_config(tmp_path, speedup)
     before = gc.get_threshold()
     assert before[0] < UNPACED_YOUNG_THRESHOLD  # CPython's default, or the test is moot
 
-    async def scenario() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-        ready = asyncio.Event()
-        daemon = Daemon(cfg, on_ready=lambda _: ready.set())
-        task = asyncio.create_task(daemon.serve())
-        await asyncio.wait_for(ready.wait(), 30)
-        serving = gc.get_threshold()
-        daemon.handle_exit(signal.SIGTERM)
-        assert await asyncio.wait_for(task, 30) == EXIT_OK
-        return serving, gc.get_threshold()
-
     try:
-        serving, after = run(scenario())
+        serving, after = run(read_while_serving(cfg, gc.get_threshold))
     finally:
         gc.set_threshold(*before)
         gc.enable()
