@@ -1,8 +1,9 @@
 """The live pass loop of one data-parallel rank.
 
 One task per rank owns its core exclusively. Commands reach it through an inbox and are
-applied between passes, so a command never sees half a pass and nothing needs a lock; the
-reply goes out when the command is applied. Each pass then runs in this order:
+applied between passes (or while a pass that has run is paced), so a command never sees half
+a pass and nothing needs a lock; the reply goes out when the command is applied. Each pass
+then runs in this order:
 
 1. `execute_pass(now_ms)`; the KV batch is published at once (vLLM publishes at pass start),
 2. wait until the pass's modeled end (an absolute deadline, so pacing never drifts; with
@@ -320,9 +321,7 @@ class EngineLoop:
             self._apply_early_submits(deadline)
             remaining = deadline - self._clock()
             if remaining <= EARLY_MARGIN_S or self._inbox:
-                # Too close to wait for more, or a command that waits for the boundary is next
-                # (the order of commands stays theirs).
-                break
+                break  # too close to wait for more, or the next command waits for the boundary
             wake.clear()
             if not await self._wait_event(wake, remaining, precise=True):
                 return
@@ -334,15 +333,11 @@ class EngineLoop:
             await self._precise_sleep(deadline)
 
     def _apply_early_submits(self, deadline: float) -> None:
-        """Apply the submissions at the head of the inbox while the pass is paced.
-
-        At the deadline they would run first, before the due pass (a burst of 16 prompts of
-        512 tokens is ~1 ms of hashing); now they run in the wait, as a real engine's input
-        thread takes requests while a step runs, and are admitted at the same pass as before.
-        Only plain submissions, and only from the head: anything else (a cancel, a handoff)
-        keeps its place at the boundary, after this pass's outputs. Each one stops short of
-        the deadline and of another rank's (`Deadlines.overdue`), as the inbox turn does.
-        """
+        """Apply the submissions at the head of the inbox in the wait, as vLLM's input thread
+        takes requests while a step runs: at the deadline they would hold the due pass (16
+        prompts of 512 tokens hash for ~1 ms). Anything else (a cancel, a handoff) keeps its
+        place at the boundary, after this pass's outputs; none starts close to this deadline
+        or once another rank is due (`Deadlines.overdue`), as in the inbox turn."""
         inbox = self._inbox
         clock = self._clock
         deadlines = self._deadlines
@@ -364,11 +359,9 @@ class EngineLoop:
         timerfd per rank, re-armed for every pass); `run` closes it when the loop ends.
 
         NOTE: the selector returns at the deadline, but the pass still starts behind what the
-        event loop already holds: the timer's callback resolves a future and this task resumes
-        on the next iteration, after the callbacks queued before it (other ranks' due passes,
-        at most one control turn, see engined.server.control, and the handlers it spawned),
-        then applies this rank's inbox (a submission burst hashes its prompts there) before
-        the pass. A kernel wake-up costs ~0.05-0.1 ms that the old sleep(0) spin did not.
+        event loop already holds (other ranks' due passes, at most one control turn, see
+        engined.server.control, and the handlers it spawned), then this rank's inbox turn. A
+        kernel wake-up costs ~0.05-0.1 ms that the old sleep(0) spin did not.
         """
         await self._opened_pacer().sleep_until(deadline)
 
@@ -392,13 +385,11 @@ class EngineLoop:
         before the next pass's (a reset's AllBlocksCleared, the offloads a command starts).
 
         Paced with requests running, a boundary applies commands for at most INBOX_TURN_S of
-        the loop's clock (one at least) and leaves the rest to the next: a burst of submits
-        (~20 us each for a 256-token prompt) would otherwise hold a due pass, and every
-        running request's next token, for as long as it takes. The turn also ends once
-        another rank of the loop is due (`Deadlines.overdue`): its pass goes first, and with
-        8 ranks a wave of submissions no longer queues 8 turns before it. Unpaced,
-        everything is applied: nobody waits on a virtual clock, and the order of work stays
-        exact.
+        the loop's clock (one at least) and leaves the rest to the next: a burst would
+        otherwise hold a due pass, and every running request's next token. The turn also
+        ends once another rank of the loop is due (`Deadlines.overdue`): its pass goes first.
+        Unpaced, everything is applied: nobody waits on a virtual clock, and the order of
+        work stays exact.
         """
         inbox = self._inbox
         engine = self.engine
