@@ -87,21 +87,26 @@ class DaemonProcess:
         return self.rank_endpoint(self.fpm, rank)
 
     def wait_ready(self, timeout: float = 20.0) -> None:
-        async def probe() -> bool:
-            async with await EngineClient.connect(self.control) as client:
-                await client.ping(timeout=0.5)
-            return True
+        """Ping until the daemon answers, from one client: the pongs of pings that timed out
+        while it started still reach a live socket (in order, before the last one), so the
+        probe leaves no reply to a vanished client, which the daemon would log as gone."""
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"engined exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if asyncio.run(probe()):
-                    return
-            except TimeoutError:
-                continue
-        raise AssertionError(f"engined did not answer within {timeout} s:\n{self.log()}")
+        async def probe() -> None:
+            deadline = time.monotonic() + timeout
+            async with await EngineClient.connect(self.control) as client:
+                while time.monotonic() < deadline:
+                    if self.proc.poll() is not None:
+                        raise AssertionError(
+                            f"engined exited with {self.proc.returncode}:\n{self.log()}"
+                        )
+                    try:
+                        await client.ping(timeout=0.5)
+                        return
+                    except TimeoutError:
+                        continue
+            raise AssertionError(f"engined did not answer within {timeout} s:\n{self.log()}")
+
+        asyncio.run(probe())
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
