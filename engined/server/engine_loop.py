@@ -307,11 +307,11 @@ class EngineLoop:
             await asyncio.sleep(0)
             return
         self._next_start = end_ms
+        deadline = self._start + end_ms / 1000.0
         if self._deadlines is not None:
-            self._deadlines.set(self.rank, self._start + end_ms / 1000.0)
+            self._deadlines.set(self.rank, deadline)
         if self._collector is not None:
             self._collector.offer()
-        deadline = self._start + end_ms / 1000.0
         if deadline <= self._clock():
             # Late: no waiting, but the rest of the daemon gets its turn before the next pass.
             await asyncio.sleep(0)

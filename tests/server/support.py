@@ -25,8 +25,9 @@ POLL_S = 0.005
 T = TypeVar("T")
 
 
-def ipc_config(tmp_path: Path, speedup: float) -> DaemonConfig:
-    """One rank on ipc endpoints under `tmp_path`, no FPM, at `speedup`."""
+def ipc_config(tmp_path: Path, speedup: float, **flags: object) -> DaemonConfig:
+    """One rank on ipc endpoints under `tmp_path`, no FPM, at `speedup`; `flags` (config keys)
+    on top."""
     return load_config(
         config_path=None,
         env={},
@@ -35,6 +36,7 @@ def ipc_config(tmp_path: Path, speedup: float) -> DaemonConfig:
             "kv_events_endpoint": f"ipc://{tmp_path}/kv",
             "fpm_endpoint": "",
             "engine.speedup_ratio": speedup,
+            **flags,
         },
     )
 

@@ -17,23 +17,18 @@ from typing import Any
 
 import structlog
 
-from engined.config import DaemonConfig, load_config
+from engined.config import DaemonConfig
 from engined.server.daemon import EXIT_OK, Daemon
+from tests.server.support import ipc_config
 from tests.support import run
 
 
 def config(tmp_path: Path) -> DaemonConfig:
-    return load_config(
-        config_path=None,
-        env={},
-        flags={
-            "control_endpoint": f"ipc://{tmp_path}/control",
-            "kv_events_endpoint": f"ipc://{tmp_path}/kv",
-            "kv_replay_endpoint": f"ipc://{tmp_path}/replay",
-            "fpm_endpoint": "",
-            "engine.speedup_ratio": 0,
-            "max_queued_requests": 77,
-        },
+    return ipc_config(
+        tmp_path,
+        0,
+        kv_replay_endpoint=f"ipc://{tmp_path}/replay",
+        max_queued_requests=77,
     )
 
 
