@@ -56,25 +56,6 @@ class GcOps(Protocol):
     def enable(self) -> None: ...
 
 
-class _ModuleGc:
-    """The interpreter's collector (`gc`), as `GcOps`."""
-
-    def get_count(self) -> tuple[int, int, int]:
-        return gc.get_count()
-
-    def get_threshold(self) -> tuple[int, int, int]:
-        return gc.get_threshold()
-
-    def collect(self, generation: int = 2) -> int:
-        return gc.collect(generation)
-
-    def disable(self) -> None:
-        gc.disable()
-
-    def enable(self) -> None:
-        gc.enable()
-
-
 class Collector:
     """Runs the collections of one process's event loop in the gaps between its passes."""
 
@@ -86,7 +67,7 @@ class Collector:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`deadlines` are those of the ranks of the loop, on `clock`."""
-        self._gc = _ModuleGc() if ops is None else ops
+        self._gc: GcOps = gc if ops is None else ops
         self._clock = clock
         self._deadlines = deadlines
         self._cost = list(INITIAL_COST_S)

@@ -30,23 +30,27 @@ class FakeThresholds:
         self.sets.append(self.thresholds)
 
 
-def test_start_widens_only_the_young_generation_and_close_puts_it_back() -> None:
-    fake = FakeThresholds((700, 10, 10))
+@pytest.mark.parametrize(
+    ("found", "serving", "sets"),
+    [
+        # Only the young generation widens, and close puts it back.
+        ((700, 10, 10), (20_000, 10, 10), [(20_000, 10, 10), (700, 10, 10)]),
+        # A wider setting is kept (close restores it as found).
+        ((50_000, 5, 7), (50_000, 5, 7), [(50_000, 5, 7)]),
+    ],
+)
+def test_start_widens_and_close_puts_back(
+    found: tuple[int, int, int],
+    serving: tuple[int, int, int],
+    sets: list[tuple[int, int, int]],
+) -> None:
+    fake = FakeThresholds(found)
     young = YoungGeneration(20_000, ops=fake)
     young.start()
-    assert fake.thresholds == (20_000, 10, 10)
+    assert fake.thresholds == serving
     young.close()
-    assert fake.thresholds == (700, 10, 10)
-    assert fake.sets == [(20_000, 10, 10), (700, 10, 10)]
-
-
-def test_a_wider_setting_is_kept() -> None:
-    fake = FakeThresholds((50_000, 5, 7))
-    young = YoungGeneration(20_000, ops=fake)
-    young.start()
-    assert fake.thresholds == (50_000, 5, 7)
-    young.close()
-    assert fake.thresholds == (50_000, 5, 7)
+    assert fake.thresholds == found
+    assert fake.sets == sets
 
 
 def test_a_second_start_keeps_what_the_first_found_and_close_is_once() -> None:
