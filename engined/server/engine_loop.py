@@ -338,19 +338,7 @@ class EngineLoop:
         prompts of 512 tokens hash for ~1 ms). Anything else (a cancel, a handoff) keeps its
         place at the boundary, after this pass's outputs; none starts close to this deadline
         or once another rank is due (`Deadlines.overdue`), as in the inbox turn."""
-        inbox = self._inbox
-        clock = self._clock
-        deadlines = self._deadlines
-        kv_events: list[KvEvent] = []
-        while inbox and type(inbox[0][0]) is Submit:
-            now = clock()
-            if now >= deadline - EARLY_MARGIN_S or (
-                deadlines is not None and deadlines.overdue(now, but=self.rank)
-            ):
-                break
-            kv_events += self._apply(inbox.popleft())
-        if kv_events:
-            self._kv.publish(kv_events, self._wall_clock())
+        self._apply_queued(deadline - EARLY_MARGIN_S, submits_only=True, first_free=False)
 
     async def _precise_sleep(self, deadline: float) -> None:
         """Sleep until `clock()` reaches `deadline`, without spinning (engined.server.pacer).
@@ -391,18 +379,26 @@ class EngineLoop:
         Unpaced, everything is applied: nobody waits on a virtual clock, and the order of
         work stays exact.
         """
+        bounded = self._paced and not self.engine.is_empty()
+        turn_ends = self._clock() + INBOX_TURN_S if bounded else None
+        self._apply_queued(turn_ends, submits_only=False, first_free=True)
+
+    def _apply_queued(self, until: float | None, *, submits_only: bool, first_free: bool) -> None:
+        """Apply commands from the head of the inbox, in order, and publish their KV events as
+        one batch. With `until` (the loop's clock), each command starts only before it and
+        while no other rank of the loop is due (`first_free`: the first one regardless);
+        `submits_only` stops at the first command that is not a plain submission."""
         inbox = self._inbox
-        engine = self.engine
-        kv_events: list[KvEvent] = []
         clock = self._clock
-        bounded = self._paced and not engine.is_empty()
-        turn_ends = clock() + INBOX_TURN_S if bounded else 0.0
         deadlines = self._deadlines
+        kv_events: list[KvEvent] = []
         first = True
         while inbox:
-            if bounded and not first:
+            if submits_only and type(inbox[0][0]) is not Submit:
+                break
+            if until is not None and not (first and first_free):
                 now = clock()
-                if now >= turn_ends or (
+                if now >= until or (
                     deadlines is not None and deadlines.overdue(now, but=self.rank)
                 ):
                     break
