@@ -180,14 +180,18 @@ class BlockPool:
         take = min(count, len(free))
         slots = [free.popleft() for _ in range(take)]
         evicted: list[int] = []
-        registry = self._registry
         for _ in range(count - take):
-            key = self.inactive.pop_victim()
-            block_id = registry.pop(key)
-            self._key_of[block_id] = -1
+            block_id, key = self._evict_one()
             slots.append(block_id)
             evicted.append(key)
         return _new(Allocation, (slots, evicted))
+
+    def _evict_one(self) -> tuple[int, int]:
+        """Unregister the eviction victim: its slot (now mutable) and its lineage key."""
+        key = self.inactive.pop_victim()
+        block_id = self._registry.pop(key)
+        self._key_of[block_id] = -1
+        return block_id, key
 
     def allocate_one(self) -> tuple[int, int]:
         """`allocate(1)` without its lists: the slot (-1 with nothing changed when the pool
@@ -197,10 +201,7 @@ class BlockPool:
             return free.popleft(), -1
         if not self.inactive.count:
             return -1, -1
-        key = self.inactive.pop_victim()
-        block_id = self._registry.pop(key)
-        self._key_of[block_id] = -1
-        return block_id, key
+        return self._evict_one()
 
     def register_new(self, slot: int, key: int, parent_key: int | None) -> None:
         """`register` of a key the caller just found unregistered (`match` gave None)."""
@@ -265,9 +266,7 @@ class BlockPool:
         """Evict every inactive block (prefix-cache reset); returns their keys."""
         keys: list[int] = []
         while self.inactive.count:
-            key = self.inactive.pop_victim()
-            block_id = self._registry.pop(key)
-            self._key_of[block_id] = -1
+            block_id, key = self._evict_one()
             self._free.append(block_id)
             keys.append(key)
         return keys
