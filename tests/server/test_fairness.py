@@ -273,7 +273,9 @@ def test_a_late_daemon_answers_control_and_signals_while_busy(tmp_path: Path) ->
             await EngineClient.connect(daemon.control) as prober,
         ):
             await asyncio.gather(
-                *(streamer.submit([i] * 16, 3000, request_id=r) for i, r in enumerate(requests))
+                # 30,000 tokens each: 15 M in all, more than even the compiled core emits
+                # before SIGTERM plus the 1 s drain (with 3,000 it drained them all in time).
+                *(streamer.submit([i] * 16, 30_000, request_id=r) for i, r in enumerate(requests))
             )
             # The rank is late from its first pass on; the probe is answered between passes.
             await prober.ping(timeout=30)
