@@ -25,6 +25,8 @@ HASH_SEED: Final = 1337
 # NOTE: the seed goes positionally: xxhash parses keyword arguments on every call.
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
+# NOTE: the unbound method: compiled, `block.tobytes()` looks the name up on every call.
+_tobytes: Final = array.tobytes
 _NATIVE_LE = sys.byteorder == "little"
 
 
@@ -44,7 +46,7 @@ def local_block_hash(tokens: Sequence[int]) -> int:
 def array_block_hash(block: array[int]) -> int:
     """`local_block_hash` of an `array("I")` (a sequence's tokens), without the type checks."""
     if _NATIVE_LE:
-        return _xxh3(block.tobytes(), HASH_SEED)
+        return _xxh3(_tobytes(block), HASH_SEED)
     return local_block_hash(block)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from array import array
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, Final, NamedTuple
 
 from engined.core.hashing import array_block_hash, block_hashes, chain_hash, lineage_key
 from engined.core.vocab import Vocabulary
@@ -106,6 +106,9 @@ class SampledToken(NamedTuple):
 
 # NOTE: tuple.__new__ builds a NamedTuple in C; sampling is on the decode path.
 _new = tuple.__new__
+# The arrays' methods themselves: compiled, `tokens.append(t)` looks the name up per call.
+_append: Final = array.append
+_tolist: Final = array.tolist
 
 
 class Sequence:
@@ -253,15 +256,16 @@ class Sequence:
         use = Use(len(self.hashes), [], [], [], None, self.partial, None, None)
         return [use] if promote is None else [promote, use]
 
-    def open_block(self, token: int) -> Promote | None:
+    def open_block(self, token: Any) -> Promote | None:
         """Take `token` when it opens a new block (the length is a multiple of the block size).
 
         Returns the Promote of the block it completes (None when that block was already
         full, a prompt that ended on a boundary); the new block is `partial`, a fresh id the
-        caller allocates (`_push` asks for it with a Use). `pop` undoes the token.
+        caller allocates (`_push` asks for it with a Use). `pop` undoes the token. `token`
+        is typed Any so that, compiled, the drawn int is stored as it is, not unboxed first.
         """
         tokens = self.tokens
-        tokens.append(token)
+        _append(tokens, token)
         self.generated += 1
         partial = self.partial
         self.partial = self._next_partial_id()
@@ -292,7 +296,7 @@ class Sequence:
             lh,
             key,
             parent_key,
-            block.tolist() if self.emit_token_ids else None,
+            _tolist(block) if self.emit_token_ids else None,
         )
 
     def pop(self) -> None:
