@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from engined.core.state import RequestState
 from engined.core.types import FpmSnapshot
 
 
@@ -50,14 +51,14 @@ def welford(values: Iterable[int]) -> LengthStats:
 
 
 def build_snapshot(
-    scheduled: list[ScheduledWork | int],
+    scheduled: list[ScheduledWork | RequestState],
     queued_prefill: LengthStats,
     queued_decode: LengthStats,
     wall_time_secs: float,
 ) -> FpmSnapshot:
     """The snapshot of one pass; the queued halves are (count, sum, variance) of lengths,
-    tallied as requests queue (engined/core/queued.py) rather than walked each pass. An int
-    among `scheduled` is a one-token decode, by its sequence length."""
+    tallied as requests queue (engined/core/queued.py) rather than walked each pass. A
+    request among `scheduled` is a one-token decode, by its `scheduled_len`."""
     prefill_lengths: list[int] = []
     prefill_tokens = 0
     prefill_kv = 0
@@ -68,9 +69,9 @@ def build_snapshot(
     mean = 0.0
     m2 = 0.0
     for work in scheduled:
-        if isinstance(work, int):
+        if isinstance(work, RequestState):
             # A one-token decode by its sequence length (PassContext.scheduled).
-            x = work
+            x = work.scheduled_len
         elif work.prompt_tokens > 0:
             prefill_lengths.append(work.prompt_len)
             prefill_tokens += work.total_tokens

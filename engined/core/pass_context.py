@@ -7,6 +7,7 @@ the engine turns it into the pass's `PassResult`.
 from __future__ import annotations
 
 from engined.core.fpm import ScheduledWork
+from engined.core.state import RequestState
 from engined.core.types import (
     Admission,
     EndedRequest,
@@ -41,13 +42,14 @@ class PassContext:
         # Tokens this pass may still schedule.
         self.budget = budget
         # What each scheduled request computes, in schedule order, for FPM and for undoing a
-        # preemption; `scheduled_ids[i]` is the request of `scheduled[i]`. A plain int is the
-        # common case, a decode of one token, by its sequence length (building a
-        # ScheduledWork per request per pass was a sixth of a decode pass's scheduling). Two
+        # preemption; `scheduled_ids[i]` is the request of `scheduled[i]`. The request itself
+        # is the common case, a decode of one token, by its `scheduled_len` (building a
+        # ScheduledWork per request per pass was a sixth of a decode pass's scheduling, and
+        # an int of the length was boxed and freed per request per pass). Two
         # lists, not a dict by id: a request is scheduled at most once a pass, and only a
         # preemption looks one up, while every running request is appended every pass.
         self.scheduled_ids: list[str] = []
-        self.scheduled: list[ScheduledWork | int] = []
+        self.scheduled: list[ScheduledWork | RequestState] = []
         # The prefill batch the timing model charges: chunks, their total length and prefix.
         self.batch_count = 0
         self.batch_isl = 0

@@ -33,7 +33,7 @@ from engined.core.perf_model import PerfModel, scale_ms
 from engined.core.policy import AdmissionPolicy, Decision
 from engined.core.preemption import Preempter
 from engined.core.prefix_hit import PrefillCost
-from engined.core.state import SchedulerState
+from engined.core.state import RequestState, SchedulerState
 from engined.core.types import Admission, RequestStatus
 
 
@@ -160,9 +160,11 @@ class Scheduler:
                 if length > seq.num_allocated_tokens:
                     seq.num_allocated_tokens = length
                 req.num_computed_tokens = length
-                # A decode of one token: its sequence length stands for its ScheduledWork.
+                # A decode of one token: the request, by its length, stands for its
+                # ScheduledWork.
+                req.scheduled_len = length
                 scheduled_ids.append(request_id)
-                scheduled.append(length)
+                scheduled.append(req)
                 ctx.budget -= 1
                 i += 1
                 continue
@@ -292,8 +294,8 @@ class Scheduler:
             return _new(Scheduled, (_BLOCKED, 0, cached))
         req.num_computed_tokens = actual
         prompt_tokens = min(actual, prompt_len) - prompt_before
-        # Once a pass: a preempted request is not admitted again in the same pass.
-        assert request_id not in ctx.scheduled_ids, "a request scheduled twice in one pass"
+        # Once a pass: a preemption stops admission for the rest of the pass
+        # (`preempted_any`), so a preempted request is never scheduled twice.
         ctx.scheduled_ids.append(request_id)
         ctx.scheduled.append(
             _new(
@@ -328,7 +330,7 @@ class Scheduler:
         at = ids.index(victim)
         del ids[at]
         work = ctx.scheduled.pop(at)
-        if isinstance(work, int):
+        if isinstance(work, RequestState):
             ctx.budget += 1
             return
         ctx.budget += work.total_tokens

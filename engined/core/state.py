@@ -24,6 +24,9 @@ class RequestState:
     cached_tokens_reported: bool = False
     # Set while an allocation of this request waits on a G1->G2 offload (offload tiers only).
     offload_wait: OffloadWait | None = None
+    # The sequence length of its last one-token decode schedule: what the pass's FPM counts
+    # for it (the request itself stands in `PassContext.scheduled`, so no int is boxed).
+    scheduled_len: int = 0
 
     def prompt_is_prebuilt(self) -> bool:
         """An activated destination: its prompt KV arrived by transfer, nothing to prefill."""

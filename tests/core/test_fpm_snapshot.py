@@ -1,20 +1,40 @@
 """`build_snapshot` against `welford` over the lists it no longer builds.
 
 The decode half of a snapshot runs Welford inline over the scheduled work (a one-token decode
-is an int, other work a `ScheduledWork`); it must give upstream's Welford bits exactly, in the
-order the work was scheduled.
+is the request itself, by its `scheduled_len`; other work a `ScheduledWork`); it must give
+upstream's Welford bits exactly, in the order the work was scheduled.
 """
 
 from __future__ import annotations
+
+import random
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from engined.core.fpm import LengthStats, ScheduledWork, build_snapshot, welford
+from engined.core.sequence import Sequence
+from engined.core.state import RequestState, RequestStatus
+
+
+def _decode(length: int) -> RequestState:
+    """A running request scheduled for a one-token decode at sequence length `length`."""
+    seq = Sequence(
+        [1, 2, 3],
+        4,
+        16,
+        caching=True,
+        rng=random.Random(0),
+        next_partial_id=iter(range(10)).__next__,
+    )
+    req = RequestState("r", seq, RequestStatus.RUNNING)
+    req.scheduled_len = length
+    return req
+
 
 _lengths = st.integers(min_value=1, max_value=1 << 20)
 _work = st.one_of(
-    _lengths,
+    _lengths.map(_decode),
     st.builds(
         ScheduledWork,
         total_tokens=st.integers(1, 8192),
@@ -28,12 +48,12 @@ _work = st.one_of(
 
 
 @given(st.lists(_work, max_size=300))
-def test_snapshot_variances_are_welfords(scheduled: list[ScheduledWork | int]) -> None:
+def test_snapshot_variances_are_welfords(scheduled: list[ScheduledWork | RequestState]) -> None:
     decode: list[int] = []
     prefill: list[ScheduledWork] = []
     for work in scheduled:
-        if isinstance(work, int):
-            decode.append(work)
+        if isinstance(work, RequestState):
+            decode.append(work.scheduled_len)
         elif work.prompt_tokens > 0:
             prefill.append(work)
         elif not work.terminal:
@@ -52,7 +72,8 @@ def test_snapshot_variances_are_welfords(scheduled: list[ScheduledWork | int]) -
 
 
 def test_a_decode_only_pass() -> None:
-    snap = build_snapshot([512, 514, 513], LengthStats(0, 0, 0.0), LengthStats(0, 0, 0.0), 0.0)
+    scheduled: list[ScheduledWork | RequestState] = [_decode(512), _decode(514), _decode(513)]
+    snap = build_snapshot(scheduled, LengthStats(0, 0, 0.0), LengthStats(0, 0, 0.0), 0.0)
     assert (snap.num_decode_requests, snap.sum_decode_kv_tokens) == (3, 1539)
     assert snap.var_decode_kv_tokens == 2 / 3
     assert snap.num_prefill_requests == 0
