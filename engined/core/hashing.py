@@ -5,9 +5,12 @@ the parent's sequence hash with the local hash, so equal sequence hashes mean eq
 Routers compute the same values from a prompt, which is what makes prefix-aware routing work
 against this engine.
 
-The block pool keys blocks by a *positional lineage key*: `(position << 64) | sequence_hash`,
-with the parent key at `position - 1`. Folding the position in keeps blocks apart whose
-sequence hashes are random (prefix caching off) and gives eviction its tree shape.
+The block pool keys blocks by a *lineage key*, with the parent's key as the parent link that
+gives eviction its tree shape. With prefix caching the key is the sequence hash itself: it
+already names the whole prefix, so its position too, and it is a 64-bit int (a 128-bit one
+costs an allocation per key when compiled, and more per dict lookup). Without caching the
+sequence hashes are random: `lineage_key` folds the position in, `(position << 64) | hash`,
+with the parent key `lineage_key(position - 1, 0)`, so blocks stay apart by position.
 """
 
 from __future__ import annotations

@@ -173,11 +173,11 @@ class Sequence:
         self.local: list[int] = []
         if caching:
             self.local, self.hashes = block_hashes(self.tokens, block_size)
-            keys = self.keys
-            parent_keys = self.parent_keys
-            for pos, h in enumerate(self.hashes):
-                parent_keys.append(keys[-1] if pos else None)
-                keys.append(lineage_key(pos, h))
+            # A sequence hash is its own lineage key (engined/core/hashing.py).
+            self.keys = list(self.hashes)
+            if self.hashes:
+                self.parent_keys = [None]
+                self.parent_keys += self.hashes[:-1]
         else:
             getrandbits = rng.getrandbits
             for pos in range(n_full):
@@ -280,12 +280,13 @@ class Sequence:
             assert lh is not None
             h = lh if parent is None else chain_hash(parent, lh)
             self.local.append(lh)
-            parent_key = self.keys[-1] if pos else None
+            key = h
+            parent_key = parent
         else:
             lh = None
             h = self._rng.getrandbits(64)
+            key = lineage_key(pos, h)
             parent_key = lineage_key(pos - 1, 0) if pos else None
-        key = lineage_key(pos, h)
         self.hashes.append(h)
         self.keys.append(key)
         self.parent_keys.append(parent_key)
