@@ -237,6 +237,10 @@ class BlockPool:
     def is_registered(self, key: int) -> bool:
         return key in self._registry
 
+    @property
+    def num_registered(self) -> int:
+        return len(self._registry)
+
     def parent_key_of(self, block_id: int) -> int | None:
         """The lineage parent of the block's last registration.
 

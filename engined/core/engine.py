@@ -449,7 +449,7 @@ class Engine:
             block_ids=self._kv.active_block_ids(seq),
             block_hashes=list(seq.hashes),
             block_keys=list(seq.keys),
-            block_parent_keys=list(seq.parent_keys),
+            block_parent_keys=[seq.parent_key(pos) for pos in range(len(seq.hashes))],
         )
 
     def inspect_handoff(self, handoff_id: str) -> HandoffView | None:

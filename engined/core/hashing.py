@@ -94,3 +94,17 @@ def lineage_key(position: int, sequence_hash: int) -> int:
     if position < 4096:
         return _POSITION_BASES[position] | sequence_hash
     return (position << 64) | sequence_hash
+
+
+def parent_lineage_key(position: int) -> int | None:
+    """Without caching, the parent key of the block at `position` (None for the first)."""
+    return lineage_key(position - 1, 0) if position else None
+
+
+_HASH_BITS: Final = (1 << 64) - 1
+
+
+def hash_of_key(key: int) -> int:
+    """The sequence hash of the block registered under lineage key `key`: the key itself
+    with caching, its low 64 bits without."""
+    return key if key <= _HASH_BITS else key & _HASH_BITS

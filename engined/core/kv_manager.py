@@ -12,8 +12,8 @@ and queues the events a real vLLM worker would publish for it:
 
 With prefix caching off nothing is published and event ids never advance.
 
-The events go to the rank's `KvEventLog`; the maps of held and registered blocks live in a
-`BlockRegistry` beside the pool.
+The events go to the rank's `KvEventLog`; the maps of held blocks live in a `BlockRegistry`
+beside the pool, which alone knows which blocks are registered.
 
 With offload tiers attached (`attach_tiers`), an allocation that evicts registered blocks
 goes through the G1 glue instead (engined/core/offload/g1_glue.py): the evicted blocks are
@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from engined.core.block_pool import BlockPool
+from engined.core.hashing import hash_of_key
 from engined.core.kv_event_log import KvEventLog
 from engined.core.kv_registry import BlockRegistry
 from engined.core.offload.g1_glue import G1Glue
@@ -60,11 +61,11 @@ class KvManager:
         "active_full",
         "active_partial",
         "block_size",
+        "holders",
         "log",
         "offload",
         "pool",
         "prefix_hit",
-        "registered",
         "registry",
     )
 
@@ -82,11 +83,11 @@ class KvManager:
         self.prefix_hit = prefix_hit
         self.block_size = block_size
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=publish)
-        self.registry = BlockRegistry()
+        self.registry = BlockRegistry(num_blocks)
         # The registry's maps, bound here for the hot paths.
         self.active_partial = self.registry.active_partial
         self.active_full = self.registry.active_full
-        self.registered = self.registry.registered
+        self.holders = self.registry.holders
         self.offload: G1Glue | None = None
         if tiers is not None:
             self.attach_tiers(tiers)
@@ -129,20 +130,20 @@ class KvManager:
         overlap = active = 0
         if seq.caching:
             active_full = self.active_full
-            registered = self.registered
-            keys = seq.keys
-            for i, h in enumerate(seq.hashes):
+            pool = self.pool
+            # With caching a block's lineage key is its sequence hash.
+            for h in seq.hashes:
                 if h in active_full:
                     overlap += 1
                     active += 1
-                elif keys[i] in registered:
+                elif pool.is_registered(h):
                     overlap += 1
                 else:
                     break
         return ResidentPrefix(overlap, active)
 
     def active_block_ids(self, seq: Sequence) -> list[int]:
-        ids = [self.active_full[h][0] for h in seq.hashes if h in self.active_full]
+        ids = [self.active_full[h] for h in seq.hashes if h in self.active_full]
         if seq.partial is not None and seq.partial in self.active_partial:
             ids.append(self.active_partial[seq.partial])
         return ids
@@ -180,9 +181,9 @@ class KvManager:
         fresh = 0
         keys = move.keys
         for i, h in enumerate(move.hashes):
-            entry = active_full.get(h)
-            if entry is not None:
-                prepared.append(entry[0])
+            held = active_full.get(h)
+            if held is not None:
+                prepared.append(held)
                 continue
             block_id = pool.match(keys[i])
             if block_id is None:
@@ -244,7 +245,7 @@ class KvManager:
     ) -> None:
         pool = self.pool
         active_full = self.active_full
-        registered = self.registered
+        holders = self.holders
         matched_set = set(matched)
         plain = self.offload is None
         meta_parent = move.parent
@@ -257,11 +258,12 @@ class KvManager:
                 if run:
                     self.store_run(move, run, run_parent)
                     run = []
-                entry = active_full.get(h)
-                if entry is None:
-                    active_full[h] = [block_id, 1]
+                held = active_full.get(h)
+                if held is None:
+                    active_full[h] = block_id
+                    holders[block_id] = 1
                 else:
-                    entry[1] += 1
+                    holders[held] += 1
                 if block_id not in matched_set:
                     pool.acquire(block_id)
                 meta_parent = run_parent = h
@@ -273,12 +275,12 @@ class KvManager:
             key = move.keys[i]
             if plain:
                 # `use` found the key unregistered, and a plain allocation registers nothing.
-                pool.register_new(slot, key, move.parent_keys[i])
+                pool.register_new(slot, key, move.parent_key(i))
             else:
-                got = pool.register(slot, key, move.parent_keys[i])
+                got = pool.register(slot, key, move.parent_key(i))
                 assert got == slot, "fresh block must be a new registration"
-            active_full[h] = [slot, 1]
-            registered[key] = h
+            active_full[h] = slot
+            holders[slot] = 1
             run.append(i)
             meta_parent = h
         if run:
@@ -294,14 +296,14 @@ class KvManager:
         if move.partial is not None:
             pool.release_mutable(self.active_partial.pop(move.partial))
         active_full = self.active_full
+        holders = self.holders
         for h in move.hashes:
-            entry = active_full[h]
-            held = entry[1] - 1
-            if held:
-                entry[1] = held
-            else:
+            block_id = active_full[h]
+            held = holders[block_id] - 1
+            holders[block_id] = held
+            if not held:
                 del active_full[h]
-            pool.release(entry[0])
+            pool.release(block_id)
 
     def promote(self, move: Promote) -> None:
         slot = self.active_partial.pop(move.partial)
@@ -313,20 +315,21 @@ class KvManager:
     def _commit_full(self, slot: int, h: int, key: int, parent_key: int | None) -> bool:
         """Make a filled slot the full block `h`; False when an identical block already existed."""
         pool = self.pool
-        entry = self.active_full.get(h)
-        if entry is not None:
+        held = self.active_full.get(h)
+        if held is not None:
             pool.release_mutable(slot)
-            pool.acquire(entry[0])
-            entry[1] += 1
+            pool.acquire(held)
+            self.holders[held] += 1
             return False
         block_id = pool.match(key)
         if block_id is not None:
             pool.release_mutable(slot)
-            self.active_full[h] = [block_id, 1]
+            self.active_full[h] = block_id
+            self.holders[block_id] = 1
             return False
         pool.register_new(slot, key, parent_key)
-        self.active_full[h] = [slot, 1]
-        self.registered[key] = h
+        self.active_full[h] = slot
+        self.holders[slot] = 1
         return True
 
     # --- speculative decode reservations ------------------------------------------------
@@ -365,10 +368,10 @@ class KvManager:
             resident = self._resident_prefix(seq)[0]
             hashes = hashes[: self.prefix_hit.hit_blocks(resident, seq)]
         for i, h in enumerate(hashes):
-            entry = self.active_full.get(h)
-            if entry is not None:
-                pool.acquire(entry[0])
-                prefix.append(entry[0])
+            held = self.active_full.get(h)
+            if held is not None:
+                pool.acquire(held)
+                prefix.append(held)
                 continue
             block_id = pool.match(use.keys[i])
             if block_id is None:
@@ -410,14 +413,15 @@ class KvManager:
         slots = iter(res.slots)
         for i, h in enumerate(use.hashes):
             if i < n_prefix:
-                entry = active_full.get(h)
-                if entry is None:
-                    active_full[h] = [res.prefix[i], 1]
+                held = active_full.get(h)
+                if held is None:
+                    active_full[h] = res.prefix[i]
+                    self.holders[res.prefix[i]] = 1
                 else:
-                    entry[1] += 1
+                    self.holders[held] += 1
                 meta_parent = h
                 continue
-            if self._commit_full(next(slots), h, use.keys[i], use.parent_keys[i]):
+            if self._commit_full(next(slots), h, use.keys[i], use.parent_key(i)):
                 if not run:
                     run_parent = meta_parent
                 run.append(i)
@@ -433,8 +437,7 @@ class KvManager:
     # --- eviction and reset -------------------------------------------------------------
 
     def _evictions(self, keys: list[int]) -> None:
-        registered = self.registered
-        self.log.removed([registered.pop(key) for key in keys if key in registered])
+        self.log.removed([hash_of_key(key) for key in keys])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, as vLLM's reset_prefix_cache does.
@@ -445,8 +448,6 @@ class KvManager:
         if self.pool.num_active:
             return False
         keys = self.pool.clear_inactive()
-        for key in keys:
-            self.registered.pop(key, None)
         if self.offload is not None:
             self.offload.forget(keys)
         self.log.cleared()

@@ -18,7 +18,13 @@ from array import array
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
-from engined.core.hashing import array_block_hash, block_hashes, chain_hash, lineage_key
+from engined.core.hashing import (
+    array_block_hash,
+    block_hashes,
+    chain_hash,
+    lineage_key,
+    parent_lineage_key,
+)
 from engined.core.vocab import Vocabulary
 
 
@@ -29,14 +35,13 @@ class Use:
     tokens are computed: that is the 1.3.0 behaviour routers see.
     """
 
-    __slots__ = ("first", "hashes", "keys", "local", "parent", "parent_keys", "partial", "tokens")
+    __slots__ = ("first", "hashes", "keys", "local", "parent", "partial", "tokens")
 
     def __init__(
         self,
         first: int,
         hashes: list[int],
         keys: list[int],
-        parent_keys: list[int | None],
         local: list[int] | None,
         partial: int | None,
         parent: int | None,
@@ -45,7 +50,6 @@ class Use:
         self.first = first
         self.hashes = hashes
         self.keys = keys
-        self.parent_keys = parent_keys
         self.local = local
         self.partial = partial
         self.parent = parent
@@ -54,6 +58,12 @@ class Use:
     @property
     def num_blocks(self) -> int:
         return len(self.hashes) + (self.partial is not None)
+
+    def parent_key(self, i: int) -> int | None:
+        """The lineage parent of the move's block `i` (`local` is None without caching)."""
+        if self.local is not None:
+            return self.hashes[i - 1] if i else self.parent
+        return parent_lineage_key(self.first + i)
 
 
 class Deref:
@@ -116,7 +126,8 @@ class Sequence:
 
     `hashes[i]` identifies full block i (the sequence hash with prefix caching, a random u64
     without: then no two requests share a block, but a preempted request still finds its own
-    blocks again). `keys[i]` is the block's lineage key in the pool.
+    blocks again). `keys[i]` is the block's lineage key in the pool: with caching `keys` is
+    `hashes` itself (engined/core/hashing.py), and `parent_key` derives the lineage parents.
     """
 
     __slots__ = (
@@ -133,7 +144,6 @@ class Sequence:
         "max_output_tokens",
         "num_allocated_tokens",
         "num_input_tokens",
-        "parent_keys",
         "partial",
         "planned",
         "tokens",
@@ -166,25 +176,17 @@ class Sequence:
         # The core's shared range, so a vocabulary change reaches running requests.
         self._vocab = vocab
         self._next_partial_id = next_partial_id
-        n_full = len(tokens) // block_size
-        self.hashes: list[int] = []
-        self.keys: list[int] = []
-        self.parent_keys: list[int | None] = []
-        self.local: list[int] = []
+        self.local: list[int]
+        self.hashes: list[int]
+        self.keys: list[int]
         if caching:
             self.local, self.hashes = block_hashes(self.tokens, block_size)
-            # A sequence hash is its own lineage key (engined/core/hashing.py).
-            self.keys = list(self.hashes)
-            if self.hashes:
-                self.parent_keys = [None]
-                self.parent_keys += self.hashes[:-1]
+            self.keys = self.hashes
         else:
             getrandbits = rng.getrandbits
-            for pos in range(n_full):
-                h = getrandbits(64)
-                self.hashes.append(h)
-                self.keys.append(lineage_key(pos, h))
-                self.parent_keys.append(lineage_key(pos - 1, 0) if pos else None)
+            self.local = []
+            self.hashes = [getrandbits(64) for _ in range(len(tokens) // block_size)]
+            self.keys = [lineage_key(pos, h) for pos, h in enumerate(self.hashes)]
         self.partial: int | None = next_partial_id() if len(tokens) % block_size else None
 
     def __len__(self) -> int:
@@ -194,6 +196,12 @@ class Sequence:
     def num_blocks(self) -> int:
         """Unique blocks (full plus the trailing partial)."""
         return len(self.hashes) + (self.partial is not None)
+
+    def parent_key(self, pos: int) -> int | None:
+        """The lineage key of block `pos`'s parent (None for the first block)."""
+        if self.caching:
+            return self.hashes[pos - 1] if pos else None
+        return parent_lineage_key(pos)
 
     def current_known_blocks(self) -> int:
         return -(-len(self.tokens) // self.block_size)
@@ -215,11 +223,11 @@ class Sequence:
         if target <= prev:
             return None
         end = min(target, n_full)
+        hashes = self.hashes[prev:end]
         return Use(
             prev,
-            self.hashes[prev:end],
-            self.keys[prev:end],
-            self.parent_keys[prev:end],
+            hashes,
+            hashes if self.caching else self.keys[prev:end],
             self.local[prev:end] if self.caching else None,
             self.partial if target > n_full else None,
             self.hashes[prev - 1] if prev > 0 else None,
@@ -253,7 +261,7 @@ class Sequence:
             self.generated += 1
             return []
         promote = self.open_block(token)
-        use = Use(len(self.hashes), [], [], [], None, self.partial, None, None)
+        use = Use(len(self.hashes), [], [], None, self.partial, None, None)
         return [use] if promote is None else [promote, use]
 
     def open_block(self, token: Any) -> Promote | None:
@@ -280,16 +288,17 @@ class Sequence:
             assert lh is not None
             h = lh if parent is None else chain_hash(parent, lh)
             self.local.append(lh)
+            # `keys` is `hashes`: the one append serves both.
+            self.hashes.append(h)
             key = h
             parent_key = parent
         else:
             lh = None
             h = self._rng.getrandbits(64)
             key = lineage_key(pos, h)
-            parent_key = lineage_key(pos - 1, 0) if pos else None
-        self.hashes.append(h)
-        self.keys.append(key)
-        self.parent_keys.append(parent_key)
+            parent_key = parent_lineage_key(pos)
+            self.hashes.append(h)
+            self.keys.append(key)
         return Promote(
             partial,
             h,

@@ -30,6 +30,7 @@ allocation or published run, so an engine without offload tiers pays nothing per
 from __future__ import annotations
 
 from engined.core.block_pool import BlockPool
+from engined.core.hashing import hash_of_key
 from engined.core.kv_event_log import KvEventLog
 from engined.core.kv_registry import BlockRegistry
 from engined.core.offload.tier_engine import TierEngine
@@ -134,17 +135,14 @@ class G1Glue:
 
     def _settle(self, slots: list[int], evicted: list[int], *, retry: bool) -> list[int] | None:
         pool = self.pool
-        registered = self.registry.registered
         meta = self.meta
         base = len(slots) - len(evicted)
         offered: list[EvictedBlock] = []
         hashes: list[int] = []
+        # Every evicted key was registered: the pool only evicts registered blocks.
         for i, key in enumerate(evicted):
-            block_hash = registered.pop(key, None)
-            if block_hash is None:
-                continue
             slot = slots[base + i]
-            hashes.append(block_hash)
+            hashes.append(hash_of_key(key))
             offered.append(EvictedBlock(slot, key, pool.parent_key_of(slot), meta.pop(key, None)))
         if not offered:
             return slots
@@ -234,13 +232,11 @@ class G1Glue:
         """
         pool = self.pool
         active_full = self.registry.active_full
-        registered = self.registry.registered
         end = skip + count
         use = Use(
             skip,
             seq.hashes[skip:end],
             seq.keys[skip:end],
-            seq.parent_keys[skip:end],
             seq.local[skip:end] if seq.caching else None,
             None,
             seq.hashes[skip - 1] if skip > 0 else None,
@@ -261,8 +257,7 @@ class G1Glue:
                 continue
             if not run:
                 run_parent = parent
-            pool.release(pool.register(slot, key, use.parent_keys[j]))
-            registered[key] = block_hash
+            pool.release(pool.register(slot, key, use.parent_key(j)))
             run.append(j)
             parent = block_hash
         if run:
