@@ -143,12 +143,13 @@ _new = tuple.__new__
 class BlockPool:
     """`num_blocks` slots with canonical registration and lineage eviction."""
 
-    __slots__ = ("_free", "_key_of", "_parent_of", "_refs", "_registry", "inactive", "num_blocks")
+    __slots__ = ("_free", "_key_of", "_parent_of", "_refs", "inactive", "num_blocks", "registered")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._registry: dict[int, int] = {}
+        # Lineage key -> slot of every registered block (primary or inactive).
+        self.registered: dict[int, int] = {}
         self._key_of: list[int] = [-1] * num_blocks
         self._parent_of: list[int | None] = [None] * num_blocks
         self._refs: list[int] = [0] * num_blocks
@@ -189,7 +190,7 @@ class BlockPool:
     def _evict_one(self) -> tuple[int, int]:
         """Unregister the eviction victim: its slot (now mutable) and its lineage key."""
         key = self.inactive.pop_victim()
-        block_id = self._registry.pop(key)
+        block_id = self.registered.pop(key)
         self._key_of[block_id] = -1
         return block_id, key
 
@@ -205,7 +206,7 @@ class BlockPool:
 
     def register_new(self, slot: int, key: int, parent_key: int | None) -> None:
         """`register` of a key the caller just found unregistered (`match` gave None)."""
-        self._registry[key] = slot
+        self.registered[key] = slot
         self._key_of[slot] = key
         self._parent_of[slot] = parent_key
         self._refs[slot] = 1
@@ -225,7 +226,7 @@ class BlockPool:
 
     def match(self, key: int) -> int | None:
         """A new handle on the block registered under `key`, resurrecting it if inactive."""
-        block_id = self._registry.get(key)
+        block_id = self.registered.get(key)
         if block_id is None:
             return None
         refs = self._refs
@@ -235,11 +236,11 @@ class BlockPool:
         return block_id
 
     def is_registered(self, key: int) -> bool:
-        return key in self._registry
+        return key in self.registered
 
     @property
     def num_registered(self) -> int:
-        return len(self._registry)
+        return len(self.registered)
 
     def parent_key_of(self, block_id: int) -> int | None:
         """The lineage parent of the block's last registration.

@@ -58,7 +58,6 @@ class KvManager:
     """Block ownership of one rank: partial blocks, full-block handles, queued events."""
 
     __slots__ = (
-        "active_full",
         "active_partial",
         "block_size",
         "holders",
@@ -66,6 +65,7 @@ class KvManager:
         "offload",
         "pool",
         "prefix_hit",
+        "registered",
         "registry",
     )
 
@@ -86,8 +86,9 @@ class KvManager:
         self.registry = BlockRegistry(num_blocks)
         # The registry's maps, bound here for the hot paths.
         self.active_partial = self.registry.active_partial
-        self.active_full = self.registry.active_full
         self.holders = self.registry.holders
+        # The pool's lineage key -> slot map, read directly on the hot paths.
+        self.registered = self.pool.registered
         self.offload: G1Glue | None = None
         if tiers is not None:
             self.attach_tiers(tiers)
@@ -129,21 +130,29 @@ class KvManager:
         """The leading blocks of `seq` resident here, and how many of them are active."""
         overlap = active = 0
         if seq.caching:
-            active_full = self.active_full
-            pool = self.pool
-            # With caching a block's lineage key is its sequence hash.
-            for h in seq.hashes:
-                if h in active_full:
-                    overlap += 1
-                    active += 1
-                elif pool.is_registered(h):
-                    overlap += 1
-                else:
+            registered = self.registered
+            holders = self.holders
+            for key in seq.keys:
+                slot = registered.get(key)
+                if slot is None:
                     break
+                overlap += 1
+                if holders[slot]:
+                    active += 1
         return ResidentPrefix(overlap, active)
 
+    def held_slot(self, key: int) -> int | None:
+        """The slot of the full block registered under `key` if requests hold it (through
+        this manager's maps), else None."""
+        slot = self.registered.get(key)
+        return slot if slot is not None and self.holders[slot] else None
+
     def active_block_ids(self, seq: Sequence) -> list[int]:
-        ids = [self.active_full[h] for h in seq.hashes if h in self.active_full]
+        ids: list[int] = []
+        for key in seq.keys:
+            slot = self.held_slot(key)
+            if slot is not None:
+                ids.append(slot)
         if seq.partial is not None and seq.partial in self.active_partial:
             ids.append(self.active_partial[seq.partial])
         return ids
@@ -173,25 +182,25 @@ class KvManager:
         if not move.hashes and reservation is None and self.offload is None:
             return self.use_partial(move.partial)
         pool = self.pool
-        active_full = self.active_full
+        registered = self.registered
+        holders = self.holders
         # Existing blocks: >= 0 block id; -1 = fresh. Matched inactive blocks are revived now
         # and released again (with fresh ticks) if the allocation fails, as upstream does.
         prepared: list[int] = []
         matched: list[int] = []
         fresh = 0
-        keys = move.keys
-        for i, h in enumerate(move.hashes):
-            held = active_full.get(h)
-            if held is not None:
-                prepared.append(held)
-                continue
-            block_id = pool.match(keys[i])
-            if block_id is None:
+        for key in move.keys:
+            slot = registered.get(key)
+            if slot is None:
                 prepared.append(-1)
                 fresh += 1
+            elif holders[slot]:
+                prepared.append(slot)
             else:
-                prepared.append(block_id)
-                matched.append(block_id)
+                # Registered, held by no request: inactive, or pinned by a reservation.
+                pool.match(key)
+                prepared.append(slot)
+                matched.append(slot)
         partial = move.partial
         fresh_partial = partial is not None and partial not in self.active_partial
         fresh += fresh_partial
@@ -216,7 +225,7 @@ class KvManager:
                         pool.release(block_id)
                     return False
                 slots, evicted = settled, []
-        self._commit_use(move, prepared, matched, slots)
+        self._commit_use(move, prepared, slots)
         if fresh_partial:
             assert partial is not None
             self.active_partial[partial] = slots[-1]
@@ -240,13 +249,9 @@ class KvManager:
             self._evictions([evicted])
         return True
 
-    def _commit_use(
-        self, move: Use, prepared: list[int], matched: list[int], slots: list[int]
-    ) -> None:
+    def _commit_use(self, move: Use, prepared: list[int], slots: list[int]) -> None:
         pool = self.pool
-        active_full = self.active_full
         holders = self.holders
-        matched_set = set(matched)
         plain = self.offload is None
         meta_parent = move.parent
         run_parent = meta_parent
@@ -258,14 +263,10 @@ class KvManager:
                 if run:
                     self.store_run(move, run, run_parent)
                     run = []
-                held = active_full.get(h)
-                if held is None:
-                    active_full[h] = block_id
-                    holders[block_id] = 1
-                else:
-                    holders[held] += 1
-                if block_id not in matched_set:
+                # A block requests hold gets one more handle; a matched one has it already.
+                if holders[block_id]:
                     pool.acquire(block_id)
+                holders[block_id] += 1
                 meta_parent = run_parent = h
                 continue
             if not run:
@@ -279,7 +280,6 @@ class KvManager:
             else:
                 got = pool.register(slot, key, move.parent_key(i))
                 assert got == slot, "fresh block must be a new registration"
-            active_full[h] = slot
             holders[slot] = 1
             run.append(i)
             meta_parent = h
@@ -295,42 +295,37 @@ class KvManager:
         pool = self.pool
         if move.partial is not None:
             pool.release_mutable(self.active_partial.pop(move.partial))
-        active_full = self.active_full
+        registered = self.registered
         holders = self.holders
-        for h in move.hashes:
-            block_id = active_full[h]
-            held = holders[block_id] - 1
-            holders[block_id] = held
-            if not held:
-                del active_full[h]
+        for key in move.keys:
+            block_id = registered[key]
+            holders[block_id] -= 1
             pool.release(block_id)
 
     def promote(self, move: Promote) -> None:
         slot = self.active_partial.pop(move.partial)
-        if self._commit_full(slot, move.hash, move.key, move.parent_key):
+        if self._commit_full(slot, move.key, move.parent_key):
             event = self.log.stored_promoted(move)
             if event is not None and self.offload is not None:
                 self.offload.remember([move.key], event)
 
-    def _commit_full(self, slot: int, h: int, key: int, parent_key: int | None) -> bool:
-        """Make a filled slot the full block `h`; False when an identical block already existed."""
+    def _commit_full(self, slot: int, key: int, parent_key: int | None) -> bool:
+        """Make a filled slot the full block `key`; False when an identical block already
+        existed (then the slot goes back and the request holds that block)."""
         pool = self.pool
-        held = self.active_full.get(h)
-        if held is not None:
-            pool.release_mutable(slot)
-            pool.acquire(held)
-            self.holders[held] += 1
-            return False
-        block_id = pool.match(key)
-        if block_id is not None:
-            pool.release_mutable(slot)
-            self.active_full[h] = block_id
-            self.holders[block_id] = 1
-            return False
-        pool.register_new(slot, key, parent_key)
-        self.active_full[h] = slot
-        self.holders[slot] = 1
-        return True
+        holders = self.holders
+        block_id = self.registered.get(key)
+        if block_id is None:
+            pool.register_new(slot, key, parent_key)
+            holders[slot] = 1
+            return True
+        pool.release_mutable(slot)
+        if holders[block_id]:
+            pool.acquire(block_id)
+        else:
+            pool.match(key)
+        holders[block_id] += 1
+        return False
 
     # --- speculative decode reservations ------------------------------------------------
 
@@ -360,20 +355,20 @@ class KvManager:
             return DestinationReservation([], [], None)
         pool = self.pool
         prefix: list[int] = []
-        hashes = use.hashes
+        keys = use.keys
         if self.prefix_hit.recompute_last:
             # The blocks beyond the hit are transferred like missing ones (vLLM's decode side
             # asks the connector for everything after its own capped hit); activation then
             # finds the resident copy and publishes nothing for it.
             resident = self._resident_prefix(seq)[0]
-            hashes = hashes[: self.prefix_hit.hit_blocks(resident, seq)]
-        for i, h in enumerate(hashes):
-            held = self.active_full.get(h)
+            keys = keys[: self.prefix_hit.hit_blocks(resident, seq)]
+        for key in keys:
+            held = self.held_slot(key)
             if held is not None:
                 pool.acquire(held)
                 prefix.append(held)
                 continue
-            block_id = pool.match(use.keys[i])
+            block_id = pool.match(key)
             if block_id is None:
                 break
             prefix.append(block_id)
@@ -405,7 +400,7 @@ class KvManager:
         use = res.use
         if use is None:
             return
-        active_full = self.active_full
+        holders = self.holders
         n_prefix = len(res.prefix)
         meta_parent = use.parent
         run_parent = meta_parent
@@ -413,15 +408,11 @@ class KvManager:
         slots = iter(res.slots)
         for i, h in enumerate(use.hashes):
             if i < n_prefix:
-                held = active_full.get(h)
-                if held is None:
-                    active_full[h] = res.prefix[i]
-                    self.holders[res.prefix[i]] = 1
-                else:
-                    self.holders[held] += 1
+                # Pinned at reservation: the handle is taken, the request now holds it.
+                holders[res.prefix[i]] += 1
                 meta_parent = h
                 continue
-            if self._commit_full(next(slots), h, use.keys[i], use.parent_key(i)):
+            if self._commit_full(next(slots), use.keys[i], use.parent_key(i)):
                 if not run:
                     run_parent = meta_parent
                 run.append(i)

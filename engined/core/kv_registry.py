@@ -10,13 +10,12 @@ from __future__ import annotations
 
 
 class BlockRegistry:
-    """`active_full`: sequence hash -> block id, with `holders[block id]` the handles held
-    through this map (a list by block id: a count per entry would be an object per block);
-    `active_partial`: partial-block id -> slot."""
+    """`holders[slot]`: how many requests hold the full block in `slot` (0 for a block held
+    by none: inactive, pinned, or not a registered block at all); a registered block with
+    holders is what a request can share. `active_partial`: partial-block id -> slot."""
 
-    __slots__ = ("active_full", "active_partial", "holders")
+    __slots__ = ("active_partial", "holders")
 
     def __init__(self, num_blocks: int) -> None:
-        self.active_full: dict[int, int] = {}
         self.holders: list[int] = [0] * num_blocks
         self.active_partial: dict[int, int] = {}

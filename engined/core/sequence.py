@@ -67,17 +67,18 @@ class Use:
 
 
 class Deref:
-    """Drop the request's hold on blocks: the partial (tail) first, then full blocks tail-first.
+    """Drop the request's hold on blocks: the partial (tail) first, then full blocks (by
+    lineage key) tail-first.
 
     Tail-first release gives the tail the older inactive tick, so eviction takes leaves before
     their parents.
     """
 
-    __slots__ = ("hashes", "partial")
+    __slots__ = ("keys", "partial")
 
-    def __init__(self, partial: int | None, hashes: list[int]) -> None:
+    def __init__(self, partial: int | None, keys: list[int]) -> None:
         self.partial = partial
-        self.hashes = hashes
+        self.keys = keys
 
 
 class Promote:
@@ -322,7 +323,7 @@ class Sequence:
     def _free_for_tokens(self, num_tokens: int) -> Deref:
         n = min(-(-num_tokens // self.block_size), self.num_blocks)
         n_full = len(self.hashes)
-        return Deref(self.partial if n > n_full else None, self.hashes[: min(n, n_full)][::-1])
+        return Deref(self.partial if n > n_full else None, self.keys[: min(n, n_full)][::-1])
 
     def free_moves(self) -> list[BlockMove]:
         """The Deref releasing every allocated block (empty when nothing is allocated)."""

@@ -231,7 +231,6 @@ class G1Glue:
         is the block before the run. Then the prefix pins are dropped.
         """
         pool = self.pool
-        active_full = self.registry.active_full
         end = skip + count
         use = Use(
             skip,
@@ -248,7 +247,7 @@ class G1Glue:
         for j, slot in enumerate(slots[:count]):
             block_hash = use.hashes[j]
             key = use.keys[j]
-            if block_hash in active_full or pool.is_registered(key):
+            if pool.is_registered(key):
                 pool.release_mutable(slot)
                 if run:
                     self._store_run(use, run, run_parent)

@@ -383,7 +383,7 @@ def cache_prefix_in_g1(core: Engine, request_id: str, blocks: int) -> None:
     use = seq.prepare_allocation(blocks * core.block_size)
     assert use is not None and use.num_blocks == blocks
     assert core.parts.kv.use(use)
-    core.parts.kv.deref(Deref(None, list(use.hashes)))
+    core.parts.kv.deref(Deref(None, list(use.keys)))
 
 
 def test_partial_g2_swap_in_pins_cached_g1_prefix() -> None:
