@@ -95,7 +95,7 @@ class KvManager:
 
     def attach_tiers(self, engine: TierEngine) -> None:
         """Give this pool lower tiers. Blocks published before keep no router metadata."""
-        self.offload = G1Glue(engine, self.pool, self.registry, self.log)
+        self.offload = G1Glue(engine, self.pool, self.log)
 
     def take_offload_wait(self) -> OffloadWait | None:
         """The offload the last failed allocation must wait for (None: it simply failed)."""
@@ -142,8 +142,7 @@ class KvManager:
         return ResidentPrefix(overlap, active)
 
     def held_slot(self, key: int) -> int | None:
-        """The slot of the full block registered under `key` if requests hold it (through
-        this manager's maps), else None."""
+        """The slot of the full block registered under `key` if requests hold it, else None."""
         slot = self.registered.get(key)
         return slot if slot is not None and self.holders[slot] else None
 

@@ -1,9 +1,8 @@
 """Which G1 blocks the requests of one rank hold.
 
-The KV manager keeps these maps beside its `BlockPool`; the offload tiers' G1 glue reads and
-updates them too, without seeing the manager itself. Which blocks are registered is the
-pool's to say (`BlockPool.is_registered`); a registered key names its block's sequence hash
-(`hashing.hash_of_key`).
+The KV manager keeps these beside its `BlockPool`. Which blocks are registered is the pool's
+to say (`BlockPool.registered`: lineage key -> slot); a registered key names its block's
+sequence hash (`hashing.hash_of_key`).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ named the same way):
   `tier_onboard.py` (the engine's onboard transfers), `pipeline.py` (batched offload
   transfers), `lanes.py` and `link.py` (bandwidth-shared links); `types.py` holds the values
   the engine exchanges with G1.
-* G1 glue: `g1_glue.py`, owned by the KV manager and built from its pool, its block registry
-  and its event log (never the manager itself): evictions offered to G2, tick effects
+* G1 glue: `g1_glue.py`, owned by the KV manager and built from its pool and its event log
+  (never the manager itself): evictions offered to G2, tick effects
   applied to G1, onboards landed in G1.
 * scheduler: `parking.py`, the parked requests of one engine.
 

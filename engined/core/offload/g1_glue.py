@@ -2,8 +2,7 @@
 
 The tier engine owns G2/G3 and the links; it never touches G1. This glue is what mocker
 1.3.0 keeps in its `KvManager` (docs/upstream/dynamo-mocker.md §6.1-§6.3). The KV manager owns it
-and builds it from its pool, its block registry and its event log; the glue never sees the
-manager itself.
+and builds it from its pool and its event log; the glue never sees the manager itself.
 
 * Evicting allocations. With tiers attached, a G1 allocation that evicts registered blocks
   does not complete: the evicted blocks are offered to G2 and their slots stay held (active)
@@ -32,7 +31,6 @@ from __future__ import annotations
 from engined.core.block_pool import BlockPool
 from engined.core.hashing import hash_of_key
 from engined.core.kv_event_log import KvEventLog
-from engined.core.kv_registry import BlockRegistry
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.offload.types import (
     BlockMeta,
@@ -47,14 +45,11 @@ from engined.core.types import BlockStored, OffloadWait
 class G1Glue:
     """An attached tier engine plus the G1 bookkeeping it needs."""
 
-    __slots__ = ("engine", "eviction_now_ms", "log", "meta", "now_ms", "pool", "registry", "wait")
+    __slots__ = ("engine", "eviction_now_ms", "log", "meta", "now_ms", "pool", "wait")
 
-    def __init__(
-        self, engine: TierEngine, pool: BlockPool, registry: BlockRegistry, log: KvEventLog
-    ) -> None:
+    def __init__(self, engine: TierEngine, pool: BlockPool, log: KvEventLog) -> None:
         self.engine = engine
         self.pool = pool
-        self.registry = registry
         self.log = log
         # Router metadata of published G1 blocks, by lineage key (publishing on only).
         self.meta: dict[int, BlockMeta] = {}
