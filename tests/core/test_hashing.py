@@ -5,7 +5,14 @@ from __future__ import annotations
 import itertools
 import random
 
-from engined.core.hashing import block_hashes, chain_hash, local_block_hash
+from engined.core.hashing import (
+    block_hashes,
+    chain_hash,
+    hash_of_key,
+    lineage_key,
+    local_block_hash,
+    parent_lineage_key,
+)
 from engined.core.sequence import Sequence
 
 
@@ -45,3 +52,61 @@ def test_sequence_blocks_use_the_same_hashes_including_generated_blocks() -> Non
     _, expected = block_hashes(list(range(10)), 4)
     assert seq.hashes == expected
     assert seq.local == block_hashes(list(range(10)), 4)[0]
+
+
+def make_sequence(tokens: list[int], *, caching: bool, planned: list[int]) -> Sequence:
+    return Sequence(
+        tokens,
+        len(planned),
+        4,
+        caching=caching,
+        rng=random.Random(7),
+        next_partial_id=itertools.count().__next__,
+        planned=planned,
+    )
+
+
+def test_a_registered_key_names_its_blocks_hash() -> None:
+    """The pool keys blocks by lineage key and Removed events need the hash back
+    (`hash_of_key`): the key itself with caching, its low 64 bits without."""
+    assert hash_of_key(0) == 0
+    assert hash_of_key(2**64 - 1) == 2**64 - 1
+    for position in (0, 1, 4095, 4096, 70_000):
+        for h in (0, 1, 2**63, 2**64 - 1):
+            key = lineage_key(position, h)
+            assert key == (position << 64) | h
+            assert hash_of_key(key) == h
+    assert parent_lineage_key(0) is None
+    assert parent_lineage_key(5) == lineage_key(4, 0)
+
+
+def test_with_caching_keys_are_the_hashes_and_parents_the_previous_block() -> None:
+    seq = make_sequence(list(range(10)), caching=True, planned=[10, 11, 12, 13, 14, 15, 16])
+    for _ in range(7):
+        seq.generate_token()
+    assert len(seq.hashes) == 4
+    assert seq.keys is seq.hashes
+    assert [seq.parent_key(pos) for pos in range(4)] == [None, *seq.hashes[:3]]
+    use = seq.prepare_allocation(len(seq.tokens))
+    assert use is not None and use.first == 0
+    assert use.keys == use.hashes == seq.hashes
+    assert [use.parent_key(i) for i in range(4)] == [None, *seq.hashes[:3]]
+    seq.num_allocated_tokens = 8
+    later = seq.prepare_allocation(len(seq.tokens))
+    assert later is not None and later.first == 2
+    assert [later.parent_key(i) for i in range(2)] == seq.hashes[1:3]
+
+
+def test_without_caching_keys_carry_the_position() -> None:
+    seq = make_sequence(list(range(10)), caching=False, planned=[10, 11, 12, 13, 14, 15, 16])
+    for _ in range(7):
+        seq.generate_token()
+    assert len(seq.hashes) == 4
+    assert seq.keys == [lineage_key(pos, h) for pos, h in enumerate(seq.hashes)]
+    assert [hash_of_key(key) for key in seq.keys] == seq.hashes
+    assert [seq.parent_key(pos) for pos in range(4)] == [None, *map(parent_lineage_key, [1, 2, 3])]
+    seq.num_allocated_tokens = 8
+    use = seq.prepare_allocation(len(seq.tokens))
+    assert use is not None and use.first == 2 and use.local is None
+    assert use.keys == seq.keys[2:4]
+    assert [use.parent_key(i) for i in range(2)] == [lineage_key(1, 0), lineage_key(2, 0)]
