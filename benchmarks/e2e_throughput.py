@@ -19,6 +19,11 @@ per-pass record the daemon writes at exit (see _PACING_DAEMON):
 * steady: from there until the first request finished with nothing left to submit;
 * drain: the rest, in-flight requests finishing with none to replace them.
 
+Then, of the steady passes later than 2 ms, how many waited on a CPU run queue for at least
+half their lateness (their process's loop thread runnable, another thread on the core: the
+pass record carries schedstat's run-queue time), so a tail the machine causes is told apart
+from one the daemon's own work causes (`queue_waits`).
+
 The load generator runs in a process of its own (multiprocessing, spawn), apart from both the
 daemon and this measuring process. After the run, with no client connected, the daemon's CPU
 over a 2 s idle window: `idle daemon cpu N% of a core` (utime + stime, and schedstat's ns).
@@ -60,6 +65,9 @@ from engined.wire.control import ReplyDecoder, encode_message
 # The idle-CPU window of pacing mode, and how long after the run it starts.
 IDLE_WINDOW_S = 2.0
 IDLE_SETTLE_S = 0.5
+# Steady passes later than this are checked against their process's run-queue wait since
+# before their deadline (see `queue_waits`).
+LATE_MS = 2.0
 
 
 class _Entry(msgspec.Struct):
@@ -364,6 +372,20 @@ import atexit, collections, json, os, time
 from engined.server import engine_loop
 
 lateness, states = [], []
+# The time this (the loop's) thread has waited on a CPU run queue while runnable, in ns:
+# schedstat's second field, read with one pread per pass (-1 where there is none).
+try:
+    _schedstat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+except OSError:
+    _schedstat = None
+
+def _run_queue_ns():
+    if _schedstat is None:
+        return -1
+    try:
+        return int(os.pread(_schedstat, 256, 0).split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 class _Recorded(collections.deque):
     def __init__(self, rank, values):
@@ -371,7 +393,7 @@ class _Recorded(collections.deque):
         self.rank = rank
 
     def append(self, value):
-        lateness.append((self.rank, time.monotonic(), value))
+        lateness.append((self.rank, time.monotonic(), value, _run_queue_ns(), os.getpid()))
         super().append(value)
 
 def _observe(rank, start_ms, result):
@@ -506,11 +528,21 @@ def phases(
     t0 = steady_start(log["states"], target)
     split: dict[str, dict[int, list[float]]] = {"start-up": {}, "steady": {}, "drain": {}}
     for name in split.values():
-        for rank, _, _ in log["lateness"]:
-            name.setdefault(int(rank), [])
+        for row in log["lateness"]:
+            name.setdefault(int(row[0]), [])
+    for phase, row in classified(log, t0, drain):
+        split[phase][int(row[0])].append(row[2])
+    return t0, split
+
+
+def classified(
+    log: dict[str, list[list[float]]], t0: float | None, drain: float
+) -> list[tuple[str, list[float]]]:
+    """Each lateness row (rank, time, ms, ...) with its phase, in the record's order."""
+    rows: list[tuple[str, list[float]]] = []
     first_after: set[int] = set()
-    for rank_f, at, value in log["lateness"]:
-        rank = int(rank_f)
+    for row in log["lateness"]:
+        rank, at = int(row[0]), row[1]
         if t0 is None or at <= t0:
             phase = "start-up"
         elif rank not in first_after:
@@ -521,8 +553,37 @@ def phases(
             phase = "steady"
         else:
             phase = "drain"
-        split[phase][rank].append(value)
-    return t0, split
+        rows.append((phase, row))
+    return rows
+
+
+def queue_waits(
+    log: dict[str, list[list[float]]], t0: float | None, drain: float
+) -> tuple[int, int] | None:
+    """(steady passes later than LATE_MS, those whose process's loop thread waited on a CPU
+    run queue for at least half their lateness between its last reading before the pass's
+    deadline and the pass's start), or None when the record has no run-queue readings (no
+    schedstat, or an older record).
+
+    Such a pass was late because the machine's other threads had the core: nothing the
+    daemon does about its passes would have started it on time.
+    """
+    rows = [row for row in log["lateness"] if len(row) >= 5 and row[3] >= 0]
+    if not rows:
+        return None
+    by_process: dict[float, list[list[float]]] = {}
+    for row in sorted(rows, key=lambda r: r[1]):
+        by_process.setdefault(row[4], []).append(row)
+    late = waited = 0
+    for phase, row in classified(log, t0, drain):
+        if phase != "steady" or row[2] <= LATE_MS or len(row) < 5 or row[3] < 0:
+            continue
+        late += 1
+        deadline = row[1] - row[2] / 1000
+        before = [r for r in by_process[row[4]] if r[1] <= deadline]
+        if before and (row[3] - before[-1][3]) / 1e6 >= row[2] / 2:
+            waited += 1
+    return late, waited
 
 
 async def rank_stats(control: str) -> list[wire.RankStats]:
@@ -644,6 +705,14 @@ def pacing(args: argparse.Namespace) -> None:
                     f"  {phase} rank {rank}: passes {len(values)}, pass-start lateness ms "
                     f"p50 {p50:.3f}  p99 {p99:.3f}  max {worst:.3f}"
                 )
+        waits = queue_waits(log, t0, times["drain"])
+        if waits is not None:
+            late, waited = waits
+            print(
+                f"steady passes later than {LATE_MS:g} ms: {late}; {waited} of them waited on "
+                "the CPU run queue (schedstat) for at least half their lateness since before "
+                "their deadline: other threads had the core"
+            )
     if idle is not None:
         ticks, precise = idle
         resolution = 100 / os.sysconf("SC_CLK_TCK") / IDLE_WINDOW_S
