@@ -75,8 +75,9 @@ def finish_within(core: Engine, request_id: str, *, passes: int) -> float:
 FULL_POOL_MAX_TOKENS = 0
 
 
-def core_with(**overrides: Any) -> Engine:
-    """The seed's builder: bs 4, budget 64, chunked prefill, no time scaling."""
+def core_with(*, tiers: TierEngine | None = None, **overrides: Any) -> Engine:
+    """The seed's builder: bs 4, budget 64, chunked prefill, no time scaling; `tiers` are
+    attached at construction, the public way (`attach` is for the seed's attach-after-setup)."""
     fields: dict[str, Any] = {
         "block_size": 4,
         "max_num_batched_tokens": 64,
@@ -85,7 +86,7 @@ def core_with(**overrides: Any) -> Engine:
         "speedup_ratio": 0.0,
     }
     fields.update(overrides)
-    return Engine(make_args(**fields))
+    return Engine(make_args(**fields), tiers=tiers)
 
 
 def engine_with(**config: Any) -> TierEngine:
@@ -237,8 +238,9 @@ def test_speculative_decode_reservation_waits_without_preempting() -> None:
 
 
 def test_execute_pass_ticks_offload_engine_when_attached() -> None:
-    core = core_with(num_gpu_blocks=8, enable_prefix_caching=False)
-    attach(core, TierEngine(OffloadConfig()))
+    core = core_with(
+        num_gpu_blocks=8, enable_prefix_caching=False, tiers=TierEngine(OffloadConfig())
+    )
     assert core.next_deadline() is None
     core.execute_pass(0.0)
     core.execute_pass(10.0)
