@@ -120,10 +120,10 @@ class G1Glue:
         """Offer the registered blocks an allocation evicted to G2 (docs/upstream/dynamo-mocker.md
         §6.1).
 
-        `slots` is what `BlockPool.allocate` returned: the evicted blocks' slots are its
-        tail, in eviction order. Returns the allocation's slots (unchanged when nothing
-        registered was evicted, else those of the retried allocation), or None with every
-        slot and hit given back: then `wait` holds the offload to wait for, if any.
+        `slots` is what `BlockPool.allocate` returned and `evicted` (not empty) the keys it
+        evicted: their slots are its tail, in eviction order; the pool evicts registered
+        blocks only. Returns the retried allocation's slots, or None with every slot and hit
+        given back: then `wait` holds the offload to wait for, if any.
         """
         self.wait = None
         return self._settle(slots, evicted, retry=True)
@@ -139,8 +139,6 @@ class G1Glue:
             slot = slots[base + i]
             hashes.append(hash_of_key(key))
             offered.append(EvictedBlock(slot, key, pool.parent_key_of(slot), meta.pop(key, None)))
-        if not offered:
-            return slots
         self.log.removed(hashes)
         sources = {block.slot for block in offered}
         for slot in slots:
