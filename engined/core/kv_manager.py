@@ -181,23 +181,18 @@ class KvManager:
         if not move.hashes and reservation is None and self.offload is None:
             return self.use_partial(move.partial)
         pool = self.pool
-        registered = self.registered
-        holders = self.holders
-        # Existing blocks: >= 0 block id; -1 = fresh. Matched inactive blocks are revived now
-        # and released again (with fresh ticks) if the allocation fails, as upstream does.
+        # Existing blocks: >= 0 block id, with a handle taken now; -1 = fresh. Matched
+        # inactive blocks are revived now and released again (with fresh ticks) if the
+        # allocation fails, as upstream does; a block requests hold just gives its handle back.
         prepared: list[int] = []
         matched: list[int] = []
         fresh = 0
         for key in move.keys:
-            slot = registered.get(key)
+            slot = pool.match(key)
             if slot is None:
                 prepared.append(-1)
                 fresh += 1
-            elif holders[slot]:
-                prepared.append(slot)
             else:
-                # Registered, held by no request: inactive, or pinned by a reservation.
-                pool.match(key)
                 prepared.append(slot)
                 matched.append(slot)
         partial = move.partial
@@ -262,9 +257,6 @@ class KvManager:
                 if run:
                     self.store_run(move, run, run_parent)
                     run = []
-                # A block requests hold gets one more handle; a matched one has it already.
-                if holders[block_id]:
-                    pool.acquire(block_id)
                 holders[block_id] += 1
                 meta_parent = run_parent = h
                 continue
@@ -312,18 +304,14 @@ class KvManager:
         """Make a filled slot the full block `key`; False when an identical block already
         existed (then the slot goes back and the request holds that block)."""
         pool = self.pool
-        holders = self.holders
-        block_id = self.registered.get(key)
+        # A handle on the registered block, held by requests or not (match revives it).
+        block_id = pool.match(key)
         if block_id is None:
             pool.register_new(slot, key, parent_key)
-            holders[slot] = 1
+            self.holders[slot] = 1
             return True
         pool.release_mutable(slot)
-        if holders[block_id]:
-            pool.acquire(block_id)
-        else:
-            pool.match(key)
-        holders[block_id] += 1
+        self.holders[block_id] += 1
         return False
 
     # --- speculative decode reservations ------------------------------------------------
@@ -362,11 +350,7 @@ class KvManager:
             resident = self._resident_prefix(seq)[0]
             keys = keys[: self.prefix_hit.hit_blocks(resident, seq)]
         for key in keys:
-            held = self.held_slot(key)
-            if held is not None:
-                pool.acquire(held)
-                prefix.append(held)
-                continue
+            # Pinned: a handle, whether requests hold the block or it was inactive.
             block_id = pool.match(key)
             if block_id is None:
                 break
