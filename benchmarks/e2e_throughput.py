@@ -378,6 +378,8 @@ try:
     _schedstat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
 except OSError:
     _schedstat = None
+# Read once: getpid is a system call, and this process is never forked.
+_pid = os.getpid()
 
 def _run_queue_ns():
     if _schedstat is None:
@@ -393,7 +395,7 @@ class _Recorded(collections.deque):
         self.rank = rank
 
     def append(self, value):
-        lateness.append((self.rank, time.monotonic(), value, _run_queue_ns(), os.getpid()))
+        lateness.append((self.rank, time.monotonic(), value, _run_queue_ns(), _pid))
         super().append(value)
 
 def _observe(rank, start_ms, result):
