@@ -47,6 +47,7 @@ from engined.server.rank_process import (
     split_ranks,
 )
 from engined.server.ranks import Pacing, build_rank, shared_pacing, start_collection
+from engined.server.reports import Refresh
 from engined.server.settings import RuntimeSettings, WorkerIdSink
 from engined.server.startup_log import engine_summary, limits
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
@@ -152,7 +153,9 @@ class Daemon:
 
             # Bound first, so that /health answers 503 while the rest starts.
             self.metrics = VllmMetrics.from_config(cfg)
-            self.http = HttpServer(self.metrics.registry, health=self.health)
+            self.http = HttpServer(
+                self.metrics.registry, health=self.health, before_scrape=Refresh(self.loops)
+            )
             await self.http.start(cfg.http_host, cfg.http_port)
         self._ctx = zmq.asyncio.Context()
         self._registry = registry = SocketRegistry()

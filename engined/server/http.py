@@ -6,6 +6,10 @@ and two GET routes do not justify a dependency. A scrape renders synchronously o
 (a millisecond or so, at scrape rate); everything else (reading the request, writing the
 response) awaits, so a slow or hostile client never stalls an engine pass.
 
+Ranks in worker processes keep some figures in their own process (the replay and overflow
+counters); `before_scrape` fetches them first, bounded by `SCRAPE_REFRESH_S` so that a worker
+that does not answer delays a scrape but never fails it.
+
 One request per connection (`Connection: close`), which Prometheus and every probe handle.
 Anything that is not a well-formed request gets a 400 (or 431 for oversized headers, 408 when
 it stalls), and no input can end the server.
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import string
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import structlog
@@ -31,6 +35,8 @@ HealthState = Literal["starting", "serving", "draining"]
 MAX_HEAD_BYTES = 16 * 1024
 # A client gets this long to send its request and to take the response.
 IO_TIMEOUT_S = 10.0
+# A scrape waits this long for `before_scrape`, then renders what the daemon has.
+SCRAPE_REFRESH_S = 1.0
 
 _REASONS = {
     200: "OK",
@@ -60,11 +66,20 @@ class HttpServer:
         registry: what `/metrics` exposes (the daemon's dedicated CollectorRegistry).
         health: the daemon's state; "serving" is 200, "starting" and "draining" are 503 so
             routers stop sending before the daemon refuses requests.
+        before_scrape: awaited before `/metrics` renders (up to `SCRAPE_REFRESH_S`).
     """
 
-    def __init__(self, registry: Collector, *, health: Callable[[], HealthState]) -> None:
+    def __init__(
+        self,
+        registry: Collector,
+        *,
+        health: Callable[[], HealthState],
+        before_scrape: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._registry = registry
         self._health = health
+        self._before_scrape = before_scrape
+        self._stale_scrapes = 0
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -117,6 +132,8 @@ class HttpServer:
         try:
             method, path, headers = await self._read_request(reader)
             head_only = method == "HEAD"
+            if path == "/metrics" and method in ("GET", "HEAD"):
+                await self._refresh()
             status, content_type, body, extra = self._route(method, path, headers)
         except _BadRequest as exc:
             status, content_type, body, extra = exc.status, _TEXT, f"{exc}\n".encode(), {}
@@ -134,6 +151,21 @@ class HttpServer:
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         writer.write(head if head_only else head + body)
         await asyncio.wait_for(writer.drain(), IO_TIMEOUT_S)
+
+    async def _refresh(self) -> None:
+        if self._before_scrape is None:
+            return
+        try:
+            await asyncio.wait_for(self._before_scrape(), SCRAPE_REFRESH_S)
+        except TimeoutError:
+            self._stale_scrapes += 1
+            # NOTE: one line per power of two, so that a flood of scrapes cannot flood the log.
+            if self._stale_scrapes & (self._stale_scrapes - 1) == 0:
+                log.warning(
+                    "metrics scraped without fresh worker figures",
+                    waited_s=SCRAPE_REFRESH_S,
+                    total=self._stale_scrapes,
+                )
 
     @staticmethod
     async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:

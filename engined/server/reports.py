@@ -65,3 +65,27 @@ class Reports:
         finally:
             self._waits -= 1
         return self.stats(msg.id)
+
+
+class Refresh:
+    """Fetch the figures of every rank that keeps them elsewhere, once for all who ask meanwhile.
+
+    Before each `/metrics` scrape: a worker's replay and overflow counters otherwise travel
+    only with its heartbeats. Shared, so that a flood of scrapes costs each worker one request
+    per round trip, not one per scrape. `loops` may still be filling: it is read at each call.
+    """
+
+    def __init__(self, loops: Sequence[RankHandle]) -> None:
+        self._loops = loops
+        self._pending: asyncio.Future[list[None]] | None = None
+
+    async def __call__(self) -> None:
+        pending = self._pending
+        if pending is None or pending.done():
+            remote = [loop.refresh() for loop in self._loops if not loop.gauges_live]
+            if not remote:
+                return
+            pending = asyncio.ensure_future(asyncio.gather(*remote))
+            self._pending = pending
+        # A caller that gives up (the scrape's bound) leaves the refresh to the others.
+        await asyncio.shield(pending)
