@@ -135,6 +135,18 @@ def rank_process_flags(processes: int) -> list[str]:
     return []
 
 
+def realtime_flags(priority: int) -> list[str]:
+    """`--realtime-priority N` when asked for (0, the default, passes nothing, so that every
+    revision runs); a revision without the setting cannot honour it."""
+    from engined.config import DaemonConfig
+
+    if not priority:
+        return []
+    if "realtime_priority" not in DaemonConfig.__struct_fields__:
+        raise SystemExit("this revision of engined has no --realtime-priority")
+    return ["--realtime-priority", str(priority)]
+
+
 async def counter(
     ctx: zmq.asyncio.Context, endpoint: str, counts: dict[str, int], key: str
 ) -> None:
@@ -637,6 +649,7 @@ def pacing(args: argparse.Namespace) -> None:
             "--data-parallel-size",
             str(args.ranks),
             *rank_process_flags(args.rank_processes),
+            *realtime_flags(args.realtime_priority),
         ],
         program=["-c", f"_WORKER = {_PACING_WORKER!r}\n" + _PACING_DAEMON],
         env={**os.environ, "E2E_BENCH_PASS_LOG": str(pass_log)},
@@ -678,6 +691,7 @@ def pacing(args: argparse.Namespace) -> None:
     print(
         f"pacing: speedup 1, {args.ranks} ranks, {args.pacing_requests} requests "
         f"(prompt {prompt}, output {output})"
+        + (f", SCHED_FIFO priority {args.realtime_priority}" if args.realtime_priority else "")
     )
     for r in ranks:
         print(
@@ -749,6 +763,12 @@ def main() -> None:
         default=0,
         help="the daemon's --rank-processes (0: ranks in its own process; with --pacing each "
         "worker records its passes too)",
+    )
+    parser.add_argument(
+        "--realtime-priority",
+        type=int,
+        default=0,
+        help="with --pacing: the daemon's --realtime-priority (SCHED_FIFO; 0 = normal)",
     )
     parser.add_argument("--pacing-requests", type=int, default=256)
     parser.add_argument(

@@ -75,6 +75,37 @@ def test_rank_processes_below_auto_is_refused() -> None:
     assert info.value.key == "rank_processes"
 
 
+def test_realtime_priority() -> None:
+    assert load().realtime_priority == 0
+    assert load(env={"ENGINED_REALTIME_PRIORITY": "1"}).realtime_priority == 1
+    assert load(flags={"realtime_priority": 99}).realtime_priority == 99
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-1, "realtime_priority: Expected `int` >= 0, got -1"),
+        (100, "realtime_priority: Expected `int` <= 99, got 100"),
+        ("x", "realtime_priority: expected an integer, got 'x'"),
+        (1.5, "realtime_priority: Expected `int`, got `float`"),
+    ],
+)
+def test_realtime_priority_refusals(value: object, message: str) -> None:
+    with raises(message) as info:
+        load(flags={"realtime_priority": value})
+    assert info.value.key == "realtime_priority"
+
+
+def test_realtime_priority_needs_a_paced_daemon() -> None:
+    """An unpaced rank never sleeps: at real-time priority it would hold its core."""
+    with raises(
+        "realtime_priority: needs engine.speedup_ratio > 0: an unpaced daemon never sleeps"
+    ) as info:
+        load(env={"ENGINED_REALTIME_PRIORITY": "1", "ENGINED_SPEEDUP_RATIO": "0"})
+    assert info.value.key == "realtime_priority"
+    assert load(flags={"realtime_priority": 1, "engine.speedup_ratio": 0.5}).realtime_priority == 1
+
+
 def test_the_build_and_test_variables_are_not_settings() -> None:
     """`ENGINED_MYPYC=1` (the compiled-core build) and `ENGINED_EXPECT_COMPILED` (the test
     suite) may stay exported in a shell that then starts a daemon."""
@@ -497,6 +528,7 @@ ISSUE_FLAGS = {
     "--max-queued-requests": "max_queued_requests",
     "--drain-timeout": "drain_timeout",
     "--rank-processes": "rank_processes",
+    "--realtime-priority": "realtime_priority",
     "--log-format": "log_format",
     "--log-level": "log_level",
     "--http-port": "http_port",

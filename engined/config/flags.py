@@ -108,6 +108,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-queued-requests", "max_queued_requests"),
     Flag("--drain-timeout", "drain_timeout"),
     Flag("--rank-processes", "rank_processes"),
+    Flag("--realtime-priority", "realtime_priority"),
     Flag("--log-format", "log_format"),
     Flag("--log-level", "log_level"),
     Flag("--http-port", "http_port"),

@@ -95,6 +95,14 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         msgspec.Meta(ge=-1),
         _help("Worker processes for the ranks (0 = the daemon's own, -1 = one per core)."),
     ] = -1
+    # SCHED_FIFO at this priority for every thread of the daemon and of its rank workers
+    # (engined.server.realtime), so that a paced pass starts on time on a busy machine. Needs
+    # CAP_SYS_NICE or an RLIMIT_RTPRIO at least as high; only with engine.speedup_ratio > 0.
+    realtime_priority: Annotated[
+        int,
+        msgspec.Meta(ge=0, le=99),
+        _help("SCHED_FIFO priority of a paced daemon's threads (0 = normal scheduling)."),
+    ] = 0
     # "auto" logs JSON when stderr is not a TTY and console lines when it is.
     log_format: Annotated[LogFormat, _help("auto: json unless stderr is a TTY.")] = "auto"
     log_level: Annotated[LogLevel, _help("Lowest level logged.")] = "info"

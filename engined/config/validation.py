@@ -70,6 +70,12 @@ def validate(layers: Layers) -> DaemonConfig:
             "sglang is not supported: engined simulates the vllm and trtllm schedulers only",
         )
     config = msgspec.structs.replace(config, engine=engine)
+    if config.realtime_priority and engine.speedup_ratio == 0:
+        raise layers.error(
+            "realtime_priority",
+            "needs engine.speedup_ratio > 0: an unpaced daemon never sleeps, and at real-time "
+            "priority it would hold its cores against every other process",
+        )
     if not math.isfinite(config.drain_timeout):
         raise layers.error("drain_timeout", f"must be finite, got {config.drain_timeout}")
     _check_endpoints(config, layers)

@@ -47,6 +47,7 @@ from engined.server.rank_process import (
     split_ranks,
 )
 from engined.server.ranks import Pacing, build_rank, shared_pacing, start_collection
+from engined.server.realtime import enter_realtime
 from engined.server.reports import Refresh
 from engined.server.settings import RuntimeSettings, WorkerIdSink
 from engined.server.startup_log import engine_summary, limits
@@ -145,6 +146,9 @@ class Daemon:
     async def startup(self) -> None:
         cfg = self.config
         engine = cfg.engine
+        if cfg.realtime_priority:
+            # First: every thread and process started from here on inherits it.
+            enter_realtime(cfg.realtime_priority)
         if cfg.http_port is not None:
             # Imported here: prometheus_client adds ~20 ms to start-up, which a daemon without
             # metrics (the default) should not pay.

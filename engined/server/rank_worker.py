@@ -44,6 +44,7 @@ from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.ranks import build_rank, shared_pacing, start_collection
+from engined.server.realtime import enter_realtime
 from engined.zmq_sockets import SocketRegistry, make_socket
 
 log = structlog.get_logger(__name__)
@@ -187,6 +188,8 @@ class RankWorker:
 
     def _build(self, outbox: Outbox) -> w.Ready:
         cfg = self._config
+        if cfg.realtime_priority:
+            enter_realtime(cfg.realtime_priority)  # inherited already; this covers a spawn
         batch_bytes = max_batch_bytes(cfg.engine, cfg.kv_events_format)
         delivery = _Delivery(outbox)
         ready: list[w.RankReady] = []
