@@ -7,8 +7,10 @@ retried or dropped. A request with nothing left to generate (max_tokens 0) compl
 with a token-less last output, after its prefill: upstream 1.3.0 never completed such
 requests, a defect fixed later, and we follow the fix.
 
-Each request that emitted or finished gets exactly one `RequestOutput` per pass (all of an
-MTP burst's tokens in it), as vLLM's engine core reports a step.
+Each request that emitted or finished gets exactly one output per pass (all of an MTP
+burst's tokens in one `RequestOutput`), as vLLM's engine core reports a step; a plain decode
+step (one token, unfinished, cached tokens already reported) goes to the pass's `Decodes`
+columns instead, the per-token cost a steady pass no longer pays.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class TokenEmitter:
     ) -> None:
         """`req` produced its last tokens: its last output, then its KV freed or held."""
         request_id = req.request_id
-        ctx.outputs.append(
+        ctx.add_output(
             RequestOutput(
                 request_id,
                 tokens,
@@ -176,8 +178,11 @@ class TokenEmitter:
         # The array's method itself: compiled, `tokens.append` looks the name up per call.
         append_token: Any = array.append
         outputs = ctx.outputs
+        decoded_ids = ctx.decoded_ids
+        decoded_tokens = ctx.decoded_tokens
         # Every output of this loop carries exactly one token: their count is the tokens'.
         first_output = len(outputs)
+        first_decode = len(decoded_ids)
         # NOTE: locals, so compiled code does not look the globals up once per token.
         output = RequestOutput
         running = _RUNNING
@@ -198,7 +203,8 @@ class TokenEmitter:
                 drawn = getrandbits(32) if draw is None else draw()
                 append_token(tokens, drawn)
                 seq.generated += 1
-                outputs.append(output(request_id, [drawn]))
+                decoded_ids.append(request_id)
+                decoded_tokens.append(drawn)
                 continue
             if (
                 fast
@@ -217,7 +223,8 @@ class TokenEmitter:
                     kv.promote(promote)
                 if kv.use_partial(seq.partial):
                     seq.num_allocated_tokens = len(tokens)
-                    outputs.append(output(request_id, [token]))
+                    decoded_ids.append(request_id)
+                    decoded_tokens.append(token)
                     continue
                 # No block: as the general path, undo, preempt, and retry unless it was us.
                 seq.pop()
@@ -253,9 +260,14 @@ class TokenEmitter:
                 continue
             if completed:
                 self._finish(ctx, req, [token], cleanup)
+                continue
+            cached = req.take_cached_tokens()
+            if cached is None:
+                decoded_ids.append(request_id)
+                decoded_tokens.append(token)
             else:
-                outputs.append(output(request_id, [token], None, req.take_cached_tokens()))
-        emitted = len(outputs) - first_output
+                ctx.add_output(output(request_id, [token], None, cached))
+        emitted = len(outputs) - first_output + len(decoded_ids) - first_decode
         ctx.output_tokens += emitted
         ctx.decode_forwards += emitted
         return decode_ms if emitted else 0.0
@@ -335,7 +347,7 @@ class TokenEmitter:
                 self._finish(ctx, req, tokens, cleanup)
             else:
                 if tokens:
-                    ctx.outputs.append(
+                    ctx.add_output(
                         RequestOutput(req.request_id, tokens, None, req.take_cached_tokens())
                     )
                 req.num_computed_tokens = len(seq.tokens) - 1

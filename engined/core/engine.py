@@ -57,6 +57,7 @@ from engined.core.types import (
     NOOP,
     Command,
     CommandEffects,
+    Decodes,
     EndedRequest,
     EngineMetrics,
     FinishReason,
@@ -283,7 +284,7 @@ class Engine:
         outputs = ctx.outputs
         ended = ctx.ended
         for request_id in ctx.rejected:
-            outputs.append(RequestOutput(request_id, [], FinishReason.REJECTED))
+            ctx.add_output(RequestOutput(request_id, [], FinishReason.REJECTED))
             ended.append(EndedRequest(request_id, FinishReason.REJECTED))
         end_ms = now_ms + prefill_ms + decode_ms
         if tiers is not None and end_ms <= now_ms:
@@ -303,8 +304,10 @@ class Engine:
             queued.decode.summary(),
             wall_time_secs,
         )
+        decoded_ids = ctx.decoded_ids
         progressed = bool(
             outputs
+            or decoded_ids
             or ctx.admissions
             or kv_events
             or lifecycle
@@ -326,6 +329,7 @@ class Engine:
             ctx.cache_hits,
             ctx.output_tokens,
             ctx.decode_forwards,
+            Decodes(decoded_ids, ctx.decoded_tokens, ctx.decoded_before),
         )
 
     # --- offload tiers ------------------------------------------------------------------

@@ -26,6 +26,9 @@ class PassContext:
         "cache_hits",
         "cache_queries",
         "decode_forwards",
+        "decoded_before",
+        "decoded_ids",
+        "decoded_tokens",
         "ended",
         "lifecycle",
         "now_ms",
@@ -63,8 +66,18 @@ class PassContext:
         # Requests admission refused this pass; their outputs follow the emitted ones.
         self.rejected: list[str] = []
         self.outputs: list[RequestOutput] = []
+        # The plain decode steps (`Decodes`): no output object, no list, per token; and for
+        # each of `outputs`, how many of them came before it (`add_output`).
+        self.decoded_ids: list[str] = []
+        self.decoded_tokens: list[int] = []
+        self.decoded_before: list[int] = []
         self.ended: list[EndedRequest] = []
         self.lifecycle: list[LifecycleEvent] = []
         # MTP acceptance figures: visible output tokens, decode forwards.
         self.output_tokens = 0
         self.decode_forwards = 0
+
+    def add_output(self, output: RequestOutput) -> None:
+        """Every output but a plain decode step goes here, so emission order is kept."""
+        self.outputs.append(output)
+        self.decoded_before.append(len(self.decoded_ids))

@@ -7,7 +7,8 @@ cycle collector matters when a pass emits hundreds of them.
 
 The shapes follow vLLM's v1 engine (`vllm/v1/engine/__init__.py`): a pass yields one
 `RequestOutput` per request that progressed (its new token ids, a `FinishReason` once it
-ends), and every call says which requests ended and why (`EndedRequest`). Read-only
+ends), its plain decode steps column-wise (`Decodes`, as the model runner's output holds
+them), and every call says which requests ended and why (`EndedRequest`). Read-only
 snapshots of the engine's state are in views.py.
 """
 
@@ -291,6 +292,40 @@ class RequestOutput(msgspec.Struct, frozen=True, gc=False):
     handoff_delay_ms: float | None = None
 
 
+class Decodes(msgspec.Struct, frozen=True, gc=False):
+    """A pass's plain decode steps, column-wise: `request_ids[i]` produced the one token
+    `token_ids[i]`, is not finished and has no cached tokens to report.
+
+    Nearly every output of a decoding engine is one of these; a `RequestOutput` and a
+    one-token list for each was the largest per-token cost of a steady pass. So the emitter
+    appends them to two lists, as vLLM's model runner reports sampled tokens by batch
+    position, and only the daemon's routing makes per-request entries of them.
+    `before[i]` is how many of these steps came before the pass's `outputs[i]`, so that
+    both together keep emission order (`in_order`).
+    """
+
+    request_ids: list[RequestId] = msgspec.field(default_factory=list)
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    before: list[int] = msgspec.field(default_factory=list)
+
+    def in_order(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """`outputs` and these steps as one list of `RequestOutput`s, in emission order (for
+        tests and tools, not the hot path)."""
+        if not self.request_ids:
+            return list(outputs)
+        steps = [
+            RequestOutput(r, [t]) for r, t in zip(self.request_ids, self.token_ids, strict=True)
+        ]
+        merged: list[RequestOutput] = []
+        taken = 0
+        for output, before in zip(outputs, self.before, strict=True):
+            merged += steps[taken:before]
+            taken = before
+            merged.append(output)
+        merged += steps[taken:]
+        return merged
+
+
 class CommandEffects(msgspec.Struct, frozen=True):
     """What applying one command did.
 
@@ -413,7 +448,8 @@ class PassResult(msgspec.Struct, frozen=True):
 
     # Modeled end of the pass; the daemon paces to it and stamps outputs with it.
     end_ms: float
-    # One output per request that produced tokens or ended, in emission order.
+    # One output per request that produced tokens or ended, in emission order, but for the
+    # plain decode steps, which are in `decodes`; `request_outputs()` merges the two.
     outputs: list[RequestOutput]
     # Requests that left the core this pass (finished, rejected), and why.
     ended: list[EndedRequest]
@@ -435,3 +471,10 @@ class PassResult(msgspec.Struct, frozen=True):
     # MTP acceptance: visible output tokens and the decode forwards that produced them.
     accept_length_output_tokens: int = 0
     accept_length_decode_forwards: int = 0
+    # The plain decode steps (one token, unfinished, no cached tokens to report).
+    decodes: Decodes = msgspec.field(default_factory=Decodes)
+
+    def request_outputs(self) -> list[RequestOutput]:
+        """Every request's output of this pass, `outputs` and `decodes` in emission order.
+        For tests and tools; the daemon routes the two without merging them."""
+        return self.decodes.in_order(self.outputs)

@@ -435,9 +435,11 @@ class ControlServer:
 
     # --- delivery (called by the engine loops) ------------------------------------------
 
-    def deliver_outputs(self, rank: int, outputs: list[core.RequestOutput]) -> None:
+    def deliver_outputs(
+        self, rank: int, outputs: list[core.RequestOutput], decodes: core.Decodes
+    ) -> None:
         ownership = self._ownership
-        per_client, ended = route_outputs(outputs, ownership.owners_on(rank))
+        per_client, ended = route_outputs(outputs, decodes, ownership.owners_on(rank))
         for request_id in ended:
             ownership.finished(rank, request_id)
         for identity, entries in per_client.items():

@@ -33,7 +33,7 @@ import zmq.asyncio
 import engined
 from engined.config import DaemonConfig
 from engined.core.policy import context_length
-from engined.core.types import LifecycleEvent, RequestOutput
+from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
 from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
@@ -478,8 +478,8 @@ class _LateDelivery:
     def __init__(self, controls: list[ControlServer]) -> None:
         self._controls = controls
 
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
-        self._controls[0].deliver_outputs(rank, outputs)
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
+        self._controls[0].deliver_outputs(rank, outputs, decodes)
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
         self._controls[0].deliver_lifecycle(rank, events)

@@ -44,6 +44,7 @@ from engined.core.errors import CoreError
 from engined.core.types import (
     Command,
     CommandEffects,
+    Decodes,
     KvEvent,
     LifecycleEvent,
     PassResult,
@@ -86,7 +87,9 @@ class FpmSink(Protocol):
 class Delivery(Protocol):
     """Where a rank's results go: the control server routes them to clients."""
 
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None: ...
+    def deliver_outputs(
+        self, rank: int, outputs: list[RequestOutput], decodes: Decodes
+    ) -> None: ...
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None: ...
 
@@ -361,9 +364,9 @@ class EngineLoop:
         return pacer
 
     def _publish(self, result: PassResult) -> None:
-        if result.outputs:
+        if result.outputs or result.decodes.request_ids:
             self.tokens_total += result.accept_length_output_tokens
-            self._delivery.deliver_outputs(self.rank, result.outputs)
+            self._delivery.deliver_outputs(self.rank, result.outputs, result.decodes)
         self._fpm.publish(result.fpm)
         if result.lifecycle_events:
             self._delivery.deliver_lifecycle(self.rank, result.lifecycle_events)

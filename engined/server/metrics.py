@@ -207,11 +207,13 @@ class RankMetrics:
                 record.admitted_ms = now_ms  # vLLM's scheduled_ts: the step that scheduled it
         end_ms = result.end_ms
         outputs = result.outputs
-        if outputs:
+        decoded = result.decodes.request_ids
+        if outputs or decoded:
             # NOTE: a comprehension, not map(attrgetter): twice as fast on 3.11 for msgspec
-            # Structs (specialised attribute loads), and this runs for every output. A
-            # token-less output (rejected, or max_tokens 0) has no latency.
+            # Structs (specialised attribute loads). A token-less output (rejected, or
+            # max_tokens 0) has no latency.
             emitters = {out.request_id for out in outputs if out.new_token_ids}
+            emitters.update(decoded)
             if emitters:
                 self._emitted(emitters, end_ms)
         for ended in result.ended:

@@ -226,8 +226,8 @@ class WorkerProcess:
                             # Let the callers just answered send their replies first.
                             await asyncio.sleep(0)
                             replied = False
-                        outputs = proxies[item.rank].outputs_of(item)
-                        delivery.deliver_outputs(item.rank, outputs)
+                        outputs, decodes = proxies[item.rank].outputs_of(item)
+                        delivery.deliver_outputs(item.rank, outputs, decodes)
                     case w.Lifecycle():
                         delivery.deliver_lifecycle(item.rank, item.events)
                     case w.Gauges():

@@ -21,6 +21,7 @@ import structlog
 from engined.core.types import (
     Command,
     CommandEffects,
+    Decodes,
     EngineMetrics,
     FpmSnapshot,
     PassResult,
@@ -98,6 +99,7 @@ class RankProxy:
         self._now_ms = 0.0
         self._now_at = time.monotonic()
         self._last_outputs: list[RequestOutput] = []
+        self._last_decodes = Decodes()
         self.pass_observers: list[PassObserver] = []
         self.command_observers: list[CommandObserver] = []
 
@@ -176,6 +178,7 @@ class RankProxy:
     def on_pass(self, item: w.Pass) -> None:
         self.engine.update(item.metrics, item.num_waiting)
         self._last_outputs = item.outputs
+        self._last_decodes = item.decodes
         if not self.pass_observers:
             return
         result = PassResult(
@@ -191,12 +194,15 @@ class RankProxy:
             prefix_cache_hits=item.prefix_cache_hits,
             accept_length_output_tokens=item.accept_length_output_tokens,
             accept_length_decode_forwards=item.accept_length_decode_forwards,
+            decodes=item.decodes,
         )
         for observer in self.pass_observers:
             observer(self.rank, item.start_ms, result)
 
-    def outputs_of(self, item: w.Outputs) -> list[RequestOutput]:
-        return self._last_outputs if item.outputs is None else item.outputs
+    def outputs_of(self, item: w.Outputs) -> tuple[list[RequestOutput], Decodes]:
+        if item.outputs is None or item.decodes is None:
+            return self._last_outputs, self._last_decodes
+        return item.outputs, item.decodes
 
     def on_gauges(self, item: w.Gauges) -> None:
         self._now_ms, self._now_at = item.now_ms, time.monotonic()

@@ -125,12 +125,14 @@ class Pass(msgspec.Struct, frozen=True, tag="pass", array_like=True, gc=False):
     prefix_cache_hits: int
     accept_length_output_tokens: int
     accept_length_decode_forwards: int
+    decodes: core.Decodes
 
 
 class Outputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True, gc=False):
     rank: int
-    # None: the outputs of the rank's latest `Pass` (sent once, not twice).
+    # None: the outputs (and decodes) of the rank's latest `Pass` (sent once, not twice).
     outputs: list[core.RequestOutput] | None
+    decodes: core.Decodes | None
 
 
 class Lifecycle(msgspec.Struct, frozen=True, tag="lifecycle", array_like=True):

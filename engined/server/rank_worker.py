@@ -36,7 +36,14 @@ import zmq.asyncio
 
 from engined.config import DaemonConfig
 from engined.core.errors import CoreError
-from engined.core.types import Command, CommandEffects, LifecycleEvent, PassResult, RequestOutput
+from engined.core.types import (
+    Command,
+    CommandEffects,
+    Decodes,
+    LifecycleEvent,
+    PassResult,
+    RequestOutput,
+)
 from engined.logs import configure_logging
 from engined.server import rank_wire as w
 from engined.server.collector import Collector, YoungGeneration
@@ -110,9 +117,11 @@ class _Delivery:
     def __init__(self, outbox: Outbox) -> None:
         self._outbox = outbox
 
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
-        same = self._outbox.last_outputs.get(rank) is outputs
-        self._outbox.add(w.Outputs(rank, None if same else outputs), rank)
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
+        if self._outbox.last_outputs.get(rank) is outputs:
+            self._outbox.add(w.Outputs(rank, None, None), rank)
+        else:
+            self._outbox.add(w.Outputs(rank, outputs, decodes), rank)
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
         self._outbox.add(w.Lifecycle(rank, events), rank)
@@ -244,6 +253,7 @@ class RankWorker:
                 result.prefix_cache_hits,
                 result.accept_length_output_tokens,
                 result.accept_length_decode_forwards,
+                result.decodes,
             ),
             rank,
         )

@@ -99,21 +99,47 @@ def to_output_entry(output: core.RequestOutput) -> OutputEntry:
 
 
 def route_outputs(
-    outputs: list[core.RequestOutput], owners: dict[str, bytes]
+    outputs: list[core.RequestOutput], decodes: core.Decodes, owners: dict[str, bytes]
 ) -> tuple[dict[bytes, list[OutputEntry]], list[str]]:
-    """A pass's outputs as entries per owner (in order), and the owned requests they end.
+    """A pass's outputs and plain decode steps as entries per owner, in emission order, and
+    the owned requests they end.
 
     Outputs of requests nobody owns are dropped. This runs for every token the daemon
     streams (and is compiled with the core: `engined.core.COMPILED_MODULES`). `owners` is a
     dict, not a Mapping, so the compiled lookup is the dict's own, not a method call; and
-    consecutive outputs of one owner (a single client's whole pass) find its batch without
-    another lookup.
+    consecutive entries of one owner (a single client's whole pass) find its batch without
+    another lookup. A decode step's entry is built straight from its columns.
     """
     routed: dict[bytes, list[OutputEntry]] = {}
     ended: list[str] = []
     last_owner: bytes | None = None
     batch: list[OutputEntry] = []
-    for output in outputs:
+    step_ids = decodes.request_ids
+    step_tokens = decodes.token_ids
+    # The decode steps emitted before each output, and after the last one, the rest.
+    bounds = [*decodes.before, len(step_ids)] if step_ids else [0] * (len(outputs) + 1)
+    count = len(outputs)
+    assert len(bounds) == count + 1, "Decodes.before needs one entry per output"
+    taken = 0
+    for index, stop in enumerate(bounds):
+        while taken < stop:
+            request_id = step_ids[taken]
+            owner = owners.get(request_id)
+            if owner is not None:
+                if last_owner is None or owner != last_owner:
+                    batch, last_owner = _batch_of(routed, owner), owner
+                batch.append(
+                    OutputEntry(
+                        request_id=request_id,
+                        token_ids=[step_tokens[taken]],
+                        finished=False,
+                        finish_reason=None,
+                    )
+                )
+            taken += 1
+        if index == count:
+            break
+        output = outputs[index]
         request_id = output.request_id
         owner = owners.get(request_id)
         if owner is None:
@@ -121,12 +147,16 @@ def route_outputs(
         if output.finish_reason is not None:
             ended.append(request_id)
         if last_owner is None or owner != last_owner:
-            found = routed.get(owner)
-            if found is None:
-                found = routed[owner] = []
-            batch, last_owner = found, owner
+            batch, last_owner = _batch_of(routed, owner), owner
         batch.append(to_output_entry(output))
     return routed, ended
+
+
+def _batch_of(routed: dict[bytes, list[OutputEntry]], owner: bytes) -> list[OutputEntry]:
+    found = routed.get(owner)
+    if found is None:
+        found = routed[owner] = []
+    return found
 
 
 def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:

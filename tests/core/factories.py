@@ -127,7 +127,7 @@ def inactive_blocks(core: Engine) -> int:
 
 def output_of(result: PassResult, request_id: str) -> RequestOutput | None:
     """The pass's output of `request_id` (at most one per pass), or None."""
-    return next((out for out in result.outputs if out.request_id == request_id), None)
+    return next((out for out in result.request_outputs() if out.request_id == request_id), None)
 
 
 def tokens_of(result: PassResult, request_id: str) -> list[int]:
@@ -144,7 +144,7 @@ def finished(result: PassResult, request_id: str) -> bool:
 
 def emitted_tokens(result: PassResult) -> int:
     """Tokens the pass emitted, over all requests."""
-    return sum(len(out.new_token_ids) for out in result.outputs)
+    return sum(len(out.new_token_ids) for out in result.request_outputs())
 
 
 def rejected(result: PassResult, request_id: str) -> bool:
@@ -201,7 +201,7 @@ def run_until_empty(
 
 def finishes(result: PassResult) -> list[tuple[str, bool]]:
     """(request id, whether it finished) of each output of the pass, in order."""
-    return [(out.request_id, out.finish_reason is not None) for out in result.outputs]
+    return [(out.request_id, out.finish_reason is not None) for out in result.request_outputs()]
 
 
 class Watched:

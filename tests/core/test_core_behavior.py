@@ -59,7 +59,7 @@ def test_unified_pass_keeps_partial_prefill_in_running() -> None:
     submit(core, request(r1, range(8), 2))
     submit(core, request(r2, range(100, 108), 2))
     result = core.execute_pass(0.0)
-    assert len(result.outputs) == 1
+    assert len(result.request_outputs()) == 1
     assert len(core.queues().waiting) == 0
     assert result.metrics.running == 2
     assert result.metrics.waiting == 0
@@ -96,7 +96,7 @@ def test_execute_pass_batches_two_ready_requests_together() -> None:
     submit(core, request(r2, [2] * 4, 1))
     result = core.execute_pass(0.0)
     assert [a.request_id for a in result.admissions] == [r1, r2]
-    assert [out.request_id for out in result.outputs] == [r1, r2]
+    assert [out.request_id for out in result.request_outputs()] == [r1, r2]
     assert result.end_ms > 0.0
 
 
@@ -115,7 +115,7 @@ def test_prefill_completion_emits_handoff_delay() -> None:
         )
     )
     submit(core, request(uid(81), [1] * 8, 1))
-    out = core.execute_pass(0.0).outputs[0]
+    out = core.execute_pass(0.0).request_outputs()[0]
     assert out.finish_reason is FinishReason.LENGTH
     assert out.handoff_delay_ms == 8.0
 
@@ -126,9 +126,9 @@ def test_first_token_can_arrive_on_prompt_completion_pass() -> None:
     rid = uid(11)
     submit(core, request(rid, range(8), 2))
     result = core.execute_pass(0.0)
-    assert len(result.outputs) == 1
-    assert result.outputs[0].request_id == rid
-    assert result.outputs[0].finish_reason is None
+    assert len(result.request_outputs()) == 1
+    assert result.request_outputs()[0].request_id == rid
+    assert result.request_outputs()[0].finish_reason is None
     assert view(core, rid).output_tokens == 1
 
 
@@ -197,7 +197,7 @@ def test_fresh_request_larger_than_pool_is_rejected_and_follower_runs() -> None:
     submit(core, request(oversized, range(20), 1))
     submit(core, request(follower, range(100, 104), 1))
     result = core.execute_pass(0.0)
-    refused = [out for out in result.outputs if out.request_id == oversized]
+    refused = [out for out in result.request_outputs() if out.request_id == oversized]
     assert len(refused) == 1
     assert refused[0].finish_reason is FinishReason.REJECTED and refused[0].new_token_ids == []
     assert (oversized, FinishReason.REJECTED) in [(e.request_id, e.reason) for e in result.ended]
@@ -248,7 +248,7 @@ def test_running_request_catches_up_decode_tail_before_promote() -> None:
     parts.state.transition_to_running(rid)
     result = core.execute_pass(0.0)
     req = view(core, rid)
-    assert len(result.outputs) == 1
+    assert len(result.request_outputs()) == 1
     assert req.num_computed_tokens == 12
     assert req.num_allocated_tokens == 13
     assert active_blocks(core) == 4
@@ -290,7 +290,8 @@ def test_mtp_batch_applies_request_bursts_in_stable_order() -> None:
     assert emitted_tokens(first) == 6
     second = core.execute_pass(first.end_ms)
     assert [
-        (out.request_id, len(out.new_token_ids), out.finish_reason) for out in second.outputs
+        (out.request_id, len(out.new_token_ids), out.finish_reason)
+        for out in second.request_outputs()
     ] == [(short, 2, FinishReason.LENGTH), (long, 3, None)]
     req = view(core, long)
     assert req.output_tokens == 6
@@ -331,7 +332,7 @@ def test_zero_output_request_completes_after_prefill_without_token() -> None:
     rid = uid(5)
     submit(core, request(rid, range(6), 0))
     result = core.execute_pass(0.0)
-    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in result.outputs] == [
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in result.request_outputs()] == [
         (rid, [], FinishReason.LENGTH)
     ]
     assert result.fpm.num_prefill_requests == 1
@@ -349,7 +350,7 @@ def test_same_inputs_give_identical_runs() -> None:
             submit(core, request(uid(n), [n % 2] * 4 + list(range(n, n + 5)), 5))
         out: list[tuple[object, ...]] = []
         for result in run_until_empty(core):
-            out.append((result.end_ms, result.outputs, result.kv_events, result.fpm))
+            out.append((result.end_ms, result.request_outputs(), result.kv_events, result.fpm))
         return out
 
     assert run() == run()

@@ -110,8 +110,10 @@ def test_every_workload_drains_with_clean_events(
         assert result.end_ms >= now
         now = result.end_ms
         indexer.apply(result.kv_events)
-        assert len({out.request_id for out in result.outputs}) == len(result.outputs)
-        for out in result.outputs:
+        assert len({out.request_id for out in result.request_outputs()}) == len(
+            result.request_outputs()
+        )
+        for out in result.request_outputs():
             assert out.request_id not in finished, "output after the last output"
             prompt_len = len(requests[out.request_id].token_ids)
             if out.cached_tokens is not None:
@@ -130,7 +132,7 @@ def test_every_workload_drains_with_clean_events(
                 else:
                     assert produced == expected_tokens[out.request_id]
         assert {e.request_id for e in result.ended} == {
-            out.request_id for out in result.outputs if out.finish_reason is not None
+            out.request_id for out in result.request_outputs() if out.finish_reason is not None
         }
         pass_no += 1
         if pass_no == 2000:

@@ -475,7 +475,7 @@ def test_kv_transfer_timing_mode_decides_what_the_handoff_moves(
         Submitted,
     )
     result = prefill.execute_pass(0.0)
-    (last,) = result.outputs
+    (last,) = result.request_outputs()
     assert last.finish_reason is FinishReason.LENGTH
     assert last.handoff_delay_ms == 12.0
     (held,) = result.lifecycle_events

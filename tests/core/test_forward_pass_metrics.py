@@ -340,7 +340,7 @@ def test_fpm_chunked_prefill_reports_chunk_not_full_prompt() -> None:
     assert fpm2.sum_prefill_kv_tokens == 8
     assert fpm1.num_decode_requests == 0
     assert fpm2.num_decode_requests == 0
-    assert pass1.outputs == []
+    assert pass1.request_outputs() == []
     assert finishes(pass2) == [(uid(1), False)]
 
 

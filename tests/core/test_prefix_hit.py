@@ -81,7 +81,7 @@ CASES = [(128, 112), (129, 128), (100, 96), (16, 0), (17, 16), (15, 0), (32, 16)
 def test_vllm_rule_caps_the_hit_one_token_short(prompt_len: int, cached: int) -> None:
     watched, first = repeat(cache_args(VLLM), prompt_len)
     assert first.admissions[0].reused_input_tokens == cached
-    assert first.outputs[0].cached_tokens == cached
+    assert first.request_outputs()[0].cached_tokens == cached
     assert (first.prefix_cache_queries, first.prefix_cache_hits) == (prompt_len, cached)
     fpm = first.fpm
     assert (fpm.num_prefill_requests, fpm.num_decode_requests) == (1, 0)
@@ -95,7 +95,7 @@ def test_mocker_rule_counts_every_cached_block(prompt_len: int, vllm_cached: int
     cached = prompt_len // 16 * 16
     _, first = repeat(cache_args(MOCKER), prompt_len)
     assert first.admissions[0].reused_input_tokens == cached
-    assert first.outputs[0].cached_tokens == cached
+    assert first.request_outputs()[0].cached_tokens == cached
     assert first.prefix_cache_hits == cached
     fpm = first.fpm
     if cached == prompt_len:
@@ -169,23 +169,26 @@ def test_mtp_drops_one_more_block(prompt_len: int, cached: int) -> None:
     args = cache_args(VLLM, aic_nextn=1, aic_nextn_accept_rates="1")
     _, first = repeat(args, prompt_len)
     assert first.admissions[0].reused_input_tokens == cached
-    assert first.outputs[0].cached_tokens == cached
+    assert first.request_outputs()[0].cached_tokens == cached
 
 
 def test_mtp_keeps_the_full_hit_under_mocker_rule() -> None:
     args = cache_args(MOCKER, aic_nextn=1, aic_nextn_accept_rates="1")
-    assert repeat(args, 128)[1].outputs[0].cached_tokens == 128
+    assert repeat(args, 128)[1].request_outputs()[0].cached_tokens == 128
 
 
 def test_zero_output_needs_no_logits_so_keeps_the_full_hit() -> None:
     _, first = repeat(cache_args(VLLM), 128, max_tokens=0)
-    assert first.outputs[0].cached_tokens == 128
-    assert first.outputs[0].finish_reason is not None and first.outputs[0].new_token_ids == []
+    assert first.request_outputs()[0].cached_tokens == 128
+    assert (
+        first.request_outputs()[0].finish_reason is not None
+        and first.request_outputs()[0].new_token_ids == []
+    )
 
 
 def test_trtllm_keeps_the_full_hit() -> None:
     _, first = repeat(cache_args(VLLM, engine_type=EngineType.TRTLLM), 128)
-    assert first.outputs[0].cached_tokens == 128
+    assert first.request_outputs()[0].cached_tokens == 128
 
 
 def test_preempted_request_finds_its_generated_blocks_under_vllm_rule() -> None:
@@ -281,7 +284,7 @@ def test_destination_transfers_what_the_hit_leaves(
     watched.indexer.apply(activation)
     assert activation == [], "the transferred block is resident: no second Stored"
     passes = watched.run(1e6)
-    first = next(out for p in passes for out in p.outputs if out.request_id == "dest")
+    first = next(out for p in passes for out in p.request_outputs() if out.request_id == "dest")
     assert first.cached_tokens == 0, "a prebuilt prompt came by transfer, under either rule"
     watched.indexer.assert_clean()
     assert active_blocks(core) == 0

@@ -121,7 +121,7 @@ def test_completion_events_apply_cleanly() -> None:
         apply(indexer, result.kv_events)
         all_events += result.kv_events
         passes += 1
-        outputs += len(result.outputs)
+        outputs += len(result.request_outputs())
         assert passes <= 100, "request did not complete"
 
     assert saw_store

@@ -74,12 +74,12 @@ def test_terminal_completion_holds_source_without_freeing_kv() -> None:
     assert result == Submitted(request_id)
 
     first = watched.execute(0.0)
-    assert first.outputs[0].finish_reason is None
+    assert first.request_outputs()[0].finish_reason is None
     active_before_terminal = active_blocks(core)
     assert active_before_terminal > 0
 
     terminal = watched.execute(first.end_ms)
-    assert terminal.outputs[0].finish_reason is not None
+    assert terminal.request_outputs()[0].finish_reason is not None
     assert len(terminal.lifecycle_events) == 1
     held = terminal.lifecycle_events[0]
     assert isinstance(held, SourceHeld)
@@ -136,7 +136,7 @@ def test_cancel_and_early_release_cleanup_exactly_once() -> None:
 
     first = watched.execute(0.0)
     terminal = watched.execute(first.end_ms)
-    assert terminal.outputs[0].finish_reason is not None
+    assert terminal.request_outputs()[0].finish_reason is not None
     assert terminal.lifecycle_events == []
     assert not source_is_held(core, second_id)
     assert active_blocks(core) == 0

@@ -35,7 +35,7 @@ def outputs(core: Engine) -> dict[str, list[int]]:
             return tokens
         result = core.execute_pass(now)
         now = max(now, result.end_ms)
-        for out in result.outputs:
+        for out in result.request_outputs():
             if out.new_token_ids:
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     raise AssertionError("core did not drain")

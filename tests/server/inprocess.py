@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
-from engined.core.types import LifecycleEvent, RequestOutput
+from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.server.control import ControlServer
 from engined.server.deadlines import Deadlines
 from engined.server.engine_loop import Delivery, EngineLoop, FpmSink, KvSink, Sleep
@@ -66,9 +66,9 @@ class _Delivery:
     def __init__(self) -> None:
         self.control: ControlServer | None = None
 
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
         assert self.control is not None
-        self.control.deliver_outputs(rank, outputs)
+        self.control.deliver_outputs(rank, outputs, decodes)
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
         assert self.control is not None

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from engined.client import EngineClient
 from engined.config import DaemonConfig, load_config
-from engined.core.types import LifecycleEvent, RequestOutput
+from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.server.daemon import EXIT_OK, Daemon
 from engined.wire.control import RankStats
 
@@ -94,7 +94,7 @@ class FinishedDelivery:
     def __init__(self) -> None:
         self.finished: set[str] = set()
 
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
         self.finished.update(o.request_id for o in outputs if o.finish_reason is not None)
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:

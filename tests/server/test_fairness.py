@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient
-from engined.core.types import LifecycleEvent, PassResult, Request, RequestOutput, Submit
+from engined.core.types import Decodes, LifecycleEvent, PassResult, Request, RequestOutput, Submit
 from engined.server.control import CONTROL_TURN_MESSAGES, ControlServer
 from engined.server.daemon import CONTROL_HWM
 from engined.server.deadlines import Deadlines
@@ -197,7 +197,9 @@ def test_a_late_rank_yields_once_per_pass() -> None:
         class Delivery:
             finished = asyncio.Event()
 
-            def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
+            def deliver_outputs(
+                self, rank: int, outputs: list[RequestOutput], decodes: Decodes
+            ) -> None:
                 if any(o.finish_reason is not None for o in outputs):
                     self.finished.set()
 

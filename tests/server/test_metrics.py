@@ -37,6 +37,7 @@ from engined.core.types import (
     Cancel,
     CancelDestination,
     Command,
+    Decodes,
     EndedRequest,
     FinishReason,
     FpmSnapshot,
@@ -157,7 +158,7 @@ class _Sinks:
     def maybe_heartbeat(self, now: float) -> None:
         pass
 
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
         pass
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
@@ -432,7 +433,7 @@ def run_core(
         now = result.end_ms
         for admission in result.admissions:
             truth.admitted.setdefault(admission.request_id, start)
-        for output in result.outputs:
+        for output in result.request_outputs():
             if output.new_token_ids:
                 truth.tokens += len(output.new_token_ids)
                 passes = truth.token_passes.setdefault(output.request_id, [])

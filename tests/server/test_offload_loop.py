@@ -19,6 +19,7 @@ from engined.core.args import EngineArgs, PerfModelKind
 from engined.core.engine import Engine
 from engined.core.types import (
     BlockStored,
+    Decodes,
     KvEvent,
     LifecycleEvent,
     Medium,
@@ -56,7 +57,7 @@ class Capture:
     def maybe_heartbeat(self, now: float) -> None:
         pass
 
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput]) -> None:
+    def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
         self.finished.update(o.request_id for o in outputs if o.finish_reason is not None)
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:

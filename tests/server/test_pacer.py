@@ -282,7 +282,7 @@ def test_a_paced_engine_loop_sleeps_on_one_timerfd_and_closes_it(
         def maybe_heartbeat(self, now: float) -> None:
             pass
 
-        def deliver_outputs(self, rank: int, outputs: list[Any]) -> None:
+        def deliver_outputs(self, rank: int, outputs: list[Any], decodes: Any) -> None:
             pass
 
         def deliver_lifecycle(self, rank: int, events: list[Any]) -> None:

@@ -118,7 +118,7 @@ class TestRouteOutputs:
             core.RequestOutput("b2", [5], core.FinishReason.LENGTH),
         ]
         owners = {"a1": b"A", "a2": b"A", "b1": b"B", "b2": b"B"}
-        routed, ended = convert.route_outputs(outputs, owners)
+        routed, ended = convert.route_outputs(outputs, core.Decodes(), owners)
         assert list(routed) == [b"A", b"B"]
         assert routed[b"A"] == [
             convert.to_output_entry(outputs[0]),
@@ -135,15 +135,45 @@ class TestRouteOutputs:
         first, second = bytes(bytearray(b"C")), bytes(bytearray(b"C"))
         assert first == second and first is not second
         outputs = [core.RequestOutput("c1", [1]), core.RequestOutput("c2", [2])]
-        routed, ended = convert.route_outputs(outputs, {"c1": first, "c2": second})
+        routed, ended = convert.route_outputs(outputs, core.Decodes(), {"c1": first, "c2": second})
         assert routed == {b"C": [convert.to_output_entry(o) for o in outputs]}
         assert ended == []
 
     def test_nothing_owned_routes_nothing(self) -> None:
         routed, ended = convert.route_outputs(
-            [core.RequestOutput("x", [], core.FinishReason.LENGTH)], {}
+            [core.RequestOutput("x", [], core.FinishReason.LENGTH)],
+            core.Decodes(["y"], [1], [1]),
+            {},
         )
         assert (routed, ended) == ({}, [])
+
+    def test_decode_steps_take_their_place_in_emission_order(self) -> None:
+        # Emission order: a0, a1, b0, gone, b2, a3 (a1 and b2 are outputs, the rest steps).
+        outputs = [
+            core.RequestOutput("a1", [1], None, 4),
+            core.RequestOutput("b2", [5], core.FinishReason.LENGTH),
+        ]
+        decodes = core.Decodes(["a0", "b0", "gone", "a3"], [10, 11, 12, 13], [1, 3])
+        owners = {"a0": b"A", "a1": b"A", "a3": b"A", "b0": b"B", "b2": b"B"}
+        routed, ended = convert.route_outputs(outputs, decodes, owners)
+        in_order = [convert.to_output_entry(o) for o in decodes.in_order(outputs)]
+        assert [e.request_id for e in in_order] == ["a0", "a1", "b0", "gone", "b2", "a3"]
+        assert routed == {
+            b"A": [in_order[0], in_order[1], in_order[5]],
+            b"B": [in_order[2], in_order[4]],
+        }
+        assert routed[b"A"][0] == control.OutputEntry(
+            request_id="a0", token_ids=[10], finished=False, finish_reason=None
+        )
+        assert ended == ["b2"]
+
+    def test_steps_without_outputs_and_outputs_without_steps(self) -> None:
+        steps = core.Decodes(["s1", "s2"], [1, 2], [])
+        routed, _ = convert.route_outputs([], steps, {"s1": b"S", "s2": b"S"})
+        assert [e.token_ids for e in routed[b"S"]] == [[1], [2]]
+        assert steps.in_order([]) == [core.RequestOutput("s1", [1]), core.RequestOutput("s2", [2])]
+        only = [core.RequestOutput("o", [3], None, 0)]
+        assert core.Decodes().in_order(only) == only
 
 
 def test_to_wire_lifecycle() -> None:

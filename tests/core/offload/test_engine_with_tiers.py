@@ -212,7 +212,7 @@ def test_speculative_decode_reservation_waits_without_preempting() -> None:
     attach_g1_offload_engine(core)
 
     blocked_pass = core.execute_pass(0.0)
-    assert not blocked_pass.outputs, "no burst may begin before the full reservation"
+    assert not blocked_pass.request_outputs(), "no burst may begin before the full reservation"
     for request_id in (blocked, unrelated):
         req = view(core, request_id)
         assert req.output_tokens == 0
@@ -656,12 +656,12 @@ def test_a_preempted_request_is_not_readmitted_onto_blocks_freed_for_a_waiter() 
     submit(core, request("r1", [0, 0, 0, 0], 1))
     first = core.execute_pass(0.0)
     assert [a.request_id for a in first.admissions] == ["r0", "r1"]
-    assert first.outputs == []
+    assert first.request_outputs() == []
     assert view(core, "r0").offload_wait is not None
     assert view(core, "r1").status is RequestStatus.PREEMPTED
     second = core.execute_pass(first.end_ms)
     assert second.admissions == [], "r1 may not take the blocks r0 waited for"
-    assert [(o.request_id, len(o.new_token_ids)) for o in second.outputs] == [("r0", 3)]
+    assert [(o.request_id, len(o.new_token_ids)) for o in second.request_outputs()] == [("r0", 3)]
     passes = [first, second]
     now = second.end_ms
     while not core.is_empty():

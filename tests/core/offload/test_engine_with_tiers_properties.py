@@ -142,7 +142,7 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
             for r in queues.waiting + queues.running + queues.parked
         ):
             seen.add("offload wait")
-        for out in result.outputs:
+        for out in result.request_outputs():
             assert out.request_id not in finished, "output after the last output"
             for token_id in out.new_token_ids:
                 assert token_id not in args.excluded_token_ids
