@@ -52,8 +52,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -61,6 +63,8 @@ import zmq.asyncio
 
 from engined.wire import control as wire
 from engined.wire.control import ReplyDecoder, encode_message
+
+T = TypeVar("T")
 
 # The idle-CPU window of pacing mode, and how long after the run it starts.
 IDLE_WINDOW_S = 2.0
@@ -120,6 +124,18 @@ def start(
     for flag, value in endpoints.items():
         cmd += [flag, value]
     return subprocess.Popen(cmd + extra, stderr=subprocess.DEVNULL, env=env)
+
+
+async def while_alive(proc: subprocess.Popen[bytes], work: Awaitable[T]) -> T:
+    """`work`'s result, unless the daemon exits first: then stop with its exit code instead of
+    waiting forever for replies that cannot come (a daemon that refuses its flags, say)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait([task], timeout=0.2)
+        if not task.done() and proc.poll() is not None:
+            task.cancel()
+            raise SystemExit(f"the daemon exited with code {proc.returncode} during the run")
+    return task.result()
 
 
 def rank_process_flags(processes: int) -> list[str]:
@@ -324,16 +340,19 @@ def throughput(args: argparse.Namespace) -> None:
         )
         try:
             r = asyncio.run(
-                drive(
-                    endpoints["--control-endpoint"],
-                    endpoints["--kv-events-endpoint"],
-                    endpoints["--fpm-endpoint"],
-                    args.requests,
-                    args.concurrency,
-                    args.prompt,
-                    args.output,
-                    http_port,
-                    args.scrape_interval,
+                while_alive(
+                    proc,
+                    drive(
+                        endpoints["--control-endpoint"],
+                        endpoints["--kv-events-endpoint"],
+                        endpoints["--fpm-endpoint"],
+                        args.requests,
+                        args.concurrency,
+                        args.prompt,
+                        args.output,
+                        http_port,
+                        args.scrape_interval,
+                    ),
                 )
             )
             cpu = cpu_seconds(proc.pid)
@@ -682,7 +701,7 @@ def pacing(args: argparse.Namespace) -> None:
                 f"the load generator failed (exit code {generator.exitcode})"
             ) from None
         generator.join()
-        ranks = asyncio.run(rank_stats(endpoints["--control-endpoint"]))
+        ranks = asyncio.run(while_alive(proc, rank_stats(endpoints["--control-endpoint"])))
         time.sleep(IDLE_SETTLE_S)
         idle = idle_cpu(proc.pid, IDLE_WINDOW_S)
     finally:
