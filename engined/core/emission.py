@@ -9,7 +9,7 @@ requests, a defect fixed later, and we follow the fix.
 
 Each request that emitted or finished gets exactly one output per pass (all of an MTP
 burst's tokens in one `RequestOutput`), as vLLM's engine core reports a step; a plain decode
-step (one token, unfinished, cached tokens already reported) goes to the pass's `Decodes`
+step (one token, unfinished, no cached tokens to report) goes to the pass's `Decodes`
 columns instead, the per-token cost a steady pass no longer pays.
 """
 
