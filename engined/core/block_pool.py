@@ -21,112 +21,147 @@ from collections import deque
 from heapq import heappop, heappush
 from typing import NamedTuple
 
-_POS_SHIFT = 64
-
-
-class _Node:
-    """A lineage node: real (an inactive block) or a ghost kept for its children."""
-
-    __slots__ = ("children", "parent", "real", "tick")
-
-    def __init__(self, real: bool, tick: int) -> None:
-        self.real = real
-        self.tick = tick
-        self.parent: int | None = None
-        self.children = 0
-
 
 class LineageIndex:
     """Inactive blocks as a forest keyed by lineage key, evicting leaves by insertion tick.
 
-    Leaves wait as `(tick, key)` entries in two queues: a block that is a leaf when inserted
-    has the newest tick, so those entries arrive in tick order and a FIFO holds them; a node
-    that becomes a leaf again (its last child left) keeps its old tick, and those few wait in
-    a heap. The victim is the older of the two heads. Entries go stale when a node gains a
-    child or is resurrected, and are skipped when popped. Both are rebuilt when stale entries
-    outnumber live nodes, so a long-running engine's queues stay proportional to its pool.
+    A real node's tick is its position in `_order`, which holds the key inserted at each
+    tick (None once that node has left) and, beside it in `_parent_at`, the node's parent
+    link. Nodes live in dicts and lists of ints: a node object and a tuple per insertion
+    cost more in the garbage collections they trigger than in the bookkeeping itself.
+
+    Eviction scans `_order` from `_head`. A node that still has children when the scan
+    passes it keeps its tick and, once its last child leaves, waits in a heap of ticks; the
+    victim is the older of the scan's next leaf and the heap's top. Entries go stale when a
+    node gains a child or leaves, and are skipped. `_order` is rebuilt, renumbering ticks in
+    order, once stale entries outnumber live nodes, so a long-running engine's queues stay
+    proportional to its pool.
     """
 
-    __slots__ = ("_fresh", "_heap", "_next_tick", "_nodes", "count")
+    __slots__ = ("_children", "_ghost_parent", "_head", "_heap", "_order", "_parent_at", "_tick")
 
     def __init__(self) -> None:
-        self._nodes: dict[int, _Node] = {}
-        self._fresh: deque[tuple[int, int]] = deque()
-        self._heap: list[tuple[int, int]] = []
-        self._next_tick = 0
-        self.count = 0
+        self._order: list[int | None] = []
+        self._parent_at: list[int | None] = []
+        self._head = 0
+        self._heap: list[int] = []
+        # The tick of every real node (an inactive block).
+        self._tick: dict[int, int] = {}
+        # The child count of every node that has children: a ghost is a key here that is
+        # not in `_tick`.
+        self._children: dict[int, int] = {}
+        # The parent link a ghost kept from when it was real.
+        self._ghost_parent: dict[int, int] = {}
+
+    @property
+    def count(self) -> int:
+        return len(self._tick)
 
     def insert(self, key: int, parent_key: int | None) -> None:
-        nodes = self._nodes
-        node = nodes.get(key)
-        tick = self._next_tick
-        self._next_tick = tick + 1
-        if node is None:
-            node = _Node(True, tick)
-            nodes[key] = node
+        order = self._order
+        ticks = self._tick
+        live = len(ticks)
+        ticks[key] = len(order)
+        assert len(ticks) > live, "Duplicate insertion detected!"
+        order.append(key)
+        # NOTE: no dict.pop here nor below: compiled, it is a generic method call, and
+        # costs more than a lookup and a del.
+        ghosts = self._ghost_parent
+        if ghosts and key in ghosts:
+            self._parent_at.append(ghosts[key])
+            del ghosts[key]
         else:
-            assert not node.real, "Duplicate insertion detected!"
-            node.real = True
-            node.tick = tick
-        self.count += 1
-        if parent_key is not None and node.parent is None:
-            parent = nodes.get(parent_key)
-            if parent is None:
-                parent = _Node(False, -1)
-                nodes[parent_key] = parent
-            node.parent = parent_key
-            parent.children += 1
-        if node.children == 0:
-            self._fresh.append((tick, key))
+            self._parent_at.append(parent_key)
+            if parent_key is not None:
+                children = self._children
+                children[parent_key] = children.get(parent_key, 0) + 1
+        if len(order) + len(self._heap) > 2 * len(ticks) + 64:
             self._compact()
 
     def remove(self, key: int) -> None:
         """Take a block out of the inactive set (resurrected by a match, or evicted)."""
-        self._remove(key, self._nodes[key])
+        ticks = self._tick
+        tick = ticks.get(key)
+        assert tick is not None, "removing a block that is not inactive"
+        del ticks[key]
+        self._order[tick] = None
+        parent_key = self._parent_at[tick]
+        if key in self._children:
+            if parent_key is not None:
+                self._ghost_parent[key] = parent_key
+        elif parent_key is not None:
+            self._orphan(parent_key)
 
-    def _remove(self, key: int, node: _Node) -> None:
-        nodes = self._nodes
-        assert node.real, "removing a block that is not inactive"
-        node.real = False
-        node.tick = -1
-        self.count -= 1
-        while not node.real and node.children == 0:
-            del nodes[key]
-            parent_key = node.parent
-            if parent_key is None:
+    def _orphan(self, key: int) -> None:
+        """One child of `key` has gone: a real node left childless becomes a leaf again with
+        its old tick, a ghost left childless goes too."""
+        children = self._children
+        while True:
+            left = children[key] - 1
+            if left:
+                children[key] = left
                 return
-            parent = nodes[parent_key]
-            parent.children -= 1
-            if parent.real:
-                if parent.children == 0:
-                    heappush(self._heap, (parent.tick, parent_key))
+            del children[key]
+            tick = self._tick.get(key)
+            if tick is not None:
+                heappush(self._heap, tick)
+                if len(self._order) + len(self._heap) > 2 * len(self._tick) + 64:
                     self._compact()
                 return
-            key, node = parent_key, parent
+            ghosts = self._ghost_parent
+            parent_key = ghosts.get(key)
+            if parent_key is None:
+                return
+            del ghosts[key]
+            key = parent_key
 
     def pop_victim(self) -> int:
         """Evict the oldest inactive leaf and return its key."""
-        fresh = self._fresh
+        order = self._order
         heap = self._heap
-        nodes = self._nodes
-        while fresh or heap:
-            if heap and (not fresh or heap[0][0] < fresh[0][0]):
-                tick, key = heappop(heap)
-            else:
-                tick, key = fresh.popleft()
-            node = nodes.get(key)
-            if node is not None and node.real and node.children == 0 and node.tick == tick:
-                self._remove(key, node)
-                return key
-        raise AssertionError("inactive pool has no evictable leaf")
+        children = self._children
+        end = len(order)
+        head = self._head
+        while head < end:
+            key = order[head]
+            if key is not None and key not in children:
+                break
+            head += 1
+        self._head = head
+        while heap and (head == end or heap[0] < head):
+            tick = heappop(heap)
+            key = order[tick]
+            if key is not None and key not in children:
+                return self._evict(tick, key)
+        if head == end:
+            raise AssertionError("inactive pool has no evictable leaf")
+        key = order[head]
+        assert key is not None
+        self._head = head + 1
+        return self._evict(head, key)
+
+    def _evict(self, tick: int, key: int) -> int:
+        self._order[tick] = None
+        del self._tick[key]
+        parent_key = self._parent_at[tick]
+        if parent_key is not None:
+            self._orphan(parent_key)
+        return key
 
     def _compact(self) -> None:
-        """Drop the stale entries once they outnumber the live nodes."""
-        if len(self._fresh) + len(self._heap) > 2 * self.count + 64:
-            leaves = [(n.tick, k) for k, n in self._nodes.items() if n.real and n.children == 0]
-            leaves.sort()
-            self._fresh = deque(leaves)
-            self._heap = []
+        """Drop the stale entries, renumbering the live nodes' ticks in their order."""
+        order: list[int | None] = []
+        parent_at: list[int | None] = []
+        ticks = self._tick
+        for key, parent_key in zip(self._order, self._parent_at, strict=True):
+            if key is not None:
+                ticks[key] = len(order)
+                order.append(key)
+                parent_at.append(parent_key)
+        self._order = order
+        self._parent_at = parent_at
+        self._head = 0
+        self._heap = []
 
 
 class Allocation(NamedTuple):
@@ -190,7 +225,9 @@ class BlockPool:
     def _evict_one(self) -> tuple[int, int]:
         """Unregister the eviction victim: its slot (now mutable) and its lineage key."""
         key = self.inactive.pop_victim()
-        block_id = self.registered.pop(key)
+        registered = self.registered
+        block_id = registered[key]
+        del registered[key]
         self._key_of[block_id] = -1
         return block_id, key
 
@@ -230,9 +267,10 @@ class BlockPool:
         if block_id is None:
             return None
         refs = self._refs
-        if refs[block_id] == 0:
+        n = refs[block_id]
+        if n == 0:
             self.inactive.remove(key)
-        refs[block_id] += 1
+        refs[block_id] = n + 1
         return block_id
 
     def is_registered(self, key: int) -> bool:

@@ -1,10 +1,10 @@
 """`LineageIndex` against a model that walks every node for each eviction.
 
-The index keeps leaves in a FIFO and a heap and skips stale entries; the model states the
-rule directly: the victim is the real node without children that has the oldest insertion
-tick, a node that is neither real nor a parent disappears, and a parent link is set when a
-node is created. Keys form a fixed forest (the parent of `k` is `k // 3` for `k >= 3`), so
-chains, siblings and ghosts all occur.
+The index scans its insertion order and a heap of re-leafed nodes, skipping stale entries;
+the model states the rule directly: the victim is the real node without children that has the
+oldest insertion tick, a node that is neither real nor a parent disappears, and a parent link
+is set when a node is created. Keys form a fixed forest (the parent of `k` is `k // 3` for
+`k >= 3`), so chains, siblings and ghosts all occur.
 """
 
 from __future__ import annotations
@@ -103,4 +103,4 @@ def test_stale_entries_are_dropped_while_the_pool_churns() -> None:
         index.remove(5)
     index.insert(7, None)
     assert index.pop_victim() == 7
-    assert len(index._fresh) + len(index._heap) <= 64
+    assert len(index._order) + len(index._heap) <= 64
