@@ -17,9 +17,13 @@ Handles are not objects: a block's handle count lives in `_refs`, and callers ho
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from heapq import heappop, heappush
-from typing import NamedTuple
+from typing import Final, NamedTuple
+
+# NOTE: compiled, a Final name is a C static; an imported function is a dict lookup per call.
+_heappush: Final = heapq.heappush
+_heappop: Final = heapq.heappop
 
 
 class LineageIndex:
@@ -104,7 +108,7 @@ class LineageIndex:
             del children[key]
             tick = self._tick.get(key)
             if tick is not None:
-                heappush(self._heap, tick)
+                _heappush(self._heap, tick)
                 if len(self._order) + len(self._heap) > 2 * len(self._tick) + 64:
                     self._compact()
                 return
@@ -129,7 +133,7 @@ class LineageIndex:
             head += 1
         self._head = head
         while heap and (head == end or heap[0] < head):
-            tick = heappop(heap)
+            tick = _heappop(heap)
             key = order[tick]
             if key is not None and key not in children:
                 return self._evict(tick, key)
@@ -152,12 +156,13 @@ class LineageIndex:
         """Drop the stale entries, renumbering the live nodes' ticks in their order."""
         order: list[int | None] = []
         parent_at: list[int | None] = []
+        old_parent_at = self._parent_at
         ticks = self._tick
-        for key, parent_key in zip(self._order, self._parent_at, strict=True):
+        for tick, key in enumerate(self._order):
             if key is not None:
                 ticks[key] = len(order)
                 order.append(key)
-                parent_at.append(parent_key)
+                parent_at.append(old_parent_at[tick])
         self._order = order
         self._parent_at = parent_at
         self._head = 0
