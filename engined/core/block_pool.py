@@ -38,8 +38,10 @@ class LineageIndex:
     passes it keeps its tick and, once its last child leaves, waits in a heap of ticks; the
     victim is the older of the scan's next leaf and the heap's top. Entries go stale when a
     node gains a child or leaves, and are skipped. `_order` is rebuilt, renumbering ticks in
-    order, once stale entries outnumber live nodes, so a long-running engine's queues stay
-    proportional to its pool.
+    order, once stale entries outnumber live nodes three to one, so a long-running engine's
+    queues stay proportional to its pool. Every eviction leaves a stale entry and a rebuild
+    rewrites every live tick, so rebuilding later costs less; the lists are small next to
+    the dicts.
     """
 
     __slots__ = ("_children", "_ghost_parent", "_head", "_heap", "_order", "_parent_at", "_tick")
@@ -79,7 +81,7 @@ class LineageIndex:
             if parent_key is not None:
                 children = self._children
                 children[parent_key] = children.get(parent_key, 0) + 1
-        if len(order) + len(self._heap) > 2 * len(ticks) + 64:
+        if len(order) + len(self._heap) > 4 * len(ticks) + 64:
             self._compact()
 
     def remove(self, key: int) -> None:
@@ -109,7 +111,7 @@ class LineageIndex:
             tick = self._tick.get(key)
             if tick is not None:
                 _heappush(self._heap, tick)
-                if len(self._order) + len(self._heap) > 2 * len(self._tick) + 64:
+                if len(self._order) + len(self._heap) > 4 * len(self._tick) + 64:
                     self._compact()
                 return
             ghosts = self._ghost_parent
