@@ -81,21 +81,25 @@ class LineageIndex:
             if parent_key is not None:
                 children = self._children
                 children[parent_key] = children.get(parent_key, 0) + 1
-        if len(order) + len(self._heap) > 4 * len(ticks) + 64:
-            self._compact()
+        self._compact()
 
     def remove(self, key: int) -> None:
-        """Take a block out of the inactive set (resurrected by a match, or evicted)."""
-        ticks = self._tick
-        tick = ticks.get(key)
+        """Take a block out of the inactive set (resurrected by a match)."""
+        tick = self._tick.get(key)
         assert tick is not None, "removing a block that is not inactive"
-        del ticks[key]
+        self._leave(tick, key)
+
+    def _leave(self, tick: int, key: int) -> None:
+        """The node inserted at `tick` is no longer an inactive block: with children it stays
+        as a ghost keeping its parent link, without them its parent loses a child."""
+        del self._tick[key]
         self._order[tick] = None
         parent_key = self._parent_at[tick]
+        if parent_key is None:
+            return
         if key in self._children:
-            if parent_key is not None:
-                self._ghost_parent[key] = parent_key
-        elif parent_key is not None:
+            self._ghost_parent[key] = parent_key
+        else:
             self._orphan(parent_key)
 
     def _orphan(self, key: int) -> None:
@@ -111,8 +115,7 @@ class LineageIndex:
             tick = self._tick.get(key)
             if tick is not None:
                 _heappush(self._heap, tick)
-                if len(self._order) + len(self._heap) > 4 * len(self._tick) + 64:
-                    self._compact()
+                self._compact()
                 return
             ghosts = self._ghost_parent
             parent_key = ghosts.get(key)
@@ -138,24 +141,21 @@ class LineageIndex:
             tick = _heappop(heap)
             key = order[tick]
             if key is not None and key not in children:
-                return self._evict(tick, key)
+                self._leave(tick, key)
+                return key
         if head == end:
             raise AssertionError("inactive pool has no evictable leaf")
         key = order[head]
         assert key is not None
         self._head = head + 1
-        return self._evict(head, key)
-
-    def _evict(self, tick: int, key: int) -> int:
-        self._order[tick] = None
-        del self._tick[key]
-        parent_key = self._parent_at[tick]
-        if parent_key is not None:
-            self._orphan(parent_key)
+        self._leave(head, key)
         return key
 
     def _compact(self) -> None:
-        """Drop the stale entries, renumbering the live nodes' ticks in their order."""
+        """Once stale entries outnumber live nodes three to one, drop them, renumbering the
+        live nodes' ticks in their order."""
+        if len(self._order) + len(self._heap) <= 4 * len(self._tick) + 64:
+            return
         order: list[int | None] = []
         parent_at: list[int | None] = []
         old_parent_at = self._parent_at
