@@ -318,6 +318,7 @@ class Engine:
         return PassResult(
             end_ms,
             outputs,
+            Decodes(decoded_ids, ctx.decoded_tokens, ctx.decoded_before),
             ended,
             ctx.admissions,
             lifecycle,
@@ -329,7 +330,6 @@ class Engine:
             ctx.cache_hits,
             ctx.output_tokens,
             ctx.decode_forwards,
-            Decodes(decoded_ids, ctx.decoded_tokens, ctx.decoded_before),
         )
 
     # --- offload tiers ------------------------------------------------------------------

@@ -311,8 +311,6 @@ class Decodes(msgspec.Struct, frozen=True, gc=False):
     def in_order(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """`outputs` and these steps as one list of `RequestOutput`s, in emission order (for
         tests and tools, not the hot path)."""
-        if not self.request_ids:
-            return list(outputs)
         steps = [
             RequestOutput(r, [t]) for r, t in zip(self.request_ids, self.token_ids, strict=True)
         ]
@@ -451,6 +449,9 @@ class PassResult(msgspec.Struct, frozen=True):
     # One output per request that produced tokens or ended, in emission order, but for the
     # plain decode steps, which are in `decodes`; `request_outputs()` merges the two.
     outputs: list[RequestOutput]
+    # The plain decode steps (one token, unfinished, no cached tokens to report), with
+    # `before` giving each of `outputs` its place among them.
+    decodes: Decodes
     # Requests that left the core this pass (finished, rejected), and why.
     ended: list[EndedRequest]
     # Waiting -> running transitions, for tracing and TTFT accounting.
@@ -471,8 +472,6 @@ class PassResult(msgspec.Struct, frozen=True):
     # MTP acceptance: visible output tokens and the decode forwards that produced them.
     accept_length_output_tokens: int = 0
     accept_length_decode_forwards: int = 0
-    # The plain decode steps (one token, unfinished, no cached tokens to report).
-    decodes: Decodes = msgspec.field(default_factory=Decodes)
 
     def request_outputs(self) -> list[RequestOutput]:
         """Every request's output of this pass, `outputs` and `decodes` in emission order.

@@ -117,7 +117,7 @@ def route_outputs(
     step_ids = decodes.request_ids
     step_tokens = decodes.token_ids
     # The decode steps emitted before each output, and after the last one, the rest.
-    bounds = [*decodes.before, len(step_ids)] if step_ids else [0] * (len(outputs) + 1)
+    bounds = [*decodes.before, len(step_ids)]
     count = len(outputs)
     assert len(bounds) == count + 1, "Decodes.before needs one entry per output"
     taken = 0

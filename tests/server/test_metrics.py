@@ -115,6 +115,7 @@ def hand_pass(
     return PassResult(
         end_ms=end_ms,
         outputs=outputs,
+        decodes=Decodes([], [], [0] * len(outputs)),
         ended=[
             EndedRequest(out.request_id, out.finish_reason)
             for out in outputs

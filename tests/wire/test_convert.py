@@ -118,7 +118,9 @@ class TestRouteOutputs:
             core.RequestOutput("b2", [5], core.FinishReason.LENGTH),
         ]
         owners = {"a1": b"A", "a2": b"A", "b1": b"B", "b2": b"B"}
-        routed, ended = convert.route_outputs(outputs, core.Decodes(), owners)
+        routed, ended = convert.route_outputs(
+            outputs, core.Decodes([], [], [0] * len(outputs)), owners
+        )
         assert list(routed) == [b"A", b"B"]
         assert routed[b"A"] == [
             convert.to_output_entry(outputs[0]),
@@ -135,7 +137,9 @@ class TestRouteOutputs:
         first, second = bytes(bytearray(b"C")), bytes(bytearray(b"C"))
         assert first == second and first is not second
         outputs = [core.RequestOutput("c1", [1]), core.RequestOutput("c2", [2])]
-        routed, ended = convert.route_outputs(outputs, core.Decodes(), {"c1": first, "c2": second})
+        routed, ended = convert.route_outputs(
+            outputs, core.Decodes([], [], [0, 0]), {"c1": first, "c2": second}
+        )
         assert routed == {b"C": [convert.to_output_entry(o) for o in outputs]}
         assert ended == []
 
@@ -173,7 +177,7 @@ class TestRouteOutputs:
         assert [e.token_ids for e in routed[b"S"]] == [[1], [2]]
         assert steps.in_order([]) == [core.RequestOutput("s1", [1]), core.RequestOutput("s2", [2])]
         only = [core.RequestOutput("o", [3], None, 0)]
-        assert core.Decodes().in_order(only) == only
+        assert core.Decodes([], [], [0]).in_order(only) == only
 
 
 def test_to_wire_lifecycle() -> None:
