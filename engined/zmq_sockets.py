@@ -11,6 +11,7 @@ by accident.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -33,7 +34,25 @@ DEFAULT_HWM: Final = 1000
 DEFAULT_LINGER_MS: Final = 1000
 
 
-class SocketOptions(TypedDict, total=False):
+class CurveClientKeys(TypedDict):
+    """A CURVE client's own key pair and the server's public key, each Z85 (40 bytes)."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes
+
+
+class SecurityOptions(TypedDict, total=False):
+    """Who may connect, and how: the options a gatekeeper chooses for a bound socket."""
+
+    zap_domain: str | None
+    curve_secret_key: bytes | None
+    curve_client: CurveClientKeys | None
+    monitor_endpoint: str | None
+    handshake_ivl: int | None
+
+
+class SocketOptions(SecurityOptions, total=False):
     """The options of `make_socket`, declared once for it and `SocketRegistry.make`."""
 
     sndhwm: int
@@ -42,6 +61,18 @@ class SocketOptions(TypedDict, total=False):
     maxmsgsize: int | None
     router_mandatory: bool
     routing_id: bytes | None
+
+
+# libzmq gives a ROUTER peer that sets no routing id `0x00` + a u32 counter whose start is
+# the C library's `rand()` when the socket is created, and never seeded (0x6b8b4567 in every
+# process); a peer that claimed the counter's next value as its own id makes libzmq abort
+# (`socket_base.cpp: Assertion failed`) when the next anonymous peer connects. Seeding rand()
+# from the OS before every ROUTER makes that value unguessable (docs/security.md §1).
+_LIBC: Final = ctypes.CDLL(None)
+
+
+def _seed_routing_ids() -> None:
+    _LIBC.srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
 
 
 def make_socket(
@@ -71,6 +102,14 @@ def make_socket(
             the HWM) instead of being dropped silently (default False).
         routing_id: the identity a DEALER presents to a ROUTER; None (default) lets libzmq
             pick one.
+        zap_domain: ask the process's ZAP handler (`engined.server.gatekeeper`) about every
+            connection; None (default) admits every peer unasked.
+        curve_secret_key: be a CURVE server with this Z85 secret key (needs `zap_domain`
+            for the keys it admits to be checked).
+        curve_client: be a CURVE client with these keys.
+        monitor_endpoint: an `inproc://` address where the socket reports its connections
+            (ACCEPTED and DISCONNECTED), set up before the bind so none is missed.
+        handshake_ivl: ms a peer gets to complete the ZMTP handshake (libzmq: 30,000).
 
     Raises:
         ValueError: `router_mandatory` on a socket that is not a ROUTER.
@@ -85,6 +124,8 @@ def make_socket(
         raise ValueError(f"router_mandatory only applies to ROUTER sockets, not type {socket_type}")
     if bind:
         check_ipc_path(endpoint)
+    if socket_type == zmq.ROUTER:
+        _seed_routing_ids()
     sock = ctx.socket(socket_type)
     try:
         sock.setsockopt(zmq.SNDHWM, options.get("sndhwm", DEFAULT_HWM))
@@ -96,6 +137,7 @@ def make_socket(
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if routing_id is not None:
             sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        _set_security(sock, options)
         if bind:
             sock.bind(endpoint)
         else:
@@ -104,6 +146,27 @@ def make_socket(
         sock.close(linger=0)
         raise
     return sock
+
+
+def _set_security(sock: zmq.asyncio.Socket, options: SecurityOptions) -> None:
+    zap_domain = options.get("zap_domain")
+    secret_key = options.get("curve_secret_key")
+    client = options.get("curve_client")
+    monitor_endpoint = options.get("monitor_endpoint")
+    handshake_ivl = options.get("handshake_ivl")
+    if zap_domain is not None:
+        sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())
+    if secret_key is not None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+    if client is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, client["server_key"])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, client["public_key"])
+        sock.setsockopt(zmq.CURVE_SECRETKEY, client["secret_key"])
+    if handshake_ivl is not None:
+        sock.setsockopt(zmq.HANDSHAKE_IVL, handshake_ivl)
+    if monitor_endpoint is not None:
+        sock.monitor(monitor_endpoint, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -297,6 +360,15 @@ class SocketRegistry:
         if claim is not None:
             self._claims.append(claim)
         return self.add(make_socket(ctx, socket_type, endpoint, bind=bind, **options))
+
+    def bind_also(self, sock: zmq.asyncio.Socket, endpoint: str) -> None:
+        """Bind a socket `make` returned to one more endpoint, checked and claimed alike."""
+        self._check_open()
+        check_ipc_path(endpoint)
+        path = ipc_path(endpoint)
+        if path is not None:
+            self._claims.append(IpcClaim(path))
+        sock.bind(endpoint)
 
     def add(self, sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
         """Take ownership of `sock`; returns it for chaining."""

@@ -515,6 +515,11 @@ ISSUE_FLAGS = {
     "--bandwidth-g3-to-g2-gbps": "engine.bandwidth_g3_to_g2_gbps",
     "--model-name": "model_name",
     "--control-endpoint": "control_endpoint",
+    "--operator-endpoint": "operator_endpoint",
+    "--max-connections": "max_connections",
+    "--curve-secret-key-file": "curve_secret_key_file",
+    "--curve-authorized-keys-file": "curve_authorized_keys_file",
+    "--curve-publishers": "curve_publishers",
     "--kv-events-endpoint": "kv_events_endpoint",
     "--kv-events-connect": "kv_events_connect",
     "--kv-replay-endpoint": "kv_replay_endpoint",
@@ -581,6 +586,7 @@ def test_switches_and_metavars() -> None:
         "--enable-prefix-caching",
         "--enable-chunked-prefill",
         "--kv-events-connect",
+        "--curve-publishers",
     }
     assert by_name["--enable-prefix-caching"].negation == "--no-enable-prefix-caching"
     assert by_name["--engine-type"].metavar == "[vllm|trtllm]"

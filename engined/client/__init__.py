@@ -6,12 +6,18 @@
 
 from engined.client.api import EngineClient, Generation
 from engined.client.connection import DEFAULT_TIMEOUT, LIFECYCLE_FEED_SIZE
-from engined.client.errors import ClientClosedError, EngineError, ProtocolError
+from engined.client.errors import (
+    ClientClosedError,
+    ConnectionRefused,
+    EngineError,
+    ProtocolError,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "LIFECYCLE_FEED_SIZE",
     "ClientClosedError",
+    "ConnectionRefused",
     "EngineClient",
     "EngineError",
     "Generation",

@@ -200,11 +200,12 @@ class EngineClient(Connection):
     async def cancel(
         self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
     ) -> Applied | Noop:
-        """Cancel a request, this client's or another's (a router may cancel any).
+        """Cancel a request of this client's, or anyone's on an operator connection.
 
         `applied` when it was active: its owner's stream ends with a `cancelled` terminal,
         which comes before the `applied` when the owner is this client; no more output
-        follows. `noop` when it was unknown or had already ended.
+        follows. `noop` when it was unknown, had already ended, or is another client's and
+        this connection is not an operator's (protocol §1.5).
         """
         reply = await self._call_either(Cancel(request_id=request_id, id=self._next_id()), timeout)
         if isinstance(reply, Applied):

@@ -25,8 +25,14 @@ from typing import Final, Self, TypeAlias, TypeVar
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from engined.client.errors import ClientClosedError, EngineError, ProtocolError
+from engined.client.errors import (
+    ClientClosedError,
+    ConnectionRefused,
+    EngineError,
+    ProtocolError,
+)
 from engined.wire.control import (
     Applied,
     ClientMessage,
@@ -43,7 +49,7 @@ from engined.wire.control import (
     WireLifecycleEvent,
     encode_message,
 )
-from engined.zmq_sockets import make_socket
+from engined.zmq_sockets import CurveClientKeys, make_socket
 
 log = structlog.get_logger()
 
@@ -104,6 +110,11 @@ class Connection:
         self._reader = asyncio.get_running_loop().create_task(
             self._read(), name="engine-client-reader"
         )
+        # A refused handshake never shows on the DEALER itself: its monitor tells.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._refusals = asyncio.get_running_loop().create_task(
+            self._watch_refusals(), name="engine-client-refusals"
+        )
 
     @classmethod
     async def connect(
@@ -112,6 +123,7 @@ class Connection:
         *,
         ctx: zmq.asyncio.Context | None = None,
         identity: bytes | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> Self:
         """Connect a DEALER to the daemon's control endpoint.
 
@@ -123,7 +135,11 @@ class Connection:
             endpoint: the daemon's `control_endpoint`.
             ctx: a context to share; when None the client makes one and terminates it on
                 close.
-            identity: the DEALER routing id the daemon sees; None lets ZeroMQ pick.
+            identity: the DEALER's routing id. A daemon since 0.1 gives every connection
+                an id of its own (protocol §1.5), so this no longer carries state across
+                connections; kept for peers that are not engined daemons.
+            curve: this client's CURVE keys and the daemon's public key, for a daemon that
+                requires CURVE (`curve_secret_key_file`).
         """
         owns_ctx = ctx is None
         context = zmq.asyncio.Context() if ctx is None else ctx
@@ -140,6 +156,7 @@ class Connection:
                 rcvhwm=_HWM,
                 linger=0,
                 routing_id=identity,
+                curve_client=curve,
             )
         except BaseException:
             if owns_ctx:
@@ -164,6 +181,11 @@ class Connection:
             return
         self._closed = True
         self._reader.cancel()
+        self._refusals.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._refusals
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         # A reader failure was logged and handed to every waiter when it happened; awaiting
         # here only collects it, so it is not reported twice.
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -332,6 +354,16 @@ class Connection:
             self._failure = exc
             self._fail_all(exc)
             raise
+
+    async def _watch_refusals(self) -> None:
+        """Fail the calls waiting now when the daemon refuses a handshake; later calls wait
+        for ZeroMQ's next attempt, which may be admitted."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            refusal = ConnectionRefused(int(event["value"]))
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(refusal)
 
     def _dispatch(self, msg: DaemonMessage) -> None:
         match msg:

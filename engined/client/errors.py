@@ -25,3 +25,21 @@ class ProtocolError(RuntimeError):
 
 class ClientClosedError(ConnectionError):
     """The client was closed, or its reader failed (the failure is the `__cause__`)."""
+
+
+class ConnectionRefused(ConnectionRefusedError):
+    """The daemon refused this connection in its handshake (protocol §1.5).
+
+    Attributes:
+        status: 400, credentials refused (no CURVE key, or one the daemon does not know);
+            500, the daemon is at its connection cap (`max_connections`). ZeroMQ keeps
+            trying to connect, so a later call may succeed.
+    """
+
+    def __init__(self, status: int) -> None:
+        reason = {
+            400: "it did not accept this client's credentials (CURVE key)",
+            500: "it is at its connection limit (max_connections)",
+        }.get(status, "for a reason it did not say")
+        super().__init__(f"the daemon refused the connection (ZAP {status}): {reason}")
+        self.status = status

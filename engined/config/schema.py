@@ -37,6 +37,31 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model_name: Annotated[str, msgspec.Meta(min_length=1), _help("Served model name.")] = "engined"
     # The ROUTER the clients' DEALERs connect to (protocol.md §1).
     control_endpoint: Annotated[str, _help("Control ROUTER.")] = "tcp://127.0.0.1:5555"
+    # Engine-wide commands (set_vocabulary, set_fpm_worker_id, reset_prefix_cache, cancelling
+    # another client's request) need the operator role. Without CURVE it belongs to ipc peers
+    # running as the daemon's user (or root), as the kernel reports them; "auto" binds the
+    # control ROUTER to an extra ipc path in a private directory when control_endpoint is tcp,
+    # so that such peers have a way in (docs/security.md §2).
+    operator_endpoint: Annotated[
+        str, _help('Extra ipc endpoint for operators ("auto" = private path, "" = none).')
+    ] = "auto"
+    # Open connections to all the sockets of one process, past which a new one is refused.
+    max_connections: Annotated[
+        int,
+        msgspec.Meta(ge=0),
+        _help("Connections open at once per process before new ones are refused (0 = no cap)."),
+    ] = 4096
+    # CURVE (ZeroMQ's encryption and key authentication) on every socket the daemon binds,
+    # with the client keys, and their roles, in curve_authorized_keys_file.
+    curve_secret_key_file: Annotated[
+        str, _help('The daemon\'s CURVE key pair (zmq certificate file; "" = no CURVE).')
+    ] = ""
+    curve_authorized_keys_file: Annotated[
+        str, _help("Client public keys and roles admitted under CURVE, one per line.")
+    ] = ""
+    # False leaves the KV event and FPM publishers without CURVE, for subscribers (Dynamo's
+    # KV router, llm-d) that cannot present a key.
+    curve_publishers: Annotated[bool, _help("CURVE on the KV event and FPM publishers too.")] = True
     # Rank r uses `endpoint_for_rank(kv_events_endpoint, r)`.
     kv_events_endpoint: Annotated[
         str, _help("KV events PUB of rank 0 (rank r: port + r, or ipc path-r).")

@@ -79,7 +79,32 @@ def validate(layers: Layers) -> DaemonConfig:
     if not math.isfinite(config.drain_timeout):
         raise layers.error("drain_timeout", f"must be finite, got {config.drain_timeout}")
     _check_endpoints(config, layers)
+    _check_access(config, layers)
     return config
+
+
+def _check_access(config: DaemonConfig, layers: Layers) -> None:
+    """The operator endpoint is ipc (the role rests on the kernel's word about the peer's
+    uid); CURVE needs its client keys too. Key files are read at start-up."""
+    operator = config.operator_endpoint
+    if operator not in ("", "auto") and not operator.startswith("ipc://"):
+        raise layers.error(
+            "operator_endpoint",
+            f'must be "auto", "" or an ipc:// endpoint, got {operator!r}: operators are '
+            "known by the uid the kernel reports for an ipc peer",
+        )
+    if operator.startswith("ipc://"):
+        try:
+            parse_endpoint(operator)
+        except ValueError as error:
+            raise layers.error("operator_endpoint", str(error)) from None
+    if bool(config.curve_secret_key_file) != bool(config.curve_authorized_keys_file):
+        missing = (
+            "curve_authorized_keys_file"
+            if config.curve_secret_key_file
+            else "curve_secret_key_file"
+        )
+        raise layers.error(missing, "CURVE needs both curve_secret_key_file and its client keys")
 
 
 def _daemon_value(layers: Layers, key: str, value: Any) -> Any:

@@ -14,7 +14,7 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
 
 import structlog
@@ -84,6 +84,21 @@ async def _hello(client: EngineClient, args: WorkerArgs) -> Welcome:
         ) from None
 
 
+@contextlib.asynccontextmanager
+async def operator_client(
+    client: EngineClient, welcome: Welcome, control_endpoint: str
+) -> AsyncIterator[EngineClient]:
+    """Where engine-wide commands go: the daemon's operator endpoint, which admits this
+    worker as operator when it runs as the daemon's user (protocol §1.5), else the control
+    connection (an ipc one, or one with an operator CURVE key)."""
+    endpoint = welcome.operator_endpoint
+    if endpoint is None or endpoint == control_endpoint:
+        yield client
+        return
+    async with await EngineClient.connect(endpoint) as operator:
+        yield operator
+
+
 async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]:
     """Check the daemon against the model and adapt its vocabulary; (welcome, context)."""
     model = read_model(args.model_path)
@@ -97,7 +112,8 @@ async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]
     vocabulary = reconcile_vocabulary(model, welcome)
     if vocabulary.apply:
         try:
-            await client.set_vocabulary(vocabulary.vocab_size, vocabulary.excluded_token_ids)
+            async with operator_client(client, welcome, args.control_endpoint) as operator:
+                await operator.set_vocabulary(vocabulary.vocab_size, vocabulary.excluded_token_ids)
         except EngineError as exc:
             raise SetupError(f"the daemon refused the model's vocabulary: {exc.message}") from None
         log.info(
@@ -183,7 +199,11 @@ async def serve(args: WorkerArgs) -> int:
         endpoint = runtime.endpoint(args.endpoint_path)
         worker_id = endpoint.connection_id()
         # The planner joins FPM with this worker by the id dynamo.vllm stamps: the endpoint's.
-        await client.set_fpm_worker_id(str(worker_id))
+        try:
+            async with operator_client(client, welcome, args.control_endpoint) as operator:
+                await operator.set_fpm_worker_id(str(worker_id))
+        except EngineError as exc:
+            raise SetupError(f"the daemon refused the FPM worker id: {exc.message}") from None
         name = args.served_model_name or welcome.model_name
         handler = RequestHandler(
             client,

@@ -27,6 +27,7 @@ from engined.core import types as core
 from engined.core.errors import CoreError
 from engined.server.clients import DELIMITER, ClientTable, Episode
 from engined.server.deadlines import Deadlines
+from engined.server.gatekeeper import ROLE_PROPERTY, Role
 from engined.server.load import LoadWatch
 from engined.server.log_throttle import LogThrottle
 from engined.server.ownership import HandoffRoute, Ownership
@@ -43,6 +44,22 @@ log = structlog.get_logger(__name__)
 # (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
 CONTROL_TURN_MESSAGES = 64
 CONTROL_TURN_S = 0.002
+
+
+def is_operator(frame: zmq.Frame) -> bool:
+    """Whether the connection a frame came on has the operator role (the gatekeeper's say;
+    a socket without a gatekeeper has no operators)."""
+    try:
+        return frame.get(ROLE_PROPERTY) == Role.OPERATOR
+    except zmq.ZMQError:
+        return False
+
+
+def forbidden(what: str) -> str:
+    return (
+        f"{what} needs the operator role: connect to the welcome's operator_endpoint as the "
+        "daemon's user, or with an operator CURVE key"
+    )
 
 
 def split_envelope(frames: list[bytes]) -> tuple[bytes, bool, bytes] | None:
@@ -149,7 +166,9 @@ class ControlServer:
                 read = 0
                 turn_ends = time.perf_counter() + CONTROL_TURN_S
             read += 1
-            frames = await sock.recv_multipart()
+            # Frames, not bytes: the last one carries the connection's role.
+            received = await sock.recv_multipart(copy=False)
+            frames = [frame.bytes for frame in received]
             envelope = split_envelope(frames)
             if envelope is None:
                 held = self._bad_log.allow(frames[0])
@@ -191,12 +210,14 @@ class ControlServer:
                     self._clients.unanswered(identity, exc.message_id)
             else:
                 if writable:
-                    self._dispatch(identity, msg)
+                    self._dispatch(identity, msg, received[-1])
                 else:
                     self._clients.unanswered(identity, msg.id)
             self._clients.settle(identity)
 
-    def _dispatch(self, identity: bytes, msg: wire.ClientMessage) -> None:
+    def _dispatch(self, identity: bytes, msg: wire.ClientMessage, frame: zmq.Frame) -> None:
+        """Answer or start `msg`; `frame` (its body) says the sender's role, read only for
+        the commands that need one."""
         match msg:
             case wire.Hello():
                 welcome = self._welcome()
@@ -220,13 +241,21 @@ class ControlServer:
             case wire.Submit() | wire.SubmitHandoffPrefill() | wire.ReserveDestination():
                 self._command(identity, self._submit(identity, msg))
             case wire.Cancel():
-                self._command(identity, self._cancel(identity, msg))
+                self._command(identity, self._cancel(identity, msg, is_operator(frame)))
             case wire.ReleaseSource() | wire.CancelSource():
                 routes = self._ownership.sources
-                self._command(identity, self._handoff_command(identity, msg, routes))
+                command = self._handoff_command(identity, msg, routes, is_operator(frame))
+                self._command(identity, command)
             case wire.ActivateDestination() | wire.CancelDestination():
                 routes = self._ownership.destinations
-                self._command(identity, self._handoff_command(identity, msg, routes))
+                command = self._handoff_command(identity, msg, routes, is_operator(frame))
+                self._command(identity, command)
+            case wire.ResetPrefixCache() | wire.SetVocabulary() | wire.SetFpmWorkerId() if (
+                not is_operator(frame)
+            ):
+                self._error(
+                    identity, msg.id, "forbidden", forbidden(str(msg.__struct_config__.tag))
+                )
             case wire.ResetPrefixCache():
                 self._command(identity, self._reset_prefix_cache(identity, msg))
             case wire.SetVocabulary():
@@ -347,13 +376,17 @@ class ControlServer:
         else:
             self._reply(identity, wire.Submitted(id=msg.id, request_id=request_id, dp_rank=rank))
 
-    async def _cancel(self, identity: bytes, msg: wire.Cancel) -> None:
-        """Any client may cancel any request (a router or coordinator must be able to).
+    async def _cancel(self, identity: bytes, msg: wire.Cancel, operator: bool) -> None:
+        """A client cancels its own requests, an operator anyone's; another client's
+        request is answered as an unknown one (`noop`), so ids of others do not leak.
 
         The owner's stream ends with one `cancelled` terminal, sent before the canceller's
         `applied`, so it comes first when the owner is the canceller.
         """
-        for rank in self._ownership.ranks_owning(msg.request_id):
+        ownership = self._ownership
+        for rank in ownership.ranks_owning(msg.request_id):
+            if not operator and ownership.owner(rank, msg.request_id) != identity:
+                continue
             effects = await self._loops[rank].call(core.Cancel(msg.request_id))
             if isinstance(effects.result, core.Applied):
                 self._ownership.end(rank, msg.request_id)
@@ -369,9 +402,12 @@ class ControlServer:
         | wire.ActivateDestination
         | wire.CancelDestination,
         routes: dict[str, HandoffRoute],
+        operator: bool,
     ) -> None:
+        """On the identity that registered the handoff (or an operator's); anyone else
+        gets `noop`, as for an unknown handoff."""
         route = routes.get(msg.handoff_id)
-        if route is None:
+        if route is None or not (operator or route.identity == identity):
             self._reply(identity, wire.Noop(id=msg.id))
             return
         command = to_core_command(msg)

@@ -35,8 +35,10 @@ from engined.config import DaemonConfig
 from engined.core.policy import context_length
 from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
+from engined.server.access import AccessError, gate_policy, operator_endpoint
 from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
+from engined.server.gatekeeper import Domain, Gatekeeper
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.rank_handle import RankHandle
 from engined.server.rank_process import (
@@ -111,6 +113,8 @@ class Daemon:
         self.control: ControlServer | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._registry: SocketRegistry | None = None
+        # The ZAP handler of every socket bound here (engined.server.gatekeeper).
+        self.gate: Gatekeeper | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._publishers: list[KvPublisher] = []
         self._stop = asyncio.Event()
@@ -134,7 +138,7 @@ class Daemon:
     async def serve(self) -> int:
         try:
             await self.startup()
-        except (zmq.ZMQError, OSError) as exc:
+        except (zmq.ZMQError, OSError, AccessError) as exc:
             log.error("startup failed", error=str(exc))
             await self.close()
             return STARTUP_FAILURE
@@ -162,6 +166,7 @@ class Daemon:
             )
             await self.http.start(cfg.http_host, cfg.http_port)
         self._ctx = zmq.asyncio.Context()
+        self.gate = gate = Gatekeeper(self._ctx, gate_policy(cfg))
         self._registry = registry = SocketRegistry()
         # NOTE: every bind goes through the registry, which refuses an ipc:// path a live
         # socket owns (libzmq would silently take it over) and claims it (sockets.IpcClaim).
@@ -175,7 +180,13 @@ class Daemon:
             linger=1000,
             maxmsgsize=CONTROL_MAX_MESSAGE_BYTES,
             router_mandatory=True,
+            **gate.options(Domain.CONTROL),
         )
+        operator = operator_endpoint(cfg)
+        if operator is not None:
+            registry.bind_also(control_sock, operator)
+        elif cfg.control_endpoint.startswith("ipc://"):
+            operator = cfg.control_endpoint
         kv_endpoints: list[str] = []
         replay_endpoints: list[str] = []
         fpm_endpoints: list[str] = []
@@ -208,6 +219,7 @@ class Daemon:
                     delivery=delivery,
                     batch_bytes=batch_bytes,
                     pacing=self.pacing,
+                    gate=gate,
                 )
                 self._publishers.append(parts.kv)
                 kv_endpoints.append(parts.kv.endpoint)
@@ -251,6 +263,7 @@ class Daemon:
                 excluded_token_ids=list(settings.excluded_token_ids),
                 fpm_worker_id=settings.fpm_worker_id,
                 speedup_ratio=engine.speedup_ratio,
+                operator_endpoint=operator,
             )
 
         if self.metrics is not None:
@@ -448,6 +461,9 @@ class Daemon:
             worker.kill()
         if self._registry is not None:
             self._registry.close()
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

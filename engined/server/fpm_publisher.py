@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from engined.core.types import FpmSnapshot
+from engined.server.gatekeeper import Domain, Gatekeeper
 from engined.wire.fpm import encode_fpm, heartbeat
 from engined.wire.kv_events import seq_bytes
 from engined.zmq_sockets import SocketRegistry, bound_endpoint, nonblocking_sender
@@ -56,6 +57,7 @@ class FpmPublisher:
         heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
         hwm: int = DEFAULT_PUB_HWM,
+        gate: Gatekeeper | None = None,
     ) -> None:
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
@@ -68,7 +70,10 @@ class FpmPublisher:
         self._dropping = False  # inside a run of refused sends (logged once per run)
         self._next_heartbeat = clock() + heartbeat_interval
         self._log = log.bind(dp_rank=dp_rank)
-        self._pub = registry.make(ctx, zmq.PUB, endpoint, bind=True, sndhwm=hwm, rcvhwm=hwm)
+        security = gate.options(Domain.PUBLISH) if gate is not None else {}
+        self._pub = registry.make(
+            ctx, zmq.PUB, endpoint, bind=True, sndhwm=hwm, rcvhwm=hwm, **security
+        )
         self._send = nonblocking_sender(self._pub)
         self.endpoint = bound_endpoint(self._pub, endpoint)
 

@@ -31,6 +31,7 @@ import zmq.asyncio
 from engined.core.args import EngineArgs
 from engined.core.offload.config import DEFAULT_OFFLOAD_BATCH_SIZE
 from engined.core.types import BlockRemoved, BlockStored, KvEvent, Medium
+from engined.server.gatekeeper import Domain, Gatekeeper
 from engined.server.kv_replay import STALL_TIMEOUT_S, ReplayBuffer, ReplayServer, Sleep
 from engined.wire.kv_events import KvEventEncoder, KvEventFormat, seq_bytes
 from engined.zmq_sockets import SocketRegistry, bound_endpoint, overflow_aware_sender
@@ -116,6 +117,8 @@ class KvPublisher:
         hwm: an explicit PUB high-water mark in messages instead of the byte budget.
         replay_stall_timeout_s: a replay that could send nothing for this long is abandoned.
         clock, sleep: the replay server's time (stall timeout, retry backoff).
+        gate: the process's ZAP handler, which admits (and counts) every peer of the
+            sockets bound here; None admits every peer unasked (tests).
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class KvPublisher:
         replay_stall_timeout_s: float = STALL_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Sleep = asyncio.sleep,
+        gate: Gatekeeper | None = None,
     ) -> None:
         if replay_buffer < 0:
             raise ValueError(f"replay_buffer must be >= 0, got {replay_buffer}")
@@ -149,8 +153,9 @@ class KvPublisher:
         # NOTE: with replay off nothing can read the buffer, so it keeps nothing.
         self._buffer = ReplayBuffer(replay_buffer if replay_endpoint is not None else 0)
         self.hwm = hwm if hwm is not None else messages_within(buffer_bytes, batch_bytes)
+        pub_security = gate.options(Domain.PUBLISH) if gate is not None and bind else {}
         self._pub = registry.make(
-            ctx, zmq.PUB, endpoint, bind=bind, sndhwm=self.hwm, rcvhwm=self.hwm
+            ctx, zmq.PUB, endpoint, bind=bind, sndhwm=self.hwm, rcvhwm=self.hwm, **pub_security
         )
         self._send = overflow_aware_sender(self._pub)
         self.endpoint = bound_endpoint(self._pub, endpoint) if bind else endpoint
@@ -170,6 +175,7 @@ class KvPublisher:
                 rcvhwm=_REPLAY_RCVHWM,
                 maxmsgsize=_REPLAY_MAX_MSG_SIZE,
                 router_mandatory=True,
+                **(gate.options(Domain.REPLAY) if gate is not None else {}),
             )
             self.replay_endpoint = bound_endpoint(sock, replay_endpoint)
             self._replay = ReplayServer(

@@ -46,9 +46,11 @@ from engined.core.types import (
 )
 from engined.logs import configure_logging
 from engined.server import rank_wire as w
+from engined.server.access import AccessError, gate_policy
 from engined.server.collector import Collector, YoungGeneration
 from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
+from engined.server.gatekeeper import Gatekeeper
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.ranks import build_rank, shared_pacing, start_collection
 from engined.server.realtime import enter_realtime
@@ -133,6 +135,8 @@ class RankWorker:
         self._config = config
         self._ctx = zmq.asyncio.Context()
         self._registry = SocketRegistry()
+        # Set by _build: the ZAP handler of this process's sockets (engined.server.gatekeeper).
+        self._gate: Gatekeeper | None = None
         self._loops: dict[int, EngineLoop] = {}
         self._kvs: list[KvPublisher] = []
         self._kv_of: dict[int, KvPublisher] = {}
@@ -159,7 +163,7 @@ class RankWorker:
         outbox = self._outbox = Outbox(w.pair_sender(sock, block=True))
         try:
             ready = self._build(outbox)
-        except (zmq.ZMQError, OSError) as exc:
+        except (zmq.ZMQError, OSError, AccessError) as exc:
             outbox.send_now([w.StartupFailed(str(exc))])
             await self._close()
             return EXIT_STARTUP
@@ -201,6 +205,7 @@ class RankWorker:
             enter_realtime(cfg.realtime_priority)  # inherited already; this covers a spawn
         batch_bytes = max_batch_bytes(cfg.engine, cfg.kv_events_format)
         delivery = _Delivery(outbox)
+        self._gate = gate = Gatekeeper(self._ctx, gate_policy(cfg))
         ready: list[w.RankReady] = []
         for rank in self._init.ranks:
             loop, kv, fpm = build_rank(
@@ -212,6 +217,7 @@ class RankWorker:
                 delivery=delivery,
                 batch_bytes=batch_bytes,
                 pacing=self._pacing,
+                gate=gate,
             )
             loop.pass_observers.append(self._on_pass)
             loop.command_observers.append(self._on_command)
@@ -370,6 +376,8 @@ class RankWorker:
             with contextlib.suppress(Exception):
                 await kv.close()
         self._registry.close()
+        if self._gate is not None:
+            self._gate.close()
         self._ctx.term()
 
 

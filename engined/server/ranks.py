@@ -19,6 +19,7 @@ from engined.server.collector import Collector, YoungGeneration
 from engined.server.deadlines import Deadlines
 from engined.server.engine_loop import Delivery, EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
+from engined.server.gatekeeper import Gatekeeper
 from engined.server.kv_publisher import KvPublisher
 from engined.zmq_sockets import SocketRegistry
 
@@ -39,6 +40,7 @@ def build_rank(
     delivery: Delivery,
     batch_bytes: int,
     pacing: Pacing | None = None,
+    gate: Gatekeeper | None = None,
 ) -> RankParts:
     """Bind rank `rank`'s KV PUB (+ replay ROUTER) and FPM PUB and build its core and loop.
 
@@ -60,6 +62,7 @@ def build_rank(
         buffer_bytes=cfg.kv_events_buffer_bytes,
         replay_client_bytes=cfg.kv_replay_client_bytes,
         batch_bytes=batch_bytes,
+        gate=gate,
     )
     fpm: FpmPublisher | NullFpmPublisher
     if cfg.fpm_endpoint:
@@ -69,6 +72,7 @@ def build_rank(
             endpoint=endpoint_for_rank(cfg.fpm_endpoint, rank),
             worker_id=worker_id,
             dp_rank=rank,
+            gate=gate,
         )
     else:
         fpm = NullFpmPublisher()

@@ -24,6 +24,7 @@ ErrorCode = Literal[
     "capacity",
     "overloaded",
     "shutting_down",
+    "forbidden",
 ]
 
 # A quoted piece of client input inside a message keeps at most this many UTF-8 bytes, so the

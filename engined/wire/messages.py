@@ -231,6 +231,9 @@ class Welcome(DirectReply, tag="welcome"):
     # Wall time = modeled time / speedup_ratio (0: as fast as possible); a coordinator that
     # waits out a modeled KV transfer needs it.
     speedup_ratio: float | None = None
+    # Where a peer running as the daemon's user connects to act as operator (engine-wide
+    # commands); None when there is no such endpoint (protocol §1.5).
+    operator_endpoint: str | None = None
 
 
 class Submitted(DirectReply, tag="submitted"):

@@ -43,9 +43,15 @@ ENGINED = [sys.executable, "-m", "engined.cli"]
 
 
 class DaemonProcess:
-    def __init__(self, tmp_path: Path, args: list[str], env: dict[str, str] | None) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        args: list[str],
+        env: dict[str, str] | None,
+        control: str | None = None,
+    ) -> None:
         base = tmp_path / "engined"
-        self.control = f"ipc://{base}-control"
+        self.control = control or f"ipc://{base}-control"
         self.kv = f"ipc://{base}-kv"
         self.replay = f"ipc://{base}-replay"
         self.fpm = f"ipc://{base}-fpm"
@@ -124,10 +130,16 @@ class DaemonProcess:
 
 @contextmanager
 def start_daemon(
-    tmp_path: Path, *args: str, env: dict[str, str] | None = None, expect_exit: int | None = 0
+    tmp_path: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    expect_exit: int | None = 0,
+    control: str | None = None,
 ) -> Iterator[DaemonProcess]:
-    """A running daemon; on exit it gets SIGTERM and must exit with `expect_exit`."""
-    daemon = DaemonProcess(tmp_path, list(args), env)
+    """A running daemon; on exit it gets SIGTERM and must exit with `expect_exit`.
+
+    `control` replaces the ipc control endpoint (a tcp one, say)."""
+    daemon = DaemonProcess(tmp_path, list(args), env, control)
     try:
         daemon.wait_ready()
         yield daemon

@@ -95,9 +95,9 @@ class DispatchCounter:
         self.handled = 0
         dispatch = control._dispatch
 
-        def counting_dispatch(identity: bytes, msg: wire.ClientMessage) -> None:
+        def counting_dispatch(identity: bytes, msg: wire.ClientMessage, frame: zmq.Frame) -> None:
             self.handled += 1
-            dispatch(identity, msg)
+            dispatch(identity, msg, frame)
 
         control._dispatch = counting_dispatch  # type: ignore[method-assign]
 

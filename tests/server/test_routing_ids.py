@@ -1,0 +1,220 @@
+"""No peer can crash the daemon through libzmq's routing ids, nor take another's identity.
+
+The attack (issue 21): libzmq gives an anonymous ROUTER peer `0x00` + a u32 counter that
+starts at the C library's unseeded `rand()` (0x006b8b4567 in every process); a peer that
+took the counter's next value as its own id first makes libzmq abort the whole daemon when
+the next anonymous peer connects. Here both halves are played at full strength, on every
+ROUTER the daemon binds: attackers that hold the predicted ids past the ZAP handler (their
+READY held back, as libzmq's own sockets never do), then anonymous peers that take libzmq's
+counter (their READY held back too), then ordinary clients, all of whom must be served.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from engined.wire.kv_events import REPLAY_END_SEQ, seq_bytes
+from engined.zmq_sockets import make_socket
+from tests.server.daemon_harness import DaemonProcess, start_daemon
+from tests.server.zmtp_peer import ZmtpPeer
+
+# Every ROUTER (and REP, which is one underneath) draws its counter's start from two calls of
+# the C library's rand(); unseeded, glibc's sequence is that of srand(1), so the starts of the
+# first sockets a process makes are known in advance, whatever their order.
+SOCKETS_PREDICTED = 6
+IDS_PER_SOCKET = 8
+ANONYMOUS = 48
+
+
+def unseeded_starts(count: int) -> list[int]:
+    libc = ctypes.CDLL(None)
+    libc.srand(1)
+    starts = []
+    for _ in range(count):
+        low, high = libc.rand(), libc.rand()
+        starts.append((low | (high << 31)) % 2**32)
+    return starts
+
+
+PREDICTED = [
+    b"\x00" + struct.pack(">I", (start + k) % 2**32)
+    for start in unseeded_starts(SOCKETS_PREDICTED)
+    for k in range(IDS_PER_SOCKET)
+]
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def ping(sock: zmq.Socket[bytes], message_id: int) -> dict[str, object]:
+    sock.send(msgspec.msgpack.encode({"type": "ping", "id": message_id}))
+    assert sock.poll(10_000), "no pong"
+    reply: dict[str, object] = msgspec.msgpack.decode(sock.recv())
+    return reply
+
+
+def operator_endpoint(daemon: DaemonProcess) -> str:
+    """The welcome's: the private ipc endpoint a tcp control socket also binds."""
+    ctx = zmq.Context()
+    try:
+        client = ctx.socket(zmq.DEALER)
+        client.connect(daemon.control)
+        client.send(msgspec.msgpack.encode({"type": "hello", "id": 0}))
+        assert client.poll(10_000)
+        endpoint: str = msgspec.msgpack.decode(client.recv())["operator_endpoint"]
+        client.close(linger=0)
+        return endpoint
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_router_starts_its_anonymous_ids_at_a_seeded_place() -> None:
+    """make_socket seeds rand() before every ROUTER, whatever the process did before."""
+    ctx = zmq.asyncio.Context()
+    ctypes.CDLL(None).srand(1)
+    owned = [make_socket(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", bind=True), ctx.socket(zmq.DEALER)]
+    try:
+        router: zmq.Socket[bytes] = zmq.Socket.shadow(owned[0].underlying)
+        dealer: zmq.Socket[bytes] = zmq.Socket.shadow(owned[1].underlying)
+        dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+        dealer.send(b"x")
+        assert router.poll(10_000)
+        identity, _ = router.recv_multipart()
+        assert identity[:1] == b"\x00" and len(identity) == 5
+        assert identity != PREDICTED[0]
+    finally:
+        for sock in owned:
+            sock.close(linger=0)
+        ctx.term()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    with start_daemon(
+        tmp_path,
+        "--speedup-ratio",
+        "0",
+        env={"XDG_RUNTIME_DIR": str(tmp_path)},
+        control=f"tcp://127.0.0.1:{free_tcp_port()}",
+    ) as process:
+        yield process
+
+
+def _hold_predicted_ids(endpoint: str) -> list[ZmtpPeer]:
+    return [ZmtpPeer(endpoint, identity=identity, late_ready=True) for identity in PREDICTED]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_peers_holding_the_predicted_ids_cannot_crash_the_control_socket(
+    tmp_path: Path, daemon: DaemonProcess, transport: str
+) -> None:
+    endpoint = daemon.control if transport == "tcp" else operator_endpoint(daemon)
+    attackers = _hold_predicted_ids(endpoint)
+    # Anonymous peers that also hold back their READY take libzmq's own counter.
+    anonymous = [ZmtpPeer(endpoint, identity=b"", late_ready=True) for _ in range(ANONYMOUS)]
+    ctx = zmq.Context()
+    try:
+        for k, peer in enumerate(anonymous):
+            peer.send(msgspec.msgpack.encode({"type": "ping", "id": k}))
+            assert msgspec.msgpack.decode(peer.recv()[0]) == {"type": "pong", "id": k}
+        clients = [ctx.socket(zmq.DEALER) for _ in range(ANONYMOUS)]
+        for k, client in enumerate(clients):
+            client.connect(endpoint)
+            assert ping(client, k) == {"type": "pong", "id": k}
+        assert daemon.proc.poll() is None
+        for k, peer in enumerate(attackers):
+            peer.send(msgspec.msgpack.encode({"type": "ping", "id": k}))
+            assert msgspec.msgpack.decode(peer.recv()[0]) == {"type": "pong", "id": k}
+        for client in clients:
+            client.close(linger=0)
+    finally:
+        for peer in attackers + anonymous:
+            peer.close()
+        ctx.destroy(linger=0)
+
+
+def test_peers_holding_the_predicted_ids_cannot_crash_the_replay_socket(
+    daemon: DaemonProcess,
+) -> None:
+    endpoint = daemon.replay_endpoint()
+    attackers = _hold_predicted_ids(endpoint)
+    anonymous = [ZmtpPeer(endpoint, identity=b"", late_ready=True) for _ in range(ANONYMOUS)]
+    ctx = zmq.Context()
+    try:
+        for peer in anonymous:
+            peer.send(b"", seq_bytes(0))
+            assert peer.recv()[-2:] == [REPLAY_END_SEQ, b""]
+        client = ctx.socket(zmq.DEALER)
+        client.connect(endpoint)
+        client.send_multipart([b"", seq_bytes(0)])
+        assert client.poll(10_000)
+        assert client.recv_multipart()[-2:] == [REPLAY_END_SEQ, b""]
+        client.close(linger=0)
+        assert daemon.proc.poll() is None
+    finally:
+        for peer in attackers + anonymous:
+            peer.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_departed_clients_routing_id_gets_nothing_of_it(daemon: DaemonProcess) -> None:
+    """The victim's stream, replies and notices never reach a newcomer presenting its id."""
+    ctx = zmq.Context()
+    try:
+        victim = ctx.socket(zmq.DEALER)
+        victim.setsockopt(zmq.ROUTING_ID, b"victim")
+        victim.connect(daemon.control)
+        submit = {
+            "type": "submit",
+            "id": 1,
+            "request": {"token_ids": list(range(64)), "max_tokens": 2000},
+        }
+        victim.send(msgspec.msgpack.encode(submit))
+        assert victim.poll(10_000)
+        assert msgspec.msgpack.decode(victim.recv())["type"] == "submitted"
+        victim.close(linger=0)
+        # Both ways of presenting the victim's id: libzmq's (READY at once) and held back.
+        impostor = ctx.socket(zmq.DEALER)
+        impostor.setsockopt(zmq.ROUTING_ID, b"victim")
+        impostor.connect(daemon.control)
+        late = ZmtpPeer(daemon.control, identity=b"victim", late_ready=True)
+        # wait_idle answers once the victim's request is over: everything sent to it is sent.
+        idle = {"type": "wait_idle", "id": 2}
+        impostor.send(msgspec.msgpack.encode(idle))
+        assert impostor.poll(60_000)
+        assert msgspec.msgpack.decode(impostor.recv())["type"] == "stats"
+        assert ping(impostor, 3) == {"type": "pong", "id": 3}
+        late.send(msgspec.msgpack.encode({"type": "ping", "id": 4}))
+        assert msgspec.msgpack.decode(late.recv()[0]) == {"type": "pong", "id": 4}
+        late.close()
+        impostor.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_two_connections_presenting_one_id_are_two_clients(daemon: DaemonProcess) -> None:
+    """libzmq refused the second of two peers with one id; the daemon's ids make them two."""
+    ctx = zmq.Context()
+    try:
+        first, second = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for sock in (first, second):
+            sock.setsockopt(zmq.ROUTING_ID, b"same")
+            sock.connect(daemon.control)
+        assert ping(first, 1) == {"type": "pong", "id": 1}
+        assert ping(second, 2) == {"type": "pong", "id": 2}
+        first.close(linger=0)
+        second.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
