@@ -538,6 +538,9 @@ ISSUE_FLAGS = {
     "--log-level": "log_level",
     "--http-port": "http_port",
     "--http-host": "http_host",
+    "--api-key": "api_key",
+    "--api-key-file": "api_key_file",
+    "--api-key-metrics": "api_key_metrics",
 }
 
 
@@ -587,12 +590,14 @@ def test_switches_and_metavars() -> None:
         "--enable-chunked-prefill",
         "--kv-events-connect",
         "--curve-publishers",
+        "--api-key-metrics",
     }
     assert by_name["--enable-prefix-caching"].negation == "--no-enable-prefix-caching"
     assert by_name["--engine-type"].metavar == "[vllm|trtllm]"
     assert by_name["--log-format"].metavar == "[auto|console|json]"
     assert by_name["--block-size"].metavar == "INT"
     assert by_name["--fpm-endpoint"].metavar == "ENDPOINT"
+    assert (by_name["--api-key"].metavar, by_name["--api-key-file"].metavar) == ("KEY", "PATH")
     assert by_name["--data-parallel-size"].dest == "data_parallel_size"
     assert {by_name["--seed"].section, by_name["--seed"].key} == {"engine", "engine.seed"}
 

@@ -16,7 +16,8 @@ forward-pass metrics off and `ENGINED_MAX_NUM_SEQS=` lifts the running-request l
 
 The package has one module per job: `schema` (the struct), `fields` (reflection over its
 fields, environment names), `flags` (command-line spellings), `endpoints` (endpoint grammar),
-`loading` (the layers), `validation` (the single pass), `toml_writer` (`--print-config`).
+`api_keys` (what an HTTP API key may be, the key file), `loading` (the layers), `validation`
+(the single pass), `toml_writer` (`--print-config`).
 """
 
 from engined.config.endpoints import endpoint_for_rank

@@ -28,9 +28,12 @@ ENV_ALLOWLIST: frozenset[str] = frozenset({"ENGINED_MYPYC", "ENGINED_EXPECT_COMP
 class Scalar:
     """What a text value (environment, command line) must parse to for one key."""
 
-    kind: type  # bool, int, float, str, or tuple (of ints, comma-separated in text)
+    kind: type  # bool, int, float, str, or tuple (of `item`s)
     optional: bool  # None allowed, spelled "" in text
     choices: tuple[str, ...]  # closed set of strings (Literal or enum), else ()
+    # A tuple's items: ints are comma-separated in text; a str item is the whole text, since
+    # no separator can be reserved in opaque values such as API keys.
+    item: type | None = None
 
 
 def scalar(annotation: Any) -> Scalar | None:
@@ -52,8 +55,11 @@ def scalar(annotation: Any) -> Scalar | None:
         return Scalar(str, optional, tuple(str(m.value) for m in annotation))
     if annotation in (bool, int, float, str):
         return Scalar(annotation, optional, ())
-    if typing.get_origin(annotation) is tuple and typing.get_args(annotation) == (int, ...):
-        return Scalar(tuple, optional, ())
+    if typing.get_origin(annotation) is tuple and typing.get_args(annotation) in (
+        (int, ...),
+        (str, ...),
+    ):
+        return Scalar(tuple, optional, (), typing.get_args(annotation)[0])
     return None
 
 

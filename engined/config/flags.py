@@ -118,6 +118,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-level", "log_level"),
     Flag("--http-port", "http_port"),
     Flag("--http-host", "http_host"),
+    Flag("--api-key", "api_key", metavar_override="KEY"),
+    Flag("--api-key-file", "api_key_file", metavar_override="PATH"),
+    Flag("--api-key-metrics", "api_key_metrics"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

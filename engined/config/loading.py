@@ -1,7 +1,8 @@
 """Layered loading: defaults < TOML file < `ENGINED_*` environment < flags.
 
 Each layer only collects raw values (text parsed to the key's shape); judging them is left
-to the one validation pass, so a value is checked once, in its final form.
+to the one validation pass, so a value is checked once, in its final form. `VLLM_API_KEY` is
+vLLM's fallback for `--api-key`, so it counts only when no layer gives a key.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from engined.config.fields import (
 from engined.config.flags import FLAG_OF_KEY
 from engined.config.schema import ConfigError, DaemonConfig
 from engined.config.validation import Layers, validate
+
+VLLM_API_KEY = "VLLM_API_KEY"
 
 
 def load_config(
@@ -55,6 +58,7 @@ def load_config(
         _apply_toml(layers, _read_toml(path), source=str(path))
     _apply_env(layers, env)
     _apply_flags(layers, flags)
+    _apply_vllm_api_key(layers, env)
     return validate(layers)
 
 
@@ -105,6 +109,13 @@ def _apply_env(layers: Layers, env: Mapping[str, str]) -> None:
         layers.set(key, _parse_text(key, env[name], source=name), name)
 
 
+def _apply_vllm_api_key(layers: Layers, env: Mapping[str, str]) -> None:
+    """vLLM reads VLLM_API_KEY only without `--api-key`; here, without any key or key file."""
+    text = env.get(VLLM_API_KEY, "")
+    if text and not layers.daemon.get("api_key") and layers.daemon.get("api_key_file") is None:
+        layers.set("api_key", _parse_text("api_key", text, source=VLLM_API_KEY), VLLM_API_KEY)
+
+
 def _apply_flags(layers: Layers, flags: Mapping[str, Any]) -> None:
     for key, value in flags.items():
         if key not in KEYS:
@@ -129,7 +140,7 @@ def _parse_text(key: str, text: str, *, source: str) -> Any:
     if shape.kind is str:
         return text
     if shape.kind is tuple:
-        return _parse_int_list(key, text, source=source)
+        return _parse_list(key, text, source=source)
     stripped = text.strip()
     if shape.kind is bool:
         if stripped.lower() in _TRUE:
@@ -149,8 +160,12 @@ def _parse_text(key: str, text: str, *, source: str) -> Any:
     raise ConfigError(f"{key}: expected {expected}, got {text!r} (from {source})", key=key)
 
 
-def _parse_int_list(key: str, text: str, *, source: str) -> tuple[int, ...]:
-    """Comma-separated integers, as `--nextn-accept-rates` takes floats; "" is the empty list."""
+def _parse_list(key: str, text: str, *, source: str) -> tuple[int, ...] | tuple[str, ...]:
+    """The text form of a list: comma-separated integers, as `--nextn-accept-rates` takes
+    floats, or one string item (an API key: opaque, so nothing in it can be a separator).
+    "" is the empty list."""
+    if KEYS[key].item is str:
+        return (text,) if text else ()
     if not text.strip():
         return ()
     parts = [part.strip() for part in text.split(",")]
@@ -164,13 +179,14 @@ def _parse_int_list(key: str, text: str, *, source: str) -> tuple[int, ...]:
 def _empty_is_none(key: str, value: Any, source: str) -> Any:
     """TOML has no null: "" stands for None in optional settings (see the module docstring).
 
-    A list setting also takes its command-line text form in TOML, so "" is the empty list.
+    A list setting also takes its command-line text form in TOML, so "" is the empty list
+    (and `api_key = "KEY"` one key).
     """
     shape = KEYS.get(key)
     if value == "" and shape is not None and shape.optional:
         return None
     if isinstance(value, str) and shape is not None and shape.kind is tuple:
-        return _parse_int_list(key, value, source=source)
+        return _parse_list(key, value, source=source)
     return value
 
 

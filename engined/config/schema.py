@@ -139,6 +139,26 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         msgspec.Meta(min_length=1),
         _help("Address the /metrics and /health server listens on."),
     ] = "127.0.0.1"
+    # Bearer keys of the HTTP server, vLLM's `--api-key`: required on the paths vLLM guards
+    # (engined.server.http), and on /metrics with `api_key_metrics`. The text forms (flag,
+    # ENGINED_API_KEY, and VLLM_API_KEY when no other layer gives a key) are one key each;
+    # TOML takes one key or a list. Loading puts the keys of `api_key_file` here.
+    api_key: (
+        Annotated[
+            tuple[str, ...],
+            _help("Bearer key the HTTP server requires on vLLM's API paths (VLLM_API_KEY too)."),
+        ]
+        | None
+    ) = None
+    # Keys one per line, so that no secret sits on a command line or in the world-readable
+    # config file the units need; refused when any user may read or write it.
+    api_key_file: (
+        Annotated[str, _help("File of API keys, one per line; mode 0600 or 0640.")] | None
+    ) = None
+    # An engined extension: vLLM leaves /metrics open whatever its keys.
+    api_key_metrics: Annotated[
+        bool, _help("Require the API key on /metrics too (vLLM leaves it open).")
+    ] = False
     # The simulation (engined.core.args); TOML table `[engine]`.
     engine: EngineArgs = _DEFAULT_ENGINE
 

@@ -18,7 +18,9 @@ def dump_config(config: DaemonConfig) -> str:
     setting whose default is also None becomes a comment (`# kv_replay_endpoint = (unset)`);
     one whose default is not None is written as "" so that reloading does not restore the default.
     """
-    lines = ["# engined effective configuration", *_toml_body(config, skip={"engine"})]
+    # NOTE: keys read from `api_key_file` stay there; reloading reads the file again.
+    skip = {"engine", "api_key"} if config.api_key_file is not None else {"engine"}
+    lines = ["# engined effective configuration", *_toml_body(config, skip=skip)]
     lines += ["", "[engine]", *_toml_body(config.engine, skip={"trtllm", "sglang"})]
     for table in ("trtllm", "sglang"):
         value = getattr(config.engine, table)

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from engined.config.api_keys import key_problem, read_key_file
 from engined.config.endpoints import WILDCARD_HOSTS, parse_endpoint
 from engined.config.fields import (
     DAEMON_FIELD_TYPES,
@@ -80,6 +81,36 @@ def validate(layers: Layers) -> DaemonConfig:
         raise layers.error("drain_timeout", f"must be finite, got {config.drain_timeout}")
     _check_endpoints(config, layers)
     _check_access(config, layers)
+    return _with_api_keys(config, layers)
+
+
+def _with_api_keys(config: DaemonConfig, layers: Layers) -> DaemonConfig:
+    """`config` with the keys of `api_key_file` in `api_key`, every key checked.
+
+    The file is read here, once, so that a key file the daemon could not use is refused like
+    any bad setting, before a socket is bound.
+    """
+    if config.api_key_file is not None:
+        if config.api_key:
+            raise layers.error(
+                "api_key_file",
+                f"cannot be set with api_key (from {layers.sources['api_key']}); "
+                "give the keys one way",
+            )
+        try:
+            keys = read_key_file(config.api_key_file)
+        except ValueError as error:
+            raise layers.error("api_key_file", str(error)) from None
+        config = msgspec.structs.replace(config, api_key=keys)
+    keys = config.api_key or ()
+    for number, key in enumerate(keys, 1):
+        problem = key_problem(key)
+        if problem is not None:
+            raise layers.error("api_key", f"key {number} of {len(keys)} {problem}")
+    if config.api_key_metrics and not keys:
+        raise layers.error(
+            "api_key_metrics", "needs a key to require: api_key, api_key_file or VLLM_API_KEY"
+        )
     return config
 
 

@@ -162,7 +162,11 @@ class Daemon:
             # Bound first, so that /health answers 503 while the rest starts.
             self.metrics = VllmMetrics.from_config(cfg)
             self.http = HttpServer(
-                self.metrics.registry, health=self.health, before_scrape=Refresh(self.loops)
+                self.metrics.registry,
+                health=self.health,
+                before_scrape=Refresh(self.loops),
+                api_keys=cfg.api_key or (),
+                guard_metrics=cfg.api_key_metrics,
             )
             await self.http.start(cfg.http_host, cfg.http_port)
         self._ctx = zmq.asyncio.Context()

@@ -13,15 +13,25 @@ that does not answer delays a scrape but never fails it.
 One request per connection (`Connection: close`), which Prometheus and every probe handle.
 Anything that is not a well-formed request gets a 400 (or 431 for oversized headers, 408 when
 it stalls), and no input can end the server.
+
+With API keys the server asks for `Authorization: Bearer KEY` where vLLM's API server does
+(`vllm/entrypoints/serve/middleware/authenticate.py` in 0.33): on every path that starts with
+one of `GUARDED_PREFIXES`, whatever the method but OPTIONS, so a client probing `/v1/models`
+meets vLLM's 401 and JSON body rather than a 404. `/health` and `/metrics` stay open as in
+vLLM, unless `guard_metrics` (an engined extension) covers `/metrics`. The check reads the
+request head only, before any scrape, so a refused request costs no rendering.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import string
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
+from urllib.parse import unquote
 
 import structlog
 from prometheus_client.exposition import choose_encoder
@@ -38,9 +48,13 @@ IO_TIMEOUT_S = 10.0
 # A scrape waits this long for `before_scrape`, then renders what the daemon has.
 SCRAPE_REFRESH_S = 1.0
 
+# vLLM's guarded paths: plain string prefixes of the decoded path, so `/v1x` is one too.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
@@ -49,6 +63,13 @@ _REASONS = {
     503: "Service Unavailable",
 }
 _TEXT = "text/plain; charset=utf-8"
+# vLLM's refusal, byte for byte (Starlette's compact JSON).
+_UNAUTHORIZED: tuple[int, str, bytes, dict[str, str]] = (
+    401,
+    "application/json",
+    b'{"error":"Unauthorized"}',
+    {},
+)
 # RFC 9110 `tchar`: what a method or a header name may be made of.
 _TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits)
 
@@ -67,6 +88,8 @@ class HttpServer:
         health: the daemon's state; "serving" is 200, "starting" and "draining" are 503 so
             routers stop sending before the daemon refuses requests.
         before_scrape: awaited before `/metrics` renders (up to `SCRAPE_REFRESH_S`).
+        api_keys: the bearer keys a guarded path needs one of; none guards nothing.
+        guard_metrics: `/metrics` needs a key too.
     """
 
     def __init__(
@@ -75,10 +98,15 @@ class HttpServer:
         *,
         health: Callable[[], HealthState],
         before_scrape: Callable[[], Awaitable[None]] | None = None,
+        api_keys: Sequence[str] = (),
+        guard_metrics: bool = False,
     ) -> None:
         self._registry = registry
         self._health = health
         self._before_scrape = before_scrape
+        # NOTE: digests, so that comparing costs the same whatever the key's length or content.
+        self._key_digests = tuple(hashlib.sha256(key.encode()).digest() for key in api_keys)
+        self._guard_metrics = guard_metrics
         self._stale_scrapes = 0
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -94,7 +122,14 @@ class HttpServer:
         self._server = await asyncio.start_server(
             self._accept, host, port, limit=MAX_HEAD_BYTES, reuse_address=True
         )
-        log.info("http listening", host=host, port=self.port, routes=["/metrics", "/health"])
+        log.info(
+            "http listening",
+            host=host,
+            port=self.port,
+            routes=["/metrics", "/health"],
+            api_keys=len(self._key_digests),
+            metrics_need_key=self._guard_metrics and bool(self._key_digests),
+        )
 
     async def close(self) -> None:
         """Stop listening and drop open connections (Python 3.11's wait_closed does not)."""
@@ -132,9 +167,12 @@ class HttpServer:
         try:
             method, path, headers = await self._read_request(reader)
             head_only = method == "HEAD"
-            if path == "/metrics" and method in ("GET", "HEAD"):
-                await self._refresh()
-            status, content_type, body, extra = self._route(method, path, headers)
+            if not self._authorized(method, path, headers):
+                status, content_type, body, extra = _UNAUTHORIZED
+            else:
+                if path == "/metrics" and method in ("GET", "HEAD"):
+                    await self._refresh()
+                status, content_type, body, extra = self._route(method, path, headers)
         except _BadRequest as exc:
             status, content_type, body, extra = exc.status, _TEXT, f"{exc}\n".encode(), {}
         except Exception:
@@ -196,8 +234,33 @@ class HttpServer:
             name, colon, value = line.partition(":")
             if not colon or not name or not _TOKEN_CHARS.issuperset(name):
                 raise _BadRequest(400, "malformed header")
-            headers[name.lower()] = value.strip()
+            # The first of a repeated header counts, as with Starlette's `Headers.get` in vLLM.
+            headers.setdefault(name.lower(), value.strip())
         return method, target.partition("?")[0], headers
+
+    def _authorized(self, method: str, path: str, headers: dict[str, str]) -> bool:
+        """vLLM's rule: a guarded path needs a key, except for OPTIONS (CORS preflights)."""
+        if not self._key_digests or method == "OPTIONS":
+            return True
+        guarded = unquote(path).startswith(GUARDED_PREFIXES) or (
+            self._guard_metrics and path == "/metrics"
+        )
+        return not guarded or self._bearer_matches(headers.get("authorization", ""))
+
+    def _bearer_matches(self, authorization: str) -> bool:
+        """`Bearer KEY` (the scheme in any case, one space, the rest verbatim) with a known key.
+
+        Every key is compared, in constant time, so the time taken tells neither which key
+        nor how much of one matched.
+        """
+        scheme, _, credentials = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(credentials.encode()).digest()
+        matched = False
+        for known in self._key_digests:
+            matched |= hmac.compare_digest(digest, known)
+        return matched
 
     def _route(
         self, method: str, path: str, headers: dict[str, str]

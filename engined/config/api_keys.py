@@ -1,0 +1,95 @@
+"""What an HTTP API key may be, and reading keys from `api_key_file`.
+
+A key must be something a request can carry in `Authorization: Bearer KEY`: printable ASCII
+(the HTTP server refuses any other byte in a request head), no space at either end (header
+values are trimmed) and short enough for the 16 KiB head. A key no request could send would
+lock the API for good, so it is refused at start-up instead. Messages name a key by its
+position and never quote it: they reach terminals and journals.
+
+The file is refused when other users may read it (the point of a file is that the secret is
+not on a command line or in the world-readable config file the units need) or write it (they
+could put in a key of their own), and when it is not a regular file, so that neither a FIFO
+nor a device can stall or flood start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+MAX_KEY_CHARS = 4096
+MAX_KEY_FILE_BYTES = 64 * 1024
+
+
+def key_problem(key: str) -> str | None:
+    """Why no request could carry `key`, or None when one can."""
+    if not key:
+        return "is empty"
+    if len(key) > MAX_KEY_CHARS:
+        return f"is {len(key)} characters long, more than {MAX_KEY_CHARS}"
+    if not all(" " <= char <= "~" for char in key):
+        return "has a character a request header cannot carry (printable ASCII only)"
+    if key[0] == " " or key[-1] == " ":
+        return "starts or ends with a space, which request headers lose"
+    return None
+
+
+def read_key_file(path: str) -> tuple[str, ...]:
+    """The keys of `path`, one per non-blank line (surrounding white space dropped).
+
+    Raises:
+        ValueError: why the file cannot be used, naming the path (and the line).
+    """
+    try:
+        data = _read_private(path)
+    except OSError as error:
+        raise ValueError(f"{path}: {error.strerror}") from None
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_KEY_FILE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        key = line.strip()
+        if not key:
+            continue
+        problem = key_problem(key)
+        if problem is not None:
+            raise ValueError(f"{path} line {number}: the key {problem}")
+        keys.append(key)
+    if not keys:
+        raise ValueError(f"{path} holds no key")
+    return tuple(keys)
+
+
+def _read_private(path: str) -> bytes:
+    """Up to one byte more than `MAX_KEY_FILE_BYTES` of `path`, judged by the opened file
+    itself (not the name, which could be swapped between a check and the read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        others = [
+            what
+            for bit, what in ((stat.S_IROTH, "read"), (stat.S_IWOTH, "written"))
+            if info.st_mode & bit
+        ]
+        if others:
+            raise ValueError(
+                f"{path} can be {' and '.join(others)} by every user "
+                f"(mode {stat.S_IMODE(info.st_mode):04o}); make it 0600 or 0640"
+            )
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_KEY_FILE_BYTES:
+            chunk = os.read(fd, MAX_KEY_FILE_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
