@@ -202,6 +202,8 @@ class Connection:
         return next(self._ids)
 
     def _check_usable(self) -> None:
+        if isinstance(self._failure, ConnectionRefused):
+            raise ConnectionRefused(self._failure.status)
         if self._failure is not None:
             raise ClientClosedError("client reader failed") from self._failure
         if self._closed:
@@ -356,14 +358,11 @@ class Connection:
             raise
 
     async def _watch_refusals(self) -> None:
-        """Fail the calls waiting now when the daemon refuses a handshake; later calls wait
-        for ZeroMQ's next attempt, which may be admitted."""
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            refusal = ConnectionRefused(int(event["value"]))
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(refusal)
+        """A refused handshake ends the client: libzmq does not try that endpoint again, so
+        every waiting call and every later one raises the refusal at once."""
+        event = parse_monitor_message(await self._monitor.recv_multipart())
+        self._failure = ConnectionRefused(int(event["value"]))
+        self._fail_all(self._failure)
 
     def _dispatch(self, msg: DaemonMessage) -> None:
         match msg:

@@ -32,8 +32,8 @@ class ConnectionRefused(ConnectionRefusedError):
 
     Attributes:
         status: 400, credentials refused (no CURVE key, or one the daemon does not know);
-            500, the daemon is at its connection cap (`max_connections`). ZeroMQ keeps
-            trying to connect, so a later call may succeed.
+            500, the daemon is at its connection cap (`max_connections`). ZeroMQ does not
+            retry a refused handshake: the client is done, and a new one may try again.
     """
 
     def __init__(self, status: int) -> None:

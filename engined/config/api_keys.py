@@ -41,7 +41,7 @@ def read_key_file(path: str) -> tuple[str, ...]:
         ValueError: why the file cannot be used, naming the path (and the line).
     """
     try:
-        data = _read_private(path)
+        data = read_private(path)
     except OSError as error:
         raise ValueError(f"{path}: {error.strerror}") from None
     if len(data) > MAX_KEY_FILE_BYTES:
@@ -64,7 +64,7 @@ def read_key_file(path: str) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def _read_private(path: str) -> bytes:
+def read_private(path: str) -> bytes:
     """Up to one byte more than `MAX_KEY_FILE_BYTES` of `path`, judged by the opened file
     itself (not the name, which could be swapped between a check and the read)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -14,13 +14,17 @@ import tempfile
 from pathlib import Path
 
 import zmq
-import zmq.auth
+import zmq.utils.z85
 
 from engined.config import DaemonConfig
+from engined.config.api_keys import read_private
 from engined.config.endpoints import parse_endpoint
 from engined.server.gatekeeper import GatePolicy, Role, operator_uids
 
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_SECRET_KEY = re.compile(
+    r'^\s*secret-key\s*=\s*"([0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40})"', re.M
+)
 # File descriptors kept for everything but connections: sockets bound, files, pipes to rank
 # workers, libzmq's own (two per context and per I/O thread).
 FD_RESERVE = 256
@@ -46,15 +50,20 @@ def gate_policy(cfg: DaemonConfig) -> GatePolicy:
 
 
 def read_secret_key(path: Path) -> bytes:
-    """The Z85 secret key of a zmq certificate file (`zmq.auth.create_certificates`)."""
-    _check_private(path)
+    """The Z85 secret key of a zmq certificate file (`zmq.auth.create_certificates` writes
+    one), which only its owner (and group) may read."""
     try:
-        _public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as exc:
-        raise AccessError(f"curve_secret_key_file {path}: {exc}") from None
-    if not secret:
-        raise AccessError(f"curve_secret_key_file {path}: has no secret-key")
-    return secret
+        text = read_private(str(path)).decode("utf-8")
+    except OSError as exc:
+        raise AccessError(f"curve_secret_key_file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise AccessError(f"curve_secret_key_file {path}: not UTF-8 text") from None
+    except ValueError as exc:  # read_private's messages name the path
+        raise AccessError(f"curve_secret_key_file {exc}") from None
+    found = _SECRET_KEY.search(text)
+    if found is None:
+        raise AccessError(f'curve_secret_key_file {path}: no secret-key = "<40 Z85 characters>"')
+    return found.group(1).encode()
 
 
 def read_authorized_keys(path: Path) -> dict[bytes, Role]:
@@ -68,8 +77,9 @@ def read_authorized_keys(path: Path) -> dict[bytes, Role]:
         raise AccessError(f"curve_authorized_keys_file {path}: {exc}") from None
     keys: dict[bytes, Role] = {}
     for number, line in enumerate(text.splitlines(), start=1):
-        words = line.split("#", 1)[0].split()
-        if not words:
+        words = line.split()
+        # Z85 has '#' among its characters: only a line that starts with one is a comment.
+        if not words or words[0].startswith("#"):
             continue
         where = f"curve_authorized_keys_file {path} line {number}"
         if len(words) < 2 or words[1] not in Role.__members__.values():
@@ -82,18 +92,6 @@ def read_authorized_keys(path: Path) -> dict[bytes, Role]:
             raise AccessError(f"{where}: {words[0][:48]!r} is not a 40-character Z85 key")
         keys[raw] = Role(words[1])
     return keys
-
-
-def _check_private(path: Path) -> None:
-    try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise AccessError(f"curve_secret_key_file {path}: {exc.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise AccessError(
-            f"curve_secret_key_file {path}: readable by others (mode {stat.S_IMODE(mode):o});"
-            " chmod 600 it"
-        )
 
 
 def operator_endpoint(cfg: DaemonConfig) -> str | None:

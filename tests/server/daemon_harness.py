@@ -37,6 +37,7 @@ from engined.wire.kv_events import (
     read_seq,
     seq_bytes,
 )
+from engined.zmq_sockets import CurveClientKeys
 from tests.reference_indexer import ReferenceIndexer
 
 ENGINED = [sys.executable, "-m", "engined.cli"]
@@ -49,7 +50,9 @@ class DaemonProcess:
         args: list[str],
         env: dict[str, str] | None,
         control: str | None = None,
+        ready_keys: CurveClientKeys | None = None,
     ) -> None:
+        self.ready_keys = ready_keys
         base = tmp_path / "engined"
         self.control = control or f"ipc://{base}-control"
         self.kv = f"ipc://{base}-kv"
@@ -99,7 +102,7 @@ class DaemonProcess:
 
         async def probe() -> None:
             deadline = time.monotonic() + timeout
-            async with await EngineClient.connect(self.control) as client:
+            async with await EngineClient.connect(self.control, curve=self.ready_keys) as client:
                 while time.monotonic() < deadline:
                     if self.proc.poll() is not None:
                         raise AssertionError(
@@ -135,11 +138,13 @@ def start_daemon(
     env: dict[str, str] | None = None,
     expect_exit: int | None = 0,
     control: str | None = None,
+    ready_keys: CurveClientKeys | None = None,
 ) -> Iterator[DaemonProcess]:
     """A running daemon; on exit it gets SIGTERM and must exit with `expect_exit`.
 
-    `control` replaces the ipc control endpoint (a tcp one, say)."""
-    daemon = DaemonProcess(tmp_path, list(args), env, control)
+    `control` replaces the ipc control endpoint (a tcp one, say); `ready_keys` are the
+    CURVE keys to ask it whether it is ready with."""
+    daemon = DaemonProcess(tmp_path, list(args), env, control, ready_keys)
     try:
         daemon.wait_ready()
         yield daemon
