@@ -17,7 +17,7 @@ import itertools
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 
 import structlog
 import zmq
@@ -43,6 +43,10 @@ log = structlog.get_logger(__name__)
 # (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
 CONTROL_TURN_MESSAGES = 64
 CONTROL_TURN_S = 0.002
+# At shutdown, the most messages read once intake has closed: a client that keeps sending
+# cannot hold the exit (ControlServer.answer_queued).
+CLOSE_READ_MESSAGES = 100_000
+SHUTTING_DOWN = "the daemon is shutting down"
 
 
 def split_envelope(frames: list[bytes]) -> tuple[bytes, bool, bytes] | None:
@@ -93,6 +97,14 @@ class ControlServer:
         self._decoder = wire.ControlDecoder()
         self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
+        # Shutdown (close_intake): every message but hello and ping is refused, and the
+        # reader reads only what is queued.
+        self._closing = False
+        self._closing_reads = 0
+        self._nowait: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self._reader: asyncio.Task[object] | None = None
+        self._retry: asyncio.Task[None] | None = None
+        self._receiving: Awaitable[list[bytes]] | None = None
         self._reports = Reports(loops)
         self._tasks: set[asyncio.Task[None]] = set()
         # Set when a handler fails unexpectedly: a bug, which must end the daemon non-zero.
@@ -127,7 +139,8 @@ class ControlServer:
         signal and watchdog ping until it was drained. The ROUTER fair-queues its peers, so
         a flooder's backlog delays the flooder, not the other clients.
         """
-        retry = self._spawn(self._clients.retry_dropped())
+        self._reader = asyncio.current_task()
+        self._retry = retry = self._spawn(self._clients.retry_dropped())
         try:
             await self._read()
         finally:
@@ -149,7 +162,14 @@ class ControlServer:
                 read = 0
                 turn_ends = time.perf_counter() + CONTROL_TURN_S
             read += 1
-            frames = await sock.recv_multipart()
+            if self._closing:
+                queued = self._queued()
+                if queued is None:
+                    return
+                frames = queued
+            else:
+                self._receiving = receiving = sock.recv_multipart()
+                frames = await receiving
             envelope = split_envelope(frames)
             if envelope is None:
                 held = self._bad_log.allow(frames[0])
@@ -190,10 +210,12 @@ class ControlServer:
                 else:
                     self._clients.unanswered(identity, exc.message_id)
             else:
-                if writable:
-                    self._dispatch(identity, msg)
-                else:
+                if not writable:
                     self._clients.unanswered(identity, msg.id)
+                elif self._closing and not isinstance(msg, wire.Hello | wire.Ping):
+                    self._error(identity, msg.id, "shutting_down", SHUTTING_DOWN)
+                else:
+                    self._dispatch(identity, msg)
             self._clients.settle(identity)
 
     def _dispatch(self, identity: bytes, msg: wire.ClientMessage) -> None:
@@ -275,7 +297,7 @@ class ControlServer:
         msg: wire.Submit | wire.SubmitHandoffPrefill | wire.ReserveDestination,
     ) -> None:
         if self.shutting_down:
-            self._error(identity, msg.id, "shutting_down", "the daemon is shutting down")
+            self._error(identity, msg.id, "shutting_down", SHUTTING_DOWN)
             return
         request = msg.request
         rank = self._pick_rank(request.dp_rank)
@@ -459,9 +481,40 @@ class ControlServer:
         for identity, batch in per_client.items():
             self._reply(identity, wire.Lifecycle(dp_rank=rank, events=batch))
 
-    def cancel_all(self, finish_reason: str = "cancelled") -> None:
-        """End every request still owned (shutdown after the drain timeout)."""
-        self._ownership.end_all()
+    async def close_intake(self) -> None:
+        """Shutdown, after the drain: end every request still owned (`Ownership.end_all`:
+        a submit being applied is answered before its terminal), refuse every message but
+        `hello` and `ping` from now on, and return once every command read before has been
+        answered, so that nothing awaits the ranks any more and they may stop."""
+        await self._ownership.end_all()
+        self._closing = True
+        handlers = [task for task in self._tasks if task is not self._retry]
+        if handlers:
+            await asyncio.wait(handlers)
+
+    async def answer_queued(self) -> None:
+        """Answer what clients have queued at the socket, then stop reading (the ranks have
+        stopped). ZeroMQ discards a closed socket's queue: unread, a flood's submits got
+        no reply at all. What arrives once the queue is empty, or beyond
+        CLOSE_READ_MESSAGES, is never read."""
+        reader, receiving = self._reader, self._receiving
+        if reader is not None and not reader.done():
+            if isinstance(receiving, asyncio.Future) and not receiving.done():
+                reader.cancel()  # it has taken no message: cancelling loses none
+            await asyncio.wait([reader])
+        self._closing = True
+        await self._read()
+        log.info("control socket drained", answered_while_closing=self._closing_reads)
+
+    def _queued(self) -> list[bytes] | None:
+        if self._closing_reads == CLOSE_READ_MESSAGES:
+            return None
+        try:
+            frames = self._nowait.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        self._closing_reads += 1
+        return frames
 
     def owned_requests(self) -> int:
         return self._ownership.owned_requests()
