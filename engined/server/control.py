@@ -43,9 +43,12 @@ log = structlog.get_logger(__name__)
 # (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
 CONTROL_TURN_MESSAGES = 64
 CONTROL_TURN_S = 0.002
-# At shutdown, the most messages read once intake has closed: a client that keeps sending
-# cannot hold the exit (ControlServer.answer_queued).
+# At shutdown, once intake has closed, the daemon reads on while messages keep coming, until
+# the socket has been quiet for CLOSE_QUIET_S; a client that keeps sending cannot hold the
+# exit beyond CLOSE_READ_MESSAGES or CLOSE_READ_S (ControlServer.answer_queued).
+CLOSE_QUIET_S = 0.05
 CLOSE_READ_MESSAGES = 100_000
+CLOSE_READ_S = 1.0
 SHUTTING_DOWN = "the daemon is shutting down"
 
 
@@ -101,6 +104,7 @@ class ControlServer:
         # reader reads only what is queued.
         self._closing = False
         self._closing_reads = 0
+        self._closing_ends = 0.0
         self._nowait: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._reader: asyncio.Task[object] | None = None
         self._retry: asyncio.Task[None] | None = None
@@ -163,7 +167,7 @@ class ControlServer:
                 turn_ends = time.perf_counter() + CONTROL_TURN_S
             read += 1
             if self._closing:
-                queued = self._queued()
+                queued = await self._queued()
                 if queued is None:
                     return
                 frames = queued
@@ -493,28 +497,36 @@ class ControlServer:
             await asyncio.wait(handlers)
 
     async def answer_queued(self) -> None:
-        """Answer what clients have queued at the socket, then stop reading (the ranks have
-        stopped). ZeroMQ discards a closed socket's queue: unread, a flood's submits got
-        no reply at all. What arrives once the queue is empty, or beyond
-        CLOSE_READ_MESSAGES, is never read."""
+        """Answer what clients have queued or are still sending, then stop reading (the
+        ranks have stopped). ZeroMQ discards a closed socket's queue: unread, a flood's
+        submits got no reply at all. Reading ends once the socket has been quiet for
+        CLOSE_QUIET_S (at once when nothing came since intake closed), after CLOSE_READ_S,
+        or at CLOSE_READ_MESSAGES since intake closed; what arrives later is never read."""
         reader, receiving = self._reader, self._receiving
         if reader is not None and not reader.done():
             if isinstance(receiving, asyncio.Future) and not receiving.done():
                 reader.cancel()  # it has taken no message: cancelling loses none
             await asyncio.wait([reader])
         self._closing = True
+        self._closing_ends = time.monotonic() + CLOSE_READ_S
         await self._read()
         log.info("control socket drained", answered_while_closing=self._closing_reads)
 
-    def _queued(self) -> list[bytes] | None:
-        if self._closing_reads == CLOSE_READ_MESSAGES:
-            return None
-        try:
-            frames = self._nowait.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        self._closing_reads += 1
-        return frames
+    async def _queued(self) -> list[bytes] | None:
+        """The next message while closing, if one comes in time (`answer_queued`)."""
+        while self._closing_reads < CLOSE_READ_MESSAGES:
+            try:
+                frames = self._nowait.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                left = min(self._closing_ends - time.monotonic(), CLOSE_QUIET_S)
+                if not self._closing_reads or left <= 0:
+                    return None
+                if not await self._sock.poll(left * 1000):
+                    return None
+                continue
+            self._closing_reads += 1
+            return frames
+        return None
 
     def owned_requests(self) -> int:
         return self._ownership.owned_requests()

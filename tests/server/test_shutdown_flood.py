@@ -15,8 +15,9 @@ ranks' replies), and what is queued at the socket is read and answered before it
 2. In process, on inproc:// (a send lands in the ROUTER's queue before it returns, and a
    reply in the client's, so "nothing yet" is a fact, not a wait): a submit queued at a rank
    that has not run yet gets `submitted` before its terminal; messages queued once the
-   ranks have stopped (pings, submits, garbage) are all answered, up to the read bound; one
-   sent after the socket was drained gets nothing.
+   ranks have stopped (pings, submits, garbage, a 1 MiB key) are all answered, up to the
+   read bound; a client still sending one message after another is read until the bound;
+   a message sent after the socket was drained gets nothing.
 """
 
 from __future__ import annotations
@@ -274,6 +275,38 @@ def small_bound(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     yield 50
 
 
+def test_a_client_still_sending_is_read_until_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slow input: messages that come one by one, each after the previous reply, are read
+    while they keep coming (the quiet window is made long, so only the bound ends it)."""
+    monkeypatch.setattr(control_module, "CLOSE_QUIET_S", 3600.0)
+    monkeypatch.setattr(control_module, "CLOSE_READ_S", 3600.0)
+    monkeypatch.setattr(control_module, "CLOSE_READ_MESSAGES", 3)
+
+    async def scenario() -> None:
+        served = Inproc()
+        served.start_rank()
+        try:
+            served.control.shutting_down = True
+            await served.control.close_intake()
+            await served.stop_rank()
+            served.sync.send(ping(0))
+            draining = asyncio.create_task(served.control.answer_queued())
+            for n in range(3):
+                pong = await served.reply()
+                assert isinstance(pong, Pong) and pong.id == n
+                if n < 2:
+                    assert not draining.done()
+                    served.sync.send(ping(n + 1))
+            await asyncio.wait_for(draining, WAIT_S)
+            served.sync.send(ping("late"))
+            await settled()
+            assert served.queued() == []
+        finally:
+            await served.close()
+
+    run(scenario())
+
+
 def test_messages_queued_when_the_ranks_stop_are_answered(small_bound: int) -> None:
     """Queued once the ranks have stopped: submits, a cancel and a stats (rank commands)
     get `shutting_down`, a ping its pong, garbage its `bad_message`; beyond the read bound
@@ -294,6 +327,7 @@ def test_messages_queued_when_the_ranks_stop_are_answered(small_bound: int) -> N
                 msgspec.msgpack.encode({"type": "stats", "id": "s"}),
                 ping("p"),
                 b"\xc1 not msgpack",
+                msgspec.msgpack.encode({"type": "ping", "id": "huge", "k" * (1 << 20): 1}),
             ]
             bodies += [ping(f"over-{n}") for n in range(small_bound - len(bodies) + 5)]
             for body in bodies:
@@ -312,8 +346,11 @@ def test_messages_queued_when_the_ranks_stop_are_answered(small_bound: int) -> N
             assert isinstance(by_id["p"], Pong)
             garbage = by_id[None]
             assert isinstance(garbage, ErrorReply) and garbage.code == "bad_message"
+            huge = by_id["huge"]
+            assert isinstance(huge, ErrorReply) and huge.code == "bad_message"
+            assert "(truncated, 1048576 bytes)" in huge.message
             over = [k for k in by_id if isinstance(k, str) and k.startswith("over")]
-            assert over == [f"over-{n}" for n in range(small_bound - 34)]
+            assert over == [f"over-{n}" for n in range(small_bound - 35)]
             # The socket is no longer read: a late message stays unanswered.
             served.sync.send(ping("late"))
             await settled()
