@@ -37,6 +37,7 @@ from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
 from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
+from engined.server.heap import trim_when_idle
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.rank_handle import RankHandle
 from engined.server.rank_process import (
@@ -274,6 +275,8 @@ class Daemon:
         self._tasks.append(
             asyncio.create_task(self.control.expire_handoffs(), name="handoff-timeouts")
         )
+        work = trim_when_idle(self._idle, lambda: sum(loop.tokens_total for loop in self.loops))
+        self._tasks.append(asyncio.create_task(work, name="heap-trim"))
         if self.workers:
             for worker in self.workers:
                 name = f"rank-worker-{worker.index}"
@@ -390,6 +393,15 @@ class Daemon:
         if self.control is not None and self.control.shutting_down:
             return "draining"
         return "serving" if self.started else "starting"
+
+    def _idle(self) -> bool:
+        """No request in flight and no state kept for any client."""
+        control = self.control
+        return (
+            control is not None
+            and not control.owned_requests()
+            and not any(control.client_state().values())
+        )
 
     def handle_exit(self, sig: int | None = None) -> None:
         """First signal: graceful shutdown. Second: skip the drain."""
