@@ -221,11 +221,17 @@ class IpcClaim:
     `check_ipc_path` sees only a socket that is already listening; two daemons starting at
     the same moment could both find the path free. The flock makes the check and the bind
     one step per path. The lock file stays after exit (an unlocked one means nothing).
+
+    The lock lives beside the socket, often in a directory other local users can write
+    (`/tmp`): one of them could plant `<path>.lock` as a symlink to make the daemon create
+    and lock a file elsewhere, or as a FIFO or device whose open has effects. So the last
+    component is never followed and the file must be a regular file of the daemon's own
+    uid, or the bind is refused (OSError, a start-up failure like a live socket).
     """
 
     def __init__(self, path: str) -> None:
         self.path = path + ".lock"
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd: int | None = _open_lock(self.path)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -239,6 +245,46 @@ class IpcClaim:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+# NOFOLLOW: a planted symlink fails (ELOOP) instead of being followed; NONBLOCK and NOCTTY:
+# opening a FIFO or a terminal planted there neither waits for a writer nor adopts a tty.
+_LOCK_FLAGS: Final = (
+    os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+)
+_FILE_KINDS: Final = {
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a device",
+}
+
+
+def _open_lock(path: str) -> int:
+    """A descriptor of the lock file at `path`, a regular file owned by our effective uid.
+
+    Raises:
+        OSError: EEXIST when the path is a symlink, anything but a regular file, or owned
+            by another uid; the message names the path and what is wrong with it.
+    """
+    try:
+        fd = os.open(path, _LOCK_FLAGS, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+        status = os.lstat(path)
+    else:
+        status = os.fstat(fd)
+        if stat.S_ISREG(status.st_mode) and status.st_uid == os.geteuid():
+            return fd
+        os.close(fd)
+    kind = stat.S_IFMT(status.st_mode)
+    if kind == stat.S_IFREG:
+        problem = f"is owned by uid {status.st_uid}, not by this daemon's uid {os.geteuid()}"
+    else:
+        problem = f"is {_FILE_KINDS.get(kind, f'of file type {kind:o}')}, not a regular file"
+    raise OSError(errno.EEXIST, f"ipc lock file {path} {problem}: refusing it (remove it if stale)")
 
 
 def bound_endpoint(sock: zmq.asyncio.Socket, fallback: str) -> str:

@@ -17,7 +17,8 @@ client is subscribed again and gets every rank's load at once.
 Memory is bounded whatever clients do: per-identity state lives only while the identity has
 something in flight (a command being applied, a request, a handoff route, a load watch, an
 episode), at most MAX_DROPPED_CLIENTS episodes are remembered (the oldest is forgotten), and
-all episodes together keep at most MAX_NOTICES notices.
+all episodes together keep at most MAX_NOTICES notices. An episode whose client shows no sign
+of life for DROPPED_FORGET_S is forgotten too, so clients that vanish leave nothing behind.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ MAX_UNANSWERED: Final = 1024
 # that is gone for good then costs one failed send every 2 s until it is forgotten.
 DROPPED_RETRY_S: Final = 0.05
 DROPPED_RETRY_MAX_S: Final = 2.0
+# A dropped client that sends nothing and takes nothing for this long is forgotten with its
+# notices. ZeroMQ never says that a ROUTER peer has gone for good (a vanished one and one
+# that stopped reading look alike), so without this every vanished client kept its episode,
+# its framing and a failed send every DROPPED_RETRY_MAX_S until MAX_DROPPED_CLIENTS newer
+# episodes pushed it out (issue 21, 4).
+DROPPED_FORGET_S: Final = 60.0
 # The most terminals per `output` message when they are delivered.
 TERMINALS_PER_MESSAGE: Final = 1024
 
@@ -76,6 +83,8 @@ class Episode:
     # been read down to its low-water mark, so both are retried alike.
     reason: str
     started: float
+    # The drop, or since then the client's last message or notice taken.
+    heard: float
     retry_at: float = 0.0
     backoff: float = 0.0
     # Retries that found the pipe still full. A first EAGAIN can be a transient (libzmq's
@@ -166,6 +175,7 @@ class ClientTable:
         if episode is not None:
             # It is there: try again now, and soon after.
             episode.backoff = 0.0
+            episode.heard = time.monotonic()
             self._flush(identity)
         return identity not in self._episodes
 
@@ -273,7 +283,8 @@ class ClientTable:
     # --- episodes -----------------------------------------------------------------------
 
     def _drop(self, identity: bytes, reason: str) -> Episode:
-        episode = Episode(reason, time.monotonic())
+        now = time.monotonic()
+        episode = Episode(reason, now, now)
         self._episodes[identity] = episode
         while len(self._episodes) > MAX_DROPPED_CLIENTS:
             self._forget_oldest()
@@ -316,12 +327,15 @@ class ClientTable:
     def _forget_oldest(self, but: bytes | None = None) -> bool:
         for identity in self._episodes:
             if identity != but:
-                pending = _pending(self._episodes.pop(identity))
-                self._notices -= pending
-                log.info("dropped client forgotten", identity=identity.hex(), notices=pending)
-                self.settle(identity)
+                self._forget(identity, "too many dropped clients")
                 return True
         return False
+
+    def _forget(self, identity: bytes, why: str) -> None:
+        pending = _pending(self._episodes.pop(identity))
+        self._notices -= pending
+        log.info("dropped client forgotten", identity=identity.hex(), notices=pending, why=why)
+        self.settle(identity)
 
     def _flush(self, identity: bytes) -> bool:
         """Deliver the episode's notices in order; True once all are out (it has ended)."""
@@ -369,6 +383,7 @@ class ClientTable:
         reason = self._try_send(identity, msg)
         if reason is None:
             episode.delivered += _notice_size(msg)
+            episode.heard = time.monotonic()
             return True
         return False
 
@@ -385,7 +400,11 @@ class ClientTable:
             due = [i for i, e in self._episodes.items() if e.retry_at <= now]
             for identity in due:
                 episode = self._episodes.get(identity)
-                if episode is not None and not self._flush(identity):
+                if episode is None or self._flush(identity):
+                    continue
+                if now - episode.heard >= DROPPED_FORGET_S:
+                    self._forget(identity, f"silent for {DROPPED_FORGET_S:g} s")
+                else:
                     episode.stalls += 1
                     episode.backoff = min(
                         max(2 * episode.backoff, DROPPED_RETRY_S), DROPPED_RETRY_MAX_S

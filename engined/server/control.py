@@ -17,7 +17,7 @@ import itertools
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 
 import structlog
 import zmq
@@ -44,6 +44,13 @@ log = structlog.get_logger(__name__)
 # (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
 CONTROL_TURN_MESSAGES = 64
 CONTROL_TURN_S = 0.002
+# At shutdown, once intake has closed, the daemon reads on while messages keep coming, until
+# the socket has been quiet for CLOSE_QUIET_S; a client that keeps sending cannot hold the
+# exit beyond CLOSE_READ_MESSAGES or CLOSE_READ_S (ControlServer.answer_queued).
+CLOSE_QUIET_S = 0.05
+CLOSE_READ_MESSAGES = 100_000
+CLOSE_READ_S = 1.0
+SHUTTING_DOWN = "the daemon is shutting down"
 
 
 def is_operator(frame: zmq.Frame) -> bool:
@@ -110,6 +117,15 @@ class ControlServer:
         self._decoder = wire.ControlDecoder()
         self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
+        # Shutdown (close_intake): every message but hello and ping is refused, and the
+        # reader reads only what is queued.
+        self._closing = False
+        self._closing_reads = 0
+        self._closing_ends = 0.0
+        self._nowait: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self._reader: asyncio.Task[object] | None = None
+        self._retry: asyncio.Task[None] | None = None
+        self._receiving: Awaitable[list[zmq.Frame]] | None = None
         self._reports = Reports(loops)
         self._tasks: set[asyncio.Task[None]] = set()
         # Set when a handler fails unexpectedly: a bug, which must end the daemon non-zero.
@@ -144,7 +160,8 @@ class ControlServer:
         signal and watchdog ping until it was drained. The ROUTER fair-queues its peers, so
         a flooder's backlog delays the flooder, not the other clients.
         """
-        retry = self._spawn(self._clients.retry_dropped())
+        self._reader = asyncio.current_task()
+        self._retry = retry = self._spawn(self._clients.retry_dropped())
         try:
             await self._read()
         finally:
@@ -167,7 +184,14 @@ class ControlServer:
                 turn_ends = time.perf_counter() + CONTROL_TURN_S
             read += 1
             # Frames, not bytes: the last one carries the connection's role.
-            received = await sock.recv_multipart(copy=False)
+            if self._closing:
+                queued = await self._queued()
+                if queued is None:
+                    return
+                received = queued
+            else:
+                self._receiving = receiving = sock.recv_multipart(copy=False)
+                received = await receiving
             frames = [frame.bytes for frame in received]
             envelope = split_envelope(frames)
             if envelope is None:
@@ -209,10 +233,12 @@ class ControlServer:
                 else:
                     self._clients.unanswered(identity, exc.message_id)
             else:
-                if writable:
-                    self._dispatch(identity, msg, received[-1])
-                else:
+                if not writable:
                     self._clients.unanswered(identity, msg.id)
+                elif self._closing and not isinstance(msg, wire.Hello | wire.Ping):
+                    self._error(identity, msg.id, "shutting_down", SHUTTING_DOWN)
+                else:
+                    self._dispatch(identity, msg, received[-1])
             self._clients.settle(identity)
 
     def _dispatch(self, identity: bytes, msg: wire.ClientMessage, frame: zmq.Frame) -> None:
@@ -304,7 +330,7 @@ class ControlServer:
         msg: wire.Submit | wire.SubmitHandoffPrefill | wire.ReserveDestination,
     ) -> None:
         if self.shutting_down:
-            self._error(identity, msg.id, "shutting_down", "the daemon is shutting down")
+            self._error(identity, msg.id, "shutting_down", SHUTTING_DOWN)
             return
         request = msg.request
         rank = self._pick_rank(request.dp_rank)
@@ -495,9 +521,48 @@ class ControlServer:
         for identity, batch in per_client.items():
             self._reply(identity, wire.Lifecycle(dp_rank=rank, events=batch))
 
-    def cancel_all(self, finish_reason: str = "cancelled") -> None:
-        """End every request still owned (shutdown after the drain timeout)."""
-        self._ownership.end_all()
+    async def close_intake(self) -> None:
+        """Shutdown, after the drain: end every request still owned (`Ownership.end_all`:
+        a submit being applied is answered before its terminal), refuse every message but
+        `hello` and `ping` from now on, and return once every command read before has been
+        answered, so that nothing awaits the ranks any more and they may stop."""
+        await self._ownership.end_all()
+        self._closing = True
+        handlers = [task for task in self._tasks if task is not self._retry]
+        if handlers:
+            await asyncio.wait(handlers)
+
+    async def answer_queued(self) -> None:
+        """Answer what clients have queued or are still sending, then stop reading (the
+        ranks have stopped). ZeroMQ discards a closed socket's queue: unread, a flood's
+        submits got no reply at all. Reading ends once the socket has been quiet for
+        CLOSE_QUIET_S (at once when nothing came since intake closed), after CLOSE_READ_S,
+        or at CLOSE_READ_MESSAGES since intake closed; what arrives later is never read."""
+        reader, receiving = self._reader, self._receiving
+        if reader is not None and not reader.done():
+            if isinstance(receiving, asyncio.Future) and not receiving.done():
+                reader.cancel()  # it has taken no message: cancelling loses none
+            await asyncio.wait([reader])
+        self._closing = True
+        self._closing_ends = time.monotonic() + CLOSE_READ_S
+        await self._read()
+        log.info("control socket drained", answered_while_closing=self._closing_reads)
+
+    async def _queued(self) -> list[zmq.Frame] | None:
+        """The next message while closing, if one comes in time (`answer_queued`)."""
+        while self._closing_reads < CLOSE_READ_MESSAGES:
+            try:
+                frames = self._nowait.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                left = min(self._closing_ends - time.monotonic(), CLOSE_QUIET_S)
+                if not self._closing_reads or left <= 0:
+                    return None
+                if not await self._sock.poll(left * 1000):
+                    return None
+                continue
+            self._closing_reads += 1
+            return frames
+        return None
 
     def owned_requests(self) -> int:
         return self._ownership.owned_requests()

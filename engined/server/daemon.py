@@ -23,7 +23,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING
 
 import structlog
@@ -39,6 +39,7 @@ from engined.server.access import AccessError, gate_policy, operator_endpoint
 from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
 from engined.server.gatekeeper import Domain, Gatekeeper
+from engined.server.heap import trim_when_idle
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
 from engined.server.rank_handle import RankHandle
 from engined.server.rank_process import (
@@ -291,6 +292,8 @@ class Daemon:
         self._tasks.append(
             asyncio.create_task(self.control.expire_handoffs(), name="handoff-timeouts")
         )
+        work = trim_when_idle(self._idle, lambda: sum(loop.tokens_total for loop in self.loops))
+        self._tasks.append(asyncio.create_task(work, name="heap-trim"))
         if self.workers:
             for worker in self.workers:
                 name = f"rank-worker-{worker.index}"
@@ -408,6 +411,15 @@ class Daemon:
             return "draining"
         return "serving" if self.started else "starting"
 
+    def _idle(self) -> bool:
+        """No request in flight and no state kept for any client."""
+        control = self.control
+        return (
+            control is not None
+            and not control.owned_requests()
+            and not any(control.client_state().values())
+        )
+
     def handle_exit(self, sig: int | None = None) -> None:
         """First signal: graceful shutdown. Second: skip the drain."""
         if self._stop.is_set():
@@ -418,23 +430,42 @@ class Daemon:
         log.info("shutdown requested", signal=sig, force=self._force)
 
     async def shutdown(self, *, drain: bool = True) -> None:
+        """Every message the control socket read is answered, and every `submitted` is
+        followed by its terminal: intake closes before the ranks stop, and what is queued
+        at the socket is answered before it closes."""
         control = self.control
         if control is not None:
             control.shutting_down = True
             self._notifier.stopping(status=self._status_line())
             if drain:
                 await self._drain(control)
-            control.cancel_all()
+            await self._unless_a_rank_ends(control.close_intake())
         for loop in self.loops:
             loop.stop()
-        for task in self._tasks:
-            if task.get_name().startswith("rank-") and not task.done():
+        for task in self._rank_tasks():
+            if not task.done():
                 # A worker that died is logged by its run() and counted below.
                 with contextlib.suppress(TimeoutError, RankWorkerDied):
                     await asyncio.wait_for(asyncio.shield(task), 1.0)
+        if control is not None:
+            await control.answer_queued()
         self._worker_died = self._worker_failed()
         await self.close()
         log.info("engined stopped")
+
+    def _rank_tasks(self) -> list[asyncio.Task[None]]:
+        return [task for task in self._tasks if task.get_name().startswith("rank-")]
+
+    async def _unless_a_rank_ends(self, step: Coroutine[object, object, None]) -> None:
+        """Await `step`, which needs the ranks, unless one ends first: a rank worker that
+        died answers nothing, and the daemon must still exit."""
+        task = asyncio.ensure_future(step)
+        await asyncio.wait([task, *self._rank_tasks()], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        else:
+            task.cancel()
+            await asyncio.wait([task])
 
     async def _drain(self, control: ControlServer) -> None:
         deadline = time.monotonic() + self.config.drain_timeout

@@ -211,13 +211,27 @@ class Ownership:
         self._settle(identity)
         return len(mine)
 
-    def end_all(self) -> None:
-        """End every request still owned (shutdown after the drain timeout)."""
+    async def end_all(self) -> None:
+        """End every request still owned (shutdown after the drain timeout).
+
+        The owners are told once their ranks have applied the cancels, as for a `cancel`:
+        a submit still queued at its rank is applied first and answered `submitted`, so its
+        terminal follows that reply instead of preceding it. A request that completes or
+        is refused meanwhile ends that way, and is not told twice.
+        """
+        applied = []
+        for rank, owners in enumerate(self._owners):
+            if owners:
+                *first, last = owners
+                loop = self._loops[rank]
+                for request_id in first:
+                    loop.send(core.Cancel(request_id))
+                applied.append(loop.call(core.Cancel(last)))
+        await asyncio.gather(*applied)
         for rank, owners in enumerate(self._owners):
             per_owner: dict[bytes, list[str]] = {}
             for request_id, identity in list(owners.items()):
                 self._forget(rank, request_id)
-                self._loops[rank].send(core.Cancel(request_id))
                 per_owner.setdefault(identity, []).append(request_id)
             for identity, request_ids in per_owner.items():
                 self._notify(identity, rank, request_ids)

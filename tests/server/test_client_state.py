@@ -12,6 +12,9 @@ In process, so the server's per-identity tables can be counted:
 4. 40 `watch_load` clients that vanish: none stays on the watch list once the load changes.
 5. A client with a fixed routing id that vanished with a request running and reconnects:
    its first message brings it the request's `cancelled` terminal, then the reply.
+6. 300 clients that submit and vanish without reading anything (issue 21, 4): each is
+   dropped once and, silent for the (shortened) forget delay, forgotten once; then every
+   per-identity table is empty, as are the notices, and the core.
 
 Waits are bounded loops on the server's state or on received messages.
 """
@@ -19,11 +22,14 @@ Waits are bounded loops on the server's state or on received messages.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import structlog.testing
+import zmq
 
 from engined.client import EngineClient
 from engined.server import clients
@@ -159,3 +165,41 @@ def test_a_client_that_comes_back_learns_its_request_was_cancelled(tmp_path: Pat
             assert state()["dropped"] == 0
 
     run(scenario(), SCENARIO_TIMEOUT_S)
+
+
+def test_clients_that_vanish_without_reading_are_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(clients, "DROPPED_FORGET_S", 0.2)
+    monkeypatch.setattr(clients, "DROPPED_RETRY_MAX_S", 0.05)
+    vanishing = 300
+
+    async def scenario() -> list[MutableMapping[str, Any]]:
+        with structlog.testing.capture_logs() as logs:
+            async with serve(tmp_path, num_gpu_blocks=65536) as served:
+                state = served.control.client_state
+                for n in range(vanishing):
+                    sock = served.dealer()
+                    sock.setsockopt(zmq.LINGER, 10_000)  # the submit leaves, then it goes
+                    request = {"token_ids": [n % 97 + 1] * 16, "max_tokens": 100_000}
+                    await sock.send(encode(type="submit", request=request, id=n))
+                    sock.close()
+
+                def forgotten() -> int:
+                    return sum(e["event"] == "dropped client forgotten" for e in logs)
+
+                await until(
+                    lambda: forgotten() == vanishing, "every client forgotten", timeout=WAIT_S
+                )
+                await until(lambda: served.loop.engine.is_empty(), "the core empty")
+                assert state() == dict.fromkeys(state(), 0)
+                assert served.control.owned_requests() == 0
+        return logs
+
+    logs = run(scenario(), SCENARIO_TIMEOUT_S)
+    gone = [e for e in logs if e["event"] == "client gone"]
+    forgotten = [e for e in logs if e["event"] == "dropped client forgotten"]
+    assert len(gone) == len({e["identity"] for e in gone}) == vanishing
+    assert {e["identity"] for e in forgotten} == {e["identity"] for e in gone}
+    assert {e["why"] for e in forgotten} == {"silent for 0.2 s"}
+    assert all(e["cancelled"] == 1 for e in gone)

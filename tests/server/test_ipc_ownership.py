@@ -4,14 +4,19 @@
 libzmq unlinks whatever is at an ipc path before binding it, so without a check the second
 daemon silently took the sockets over. Now a path is refused when a process accepts
 connections there or when it is not a socket at all; a stale socket file (a killed daemon's)
-is replaced, and `<path>.lock` stops two daemons that start at the same moment.
+is replaced, and `<path>.lock` stops two daemons that start at the same moment. That lock file
+is opened without following a symlink and must be a regular file of the daemon's own uid
+(issue 21, 1): planted as anything else by another local user, the daemon exits 3.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -114,3 +119,96 @@ def test_the_registry_claims_what_it_binds_until_closed(tmp_path: Path) -> None:
         IpcClaim(f"{tmp_path}/bound").release()
     finally:
         ctx.term()
+
+
+# --- the lock file: never followed, only a regular file of our own uid (issue 21, 1) -------
+
+
+def test_a_lock_planted_as_a_symlink_stops_the_daemon_and_creates_nothing(tmp_path: Path) -> None:
+    """1. Another user plants `<control>.lock` as a symlink to a file that does not exist.
+    2. The daemon exits 3 naming the lock file, and the symlink's target is never created.
+    """
+    target = tmp_path / "elsewhere" / "victim"
+    target.parent.mkdir()
+    lock = Path(f"{tmp_path / 'engined'}-control.lock")
+    lock.symlink_to(target)
+    daemon = DaemonProcess(tmp_path, [], None)
+    try:
+        assert daemon.proc.wait(30) == STARTUP_FAILURE
+    finally:
+        daemon.stop()
+    assert not target.exists()
+    assert lock.is_symlink()
+    assert f"ipc lock file {lock} is a symbolic link, not a regular file" in daemon.log()
+
+
+def test_a_symlink_to_an_existing_file_is_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "victim"
+    target.write_text("keep")
+    os.chmod(target, 0o644)
+    Path(f"{tmp_path}/sock.lock").symlink_to(target)
+    with pytest.raises(OSError) as info:
+        IpcClaim(f"{tmp_path}/sock")
+    assert info.value.errno == errno.EEXIST
+    assert "is a symbolic link, not a regular file" in str(info.value.strerror)
+    assert target.read_text() == "keep"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+
+
+def _plant_fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _plant_directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _plant_socket(path: Path) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(path))
+
+
+@pytest.mark.parametrize(
+    ("plant", "kind"),
+    [(_plant_fifo, "a FIFO"), (_plant_directory, "a directory"), (_plant_socket, "a socket")],
+)
+def test_a_lock_path_of_another_type_is_refused_without_blocking(
+    tmp_path: Path, plant: Callable[[Path], None], kind: str
+) -> None:
+    """A FIFO nobody writes to would block a plain open; it is refused at once, as the rest."""
+    plant(tmp_path / "sock.lock")
+    with pytest.raises(OSError) as info:
+        IpcClaim(f"{tmp_path}/sock")
+    assert info.value.errno == errno.EEXIST
+    assert info.value.strerror == (
+        f"ipc lock file {tmp_path}/sock.lock is {kind}, not a regular file: "
+        "refusing it (remove it if stale)"
+    )
+
+
+def test_a_lock_file_of_another_uid_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is ours; the daemon is made to run as another uid (as another user would)."""
+    (tmp_path / "sock.lock").write_text("")
+    owner = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    with pytest.raises(OSError) as info:
+        IpcClaim(f"{tmp_path}/sock")
+    assert info.value.strerror == (
+        f"ipc lock file {tmp_path}/sock.lock is owned by uid {owner}, not by this daemon's "
+        f"uid {owner + 1}: refusing it (remove it if stale)"
+    )
+    monkeypatch.undo()
+    IpcClaim(f"{tmp_path}/sock").release()
+
+
+def test_a_fresh_lock_file_is_a_private_regular_file(tmp_path: Path) -> None:
+    claim = IpcClaim(f"{tmp_path}/sock")
+    try:
+        status = os.lstat(claim.path)
+        assert stat.S_ISREG(status.st_mode)
+        assert status.st_uid == os.geteuid()
+        assert stat.S_IMODE(status.st_mode) == 0o600
+    finally:
+        claim.release()

@@ -279,6 +279,9 @@ class _Loop:
     def send(self, command: Cancel) -> None:
         self.cancelled.append(command.request_id)
 
+    async def call(self, command: Cancel) -> None:
+        self.send(command)
+
 
 IDENTITIES = [b"a", b"b", b"c"]
 REQUESTS = [f"r{i}" for i in range(6)]
@@ -368,7 +371,7 @@ class OwnershipMachine(RuleBasedStateMachine):
     def shutdown(self) -> None:
         for loop in self.loops:
             loop.cancelled.clear()
-        self.ownership.end_all()
+        asyncio.run(self.ownership.end_all())
         for rank, request_id in self.live:
             assert request_id in self.loops[rank].cancelled  # the engine is told as well
         self.ended |= set(self.live)

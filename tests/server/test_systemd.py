@@ -422,6 +422,7 @@ def test_template_and_single_unit_differ_only_in_naming() -> None:
             "ExecStart=/usr/local/bin/engined serve --config /etc/engined/%i.toml",
         ),
         ("RuntimeDirectory=engined", "RuntimeDirectory=engined/%i"),
+        ("User=engined", "User=engined-%i"),
     }
 
 
