@@ -270,12 +270,10 @@ class ControlServer:
                 self._command(identity, self._cancel(identity, msg, is_operator(frame)))
             case wire.ReleaseSource() | wire.CancelSource():
                 routes = self._ownership.sources
-                command = self._handoff_command(identity, msg, routes, is_operator(frame))
-                self._command(identity, command)
+                self._command(identity, self._handoff_command(identity, msg, routes))
             case wire.ActivateDestination() | wire.CancelDestination():
                 routes = self._ownership.destinations
-                command = self._handoff_command(identity, msg, routes, is_operator(frame))
-                self._command(identity, command)
+                self._command(identity, self._handoff_command(identity, msg, routes))
             case wire.ResetPrefixCache() | wire.SetVocabulary() | wire.SetFpmWorkerId() if (
                 not is_operator(frame)
             ):
@@ -428,12 +426,13 @@ class ControlServer:
         | wire.ActivateDestination
         | wire.CancelDestination,
         routes: dict[str, HandoffRoute],
-        operator: bool,
     ) -> None:
-        """On the identity that registered the handoff (or an operator's); anyone else
-        gets `noop`, as for an unknown handoff."""
+        """From any client: a handoff id is a capability, shared by the parties of one
+        handoff (Dynamo's decode worker releases the source its prefill worker registered,
+        on another connection); Dynamo's are uuids, and an id nobody else can guess is
+        what keeps others off (protocol §1.7)."""
         route = routes.get(msg.handoff_id)
-        if route is None or not (operator or route.identity == identity):
+        if route is None:
             self._reply(identity, wire.Noop(id=msg.id))
             return
         command = to_core_command(msg)

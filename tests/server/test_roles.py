@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from engined.client import EngineClient, EngineError
-from engined.wire.control import Applied, Noop, SourceHeldEvent
+from engined.wire.control import Applied, Noop
 from tests.server.daemon_harness import DaemonProcess, start_daemon
 from tests.server.test_routing_ids import free_tcp_port
 
@@ -115,32 +115,3 @@ def test_a_client_cancels_only_its_own_requests(daemon: DaemonProcess) -> None:
             assert finish == "cancelled"
 
     asyncio.run(scenario())
-
-
-def test_handoff_commands_act_only_for_their_coordinator(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    control = f"tcp://127.0.0.1:{free_tcp_port()}"
-
-    async def scenario() -> None:
-        async with (
-            await EngineClient.connect(control) as coordinator,
-            await EngineClient.connect(control) as other,
-        ):
-            await coordinator.submit_handoff_prefill("h1", list(range(32)), 1)
-            held = await coordinator.next_lifecycle("h1")
-            assert isinstance(held, SourceHeldEvent) and held.handoff_id == "h1"
-            assert isinstance(await other.release_source("h1"), Noop)
-            assert isinstance(await other.cancel_source("h1"), Noop)
-            assert isinstance(await coordinator.release_source("h1"), Applied)
-
-    with start_daemon(
-        tmp_path,
-        "--worker-type",
-        "prefill",
-        "--speedup-ratio",
-        "0",
-        env={"XDG_RUNTIME_DIR": str(run)},
-        control=control,
-    ):
-        asyncio.run(scenario())
