@@ -648,6 +648,11 @@ def test_excluded_ids_take_text_in_toml(tmp_path: Path) -> None:
             {"engine.vocab_size": "2", "engine.excluded_token_ids": "0,1"},
             "engine.excluded_token_ids: excluded_token_ids leave none of the 2 ids",
         ),
+        (
+            {"engine.excluded_token_ids": ",".join(map(str, range(8193)))},
+            "engine.excluded_token_ids: excluded_token_ids has 8193 ids, more than the 8192 "
+            "allowed (a model's EOS and special tokens are far fewer) (from --excluded-token-ids)",
+        ),
     ],
 )
 def test_vocabulary_errors_name_the_key(flags: dict[str, Any], message: str) -> None:
