@@ -112,6 +112,7 @@ class ControlServer:
             "dropped": self._clients.episodes,
             "notices": self._clients.notices,
             "stalls": self._clients.stalls,
+            "idle_waiting": self._reports.waiting_clients,
         }
 
     # --- reading ------------------------------------------------------------------------
@@ -212,9 +213,10 @@ class ControlServer:
                         identity, self._answer(identity, self._reports.fresh_stats(msg.id))
                     )
             case wire.WaitIdle():
-                refusal = self._reports.admit_wait(msg)
+                refusal = self._reports.admit_wait(msg, identity)
                 if refusal is None:
-                    self._command(identity, self._answer(identity, self._reports.until_idle(msg)))
+                    waited = self._reports.until_idle(msg, identity)
+                    self._command(identity, self._answer(identity, waited))
                 else:
                     self._error(identity, msg.id, *refusal)
             case wire.Submit() | wire.SubmitHandoffPrefill() | wire.ReserveDestination():
