@@ -35,6 +35,7 @@ from engined.config import DaemonConfig
 from engined.core.policy import context_length
 from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
+from engined.server.budgets import control_max_message_bytes
 from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
 from engined.server.kv_publisher import KvPublisher, max_batch_bytes
@@ -65,7 +66,6 @@ log = structlog.get_logger(__name__)
 EXIT_OK = 0
 EXIT_FAILURE = 1
 STARTUP_FAILURE = 3
-CONTROL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CONTROL_HWM = 100_000
 # A rank worker's heartbeat period (seconds), shorter under a systemd watchdog (see startup).
 WORKER_HEARTBEAT_S = 1.0
@@ -163,6 +163,7 @@ class Daemon:
             await self.http.start(cfg.http_host, cfg.http_port)
         self._ctx = zmq.asyncio.Context()
         self._registry = registry = SocketRegistry()
+        max_message_bytes = control_max_message_bytes(engine)
         # NOTE: every bind goes through the registry, which refuses an ipc:// path a live
         # socket owns (libzmq would silently take it over) and claims it (sockets.IpcClaim).
         control_sock = registry.make(
@@ -173,7 +174,7 @@ class Daemon:
             sndhwm=CONTROL_HWM,
             rcvhwm=CONTROL_HWM,
             linger=1000,
-            maxmsgsize=CONTROL_MAX_MESSAGE_BYTES,
+            maxmsgsize=max_message_bytes,
             router_mandatory=True,
         )
         kv_endpoints: list[str] = []
@@ -293,7 +294,7 @@ class Daemon:
             kv_replay_endpoints=replay_endpoints,
             fpm_endpoints=fpm_endpoints,
             engine=engine_summary(cfg),
-            limits=limits(cfg, hwms, batch_bytes, CONTROL_MAX_MESSAGE_BYTES),
+            limits=limits(cfg, hwms, batch_bytes, max_message_bytes),
             rank_processes=[worker.pid for worker in self.workers],
         )
         self._notifier.ready(status=self._status_line())
