@@ -526,6 +526,7 @@ ISSUE_FLAGS = {
     "--fpm-endpoint": "fpm_endpoint",
     "--worker-id": "worker_id",
     "--max-queued-requests": "max_queued_requests",
+    "--control-inflight-bytes": "control_inflight_bytes",
     "--drain-timeout": "drain_timeout",
     "--rank-processes": "rank_processes",
     "--realtime-priority": "realtime_priority",

@@ -82,6 +82,16 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         msgspec.Meta(ge=0),
         _help("Waiting requests per rank before `overloaded` (0 = no limit)."),
     ] = 4096
+    # What the requests one control client has in flight may hold in the daemon, as
+    # engined.server.budgets charges them (state, prompt, planned ids); beyond it `submit`
+    # answers `overloaded`. The default holds ~26M prompt tokens: a router that keeps every
+    # rank of an 8-rank default daemon full (8M tokens) and as much again queued fits twice
+    # over (README "Limits and guarantees").
+    control_inflight_bytes: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        _help("Bytes one control client's requests in flight may hold before `overloaded`."),
+    ] = 256 * 1024 * 1024
     # Then in-flight requests are cancelled.
     drain_timeout: Annotated[
         float, msgspec.Meta(ge=0.0), _help("Seconds to finish in-flight requests at shutdown.")

@@ -23,8 +23,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from engined.config import DaemonConfig
 from engined.core import types as core
 from engined.core.errors import CoreError
+from engined.server.budgets import over_budget, request_bytes
 from engined.server.clients import DELIMITER, ClientTable, Episode
 from engined.server.deadlines import Deadlines
 from engined.server.load import LoadWatch
@@ -43,6 +45,8 @@ log = structlog.get_logger(__name__)
 # (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
 CONTROL_TURN_MESSAGES = 64
 CONTROL_TURN_S = 0.002
+# The configuration's defaults, for a server built without a configuration (tests).
+_DEFAULTS = DaemonConfig()
 
 
 def split_envelope(frames: list[bytes]) -> tuple[bytes, bool, bytes] | None:
@@ -68,9 +72,11 @@ class ControlServer:
         handoff_timeout_s: float | None = None,
         deadlines: Deadlines | None = None,
         clock: Callable[[], float] = time.monotonic,
+        inflight_bytes: int = _DEFAULTS.control_inflight_bytes,
     ) -> None:
         """`deadlines` (on `clock`, the ranks' clock) are those of paced ranks in this
-        event loop: a reading turn ends early once one of them is due."""
+        event loop: a reading turn ends early once one of them is due. `inflight_bytes` is
+        what one client's requests in flight may be charged (`engined.server.budgets`)."""
         self._sock = sock
         self._deadlines = deadlines
         self._clock = clock
@@ -90,6 +96,7 @@ class ControlServer:
         )
         self._load = LoadWatch(loops, self._clients.send)
         self._max_queued = max_queued_requests
+        self._inflight_bytes = inflight_bytes
         self._decoder = wire.ControlDecoder()
         self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
@@ -310,6 +317,13 @@ class ControlServer:
                 f"rank {rank} has {self._max_queued} queued requests",
             )
             return
+        cost = request_bytes(len(request.token_ids), len(request.output_token_ids or ()))
+        held = self._ownership.inflight_bytes(identity)
+        if held + cost > self._inflight_bytes:
+            self._error(
+                identity, msg.id, "overloaded", over_budget(held, cost, self._inflight_bytes)
+            )
+            return
         request_id = request.request_id or str(uuid.uuid4())
         command = to_core_command(msg, request_id=request_id)
         assert command is not None
@@ -325,7 +339,7 @@ class ControlServer:
             # The core that owns the handoff id must see the duplicate and refuse it.
             rank, loop = existing.rank, self._loops[existing.rank]
         ownership = self._ownership
-        if not ownership.claim(rank, request_id, identity):
+        if not ownership.claim(rank, request_id, identity, cost):
             self._error(
                 identity, msg.id, "duplicate_request", f"request {request_id} is already active"
             )

@@ -267,6 +267,7 @@ class Daemon:
             max_queued_requests=cfg.max_queued_requests,
             handoff_timeout_s=engine.handoff_session_timeout_ms / 1000.0,
             deadlines=None if self.pacing is None else self.pacing.deadlines,
+            inflight_bytes=cfg.control_inflight_bytes,
         )
         controls.append(self.control)
         for kv in self._publishers:
