@@ -527,6 +527,7 @@ ISSUE_FLAGS = {
     "--worker-id": "worker_id",
     "--max-queued-requests": "max_queued_requests",
     "--control-inflight-bytes": "control_inflight_bytes",
+    "--control-unread-bytes": "control_unread_bytes",
     "--drain-timeout": "drain_timeout",
     "--rank-processes": "rank_processes",
     "--realtime-priority": "realtime_priority",

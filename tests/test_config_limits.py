@@ -30,6 +30,7 @@ def test_bounds_have_finite_defaults() -> None:
     assert config.kv_events_buffer_bytes == 64 * 1024 * 1024
     assert config.kv_replay_client_bytes == 8 * 1024 * 1024
     assert config.control_inflight_bytes == 256 * 1024 * 1024
+    assert config.control_unread_bytes == 64 * 1024 * 1024
 
 
 def test_bounds_follow_the_layers(tmp_path: Path) -> None:
@@ -46,7 +47,13 @@ def test_bounds_follow_the_layers(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["kv_events_buffer_bytes", "kv_replay_client_bytes", "control_inflight_bytes"]
+    "key",
+    [
+        "kv_events_buffer_bytes",
+        "kv_replay_client_bytes",
+        "control_inflight_bytes",
+        "control_unread_bytes",
+    ],
 )
 def test_byte_bounds_must_be_positive(key: str) -> None:
     with pytest.raises(ConfigError, match=f"^{key}: Expected `int` >= 1"):
@@ -71,10 +78,12 @@ def test_sglang_is_refused_from_every_layer(tmp_path: Path) -> None:
 
 def test_print_config_shows_the_bounds() -> None:
     flags = ["--kv-events-buffer-bytes", "5", "--control-inflight-bytes", "6"]
+    flags += ["--control-unread-bytes", "7"]
     result = CliRunner().invoke(app, ["serve", "--print-config", *flags])
     assert result.exit_code == 0, result.output
     config = tomllib.loads(result.stdout)
     assert config["kv_events_buffer_bytes"] == 5
     assert config["control_inflight_bytes"] == 6
+    assert config["control_unread_bytes"] == 7
     assert config["kv_replay_client_bytes"] == 8 * 1024 * 1024
     assert config["max_queued_requests"] == 4096

@@ -107,6 +107,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--worker-id", "worker_id"),
     Flag("--max-queued-requests", "max_queued_requests"),
     Flag("--control-inflight-bytes", "control_inflight_bytes"),
+    Flag("--control-unread-bytes", "control_unread_bytes"),
     Flag("--drain-timeout", "drain_timeout"),
     Flag("--rank-processes", "rank_processes"),
     Flag("--realtime-priority", "realtime_priority"),

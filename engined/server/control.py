@@ -23,7 +23,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from engined.config import DaemonConfig
+from engined.config.schema import CONTROL_INFLIGHT_BYTES, CONTROL_UNREAD_BYTES
 from engined.core import types as core
 from engined.core.errors import CoreError
 from engined.server.budgets import over_budget, request_bytes
@@ -45,8 +45,6 @@ log = structlog.get_logger(__name__)
 # (64 pings take ~1 ms), before the passes and everything else on the event loop run again.
 CONTROL_TURN_MESSAGES = 64
 CONTROL_TURN_S = 0.002
-# The configuration's defaults, for a server built without a configuration (tests).
-_DEFAULTS = DaemonConfig()
 
 
 def split_envelope(frames: list[bytes]) -> tuple[bytes, bool, bytes] | None:
@@ -72,11 +70,14 @@ class ControlServer:
         handoff_timeout_s: float | None = None,
         deadlines: Deadlines | None = None,
         clock: Callable[[], float] = time.monotonic,
-        inflight_bytes: int = _DEFAULTS.control_inflight_bytes,
+        inflight_bytes: int = CONTROL_INFLIGHT_BYTES,
+        unread_messages: int | None = None,
+        unread_bytes: int = CONTROL_UNREAD_BYTES,
     ) -> None:
         """`deadlines` (on `clock`, the ranks' clock) are those of paced ranks in this
         event loop: a reading turn ends early once one of them is due. `inflight_bytes` is
-        what one client's requests in flight may be charged (`engined.server.budgets`)."""
+        what one client's requests in flight may be charged (`engined.server.budgets`);
+        `unread_messages` and `unread_bytes` what it may leave unread (`ClientTable`)."""
         self._sock = sock
         self._deadlines = deadlines
         self._clock = clock
@@ -86,7 +87,12 @@ class ControlServer:
         # Malformed input is logged in bursts per client, not once per message.
         self._bad_log = LogThrottle()
         self._clients = ClientTable(
-            sock, in_flight=self._in_flight, dropped=self._dropped, recovered=self._recovered
+            sock,
+            in_flight=self._in_flight,
+            dropped=self._dropped,
+            recovered=self._recovered,
+            unread_messages=unread_messages,
+            unread_bytes=unread_bytes,
         )
         self._ownership = Ownership(
             loops,
@@ -119,6 +125,8 @@ class ControlServer:
             "dropped": self._clients.episodes,
             "notices": self._clients.notices,
             "stalls": self._clients.stalls,
+            "backlogs": len(self._clients.backlogs),
+            "queued_bytes": self._clients.backlogs.bytes,
             "idle_waiting": self._reports.waiting_clients,
         }
 

@@ -66,7 +66,11 @@ log = structlog.get_logger(__name__)
 EXIT_OK = 0
 EXIT_FAILURE = 1
 STARTUP_FAILURE = 3
+# Messages one control client may leave unread (its ZeroMQ pipe and its backlog together),
+# and the pipe's own size: small, so that what it holds beyond the backlog's counted bytes
+# stays small too (256 of the largest `welcome`, 41 KB, are 10.5 MB).
 CONTROL_HWM = 100_000
+CONTROL_PIPE_HWM = 256
 # A rank worker's heartbeat period (seconds), shorter under a systemd watchdog (see startup).
 WORKER_HEARTBEAT_S = 1.0
 # `rank_processes`: one worker process per available core (at most one per rank).
@@ -171,7 +175,7 @@ class Daemon:
             zmq.ROUTER,
             cfg.control_endpoint,
             bind=True,
-            sndhwm=CONTROL_HWM,
+            sndhwm=CONTROL_PIPE_HWM,
             rcvhwm=CONTROL_HWM,
             linger=1000,
             maxmsgsize=max_message_bytes,
@@ -268,6 +272,8 @@ class Daemon:
             handoff_timeout_s=engine.handoff_session_timeout_ms / 1000.0,
             deadlines=None if self.pacing is None else self.pacing.deadlines,
             inflight_bytes=cfg.control_inflight_bytes,
+            unread_messages=CONTROL_HWM,
+            unread_bytes=cfg.control_unread_bytes,
         )
         controls.append(self.control)
         for kv in self._publishers:
