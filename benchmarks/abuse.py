@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import abuse_budgets  # noqa: F401  (registers issue 21's)
 import abuse_clients  # noqa: F401  (registers defects 5, 6, 8, 9 and 10)
 import msgspec
 import zmq

@@ -32,6 +32,13 @@ async def client_of(tmp_path: Path, **serve_args: Any) -> AsyncIterator[EngineCl
         yield client
 
 
+async def read_by_the_daemon(client: EngineClient) -> None:
+    """Return once every message the client's started tasks were sending has been read: the
+    first ping's round trip lets those tasks send, the second follows them on the socket."""
+    await client.ping()
+    await client.ping()
+
+
 def test_the_reply_follows_every_output_of_earlier_requests(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with client_of(tmp_path, ranks=2) as client:
@@ -100,7 +107,7 @@ def test_waits_are_bounded_and_a_busy_rank_keeps_them_waiting(tmp_path: Path) ->
             ]
             assert len(waits) == WAIT_IDLE_LIMIT
             for client in waiters:
-                await client.ping()  # every wait of this client has reached the daemon
+                await read_by_the_daemon(client)
             with pytest.raises(EngineError) as refused:
                 await last.wait_idle()
             assert refused.value.code == "overloaded"
@@ -136,7 +143,7 @@ def test_one_client_cannot_fill_the_room_of_another(tmp_path: Path) -> None:
                 asyncio.ensure_future(hog.wait_idle(timeout=None))
                 for _ in range(WAIT_IDLE_CLIENT_LIMIT)
             ]
-            await hog.ping()
+            await read_by_the_daemon(hog)
             with pytest.raises(EngineError) as refused:
                 await hog.wait_idle()
             assert refused.value.code == "overloaded"
@@ -144,7 +151,7 @@ def test_one_client_cannot_fill_the_room_of_another(tmp_path: Path) -> None:
                 "this client has 64 wait_idle messages waiting already"
             )
             mine = asyncio.ensure_future(bystander.wait_idle(timeout=None))
-            await bystander.ping()  # a refusal would have come before this pong
+            await read_by_the_daemon(bystander)  # a refusal would have come before
             assert not mine.done() and not any(wait.done() for wait in hogged)
             assert served.control.client_state()["idle_waiting"] == 2
             stuck.set()
