@@ -9,6 +9,7 @@ peer's pipe small and queues what does not fit here, encoded, where the bytes ar
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -22,11 +23,13 @@ class Backlog:
     """Encoded messages for one client, in order, each with its notice: what the client
     must still learn of it should it be dropped (None: nothing)."""
 
-    __slots__ = ("_items", "bytes")
+    __slots__ = ("_items", "bytes", "moved_at")
 
     def __init__(self) -> None:
         self._items: deque[tuple[bytes, wire.DaemonMessage | None]] = deque()
         self.bytes = 0
+        # When it started, or last sent something (monotonic seconds).
+        self.moved_at = time.monotonic()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -41,7 +44,9 @@ class Backlog:
         items = self._items
         while items and send(identity, items[0][0]) is None:
             sent += len(items.popleft()[0])
-        self.bytes -= sent
+        if sent:
+            self.bytes -= sent
+            self.moved_at = time.monotonic()
         return sent
 
     def notices(self) -> Iterator[wire.DaemonMessage]:
@@ -90,6 +95,10 @@ class Backlogs:
             return False
         del self._of[identity]
         return True
+
+    def stalled(self, identity: bytes, since: float) -> bool:
+        """Whether `identity`'s backlog has sent nothing since `since`."""
+        return self._of[identity].moved_at < since
 
     def take(self, identity: bytes) -> Backlog:
         """Remove `identity`'s backlog (the client was dropped); empty if it had none."""

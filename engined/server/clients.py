@@ -14,9 +14,10 @@ terminal per request that was ended, the direct replies and lifecycle events tha
 be sent, the final entries of any output that could not be sent, and an `overloaded` error
 for each message it sends meanwhile (not processed: it would only add to the backlog; past
 MAX_UNANSWERED, one error without an id counts the rest). When the client can be written to
-again (tried after DROPPED_RETRY_S, backing off to DROPPED_RETRY_MAX_S, and whenever it
-sends a message) the notices are delivered in order and the episode ends; a `watch_load`
-client is subscribed again and gets every rank's load at once.
+again (tried after DROPPED_RETRY_S, backing off to DROPPED_RETRY_MAX_S, every MOVING_RETRY_S
+while it takes what is tried, and whenever it sends a message) the notices are delivered in
+order and the episode ends; a `watch_load` client is subscribed again and gets every rank's
+load at once.
 
 Memory is bounded whatever clients do: per-identity state lives only while the identity has
 something in flight (a command being applied, a request, a handoff route, a load watch, a
@@ -62,8 +63,16 @@ MAX_UNANSWERED: Final = 1024
 # that is gone for good then costs one failed send every 2 s until it is forgotten.
 DROPPED_RETRY_S: Final = 0.05
 DROPPED_RETRY_MAX_S: Final = 2.0
+# While a client takes what is retried (its small pipe had room again), the next retry comes
+# this soon, so a client catching up on a backlog or notices is not held to one pipe's worth
+# per DROPPED_RETRY_S.
+MOVING_RETRY_S: Final = 0.005
 # The most terminals per `output` message when they are delivered.
 TERMINALS_PER_MESSAGE: Final = 1024
+# A backlog that has sent nothing for this long, of a client with nothing in flight (so
+# nothing more is coming to it), is dropped: its replies become notices, which the episodes'
+# bounds cover, instead of a backlog kept for a peer that may be gone for good.
+BACKLOG_STALL_S: Final = 10.0
 
 
 @dataclass(slots=True)
@@ -442,22 +451,39 @@ class ClientTable:
         never get them: ZeroMQ tells nobody when a ROUTER peer's pipe has room again, so it is
         tried.
         """
+        delay = DROPPED_RETRY_S
         while True:
             await self._retry_wanted.wait()
-            await asyncio.sleep(DROPPED_RETRY_S)
+            await asyncio.sleep(delay)
+            now = time.monotonic()
+            queued = self._backlogs.bytes
             for identity in self._backlogs.identities():
                 if self._backlogs.flush(identity, self._try_send):
                     self.settle(identity)
-            now = time.monotonic()
+                elif self._backlogs.stalled(identity, now - BACKLOG_STALL_S):
+                    client = self._clients.get(identity)
+                    if not (client and client.busy) and not self._in_flight(identity):
+                        self._drop(identity, "too slow")
+            moved = self._backlogs.bytes < queued
             due = [i for i, e in self._episodes.items() if e.retry_at <= now]
             for identity in due:
                 episode = self._episodes.get(identity)
-                if episode is not None and not self._flush(identity):
+                if episode is None:
+                    continue
+                delivered = episode.delivered
+                if self._flush(identity):
+                    continue
+                if episode.delivered > delivered:
+                    moved = True
+                    episode.backoff = 0.0
+                    episode.retry_at = now
+                else:
                     episode.stalls += 1
                     episode.backoff = min(
                         max(2 * episode.backoff, DROPPED_RETRY_S), DROPPED_RETRY_MAX_S
                     )
                     episode.retry_at = now + episode.backoff
+            delay = MOVING_RETRY_S if moved else DROPPED_RETRY_S
             if not self._episodes and not self._backlogs:
                 self._retry_wanted.clear()
 

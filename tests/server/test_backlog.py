@@ -13,6 +13,8 @@ does not read fills its pipe within a few dozen messages.
    log names the backlog it had; its requests leave the core; once it reads it learns each
    was cancelled, once.
 3. A client that vanishes is dropped at once ("unreachable"), backlog or not.
+4. A backlog that sends nothing for BACKLOG_STALL_S, of a client with nothing in flight, is
+   dropped: its replies become notices, delivered in order once the client reads.
 
 Waits are bounded loops on the server's per-client state, the core's requests and received
 messages, never sleeps standing in for an event.
@@ -25,11 +27,20 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import structlog
 import zmq.asyncio
 
 from engined.config.schema import CONTROL_UNREAD_BYTES
-from engined.wire.control import DaemonMessage, Output, OutputEntry, ReplyDecoder, Submitted
+from engined.server import clients
+from engined.wire.control import (
+    DaemonMessage,
+    Output,
+    OutputEntry,
+    Pong,
+    ReplyDecoder,
+    Submitted,
+)
 from tests.server.inprocess import serve
 from tests.support import run, until
 
@@ -142,3 +153,35 @@ def test_a_client_that_vanishes_is_dropped_at_once(tmp_path: Path) -> None:
     logs = run(scenario(), 60)
     (gone,) = [entry for entry in logs if entry["event"] == "client gone"]
     assert (gone["reason"], gone["cancelled"]) == ("unreachable", 1)
+
+
+def test_a_stalled_backlog_of_a_client_owning_nothing_becomes_notices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(clients, "BACKLOG_STALL_S", 0.2)
+    pings = 3000  # far more than the pipe and small kernel buffers hold
+
+    async def scenario() -> list[Any]:
+        with structlog.testing.capture_logs() as logs:
+            async with serve(tmp_path, sndhwm=PIPE, unread_messages=100_000) as served:
+                state = served.control.client_state
+                sock = served.dealer(rcvhwm=1)
+                for n in range(pings):
+                    await sock.send(encode(type="ping", id=n))
+                await until(lambda: state()["dropped"] == 1, "dropped", timeout=WAIT_S)
+                assert (state()["backlogs"], state()["queued_bytes"]) == (0, 0)
+                kept = state()["notices"]
+                seen: list[DaemonMessage] = []
+                async with asyncio.timeout(WAIT_S):
+                    while len(seen) < pings:
+                        seen.append(DECODER.decode(await sock.recv()))
+                assert [(type(m), getattr(m, "id", None)) for m in seen] == [
+                    (Pong, n) for n in range(pings)
+                ]
+                await until(lambda: state()["tracked"] == 0, "state freed", timeout=WAIT_S)
+        return [kept, *logs]
+
+    kept, *logs = run(scenario(), 60)
+    (gone,) = [entry for entry in logs if entry["event"] == "client gone"]
+    assert (gone["reason"], gone["cancelled"], gone["queued"]) == ("too slow", 0, kept)
+    assert kept > 0
