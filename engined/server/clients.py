@@ -318,7 +318,8 @@ class ClientTable:
 
         A backlog is sent at each send to its client, each message from it and each retry.
         Any refusal, EHOSTUNREACH included, leaves it waiting: libzmq answers that for a full
-        pipe too (`Episode.reason`); a peer gone for good is dropped past the limits.
+        pipe too (`Episode.reason`), and a gone peer whose pipe was full answers EAGAIN; such
+        a peer is dropped past the limits, or once stalled with nothing in flight.
         """
         if identity not in self._backlogs:
             # Its framing must outlive the message that found the pipe full.
