@@ -458,7 +458,7 @@ class ClientTable:
             await asyncio.sleep(delay)
             now = time.monotonic()
             queued = self._backlogs.bytes
-            for identity in self._backlogs.identities():
+            for identity in list(self._backlogs):
                 if self._backlogs.flush(identity, self._try_send):
                     self.settle(identity)
                 elif self._backlogs.stalled(identity, now - BACKLOG_STALL_S):
