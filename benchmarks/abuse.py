@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import abuse_budgets  # noqa: F401  (registers issue 21's)
 import abuse_clients  # noqa: F401  (registers defects 5, 6, 8, 9 and 10)
 import abuse_identity  # noqa: F401  (registers issue 21's routing-id and connection scenarios)
 import abuse_shutdown  # noqa: F401  (registers issue 21's defects 1, 3 and 4)

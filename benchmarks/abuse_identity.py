@@ -86,13 +86,16 @@ async def identity_takeover(run: Run) -> Figures:
     impostor = ctx.socket(zmq.DEALER)
     impostor.setsockopt(zmq.ROUTING_ID, b"victim")
     impostor.connect(run.daemon.control)
-    await impostor.send(msgspec.msgpack.encode({"type": "wait_idle", "id": 2}))
+    # The victim's request runs ~3 s (300 passes of 10 ms): read past its end. (wait_idle
+    # would wait for the streaming bystander too, which never idles.)
+    await impostor.send(msgspec.msgpack.encode({"type": "ping", "id": 2}))
     foreign = 0
-    while True:
-        reply = msgspec.msgpack.decode(await impostor.recv())
-        if reply.get("id") == 2:
+    deadline = time.monotonic() + 5
+    while (left := deadline - time.monotonic()) > 0:
+        if not await impostor.poll(left * 1000):
             break
-        foreign += 1
+        reply = msgspec.msgpack.decode(await impostor.recv())
+        foreign += reply.get("id") != 2
     impostor.close(linger=0)
     return {"victims_messages_to_impostor": foreign}
 

@@ -531,6 +531,8 @@ ISSUE_FLAGS = {
     "--fpm-endpoint": "fpm_endpoint",
     "--worker-id": "worker_id",
     "--max-queued-requests": "max_queued_requests",
+    "--control-inflight-bytes": "control_inflight_bytes",
+    "--control-unread-bytes": "control_unread_bytes",
     "--drain-timeout": "drain_timeout",
     "--rank-processes": "rank_processes",
     "--realtime-priority": "realtime_priority",
@@ -658,6 +660,11 @@ def test_excluded_ids_take_text_in_toml(tmp_path: Path) -> None:
         (
             {"engine.vocab_size": "2", "engine.excluded_token_ids": "0,1"},
             "engine.excluded_token_ids: excluded_token_ids leave none of the 2 ids",
+        ),
+        (
+            {"engine.excluded_token_ids": ",".join(map(str, range(8193)))},
+            "engine.excluded_token_ids: excluded_token_ids has 8193 ids, more than the 8192 "
+            "allowed (a model's EOS and special tokens are far fewer) (from --excluded-token-ids)",
         ),
     ],
 )

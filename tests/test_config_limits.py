@@ -1,4 +1,4 @@
-"""The configuration of issue 10's bounds, and `--engine-type sglang` refused as a bad setting.
+"""The configuration of issue 10's and 21's bounds, and `--engine-type sglang` refused.
 
 A refused setting must exit 2 (CONFIG_ERROR) before anything starts: under systemd an exit 1
 (a crash) means a restart loop, exit 2 a configuration to fix.
@@ -29,6 +29,8 @@ def test_bounds_have_finite_defaults() -> None:
     assert config.max_queued_requests == 4096
     assert config.kv_events_buffer_bytes == 64 * 1024 * 1024
     assert config.kv_replay_client_bytes == 8 * 1024 * 1024
+    assert config.control_inflight_bytes == 256 * 1024 * 1024
+    assert config.control_unread_bytes == 64 * 1024 * 1024
 
 
 def test_bounds_follow_the_layers(tmp_path: Path) -> None:
@@ -44,7 +46,15 @@ def test_bounds_follow_the_layers(tmp_path: Path) -> None:
     assert config.max_queued_requests == 8  # flag over environment
 
 
-@pytest.mark.parametrize("key", ["kv_events_buffer_bytes", "kv_replay_client_bytes"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "kv_events_buffer_bytes",
+        "kv_replay_client_bytes",
+        "control_inflight_bytes",
+        "control_unread_bytes",
+    ],
+)
 def test_byte_bounds_must_be_positive(key: str) -> None:
     with pytest.raises(ConfigError, match=f"^{key}: Expected `int` >= 1"):
         load_config(config_path=None, env={}, flags={key: "0"})
@@ -67,9 +77,13 @@ def test_sglang_is_refused_from_every_layer(tmp_path: Path) -> None:
 
 
 def test_print_config_shows_the_bounds() -> None:
-    result = CliRunner().invoke(app, ["serve", "--print-config", "--kv-events-buffer-bytes", "5"])
+    flags = ["--kv-events-buffer-bytes", "5", "--control-inflight-bytes", "6"]
+    flags += ["--control-unread-bytes", "7"]
+    result = CliRunner().invoke(app, ["serve", "--print-config", *flags])
     assert result.exit_code == 0, result.output
     config = tomllib.loads(result.stdout)
     assert config["kv_events_buffer_bytes"] == 5
+    assert config["control_inflight_bytes"] == 6
+    assert config["control_unread_bytes"] == 7
     assert config["kv_replay_client_bytes"] == 8 * 1024 * 1024
     assert config["max_queued_requests"] == 4096

@@ -111,6 +111,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--fpm-endpoint", "fpm_endpoint", metavar_override=_ENDPOINT),
     Flag("--worker-id", "worker_id"),
     Flag("--max-queued-requests", "max_queued_requests"),
+    Flag("--control-inflight-bytes", "control_inflight_bytes"),
+    Flag("--control-unread-bytes", "control_unread_bytes"),
     Flag("--drain-timeout", "drain_timeout"),
     Flag("--rank-processes", "rank_processes"),
     Flag("--realtime-priority", "realtime_priority"),

@@ -18,6 +18,10 @@ KvEventsFormat = Literal["vllm", "vllm-array"]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 _DEFAULT_ENGINE = EngineArgs().normalized()
+# The defaults of the control socket's byte budgets, which the server's parts also take when
+# built without a configuration.
+CONTROL_INFLIGHT_BYTES = 256 * 1024 * 1024
+CONTROL_UNREAD_BYTES = 64 * 1024 * 1024
 
 
 def _help(text: str) -> msgspec.Meta:
@@ -107,6 +111,24 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         msgspec.Meta(ge=0),
         _help("Waiting requests per rank before `overloaded` (0 = no limit)."),
     ] = 4096
+    # What the requests one control client has in flight may hold in the daemon, as
+    # engined.server.budgets charges them (state, prompt, planned ids); beyond it `submit`
+    # answers `overloaded`. The default holds ~26M prompt tokens: a router that keeps every
+    # rank of an 8-rank default daemon full (8M tokens) and as much again queued fits twice
+    # over (README "Limits and guarantees").
+    control_inflight_bytes: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        _help("Bytes one control client's requests in flight may hold before `overloaded`."),
+    ] = CONTROL_INFLIGHT_BYTES
+    # What one control client that does not read may have queued in the daemon, encoded,
+    # beyond its small ZeroMQ pipe; past it (or past 100,000 unread messages) the client is
+    # dropped: its requests are cancelled, and it is told once it reads (PROTOCOL.md §1.4).
+    control_unread_bytes: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        _help("Bytes queued for one control client that does not read before it is dropped."),
+    ] = CONTROL_UNREAD_BYTES
     # Then in-flight requests are cancelled.
     drain_timeout: Annotated[
         float, msgspec.Meta(ge=0.0), _help("Seconds to finish in-flight requests at shutdown.")

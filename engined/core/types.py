@@ -121,13 +121,14 @@ class SetVocabulary(msgspec.Struct, frozen=True):
     """Change the ids unplanned tokens are drawn from (`EngineArgs.vocab_size` and
     `excluded_token_ids`), e.g. once a Dynamo worker has read its model's tokenizer.
 
-    Contract: validated by the rules `EngineArgs` applies (`vocab_size` in [1, 2**32], every
-    excluded id >= 0 and below `vocab_size`, at least one id left drawable); a violation
-    raises `InvalidRequestError` naming the field and changes nothing. Otherwise the answer
-    is `Applied` and every unplanned token drawn afterwards, in running requests too, follows
-    the new setting; tokens already drawn and planned `output_token_ids` are untouched. A
-    `vocab_size` of None with no excluded ids restores raw u32 ids. The draws keep using the
-    core's seeded RNG, so the same commands at the same points give the same tokens.
+    Contract: validated by the rules `EngineArgs` applies (`vocab_size` in [1, 2**32], at most
+    `EXCLUDED_TOKEN_IDS_MAX` excluded ids, every one >= 0 and below `vocab_size`, at least one
+    id left drawable); a violation raises `InvalidRequestError` naming the field and changes
+    nothing. Otherwise the answer is `Applied` and every unplanned token drawn afterwards, in
+    running requests too, follows the new setting; tokens already drawn and planned
+    `output_token_ids` are untouched. A `vocab_size` of None with no excluded ids restores raw
+    u32 ids. The draws keep using the core's seeded RNG, so the same commands at the same
+    points give the same tokens.
     """
 
     vocab_size: int | None

@@ -19,6 +19,12 @@ from array import array
 from collections.abc import Callable, Iterable
 
 VOCAB_SIZE_MAX = 2**32
+# The most excluded ids a vocabulary may name. Real tokenizers' EOS and special tokens number
+# from a few dozen (Qwen2.5: 22) through 256 (Llama 3's reserved block) and 1,000 (Mistral's
+# Tekken control tokens) to about 6,400 (Gemma 3: 6,242 `<unusedN>` and the rest); twice the
+# largest power of two below that leaves room. The bound keeps what the ids cost everywhere
+# they are kept or sent bounded: the cores' sets, and every `welcome` (41 KB at most for them).
+EXCLUDED_TOKEN_IDS_MAX = 8192
 
 
 def vocabulary_error(vocab_size: int | None, excluded_token_ids: Iterable[int]) -> str | None:
@@ -36,6 +42,11 @@ def vocabulary_problem(
 ) -> tuple[str, str] | None:
     """`vocabulary_error` with the field it is about: (key, message), for `EngineArgs`."""
     excluded = list(excluded_token_ids)
+    if len(excluded) > EXCLUDED_TOKEN_IDS_MAX:
+        return "excluded_token_ids", (
+            f"excluded_token_ids has {len(excluded)} ids, more than the {EXCLUDED_TOKEN_IDS_MAX} "
+            "allowed (a model's EOS and special tokens are far fewer)"
+        )
     if vocab_size is not None and not 1 <= vocab_size <= VOCAB_SIZE_MAX:
         return "vocab_size", f"vocab_size must be in [1, {VOCAB_SIZE_MAX}], got {vocab_size}"
     for index, token_id in enumerate(excluded):

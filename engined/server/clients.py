@@ -3,22 +3,30 @@
 Every message to a client leaves through `ClientTable.send`: NOBLOCK on a ROUTER_MANDATORY
 socket, so a send never blocks the engine and fails at once, either because the peer is
 gone (EHOSTUNREACH) or because it left SNDHWM messages unread (EAGAIN: the ROUTER's per-peer
-pipe is full). Either way the client is **dropped**: its requests are cancelled and their KV
-freed (it cannot take their outputs), and an *episode* starts, logged once. During the
+pipe is full). A full pipe is only a client behind: what does not fit waits in the client's
+`Backlog`, encoded and counted, and goes out, in order, as the pipe takes it (tried at each
+send to the client, each message from it, and with the dropped clients' retries). A client
+that is gone, or whose unread messages (pipe and backlog) pass `limit` or whose backlog
+passes `byte_limit`, is **dropped**: its requests are cancelled and their KV freed (it
+cannot take their outputs), and an *episode* starts, logged once. During the
 episode the daemon keeps what the client must still learn, its *notices*: one `cancelled`
 terminal per request that was ended, the direct replies and lifecycle events that could not
 be sent, the final entries of any output that could not be sent, and an `overloaded` error
 for each message it sends meanwhile (not processed: it would only add to the backlog; past
 MAX_UNANSWERED, one error without an id counts the rest). When the client can be written to
-again (tried after DROPPED_RETRY_S, backing off to DROPPED_RETRY_MAX_S, and whenever it
-sends a message) the notices are delivered in order and the episode ends; a `watch_load`
-client is subscribed again and gets every rank's load at once.
+again (tried after DROPPED_RETRY_S, backing off to DROPPED_RETRY_MAX_S, every MOVING_RETRY_S
+while it takes what is tried, and whenever it sends a message) the notices are delivered in
+order and the episode ends; a `watch_load` client is subscribed again and gets every rank's
+load at once.
 
 Memory is bounded whatever clients do: per-identity state lives only while the identity has
-something in flight (a command being applied, a request, a handoff route, a load watch, an
-episode), at most MAX_DROPPED_CLIENTS episodes are remembered (the oldest is forgotten), and
-all episodes together keep at most MAX_NOTICES notices. An episode whose client shows no sign
-of life for DROPPED_FORGET_S is forgotten too, so clients that vanish leave nothing behind.
+something in flight (a command being applied, a request, a handoff route, a load watch, a
+backlog, an episode), a backlog holds at most `byte_limit` bytes, at most
+MAX_DROPPED_CLIENTS episodes are remembered (the oldest is forgotten), and all episodes
+together keep at most MAX_NOTICES notices, none of them a large reply (a `welcome` or
+`stats` reply a dropped client was owed becomes an `overloaded` error: it asks again). An
+episode whose client shows no sign of life for DROPPED_FORGET_S is forgotten too, so clients
+that vanish leave nothing behind.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from engined.config.schema import CONTROL_UNREAD_BYTES
+from engined.server.backlog import Backlogs
 from engined.wire import control as wire
 from engined.zmq_sockets import send_frames_nowait
 
@@ -61,8 +71,16 @@ DROPPED_RETRY_MAX_S: Final = 2.0
 # its framing and a failed send every DROPPED_RETRY_MAX_S until MAX_DROPPED_CLIENTS newer
 # episodes pushed it out (issue 21, 4).
 DROPPED_FORGET_S: Final = 60.0
+# While a client takes what is retried (its small pipe had room again), the next retry comes
+# this soon, so a client catching up on a backlog or notices is not held to one pipe's worth
+# per DROPPED_RETRY_S.
+MOVING_RETRY_S: Final = 0.005
 # The most terminals per `output` message when they are delivered.
 TERMINALS_PER_MESSAGE: Final = 1024
+# A backlog that has sent nothing for this long, of a client with nothing in flight (so
+# nothing more is coming to it), is dropped: its replies become notices, which the episodes'
+# bounds cover, instead of a backlog kept for a peer that may be gone for good.
+BACKLOG_STALL_S: Final = 10.0
 
 
 @dataclass(slots=True)
@@ -116,7 +134,11 @@ class ClientTable:
         in_flight: Callable[[bytes], bool],
         dropped: Callable[[bytes, Episode], None],
         recovered: Callable[[bytes, Episode], None],
+        unread_messages: int | None = None,
+        unread_bytes: int = CONTROL_UNREAD_BYTES,
     ) -> None:
+        """A client is dropped past `unread_messages` unread (its pipe, SNDHWM messages, and
+        its backlog; None: the pipe alone, no backlog) or `unread_bytes` in its backlog."""
         self._sock = sock
         # Sends go through a synchronous shadow: NOBLOCK, errors raised at the call.
         self._send_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
@@ -124,11 +146,15 @@ class ClientTable:
         self._in_flight = in_flight
         self._dropped = dropped
         self._recovered = recovered
-        self.limit = int(sock.get(zmq.SNDHWM))
+        pipe = int(sock.get(zmq.SNDHWM))
+        self.limit = pipe if unread_messages is None else unread_messages
+        self.byte_limit = unread_bytes
+        self._backlogs = Backlogs(pipe=pipe, messages=self.limit, byte_limit=unread_bytes)
         # One string for every kept `overloaded` reply (a dropped flooder may need 1,024).
         self._unanswered_text = (
-            f"not processed: this client left more than {self.limit} messages unread, "
-            "so it was dropped and its requests were cancelled; read, then send again"
+            f"not processed: this client left more than {self.limit} messages unread, or more "
+            f"than {self.byte_limit} bytes (control_unread_bytes), so it was dropped and its "
+            "requests were cancelled; read, then send again"
         )
         self._clients: dict[bytes, Client] = {}
         self._episodes: OrderedDict[bytes, Episode] = OrderedDict()
@@ -151,6 +177,10 @@ class ClientTable:
     @property
     def notices(self) -> int:
         return self._notices
+
+    @property
+    def backlogs(self) -> Backlogs:
+        return self._backlogs
 
     @property
     def stalls(self) -> int:
@@ -177,6 +207,8 @@ class ClientTable:
             episode.backoff = 0.0
             episode.heard = time.monotonic()
             self._flush(identity)
+        elif identity in self._backlogs:
+            self._backlogs.flush(identity, self._try_send)
         return identity not in self._episodes
 
     def hold(self, identity: bytes) -> None:
@@ -198,6 +230,7 @@ class ClientTable:
             client is not None
             and not client.busy
             and identity not in self._episodes
+            and identity not in self._backlogs
             and not self._in_flight(identity)
         ):
             del self._clients[identity]
@@ -205,14 +238,24 @@ class ClientTable:
     # --- sending ------------------------------------------------------------------------
 
     def send(self, identity: bytes, msg: wire.DaemonMessage) -> None:
-        """Send now, or keep it as a notice if the client is dropped (or is now)."""
+        """Send now, or after the client's backlog, or keep it as a notice if the client is
+        dropped (or is now)."""
         episode = self._episodes.get(identity)
-        if episode is None:
-            reason = self._try_send(identity, msg)
-            if reason is None:
-                return
-            episode = self._drop(identity, reason)
-        self._keep(identity, episode, msg)
+        if episode is not None:
+            self._keep(identity, episode, msg)
+            return
+        body = self._encode(msg)
+        backlogs = self._backlogs
+        if identity in backlogs and not backlogs.flush(identity, self._try_send):
+            self._queue(identity, body, msg)
+            return
+        reason = self._try_send(identity, body)
+        if reason is None:
+            return
+        if reason == "too slow" and backlogs.enabled:
+            self._queue(identity, body, msg)
+            return
+        self._keep(identity, self._drop(identity, reason), msg)
 
     def send_terminals(self, identity: bytes, rank: int, request_ids: list[str]) -> None:
         """Tell the owner its requests ended as `cancelled` (one terminal entry each)."""
@@ -240,9 +283,8 @@ class ClientTable:
             wire.ErrorReply(id=msg_id, code="overloaded", message=self._unanswered_text),
         )
 
-    def _try_send(self, identity: bytes, msg: wire.DaemonMessage) -> str | None:
+    def _try_send(self, identity: bytes, body: bytes) -> str | None:
         """None when sent, else why the client cannot take it."""
-        body = self._encode(msg)
         client = self._clients.get(identity)
         delimited = client is not None and client.delimited
         frames = [identity, DELIMITER, body] if delimited else [identity, body]
@@ -280,6 +322,23 @@ class ClientTable:
         if not self._sock.closed:
             self._sock.get(zmq.EVENTS)
 
+    # --- backlogs -----------------------------------------------------------------------
+
+    def _queue(self, identity: bytes, body: bytes, msg: wire.DaemonMessage) -> None:
+        """Keep `body` until the client's pipe has room; drop the client past its limits.
+
+        A backlog is sent at each send to its client, each message from it and each retry.
+        Any refusal, EHOSTUNREACH included, leaves it waiting: libzmq answers that for a full
+        pipe too (`Episode.reason`), and a gone peer whose pipe was full answers EAGAIN; such
+        a peer is dropped past the limits, or once stalled with nothing in flight.
+        """
+        if identity not in self._backlogs:
+            # Its framing must outlive the message that found the pipe full.
+            self._clients.setdefault(identity, Client(delimited=False))
+            self._retry_wanted.set()
+        if self._backlogs.queue(identity, body, self._notice(msg)):
+            self._drop(identity, "too slow")
+
     # --- episodes -----------------------------------------------------------------------
 
     def _drop(self, identity: bytes, reason: str) -> Episode:
@@ -289,32 +348,46 @@ class ClientTable:
         while len(self._episodes) > MAX_DROPPED_CLIENTS:
             self._forget_oldest()
         self._retry_wanted.set()
+        # What waited in its backlog becomes its first notices, in order.
+        backlog = self._backlogs.take(identity)
+        for notice in backlog.notices():
+            self._keep(identity, episode, notice)
         # Its requests end here; their terminals become notices of the new episode.
         self._dropped(identity, episode)
+        limits = {"unread_limit": self.limit, "unread_bytes_limit": self.byte_limit}
         log.warning(
             "client gone",
             identity=identity.hex(),
             reason=reason,
             cancelled=episode.cancelled,
-            **({"unread_limit": self.limit} if reason == "too slow" else {}),
+            **(limits if reason == "too slow" else {}),
+            **({"queued": len(backlog), "queued_bytes": backlog.bytes} if backlog else {}),
         )
         return episode
 
-    def _keep(self, identity: bytes, episode: Episode, msg: wire.DaemonMessage) -> None:
+    def _notice(self, msg: wire.DaemonMessage) -> wire.DaemonMessage | None:
+        """What a dropped client must still learn of `msg` (None: nothing)."""
         match msg:
             case wire.Load():
                 # Stale by the time the client reads; it gets fresh figures on recovery.
-                return
+                return None
             case wire.Output():
                 # Its requests were ended by the drop; only entries that were already final
                 # (their owners forgotten before the send) would otherwise be lost.
                 final = [entry for entry in msg.outputs if entry.finished]
-                if not final:
-                    return
-                msg = wire.Output(dp_rank=msg.dp_rank, outputs=final)
-        size = _notice_size(msg)
+                return wire.Output(dp_rank=msg.dp_rank, outputs=final) if final else None
+            case wire.Welcome() | wire.StatsReply():
+                # Answers to questions that changed nothing, and large: it asks again.
+                return wire.ErrorReply(id=msg.id, code="overloaded", message=self._unanswered_text)
+        return msg
+
+    def _keep(self, identity: bytes, episode: Episode, msg: wire.DaemonMessage) -> None:
+        notice = self._notice(msg)
+        if notice is None:
+            return
+        size = _notice_size(notice)
         if self._make_room(identity, episode, size):
-            episode.kept.append(msg)
+            episode.kept.append(notice)
             self._notices += size
 
     def _make_room(self, identity: bytes, episode: Episode, size: int) -> bool:
@@ -380,7 +453,7 @@ class ClientTable:
         return True
 
     def _deliver(self, identity: bytes, episode: Episode, msg: wire.DaemonMessage) -> bool:
-        reason = self._try_send(identity, msg)
+        reason = self._try_send(identity, self._encode(msg))
         if reason is None:
             episode.delivered += _notice_size(msg)
             episode.heard = time.monotonic()
@@ -388,21 +461,40 @@ class ClientTable:
         return False
 
     async def retry_dropped(self) -> None:
-        """Deliver dropped clients' notices once they can take them, with backoff.
+        """Send backlogs, and deliver dropped clients' notices (with backoff), once the
+        clients can take them.
 
-        A client that stops sending as well would otherwise never learn what happened:
-        ZeroMQ tells nobody when a ROUTER peer's pipe has room again, so it is tried.
+        A client that stops sending as well, or that nothing more is sent to, would otherwise
+        never get them: ZeroMQ tells nobody when a ROUTER peer's pipe has room again, so it is
+        tried.
         """
+        delay = DROPPED_RETRY_S
         while True:
             await self._retry_wanted.wait()
-            await asyncio.sleep(DROPPED_RETRY_S)
+            await asyncio.sleep(delay)
             now = time.monotonic()
+            queued = self._backlogs.bytes
+            for identity in list(self._backlogs):
+                if self._backlogs.flush(identity, self._try_send):
+                    self.settle(identity)
+                elif self._backlogs.stalled(identity, now - BACKLOG_STALL_S):
+                    client = self._clients.get(identity)
+                    if not (client and client.busy) and not self._in_flight(identity):
+                        self._drop(identity, "too slow")
+            moved = self._backlogs.bytes < queued
             due = [i for i, e in self._episodes.items() if e.retry_at <= now]
             for identity in due:
                 episode = self._episodes.get(identity)
-                if episode is None or self._flush(identity):
+                if episode is None:
                     continue
-                if now - episode.heard >= DROPPED_FORGET_S:
+                delivered = episode.delivered
+                if self._flush(identity):
+                    continue
+                if episode.delivered > delivered:
+                    moved = True
+                    episode.backoff = 0.0
+                    episode.retry_at = now
+                elif now - episode.heard >= DROPPED_FORGET_S:
                     self._forget(identity, f"silent for {DROPPED_FORGET_S:g} s")
                 else:
                     episode.stalls += 1
@@ -410,7 +502,8 @@ class ClientTable:
                         max(2 * episode.backoff, DROPPED_RETRY_S), DROPPED_RETRY_MAX_S
                     )
                     episode.retry_at = now + episode.backoff
-            if not self._episodes:
+            delay = MOVING_RETRY_S if moved else DROPPED_RETRY_S
+            if not self._episodes and not self._backlogs:
                 self._retry_wanted.clear()
 
 

@@ -23,8 +23,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from engined.config.schema import CONTROL_INFLIGHT_BYTES, CONTROL_UNREAD_BYTES
 from engined.core import types as core
 from engined.core.errors import CoreError
+from engined.server.budgets import over_budget, request_bytes
 from engined.server.clients import DELIMITER, ClientTable, Episode
 from engined.server.deadlines import Deadlines
 from engined.server.gatekeeper import ROLE_PROPERTY, Role
@@ -92,9 +94,14 @@ class ControlServer:
         handoff_timeout_s: float | None = None,
         deadlines: Deadlines | None = None,
         clock: Callable[[], float] = time.monotonic,
+        inflight_bytes: int = CONTROL_INFLIGHT_BYTES,
+        unread_messages: int | None = None,
+        unread_bytes: int = CONTROL_UNREAD_BYTES,
     ) -> None:
         """`deadlines` (on `clock`, the ranks' clock) are those of paced ranks in this
-        event loop: a reading turn ends early once one of them is due."""
+        event loop: a reading turn ends early once one of them is due. `inflight_bytes` is
+        what one client's requests in flight may be charged (`engined.server.budgets`);
+        `unread_messages` and `unread_bytes` what it may leave unread (`ClientTable`)."""
         self._sock = sock
         self._deadlines = deadlines
         self._clock = clock
@@ -104,7 +111,12 @@ class ControlServer:
         # Malformed input is logged in bursts per client, not once per message.
         self._bad_log = LogThrottle()
         self._clients = ClientTable(
-            sock, in_flight=self._in_flight, dropped=self._dropped, recovered=self._recovered
+            sock,
+            in_flight=self._in_flight,
+            dropped=self._dropped,
+            recovered=self._recovered,
+            unread_messages=unread_messages,
+            unread_bytes=unread_bytes,
         )
         self._ownership = Ownership(
             loops,
@@ -114,6 +126,7 @@ class ControlServer:
         )
         self._load = LoadWatch(loops, self._clients.send)
         self._max_queued = max_queued_requests
+        self._inflight_bytes = inflight_bytes
         self._decoder = wire.ControlDecoder()
         self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
@@ -145,6 +158,9 @@ class ControlServer:
             "dropped": self._clients.episodes,
             "notices": self._clients.notices,
             "stalls": self._clients.stalls,
+            "backlogs": len(self._clients.backlogs),
+            "queued_bytes": self._clients.backlogs.bytes,
+            "idle_waiting": self._reports.waiting_clients,
         }
 
     # --- reading ------------------------------------------------------------------------
@@ -259,9 +275,10 @@ class ControlServer:
                         identity, self._answer(identity, self._reports.fresh_stats(msg.id))
                     )
             case wire.WaitIdle():
-                refusal = self._reports.admit_wait(msg)
+                refusal = self._reports.admit_wait(msg, identity)
                 if refusal is None:
-                    self._command(identity, self._answer(identity, self._reports.until_idle(msg)))
+                    waited = self._reports.until_idle(msg, identity)
+                    self._command(identity, self._answer(identity, waited))
                 else:
                     self._error(identity, msg.id, *refusal)
             case wire.Submit() | wire.SubmitHandoffPrefill() | wire.ReserveDestination():
@@ -361,6 +378,13 @@ class ControlServer:
                 f"rank {rank} has {self._max_queued} queued requests",
             )
             return
+        cost = request_bytes(len(request.token_ids), len(request.output_token_ids or ()))
+        held = self._ownership.inflight_bytes(identity)
+        if held + cost > self._inflight_bytes:
+            self._error(
+                identity, msg.id, "overloaded", over_budget(held, cost, self._inflight_bytes)
+            )
+            return
         request_id = request.request_id or str(uuid.uuid4())
         command = to_core_command(msg, request_id=request_id)
         assert command is not None
@@ -376,7 +400,7 @@ class ControlServer:
             # The core that owns the handoff id must see the duplicate and refuse it.
             rank, loop = existing.rank, self._loops[existing.rank]
         ownership = self._ownership
-        if not ownership.claim(rank, request_id, identity):
+        if not ownership.claim(rank, request_id, identity, cost):
             self._error(
                 identity, msg.id, "duplicate_request", f"request {request_id} is already active"
             )

@@ -36,6 +36,7 @@ from engined.core.policy import context_length
 from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
 from engined.server.access import AccessError, gate_policy, operator_endpoint
+from engined.server.budgets import control_max_message_bytes
 from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
 from engined.server.gatekeeper import Domain, Gatekeeper
@@ -68,8 +69,11 @@ log = structlog.get_logger(__name__)
 EXIT_OK = 0
 EXIT_FAILURE = 1
 STARTUP_FAILURE = 3
-CONTROL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Messages one control client may leave unread (its ZeroMQ pipe and its backlog together),
+# and the pipe's own size: small, so that what it holds beyond the backlog's counted bytes
+# stays small too (256 of the largest `welcome`, 41 KB, are 10.5 MB).
 CONTROL_HWM = 100_000
+CONTROL_PIPE_HWM = 256
 # A rank worker's heartbeat period (seconds), shorter under a systemd watchdog (see startup).
 WORKER_HEARTBEAT_S = 1.0
 # `rank_processes`: one worker process per available core (at most one per rank).
@@ -173,6 +177,7 @@ class Daemon:
         self._ctx = zmq.asyncio.Context()
         self.gate = gate = Gatekeeper(self._ctx, gate_policy(cfg))
         self._registry = registry = SocketRegistry()
+        max_message_bytes = control_max_message_bytes(engine)
         # NOTE: every bind goes through the registry, which refuses an ipc:// path a live
         # socket owns (libzmq would silently take it over) and claims it (sockets.IpcClaim).
         control_sock = registry.make(
@@ -180,10 +185,10 @@ class Daemon:
             zmq.ROUTER,
             cfg.control_endpoint,
             bind=True,
-            sndhwm=CONTROL_HWM,
+            sndhwm=CONTROL_PIPE_HWM,
             rcvhwm=CONTROL_HWM,
             linger=1000,
-            maxmsgsize=CONTROL_MAX_MESSAGE_BYTES,
+            maxmsgsize=max_message_bytes,
             router_mandatory=True,
             **gate.options(Domain.CONTROL),
         )
@@ -284,6 +289,9 @@ class Daemon:
             max_queued_requests=cfg.max_queued_requests,
             handoff_timeout_s=engine.handoff_session_timeout_ms / 1000.0,
             deadlines=None if self.pacing is None else self.pacing.deadlines,
+            inflight_bytes=cfg.control_inflight_bytes,
+            unread_messages=CONTROL_HWM,
+            unread_bytes=cfg.control_unread_bytes,
         )
         controls.append(self.control)
         for kv in self._publishers:
@@ -313,7 +321,7 @@ class Daemon:
             kv_replay_endpoints=replay_endpoints,
             fpm_endpoints=fpm_endpoints,
             engine=engine_summary(cfg),
-            limits=limits(cfg, hwms, batch_bytes, CONTROL_MAX_MESSAGE_BYTES),
+            limits=limits(cfg, hwms, batch_bytes, max_message_bytes),
             rank_processes=[worker.pid for worker in self.workers],
         )
         self._notifier.ready(status=self._status_line())

@@ -11,7 +11,10 @@ pop of one dict entry, so whichever path comes first ends the request and the ot
 nothing: exactly one terminal per request, the natural `finished` entry included.
 
 The index by identity exists for the client table: a client whose last request or route
-ends is told (`released`), so its per-client state can be freed at once (issue 10, 10).
+ends is told (`released`), so its per-client state can be freed at once (issue 10, 10). It
+also keeps what each request was charged when it was claimed (`engined.server.budgets`) and
+each client's total, so that one client cannot fill the daemon's memory with requests in
+flight (issue 21): the total moves only where ownership does.
 """
 
 from __future__ import annotations
@@ -63,11 +66,13 @@ class Ownership:
         self.destinations: dict[str, HandoffRoute] = {}
         # request id -> destination handoff id, per rank: the route ends with the request.
         self._destination_requests: list[dict[str, str]] = [{} for _ in loops]
-        # identity -> its (rank, request id)s, and its number of handoff routes.
-        # NOTE: a dict used as an ordered set: requests in the order they were claimed, which
-        # is the order of the waiting queue, so cancelling them in turn takes each from the
-        # queue's front (in any other order every cancel scans the queue: quadratic).
-        self._requests_of: dict[bytes, dict[tuple[int, str], None]] = {}
+        # identity -> its (rank, request id)s with the bytes each was charged, their sum, and
+        # its number of handoff routes.
+        # NOTE: requests in the order they were claimed, which is the order of the waiting
+        # queue, so cancelling them in turn takes each from the queue's front (in any other
+        # order every cancel scans the queue: quadratic).
+        self._requests_of: dict[bytes, dict[tuple[int, str], int]] = {}
+        self._bytes_of: dict[bytes, int] = {}
         self._routes_of: dict[bytes, int] = {}
         # Set whenever a request stops being owned; shutdown waits on it to drain.
         self.owners_changed = asyncio.Event()
@@ -96,15 +101,21 @@ class Ownership:
         """Identities owning something (the size of the per-identity index)."""
         return len(self._requests_of.keys() | self._routes_of.keys())
 
+    def inflight_bytes(self, identity: bytes) -> int:
+        """What the requests `identity` owns were charged, together (0 when it owns none)."""
+        return self._bytes_of.get(identity, 0)
+
     # --- taking and giving up ownership -------------------------------------------------
 
-    def claim(self, rank: int, request_id: str, identity: bytes) -> bool:
-        """Own `request_id` on `rank` before its command is sent; False if already owned."""
+    def claim(self, rank: int, request_id: str, identity: bytes, cost: int = 0) -> bool:
+        """Own `request_id` on `rank` before its command is sent, charging `identity` `cost`
+        bytes until it ends; False if already owned."""
         owners = self._owners[rank]
         if request_id in owners:
             return False
         owners[request_id] = identity
-        self._requests_of.setdefault(identity, {})[rank, request_id] = None
+        self._requests_of.setdefault(identity, {})[rank, request_id] = cost
+        self._bytes_of[identity] = self._bytes_of.get(identity, 0) + cost
         return True
 
     def disown(self, rank: int, request_id: str, identity: bytes) -> None:
@@ -167,9 +178,12 @@ class Ownership:
             return None
         self.owners_changed.set()
         mine = self._requests_of[identity]
-        mine.pop((rank, request_id), None)
-        if not mine:
+        cost = mine.pop((rank, request_id), 0)
+        if mine:
+            self._bytes_of[identity] -= cost
+        else:
             del self._requests_of[identity]
+            del self._bytes_of[identity]
         handoff_id = self._destination_requests[rank].get(request_id)
         if handoff_id is not None:
             self._drop_route(self.destinations, handoff_id)

@@ -14,8 +14,11 @@ from engined.server.rank_handle import RankHandle
 from engined.wire import control as wire
 from engined.wire.convert import rank_stats
 
-# `wait_idle` messages waiting at once, from every client together.
+# `wait_idle` messages waiting at once, from every client together, and from one client: a
+# client waiting on each rank of a 64-rank daemon at once fits, and it takes 16 clients, not
+# one, to fill the daemon's room and have a bystander's wait refused.
 WAIT_IDLE_LIMIT = 1024
+WAIT_IDLE_CLIENT_LIMIT = 64
 
 
 class Reports:
@@ -24,6 +27,8 @@ class Reports:
     def __init__(self, loops: Sequence[RankHandle]) -> None:
         self._loops = loops
         self._waits = 0
+        # Waits per client identity; an identity leaves with its last wait.
+        self._waits_of: dict[bytes, int] = {}
         # Whether every figure `stats` reads is current without asking (in-process ranks).
         self.live = all(loop.gauges_live for loop in loops)
 
@@ -47,16 +52,23 @@ class Reports:
         await asyncio.gather(*(loop.refresh() for loop in self._loops))
         return self.stats(msg_id)
 
-    def admit_wait(self, msg: wire.WaitIdle) -> tuple[wire.ErrorCode, str] | None:
-        """Count `msg` as waiting and return None, or return why it cannot wait (code, message)."""
+    def admit_wait(self, msg: wire.WaitIdle, identity: bytes) -> tuple[wire.ErrorCode, str] | None:
+        """Count `msg` as waiting for `identity` and return None, or return why it cannot
+        wait (code, message)."""
         if msg.dp_rank is not None and msg.dp_rank >= len(self._loops):
             return "invalid_request", f"dp_rank: {msg.dp_rank} is out of range"
+        mine = self._waits_of.get(identity, 0)
+        if mine >= WAIT_IDLE_CLIENT_LIMIT:
+            return "overloaded", (
+                f"this client has {WAIT_IDLE_CLIENT_LIMIT} wait_idle messages waiting already"
+            )
         if self._waits >= WAIT_IDLE_LIMIT:
             return "overloaded", f"{WAIT_IDLE_LIMIT} wait_idle messages are already waiting"
         self._waits += 1
+        self._waits_of[identity] = mine + 1
         return None
 
-    async def until_idle(self, msg: wire.WaitIdle) -> wire.StatsReply:
+    async def until_idle(self, msg: wire.WaitIdle, identity: bytes) -> wire.StatsReply:
         """The stats once the named ranks are idle (after `admit_wait` admitted it)."""
         try:
             ranks = range(len(self._loops)) if msg.dp_rank is None else [msg.dp_rank]
@@ -64,7 +76,17 @@ class Reports:
                 await self._loops[rank].until_idle()
         finally:
             self._waits -= 1
+            left = self._waits_of[identity] - 1
+            if left:
+                self._waits_of[identity] = left
+            else:
+                del self._waits_of[identity]
         return self.stats(msg.id)
+
+    @property
+    def waiting_clients(self) -> int:
+        """Identities with a `wait_idle` waiting (tests: the per-client counts are freed)."""
+        return len(self._waits_of)
 
 
 class Refresh:

@@ -19,6 +19,8 @@ def limits(
     return {
         "max_queued_requests": cfg.max_queued_requests,
         "control_max_message_bytes": control_max_message_bytes,
+        "control_inflight_bytes": cfg.control_inflight_bytes,
+        "control_unread_bytes": cfg.control_unread_bytes,
         "kv_batch_bytes_max": batch_bytes,
         "kv_events_buffer_bytes": cfg.kv_events_buffer_bytes,
         "kv_events_hwm": kv_hwm,

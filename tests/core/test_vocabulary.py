@@ -13,7 +13,12 @@ from engined.core.args import EngineArgs
 from engined.core.engine import Engine
 from engined.core.errors import InvalidArgsError, InvalidRequestError
 from engined.core.types import APPLIED, SetVocabulary
-from engined.core.vocab import VOCAB_SIZE_MAX, Vocabulary, vocabulary_error
+from engined.core.vocab import (
+    EXCLUDED_TOKEN_IDS_MAX,
+    VOCAB_SIZE_MAX,
+    Vocabulary,
+    vocabulary_error,
+)
 from tests.core.factories import (
     command,
     make_args,
@@ -179,6 +184,15 @@ def test_set_vocabulary_is_deterministic() -> None:
             SetVocabulary(3, (0, 1, 2, 2)),
             "excluded_token_ids leave none of the 3 ids of vocab_size drawable",
         ),
+        (
+            SetVocabulary(None, tuple(range(EXCLUDED_TOKEN_IDS_MAX + 1))),
+            "excluded_token_ids has 8193 ids, more than the 8192 allowed",
+        ),
+        (
+            # Counted as sent: repeats cost as much to carry as distinct ids.
+            SetVocabulary(10, (5,) * (EXCLUDED_TOKEN_IDS_MAX + 1)),
+            "excluded_token_ids has 8193 ids, more than the 8192 allowed",
+        ),
     ],
 )
 def test_set_vocabulary_refusals_change_nothing(refused: SetVocabulary, message: str) -> None:
@@ -217,6 +231,11 @@ def test_args_canonicalise_excluded_ids() -> None:
             {"vocab_size": 1, "excluded_token_ids": [0]},
             "excluded_token_ids leave none of the 1 ids of vocab_size drawable",
         ),
+        (
+            {"excluded_token_ids": list(range(EXCLUDED_TOKEN_IDS_MAX + 1))},
+            "excluded_token_ids has 8193 ids, more than the 8192 allowed (a model's EOS and "
+            "special tokens are far fewer)",
+        ),
         ({"excluded_token_ids": None}, "excluded_token_ids must not be null"),
         ({"excluded_token_ids": "1,2"}, "Expected `array`, got `str` - at `$.excluded_token_ids`"),
         ({"vocab_size": 1.5}, "Expected `int | null`, got `float` - at `$.vocab_size`"),
@@ -229,6 +248,8 @@ def test_args_refuse_bad_vocabularies(data: dict[str, Any], message: str) -> Non
 
 def test_vocabulary_error_accepts_the_edges() -> None:
     assert vocabulary_error(1, ()) is None
+    assert vocabulary_error(None, range(EXCLUDED_TOKEN_IDS_MAX)) is None
+    assert vocabulary_error(EXCLUDED_TOKEN_IDS_MAX + 1, range(EXCLUDED_TOKEN_IDS_MAX)) is None
     assert vocabulary_error(VOCAB_SIZE_MAX, (0, VOCAB_SIZE_MAX - 1)) is None
     assert vocabulary_error(None, (0, VOCAB_SIZE_MAX - 1)) is None
     assert vocabulary_error(2, (1,)) is None

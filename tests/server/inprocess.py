@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from engined.config.schema import CONTROL_UNREAD_BYTES
 from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
 from engined.core.types import Decodes, LifecycleEvent, RequestOutput
@@ -142,6 +143,8 @@ async def serve(
     clock: Callable[[], float] | None = None,
     sleep: Sleep | None = None,
     deadlines: Deadlines | None = None,
+    unread_messages: int | None = None,
+    unread_bytes: int = CONTROL_UNREAD_BYTES,
     **args: Any,
 ) -> AsyncIterator[Served]:
     """A ControlServer on a ROUTER at `ipc://{tmp_path}/control` with `ranks` engine loops of
@@ -150,7 +153,9 @@ async def serve(
 
     The ROUTER's high-water marks are the test's, and its kernel send buffer is 4096 bytes by
     default (`sndbuf=None`: the system's), so a slow reader is dropped after a few dozen
-    messages. The server and the loops run as tasks of the test's event loop from the first
+    messages. A client is dropped once its pipe is full, unless `unread_messages` (pipe and
+    backlog) allows more, as the daemon's does (`unread_bytes` then bounds the backlog).
+    The server and the loops run as tasks of the test's event loop from the first
     await in the `async with` body: what the body does before it (adding pass observers,
     wrapping the server's methods) is in place for the first message and the first pass.
     """
@@ -183,6 +188,8 @@ async def serve(
         # As the daemon does (engined.server.daemon).
         handoff_timeout_s=loops[0].engine.args.handoff_session_timeout_ms / 1000.0,
         deadlines=deadlines,
+        unread_messages=unread_messages,
+        unread_bytes=unread_bytes,
     )
     delivery.control = control
     tasks = [asyncio.create_task(control.serve()), asyncio.create_task(control.expire_handoffs())]

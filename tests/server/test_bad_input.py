@@ -63,7 +63,9 @@ FAST = (
 )
 # Paced at 10 ms per decode pass: a request of n tokens streams for about n * 10 ms.
 PACED = ("--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "10")
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The control ROUTER's MAXMSGSIZE, derived from the pool: 2 x 65,536 tokens at 5 bytes,
+# 1 KiB of ids, a 1 MiB margin (engined.server.budgets).
+MAX_MESSAGE_BYTES = 2 * POOL_TOKENS * 5 + 1024 + 1024 * 1024
 
 # The `daemon` fixture (tests/server/conftest.py): one fast daemon (speedup 0, a 4096-block
 # pool) shared by the tests that leave it idle.
@@ -196,9 +198,10 @@ REFUSALS = [
         id="reset-rank-out-of-range",
     ),
     pytest.param(
-        submit_body(token_ids=list(range(2_000_000))),
+        # 868 KB: under the message limit, over the pool.
+        submit_body(token_ids=list(range(200_000))),
         "invalid_request",
-        f"request.token_ids: 2000000 tokens exceed the KV pool capacity of {POOL_TOKENS}",
+        f"request.token_ids: 200000 tokens exceed the KV pool capacity of {POOL_TOKENS}",
         id="huge-token-list",
     ),
 ]
@@ -441,7 +444,7 @@ def test_garbage_envelope_gets_an_error(daemon: DaemonProcess, frames: list[byte
 
 
 def test_body_over_the_message_limit_drops_the_connection(daemon: DaemonProcess) -> None:
-    """1. a raw DEALER (with a socket monitor) sends a body of 64 MiB + 1 byte;
+    """1. a raw DEALER (with a socket monitor) sends a body of the limit + 1 byte;
     2. await the monitor's DISCONNECTED event; 3. ping on the same socket (it reconnects)
     and from a fresh client.
 

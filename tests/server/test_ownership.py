@@ -305,19 +305,23 @@ class OwnershipMachine(RuleBasedStateMachine):
         self.ended: set[tuple[int, str]] = set()
         self.completed: set[tuple[int, str]] = set()
         self.routes = 0
+        # (rank, request id) -> what its claim charged its owner
+        self.costs: dict[tuple[int, str], int] = {}
 
     @rule(
         rank=st.integers(0, 1),
         request_id=st.sampled_from(REQUESTS),
         who=st.sampled_from(IDENTITIES),
         destination=st.booleans(),
+        cost=st.integers(0, 10**9),
     )
-    def claim(self, rank: int, request_id: str, who: bytes, destination: bool) -> None:
+    def claim(self, rank: int, request_id: str, who: bytes, destination: bool, cost: int) -> None:
         key = (rank, request_id)
-        claimed = self.ownership.claim(rank, request_id, who)
+        claimed = self.ownership.claim(rank, request_id, who, cost)
         assert claimed == (key not in self.live)
         if claimed:
             self.live[key] = who
+            self.costs[key] = cost
             self.ended.discard(key)
             self.completed.discard(key)
             self.told = [t for t in self.told if (t[1], t[2]) != key]
@@ -398,6 +402,14 @@ class OwnershipMachine(RuleBasedStateMachine):
             assert ownership.holds(who) == (owns or has_route)
         if not self.live and not ownership.destinations:
             assert ownership.clients() == 0
+
+    @invariant()
+    def each_client_is_charged_what_it_owns(self) -> None:
+        if not hasattr(self, "ownership"):
+            return
+        for who in IDENTITIES:
+            owned = sum(self.costs[key] for key, owner in self.live.items() if owner == who)
+            assert self.ownership.inflight_bytes(who) == owned
 
 
 TestOwnershipMachine = OwnershipMachine.TestCase

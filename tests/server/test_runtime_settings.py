@@ -16,6 +16,7 @@ import pytest
 import zmq.asyncio
 
 from engined.client import EngineClient, EngineError
+from engined.core.vocab import EXCLUDED_TOKEN_IDS_MAX
 from engined.wire.control import ErrorReply, Load
 from tests.server.daemon_harness import DaemonProcess, read_fpm, start_daemon
 from tests.support import run
@@ -96,6 +97,54 @@ def test_set_vocabulary_refuses_what_the_core_refuses(
             assert (
                 await client.generate([1, 2, 3], 2, timeout=TIMEOUT_S)
             ).finish_reason == "length"
+
+    run(scenario())
+
+
+async def welcome_bytes(endpoint: str) -> bytes:
+    """The encoded `welcome` a raw DEALER receives."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        await sock.send(msgspec.msgpack.encode({"type": "hello"}))
+        async with asyncio.timeout(TIMEOUT_S):
+            return await sock.recv()
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_excluded_ids_are_bounded_and_so_is_every_welcome(daemon: DaemonProcess) -> None:
+    """At most EXCLUDED_TOKEN_IDS_MAX excluded ids: one more is refused naming the field and
+    the bound, changing nothing; at the bound, a `welcome` grows by the ids alone (5 bytes
+    each at most) and stays that size."""
+    top = 2**32
+    largest = list(range(top - EXCLUDED_TOKEN_IDS_MAX, top))  # 5 bytes each in msgpack
+
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            before = await welcome_bytes(daemon.control)
+            with pytest.raises(EngineError) as refused:
+                await client.set_vocabulary(None, [*largest, 0], timeout=TIMEOUT_S)
+            assert refused.value.code == "invalid_request"
+            assert refused.value.message == (
+                "excluded_token_ids has 8193 ids, more than the 8192 allowed (a model's EOS "
+                "and special tokens are far fewer)"
+            )
+            assert await welcome_bytes(daemon.control) == before
+            await client.set_vocabulary(top, largest, timeout=TIMEOUT_S)
+            try:
+                after = await welcome_bytes(daemon.control)
+                # The ids' array (3-byte header, 5 bytes an id) replaces an empty one (1 byte),
+                # and `vocab_size` (a 10-byte key, a 9-byte uint64) appears.
+                ids_bytes = 3 + 5 * EXCLUDED_TOKEN_IDS_MAX
+                assert ids_bytes == 40_963
+                assert len(after) == len(before) + ids_bytes - 1 + (1 + 10) + 9
+                assert await welcome_bytes(daemon.control) == after
+            finally:
+                await client.set_vocabulary(None, timeout=TIMEOUT_S)
 
     run(scenario())
 

@@ -56,12 +56,18 @@ def test_the_start_up_log_names_the_bounds_in_force(tmp_path: Path) -> None:
     limits = started["limits"]
     assert isinstance(limits, dict)
     assert limits["max_queued_requests"] == 77
-    assert limits["control_max_message_bytes"] == 64 * 1024 * 1024
+    # Derived from the pool (engined.server.budgets): 16,384 blocks of 64 tokens, a prompt
+    # of them all and as many planned ids at 5 bytes each, 1 KiB of ids, 1 MiB of margin.
+    assert limits["control_max_message_bytes"] == 2 * 16384 * 64 * 5 + 1024 + 1024 * 1024
+    assert limits["control_inflight_bytes"] == 256 * 1024 * 1024
+    assert limits["control_unread_bytes"] == 64 * 1024 * 1024
     assert limits["kv_events_buffer_bytes"] == 64 * 1024 * 1024
     assert limits["kv_replay_client_bytes"] == 8 * 1024 * 1024
     assert set(limits) == {
         "max_queued_requests",
         "control_max_message_bytes",
+        "control_inflight_bytes",
+        "control_unread_bytes",
         "kv_batch_bytes_max",
         "kv_events_buffer_bytes",
         "kv_events_hwm",

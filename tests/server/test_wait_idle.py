@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from engined.client import EngineClient, EngineError
-from engined.server.reports import WAIT_IDLE_LIMIT
+from engined.server.reports import WAIT_IDLE_CLIENT_LIMIT, WAIT_IDLE_LIMIT
 from tests.server.inprocess import serve
 from tests.server.support import assert_idle
 from tests.support import run
@@ -30,6 +30,13 @@ async def client_of(tmp_path: Path, **serve_args: Any) -> AsyncIterator[EngineCl
         await EngineClient.connect(served.endpoint, ctx=served.ctx) as client,
     ):
         yield client
+
+
+async def read_by_the_daemon(client: EngineClient) -> None:
+    """Return once every message the client's started tasks were sending has been read: the
+    first ping's round trip lets those tasks send, the second follows them on the socket."""
+    await client.ping()
+    await client.ping()
 
 
 def test_the_reply_follows_every_output_of_earlier_requests(tmp_path: Path) -> None:
@@ -78,29 +85,78 @@ def test_a_rank_out_of_range_is_refused_naming_the_field(tmp_path: Path) -> None
 
 def test_waits_are_bounded_and_a_busy_rank_keeps_them_waiting(tmp_path: Path) -> None:
     """A paced rank whose first pass never ends (its sleep never returns) is never idle:
-    WAIT_IDLE_LIMIT waits are held, the next is refused `overloaded`, and the daemon still
-    answers everything else."""
+    WAIT_IDLE_LIMIT waits are held (from as many clients as that takes), the next is refused
+    `overloaded`, and the daemon still answers everything else."""
     stuck = asyncio.Event()
 
     async def never(_: float) -> None:
         await stuck.wait()
 
     async def scenario() -> None:
-        async with client_of(tmp_path, sleep=never, speedup_ratio=1.0) as client:
-            await client.submit(list(range(30)), 50)
+        async with serve(tmp_path, sleep=never, speedup_ratio=1.0) as served:
+            clients = [
+                await EngineClient.connect(served.endpoint, ctx=served.ctx)
+                for _ in range(WAIT_IDLE_LIMIT // WAIT_IDLE_CLIENT_LIMIT + 1)
+            ]
+            *waiters, last = clients
+            await last.submit(list(range(30)), 50)
             waits = [
                 asyncio.ensure_future(client.wait_idle(timeout=None))
-                for _ in range(WAIT_IDLE_LIMIT)
+                for client in waiters
+                for _ in range(WAIT_IDLE_CLIENT_LIMIT)
             ]
-            await client.ping()  # every wait has reached the daemon before this
+            assert len(waits) == WAIT_IDLE_LIMIT
+            for client in waiters:
+                await read_by_the_daemon(client)
             with pytest.raises(EngineError) as refused:
-                await client.wait_idle()
+                await last.wait_idle()
             assert refused.value.code == "overloaded"
-            assert f"{WAIT_IDLE_LIMIT} wait_idle" in refused.value.message
+            assert refused.value.message == "1024 wait_idle messages are already waiting"
             assert not any(wait.done() for wait in waits)
-            assert (await client.stats()).ranks[0].running == 1
+            assert (await last.stats()).ranks[0].running == 1
             for wait in waits:
                 wait.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
+            for client in clients:
+                await client.close()
+
+    run(scenario())
+
+
+def test_one_client_cannot_fill_the_room_of_another(tmp_path: Path) -> None:
+    """One client holds at most WAIT_IDLE_CLIENT_LIMIT waits; past them it alone is refused,
+    another client's wait is still held, and once the rank is idle every wait is answered
+    and nothing is kept for either client."""
+    stuck = asyncio.Event()
+
+    async def held(_: float) -> None:
+        await stuck.wait()
+
+    async def scenario() -> None:
+        async with (
+            serve(tmp_path, sleep=held, speedup_ratio=1.0) as served,
+            await EngineClient.connect(served.endpoint, ctx=served.ctx) as hog,
+            await EngineClient.connect(served.endpoint, ctx=served.ctx) as bystander,
+        ):
+            await hog.submit(list(range(30)), 5)
+            hogged = [
+                asyncio.ensure_future(hog.wait_idle(timeout=None))
+                for _ in range(WAIT_IDLE_CLIENT_LIMIT)
+            ]
+            await read_by_the_daemon(hog)
+            with pytest.raises(EngineError) as refused:
+                await hog.wait_idle()
+            assert refused.value.code == "overloaded"
+            assert refused.value.message == (
+                "this client has 64 wait_idle messages waiting already"
+            )
+            mine = asyncio.ensure_future(bystander.wait_idle(timeout=None))
+            await read_by_the_daemon(bystander)  # a refusal would have come before
+            assert not mine.done() and not any(wait.done() for wait in hogged)
+            assert served.control.client_state()["idle_waiting"] == 2
+            stuck.set()
+            for stats in await asyncio.gather(mine, *hogged):
+                assert_idle(stats.ranks[0])
+            assert served.control.client_state()["idle_waiting"] == 0
 
     run(scenario())
