@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -152,6 +153,29 @@ def start_daemon(
         code = daemon.stop()
         if expect_exit is not None:
             assert code == expect_exit, f"engined exited with {code}:\n{daemon.log()}"
+
+
+def free_tcp_port() -> int:
+    """A loopback port nothing listens on now (the kernel's pick; free until someone binds it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@contextmanager
+def start_tcp_daemon(tmp_path: Path, *args: str) -> Iterator[DaemonProcess]:
+    """`start_daemon` with its control socket on loopback tcp, whose peers are clients, and
+    its operator endpoint in a private directory under `tmp_path`."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    with start_daemon(
+        tmp_path,
+        *args,
+        env={"XDG_RUNTIME_DIR": str(run)},
+        control=f"tcp://127.0.0.1:{free_tcp_port()}",
+    ) as daemon:
+        yield daemon
 
 
 class KvStream:

@@ -17,8 +17,7 @@ from engined.server.access import AccessError, read_authorized_keys, read_secret
 from engined.server.gatekeeper import DENIED, REFUSED, Domain, GatePolicy, Role, Verdict, decide
 from engined.wire.control import Applied
 from engined.zmq_sockets import CurveClientKeys
-from tests.server.daemon_harness import DaemonProcess, start_daemon
-from tests.server.test_routing_ids import free_tcp_port
+from tests.server.daemon_harness import DaemonProcess, free_tcp_port, start_daemon
 
 OWN = os.getuid()
 KEY_A = b"a" * 32
@@ -215,18 +214,6 @@ def test_under_curve_roles_are_the_keys(curve_daemon: tuple[DaemonProcess, Keys]
             with pytest.raises(ConnectionRefused) as refused:
                 await s.hello(timeout=10)
             assert refused.value.status == 400
-        # libzmq would refuse the second of two peers presenting one id; under CURVE the
-        # daemon's ids always win, so they are two clients (docs/security.md §1).
-        async with (
-            await EngineClient.connect(
-                daemon.control, curve=keys.of(keys.client), identity=b"x"
-            ) as first,
-            await EngineClient.connect(
-                daemon.control, curve=keys.of(keys.client), identity=b"x"
-            ) as second,
-        ):
-            await first.ping()
-            await second.ping()
         # A peer without CURVE fails the greeting: it is never answered.
         async with await EngineClient.connect(daemon.control) as plain:
             with pytest.raises(TimeoutError):

@@ -18,21 +18,12 @@ import pytest
 
 from engined.client import EngineClient, EngineError
 from engined.wire.control import Applied, Noop
-from tests.server.daemon_harness import DaemonProcess, start_daemon
-from tests.server.test_routing_ids import free_tcp_port
+from tests.server.daemon_harness import DaemonProcess, start_tcp_daemon
 
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    with start_daemon(
-        tmp_path,
-        "--speedup-ratio",
-        "100",
-        env={"XDG_RUNTIME_DIR": str(run)},
-        control=f"tcp://127.0.0.1:{free_tcp_port()}",
-    ) as process:
+    with start_tcp_daemon(tmp_path, "--speedup-ratio", "100") as process:
         yield process
 
 

@@ -12,7 +12,6 @@ counter (their READY held back too), then ordinary clients, all of whom must be 
 from __future__ import annotations
 
 import ctypes
-import socket
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ import zmq
 
 from engined.wire.kv_events import REPLAY_END_SEQ, seq_bytes
 from engined.zmq_sockets import make_socket
-from tests.server.daemon_harness import DaemonProcess, start_daemon
+from tests.server.daemon_harness import DaemonProcess, start_tcp_daemon
 from tests.server.zmtp_peer import ZmtpPeer
 
 # Every ROUTER (and REP, which is one underneath) draws its counter's start from two calls of
@@ -49,13 +48,6 @@ PREDICTED = [
     for start in unseeded_starts(SOCKETS_PREDICTED)
     for k in range(IDS_PER_SOCKET)
 ]
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def ping(sock: zmq.Socket[bytes], message_id: int) -> dict[str, object]:
@@ -102,13 +94,7 @@ def test_a_router_starts_its_anonymous_ids_at_a_seeded_place() -> None:
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    with start_daemon(
-        tmp_path,
-        "--speedup-ratio",
-        "0",
-        env={"XDG_RUNTIME_DIR": str(tmp_path)},
-        control=f"tcp://127.0.0.1:{free_tcp_port()}",
-    ) as process:
+    with start_tcp_daemon(tmp_path, "--speedup-ratio", "0") as process:
         yield process
 
 
