@@ -222,7 +222,14 @@ class Gatekeeper:
                         monitors.append(monitor)
                         poller.register(monitor, zmq.POLLIN)
                 if self._zap in ready:
-                    self._answer(self._zap.recv_multipart())
+                    request = self._zap.recv_multipart()
+                    try:
+                        self._answer(request)
+                    except Exception:  # a bug: refuse this peer, keep the gate (and REP) alive
+                        log.exception("ZAP request failed", frames=len(request))
+                        echo = request[1] if len(request) > 1 else b""
+                        refusal = [b"1.0", echo, DENIED, b"internal error", b"", b""]
+                        self._zap.send_multipart(refusal)
         finally:
             for sock in (*monitors, self._zap, self._wake_rx):
                 sock.close(linger=0)
