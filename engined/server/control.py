@@ -35,6 +35,7 @@ from engined.server.log_throttle import LogThrottle
 from engined.server.ownership import HandoffRoute, Ownership
 from engined.server.rank_handle import RankHandle
 from engined.server.reports import Reports
+from engined.server.request_ids import RequestIds
 from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire
 from engined.wire.convert import route_outputs, to_core_command, to_wire_lifecycle
@@ -118,9 +119,10 @@ class ControlServer:
             unread_messages=unread_messages,
             unread_bytes=unread_bytes,
         )
+        self._ids = RequestIds()
         self._ownership = Ownership(
             loops,
-            notify=self._clients.send_terminals,
+            notify=self._terminals,
             released=self._clients.settle,
             handoff_timeout_s=handoff_timeout_s,
         )
@@ -400,11 +402,24 @@ class ControlServer:
             # The core that owns the handoff id must see the duplicate and refuse it.
             rank, loop = existing.rank, self._loops[existing.rank]
         ownership = self._ownership
-        if not ownership.claim(rank, request_id, identity, cost):
-            self._error(
-                identity, msg.id, "duplicate_request", f"request {request_id} is already active"
-            )
-            return
+        core_id = request_id
+        # An alias of this client's by that name is as active as the name itself.
+        aliased = self._ids.core_id(identity, request_id) != request_id
+        if aliased or not ownership.claim(rank, request_id, identity, cost):
+            holder = ownership.owner(rank, request_id)
+            own = aliased or holder == identity
+            if not isinstance(msg, wire.Submit) or holder is None or own:
+                self._error(
+                    identity,
+                    msg.id,
+                    "duplicate_request",
+                    f"request {request_id} is already active",
+                )
+                return
+            # Another client's name: this request runs under an alias (request_ids).
+            core_id = self._ids.alias(identity, request_id)
+            command = to_core_command(msg, request_id=core_id)
+            assert command is not None and ownership.claim(rank, core_id, identity, cost)
         new_route: HandoffRoute | None = None
         if routes is not None and existing is None:
             new_route = HandoffRoute(rank, identity, request_id)
@@ -412,7 +427,8 @@ class ControlServer:
         try:
             effects = await loop.call(command)
         except CoreError as exc:
-            ownership.disown(rank, request_id, identity)
+            ownership.disown(rank, core_id, identity)
+            self._ids.forget(core_id)
             if routes is not None and new_route is not None and routes.get(handoff_id) is new_route:
                 ownership.drop_route(routes, handoff_id)
             self._error(identity, msg.id, exc.code, str(exc))
@@ -432,12 +448,13 @@ class ControlServer:
         `applied`, so it comes first when the owner is the canceller.
         """
         ownership = self._ownership
-        for rank in ownership.ranks_owning(msg.request_id):
-            if not operator and ownership.owner(rank, msg.request_id) != identity:
+        request_id = self._ids.core_id(identity, msg.request_id)
+        for rank in ownership.ranks_owning(request_id):
+            if not operator and ownership.owner(rank, request_id) != identity:
                 continue
-            effects = await self._loops[rank].call(core.Cancel(msg.request_id))
+            effects = await self._loops[rank].call(core.Cancel(request_id))
             if isinstance(effects.result, core.Applied):
-                self._ownership.end(rank, msg.request_id)
+                self._ownership.end(rank, request_id)
                 self._reply(identity, wire.Applied(id=msg.id))
                 return
         self._reply(identity, wire.Noop(id=msg.id))
@@ -527,8 +544,9 @@ class ControlServer:
         per_client, ended = route_outputs(outputs, decodes, ownership.owners_on(rank))
         for request_id in ended:
             ownership.finished(rank, request_id)
+        renamed = self._ids.renamed
         for identity, entries in per_client.items():
-            self._reply(identity, wire.Output(dp_rank=rank, outputs=entries))
+            self._reply(identity, wire.Output(dp_rank=rank, outputs=renamed(entries)))
             self._clients.settle(identity)
 
     def deliver_lifecycle(self, rank: int, events: list[core.LifecycleEvent]) -> None:
@@ -591,6 +609,17 @@ class ControlServer:
         return self._ownership.owned_requests()
 
     # --- clients ------------------------------------------------------------------------
+
+    def _terminals(self, identity: bytes, rank: int, request_ids: list[str]) -> None:
+        """Ownership's word that requests ended early: their `cancelled` terminals, under
+        the names their owner gave them."""
+        if self._ids:
+            names = []
+            for request_id in request_ids:
+                names.append(self._ids.client_id(request_id))
+                self._ids.forget(request_id)
+            request_ids = names
+        self._clients.send_terminals(identity, rank, request_ids)
 
     def _reply(self, identity: bytes, msg: wire.DaemonMessage) -> None:
         self._clients.send(identity, msg)

@@ -277,12 +277,13 @@ def test_unknown_handoffs_and_requests_are_noops(daemon: DaemonProcess) -> None:
 
 
 def test_duplicate_request_id(tmp_path: Path) -> None:
-    """1. submit request "dup" with a long output; 2. submit "dup" again (same and another
-    client); 3. cancel "dup"; 4. submit "dup" again with 3 tokens.
+    """1. submit request "dup" with a long output; 2. submit "dup" again from the same
+    client, and from another; 3. cancel "dup"; 4. submit "dup" again with 3 tokens.
 
-    Result: both duplicates get duplicate_request "request dup is already active" and the
-    first request keeps streaming; once cancelled, the id is free again and the new request
-    completes with its 3 tokens.
+    Result: the same client's duplicate gets duplicate_request "request dup is already
+    active" and the first request keeps streaming; the other client's "dup" is its own
+    request (ids are per client, protocol §1.5) and completes with its 1 token; once
+    cancelled, the id is free again and the new request completes with its 3 tokens.
     """
 
     async def scenario(daemon: DaemonProcess) -> None:
@@ -291,11 +292,12 @@ def test_duplicate_request_id(tmp_path: Path) -> None:
             await EngineClient.connect(daemon.control) as other,
         ):
             await client.submit(list(range(64)), POOL_TOKENS - 64, request_id="dup")
-            for sender in (client, other):
-                with pytest.raises(EngineError) as duplicate:
-                    await sender.submit([5, 6, 7], 1, request_id="dup")
-                assert duplicate.value.code == "duplicate_request"
-                assert duplicate.value.message == "request dup is already active"
+            with pytest.raises(EngineError) as duplicate:
+                await client.submit([5, 6, 7], 1, request_id="dup")
+            assert duplicate.value.code == "duplicate_request"
+            assert duplicate.value.message == "request dup is already active"
+            others = await other.generate([5, 6, 7], 1, request_id="dup", timeout=WAIT_S)
+            assert (others.request_id, len(others.token_ids)) == ("dup", 1)
             first = await anext(client.outputs("dup", timeout=WAIT_S))
             assert first.request_id == "dup"
             assert isinstance(await client.cancel("dup"), Applied)
