@@ -33,6 +33,7 @@ from engined.client.errors import (
     EngineError,
     ProtocolError,
 )
+from engined.config.certificates import client_keys_from_environment
 from engined.wire.control import (
     Applied,
     ClientMessage,
@@ -139,8 +140,16 @@ class Connection:
                 an id of its own (protocol §1.5), so this no longer carries state across
                 connections; kept for peers that are not engined daemons.
             curve: this client's CURVE keys and the daemon's public key, for a daemon that
-                requires CURVE (`curve_secret_key_file`).
+                requires CURVE (`curve_secret_key_file`); None: those the files named by
+                ENGINED_CURVE_CLIENT_KEY_FILE and ENGINED_CURVE_SERVER_KEY_FILE hold, if set
+                (so every tool and the Dynamo worker can use CURVE), else none.
+
+        Raises:
+            ValueError: the CURVE environment names one file only, or a file it names
+                cannot be used.
         """
+        if curve is None:
+            curve = client_keys_from_environment()
         owns_ctx = ctx is None
         context = zmq.asyncio.Context() if ctx is None else ctx
         try:

@@ -187,7 +187,10 @@ async def serve(args: WorkerArgs) -> int:
     from dynamo.llm import ModelInput, ModelType, WorkerMetricsPublisher, WorkerType, register_model
     from dynamo.runtime import DistributedRuntime
 
-    client = await EngineClient.connect(args.control_endpoint)
+    try:
+        client = await EngineClient.connect(args.control_endpoint)
+    except ValueError as error:  # the CURVE key files the environment names
+        raise SetupError(str(error)) from None
     publishers: list[Any] = []
     handler: RequestHandler | None = None
     try:

@@ -17,14 +17,11 @@ import zmq
 import zmq.utils.z85
 
 from engined.config import DaemonConfig
-from engined.config.api_keys import read_private
+from engined.config.certificates import read_key_pair
 from engined.config.endpoints import parse_endpoint
 from engined.server.gatekeeper import GatePolicy, Role, operator_uids
 
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
-_SECRET_KEY = re.compile(
-    r'^\s*secret-key\s*=\s*"([0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40})"', re.M
-)
 # File descriptors kept for everything but connections: sockets bound, files, pipes to rank
 # workers, libzmq's own (two per context and per I/O thread).
 FD_RESERVE = 256
@@ -50,20 +47,12 @@ def gate_policy(cfg: DaemonConfig) -> GatePolicy:
 
 
 def read_secret_key(path: Path) -> bytes:
-    """The Z85 secret key of a zmq certificate file (`zmq.auth.create_certificates` writes
-    one), which only its owner (and group) may read."""
+    """The Z85 secret key of the daemon's certificate (engined.config.certificates)."""
     try:
-        text = read_private(str(path)).decode("utf-8")
-    except OSError as exc:
-        raise AccessError(f"curve_secret_key_file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise AccessError(f"curve_secret_key_file {path}: not UTF-8 text") from None
-    except ValueError as exc:  # read_private's messages name the path
+        _public, secret = read_key_pair(path)
+    except ValueError as exc:
         raise AccessError(f"curve_secret_key_file {exc}") from None
-    found = _SECRET_KEY.search(text)
-    if found is None:
-        raise AccessError(f'curve_secret_key_file {path}: no secret-key = "<40 Z85 characters>"')
-    return found.group(1).encode()
+    return secret
 
 
 def read_authorized_keys(path: Path) -> dict[bytes, Role]:

@@ -194,7 +194,10 @@ async def zmq_context() -> AsyncIterator[zmq.asyncio.Context]:
 @contextlib.asynccontextmanager
 async def control_client(ctx: zmq.asyncio.Context, endpoint: str) -> AsyncIterator[EngineClient]:
     """An EngineClient on the shared context, closed on exit."""
-    client = await EngineClient.connect(endpoint, ctx=ctx)
+    try:
+        client = await EngineClient.connect(endpoint, ctx=ctx)
+    except ValueError as error:  # the CURVE key files the environment names
+        raise ToolError(str(error)) from None
     try:
         yield client
     finally:

@@ -4,7 +4,9 @@ cap, CURVE with roles by key, refusals a client can tell apart."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from engined.server.access import AccessError, read_authorized_keys, read_secret
 from engined.server.gatekeeper import DENIED, REFUSED, Domain, GatePolicy, Role, Verdict, decide
 from engined.wire.control import Applied
 from engined.zmq_sockets import CurveClientKeys
-from tests.server.daemon_harness import DaemonProcess, free_tcp_port, start_daemon
+from tests.server.daemon_harness import ENGINED, DaemonProcess, free_tcp_port, start_daemon
 
 OWN = os.getuid()
 KEY_A = b"a" * 32
@@ -272,3 +274,33 @@ def test_a_daemon_with_unusable_keys_does_not_start(tmp_path: Path, mode: int) -
         else f"{keys.authorized} line 1: 'not-a-key' is not a 40-character Z85 key"
     )
     assert expected in daemon.log()
+
+
+def test_the_tools_take_curve_keys_from_the_environment(
+    tmp_path: Path, curve_daemon: tuple[DaemonProcess, Keys]
+) -> None:
+    daemon, keys = curve_daemon
+    client_public, client_secret = keys.client
+    client_file = tmp_path / "client.key_secret"
+    client_file.write_text(
+        f'curve\n    public-key = "{client_public.decode()}"\n'
+        f'    secret-key = "{client_secret.decode()}"\n'
+    )
+    client_file.chmod(0o600)
+    server_file = keys.secret_file.with_suffix(".key")
+    env = {
+        **os.environ,
+        "ENGINED_CURVE_CLIENT_KEY_FILE": str(client_file),
+        "ENGINED_CURVE_SERVER_KEY_FILE": str(server_file),
+    }
+    command = [*ENGINED, "stats", "--control-endpoint", daemon.control, "--json"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["dp_rank"] == 0
+    del env["ENGINED_CURVE_SERVER_KEY_FILE"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert (
+        "CURVE needs both ENGINED_CURVE_CLIENT_KEY_FILE and ENGINED_CURVE_SERVER_KEY_FILE"
+        in done.stderr
+    )
