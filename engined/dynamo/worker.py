@@ -14,7 +14,7 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import structlog
@@ -84,19 +84,35 @@ async def _hello(client: EngineClient, args: WorkerArgs) -> Welcome:
         ) from None
 
 
-@contextlib.asynccontextmanager
-async def operator_client(
-    client: EngineClient, welcome: Welcome, control_endpoint: str
-) -> AsyncIterator[EngineClient]:
-    """Where engine-wide commands go: the daemon's operator endpoint, which admits this
-    worker as operator when it runs as the daemon's user (protocol §1.5), else the control
-    connection (an ipc one, or one with an operator CURVE key)."""
+async def as_operator(
+    client: EngineClient,
+    welcome: Welcome,
+    control_endpoint: str,
+    what: str,
+    command: Callable[[EngineClient], Awaitable[object]],
+) -> None:
+    """Send an engine-wide command where the daemon takes it: its operator endpoint, which
+    admits this worker as operator when it runs as the daemon's user (protocol §1.5), else
+    the control connection (an ipc one, or one with an operator CURVE key).
+
+    Raises:
+        SetupError: the daemon refused it (`what` says what), or its operator endpoint did
+            not answer (another user's worker cannot connect there).
+    """
     endpoint = welcome.operator_endpoint
-    if endpoint is None or endpoint == control_endpoint:
-        yield client
-        return
-    async with await EngineClient.connect(endpoint) as operator:
-        yield operator
+    try:
+        if endpoint is None or endpoint == control_endpoint:
+            await command(client)
+            return
+        async with await EngineClient.connect(endpoint) as operator:
+            await command(operator)
+    except EngineError as exc:
+        raise SetupError(f"the daemon refused {what}: {exc.message}") from None
+    except TimeoutError:
+        raise SetupError(
+            f"the daemon's operator endpoint {endpoint} did not answer for {what}: run the "
+            "worker as the daemon's user (docs/security.md §2)"
+        ) from None
 
 
 async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]:
@@ -111,11 +127,13 @@ async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]
         )
     vocabulary = reconcile_vocabulary(model, welcome)
     if vocabulary.apply:
-        try:
-            async with operator_client(client, welcome, args.control_endpoint) as operator:
-                await operator.set_vocabulary(vocabulary.vocab_size, vocabulary.excluded_token_ids)
-        except EngineError as exc:
-            raise SetupError(f"the daemon refused the model's vocabulary: {exc.message}") from None
+        await as_operator(
+            client,
+            welcome,
+            args.control_endpoint,
+            "the model's vocabulary",
+            lambda c: c.set_vocabulary(vocabulary.vocab_size, vocabulary.excluded_token_ids),
+        )
         log.info(
             "vocabulary set on the daemon",
             vocab_size=vocabulary.vocab_size,
@@ -202,11 +220,13 @@ async def serve(args: WorkerArgs) -> int:
         endpoint = runtime.endpoint(args.endpoint_path)
         worker_id = endpoint.connection_id()
         # The planner joins FPM with this worker by the id dynamo.vllm stamps: the endpoint's.
-        try:
-            async with operator_client(client, welcome, args.control_endpoint) as operator:
-                await operator.set_fpm_worker_id(str(worker_id))
-        except EngineError as exc:
-            raise SetupError(f"the daemon refused the FPM worker id: {exc.message}") from None
+        await as_operator(
+            client,
+            welcome,
+            args.control_endpoint,
+            "the FPM worker id",
+            lambda c: c.set_fpm_worker_id(str(worker_id)),
+        )
         name = args.served_model_name or welcome.model_name
         handler = RequestHandler(
             client,
