@@ -33,7 +33,10 @@ import zmq
 from abuse_harness import Figures, Run, scenario  # benchmarks/, beside this
 
 from engined.client import EngineClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engined.wire.control import ErrorReply, Output, ReplyDecoder, Submitted
+from tests.server.test_shutdown_flood import flood_through_sigterm
 
 DECODER = ReplyDecoder()
 
@@ -77,41 +80,6 @@ async def ipc_lock_symlink(run: Run) -> Figures:
 # --- 3: SIGTERM during a flood -------------------------------------------------------------------
 
 
-def _flood(endpoint: str, count: int, stop: threading.Event) -> list[object]:
-    """Send `count` submits without waiting, read as they come, set `stop` after 100
-    replies, then read until the daemon's side of the connection is gone (a thread)."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
-        sock.setsockopt(option, value)
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(endpoint)
-    received: list[object] = []
-
-    def take() -> None:
-        while True:
-            try:
-                received.append(DECODER.decode(sock.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                return
-            if sum(not isinstance(m, Output) for m in received) >= 100:
-                stop.set()
-
-    try:
-        for n in range(count):
-            sock.send(_submit(n, 100_000, n))
-            take()
-        while not monitor.poll(100):
-            take()
-        take()
-        return received
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-        ctx.term()
-
-
 @scenario(
     "sigterm-flood",
     21,
@@ -126,7 +94,9 @@ def _flood(endpoint: str, count: int, stop: threading.Event) -> list[object]:
 async def sigterm_flood(run: Run) -> Figures:
     count = run.scaled(5000)
     stop = threading.Event()
-    flood = asyncio.create_task(asyncio.to_thread(_flood, run.daemon.control, count, stop))
+    flood = asyncio.create_task(
+        asyncio.to_thread(flood_through_sigterm, run.daemon.control, stop.set, count)
+    )
     await asyncio.to_thread(stop.wait, 60)
     assert run.daemon.proc is not None
     run.daemon.proc.send_signal(signal.SIGTERM)

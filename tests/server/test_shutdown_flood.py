@@ -70,10 +70,10 @@ def ping(message_id: int | str) -> bytes:
 # --- 1. a real daemon --------------------------------------------------------------------------
 
 
-def flood_through_sigterm(endpoint: str, stop: object) -> list[DaemonMessage]:
-    """Send FLOOD submits without waiting, reading as they come; call `stop()` once
+def flood_through_sigterm(endpoint: str, stop: object, count: int = FLOOD) -> list[DaemonMessage]:
+    """Send `count` submits without waiting, reading as they come; call `stop()` once
     SIGNAL_AFTER replies are in; then read until the daemon's side of the connection is
-    gone. Everything received, in order."""
+    gone. Everything received, in order (benchmarks/abuse_shutdown.py plays it too)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
@@ -94,7 +94,7 @@ def flood_through_sigterm(endpoint: str, stop: object) -> list[DaemonMessage]:
 
     try:
         stopped = False
-        for n in range(FLOOD):
+        for n in range(count):
             sock.send(submit(n))
             take_queued()
             if not stopped and replies() >= SIGNAL_AFTER:
