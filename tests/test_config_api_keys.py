@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from engined.cli import CONFIG_ERROR, app
 from engined.config import ENV_PREFIX, ConfigError, DaemonConfig, dump_config, load_config
 from engined.config.api_keys import MAX_KEY_CHARS, MAX_KEY_FILE_BYTES
+from tests.test_config import load
 
 SECRET = "sk-secret-7f3a"
 
@@ -27,21 +28,6 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith(ENV_PREFIX) or name == "VLLM_API_KEY":
             monkeypatch.delenv(name)
-
-
-def load(
-    toml: str | None = None,
-    *,
-    env: dict[str, str] | None = None,
-    flags: dict[str, Any] | None = None,
-    tmp_path: Path | None = None,
-) -> DaemonConfig:
-    path = None
-    if toml is not None:
-        assert tmp_path is not None
-        path = tmp_path / "engined.toml"
-        path.write_text(toml)
-    return load_config(config_path=path, env=env or {}, flags=flags or {})
 
 
 def refused(message: str, **kwargs: Any) -> ConfigError:

@@ -12,6 +12,7 @@ import resource
 import stat
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import zmq
 import zmq.utils.z85
@@ -83,20 +84,32 @@ def read_authorized_keys(path: Path) -> dict[bytes, Role]:
     return keys
 
 
-def operator_endpoint(cfg: DaemonConfig) -> str | None:
-    """The extra ipc endpoint to bind for operators, or None.
+class OperatorEndpoint(NamedTuple):
+    """Where operators connect without CURVE: `bind`, an ipc endpoint the control ROUTER
+    binds besides `control_endpoint` (None: none), and `advertised`, what the `welcome`
+    names (None: no ipc way in at all)."""
 
-    "auto" gives a tcp control socket one in a directory only the daemon's user can enter
-    (the kernel checks the uid again at every connection); an ipc control socket already
-    admits them, so it needs none.
+    bind: str | None
+    advertised: str | None
+
+
+def operator_endpoint(cfg: DaemonConfig) -> OperatorEndpoint:
+    """`operator_endpoint` resolved.
+
+    "auto" gives a tcp control socket an extra one in a directory only the daemon's user
+    can enter (the kernel checks the uid again at every connection); an ipc control socket
+    already admits them, so it needs none and is itself the way in.
     """
-    if cfg.operator_endpoint != "auto":
-        return cfg.operator_endpoint or None
     control = parse_endpoint(cfg.control_endpoint)
-    if control.scheme == "ipc":
-        return None
-    name = _NAME_UNSAFE.sub("_", f"engined-{control.where}-{control.port}.operator")
-    return f"ipc://{private_directory() / name}"
+    bind: str | None = cfg.operator_endpoint or None
+    if bind == "auto":
+        bind = None
+        if control.scheme == "tcp":
+            name = _NAME_UNSAFE.sub("_", f"engined-{control.where}-{control.port}.operator")
+            bind = f"ipc://{private_directory() / name}"
+    if bind is not None:
+        return OperatorEndpoint(bind, bind)
+    return OperatorEndpoint(None, cfg.control_endpoint if control.scheme == "ipc" else None)
 
 
 def private_directory() -> Path:

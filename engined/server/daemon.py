@@ -193,10 +193,8 @@ class Daemon:
             **gate.options(Domain.CONTROL),
         )
         operator = operator_endpoint(cfg)
-        if operator is not None:
-            registry.bind_also(control_sock, operator)
-        elif cfg.control_endpoint.startswith("ipc://"):
-            operator = cfg.control_endpoint
+        if operator.bind is not None:
+            registry.bind_also(control_sock, operator.bind)
         kv_endpoints: list[str] = []
         replay_endpoints: list[str] = []
         fpm_endpoints: list[str] = []
@@ -273,7 +271,7 @@ class Daemon:
                 excluded_token_ids=list(settings.excluded_token_ids),
                 fpm_worker_id=settings.fpm_worker_id,
                 speedup_ratio=engine.speedup_ratio,
-                operator_endpoint=operator,
+                operator_endpoint=operator.advertised,
             )
 
         if self.metrics is not None:
