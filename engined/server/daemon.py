@@ -555,8 +555,12 @@ async def _serve(config: DaemonConfig) -> int:
     try:
         return await daemon.serve()
     finally:
+        # The daemon has shut down and only the interpreter's exit is left: a signal now
+        # (a supervisor's second SIGTERM, say) must not turn its exit code into a death by
+        # signal, as restoring the default action did (-15, seen in test_fairness).
         for sig in signals:
             loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def run(config: DaemonConfig) -> int:
