@@ -49,6 +49,16 @@ class PrefixHitRule(enum.StrEnum):
     MOCKER_1_3_0 = "mocker-1.3.0"
 
 
+class Semantics(enum.StrEnum):
+    """Whose scheduling and KV-cache rules the vLLM core follows (README "Faithfulness")."""
+
+    # vLLM 0.33's v1 scheduler and KV cache manager (engined/core/paged/), checked step by
+    # step against the real one (parity/).
+    VLLM = "vllm"
+    # Dynamo's mocker 1.3.0 (the lineage pool, eager allocation): the seed suite's world.
+    MOCKER_1_3_0 = "mocker-1.3.0"
+
+
 class TrtllmArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     capacity_scheduler_policy: str | None = None
 
@@ -224,3 +234,10 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "mocker-1.3.0: it computes nothing."
         ),
     ] = PrefixHitRule.VLLM
+    semantics: Annotated[
+        Semantics,
+        Meta(
+            description="vllm: vLLM 0.33's scheduler and KV cache; mocker-1.3.0: Dynamo's "
+            "mocker 1.3.0 (also implied by prefix_hit_rule = mocker-1.3.0)."
+        ),
+    ] = Semantics.VLLM

@@ -26,6 +26,7 @@ from engined.core.args_fields import (
     EngineType,
     PreemptionMode,
     PrefixHitRule,
+    Semantics,
     WorkerType,
 )
 from engined.core.errors import InvalidArgsError
@@ -57,6 +58,10 @@ ENUM_MESSAGES: dict[str, tuple[type[enum.StrEnum], str]] = {
     "prefix_hit_rule": (
         PrefixHitRule,
         "Invalid prefix_hit_rule '{}'. Must be 'vllm' or 'mocker-1.3.0'.",
+    ),
+    "semantics": (
+        Semantics,
+        "Invalid semantics '{}'. Must be 'vllm' or 'mocker-1.3.0'.",
     ),
 }
 

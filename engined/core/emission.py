@@ -21,11 +21,12 @@ from typing import Any
 
 from engined.core.args import EngineArgs, WorkerType
 from engined.core.finish import Finisher
+from engined.core.kv_cache import KvCache
 from engined.core.kv_manager import KvManager
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import PerfModel, scale_ms
 from engined.core.preemption import Preempter
-from engined.core.sequence import BlockMove, Deref, Use
+from engined.core.sequence import BlockMove, Deref, Release, Use
 from engined.core.speculative import SpeculativeSampler
 from engined.core.state import RequestState, SchedulerState
 from engined.core.types import (
@@ -50,6 +51,7 @@ class TokenEmitter:
         "_fast_paths",
         "_finisher",
         "_kv",
+        "_mocker_kv",
         "_perf",
         "_preempter",
         "_rng",
@@ -66,7 +68,8 @@ class TokenEmitter:
         args: EngineArgs,
         *,
         state: SchedulerState,
-        kv: KvManager,
+        kv: KvCache,
+        mocker_kv: KvManager | None,
         preempter: Preempter,
         finisher: Finisher,
         sampler: SpeculativeSampler | None,
@@ -82,6 +85,9 @@ class TokenEmitter:
         self._decode_ratio = args.speedup_ratio * args.decode_speedup_ratio
         self._state = state
         self._kv = kv
+        # The same KV as the mocker's pool (None on vLLM's): the inlined block-opening step
+        # and MTP reservations work on it alone.
+        self._mocker_kv = mocker_kv
         self._preempter = preempter
         self._finisher = finisher
         self._sampler = sampler
@@ -166,6 +172,7 @@ class TokenEmitter:
         decode_ms = self._decode_ms(len(ready), total_len)
         running_members = state.running_members
         kv = self._kv
+        mocker_kv = self._mocker_kv
         offload = kv.offload is not None
         refresh = kv.refresh_offload_wait
         bs = self.block_size
@@ -194,6 +201,8 @@ class TokenEmitter:
                 fast
                 and seq.planned is None
                 and len(tokens) % bs != 0
+                # vLLM's pool hashes a block when its last token arrives (`push_paged`).
+                and (mocker_kv is not None or (len(tokens) + 1) % bs != 0)
                 and seq.generated + 1 < seq.max_output_tokens
                 and req.cached_tokens_reported
                 and req.status is running
@@ -207,7 +216,8 @@ class TokenEmitter:
                 decoded_tokens.append(drawn)
                 continue
             if (
-                fast
+                mocker_kv is not None
+                and fast
                 and not offload
                 and seq.planned is None
                 and len(tokens) % bs == 0
@@ -220,8 +230,8 @@ class TokenEmitter:
                 token = getrandbits(32) if draw is None else draw()
                 promote = seq.open_block(token)
                 if promote is not None:
-                    kv.promote(promote)
-                if kv.use_partial(seq.partial):
+                    mocker_kv.promote(promote)
+                if mocker_kv.use_partial(seq.partial):
                     seq.num_allocated_tokens = len(tokens)
                     decoded_ids.append(request_id)
                     decoded_tokens.append(token)
@@ -240,8 +250,8 @@ class TokenEmitter:
                 token, moves = seq.generate_token()
                 completed = seq.generated >= seq.max_output_tokens
                 if completed:
-                    cleanup = [m for m in moves if type(m) is Deref]
-                    moves = [m for m in moves if type(m) is not Deref]
+                    cleanup = [m for m in moves if type(m) is Deref or type(m) is Release]
+                    moves = [m for m in moves if type(m) is not Deref and type(m) is not Release]
                 if not moves or kv.apply_all(moves):
                     if moves and not completed:
                         seq.num_allocated_tokens = len(seq.tokens)
@@ -277,7 +287,8 @@ class TokenEmitter:
         sampler = self._sampler
         assert sampler is not None
         state = self._state
-        kv = self._kv
+        kv = self._mocker_kv
+        assert kv is not None, "MTP runs on the mocker's pool"
         bs = self.block_size
         max_burst = 1 if self.is_prefill_worker else len(sampler.rates) + 1
         offload = kv.offload is not None

@@ -44,6 +44,8 @@ from engined.core.kv_manager import KvManager
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.parking import OnboardParking
 from engined.core.offload.tier_engine import TierEngine
+from engined.core.paged.kv_cache_manager import PagedKvManager
+from engined.core.paged.scheduler import PagedScheduler
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import make_perf_model
 from engined.core.policy import AdmissionPolicy, TrtllmNoEvictPolicy
@@ -79,13 +81,13 @@ class EngineParts(NamedTuple):
     """
 
     state: TalliedState
-    kv: KvManager
+    kv: KvManager | PagedKvManager
     book: HandoffBook
     parking: OnboardParking
     intake: RequestIntake
     queued: QueuedLengths
     capacity: CapacityGeneration
-    scheduler: Scheduler
+    scheduler: Scheduler | PagedScheduler
     emitter: TokenEmitter
     commands: Commands
     finisher: Finisher
@@ -109,6 +111,7 @@ class Engine:
         "block_size",
         "dp_rank",
         "num_blocks",
+        "paged",
         "worker_id",
     )
 
@@ -153,14 +156,33 @@ class Engine:
         if tiers is None:
             offload_config = OffloadConfig.from_args(args)
             tiers = TierEngine(offload_config) if offload_config is not None else None
-        kv = KvManager(
-            num_blocks,
-            bs,
-            dp_rank=dp_rank,
-            publish=args.enable_prefix_caching,
-            prefix_hit=PrefixHit.from_args(args),
-            tiers=tiers,
-        )
+        self.paged = paged = tiers is None and args.runs_vllm_semantics()
+        if paged:
+            # vLLM keeps block 0 as its null block: one usable block fewer.
+            policy = policy_cls(
+                num_blocks - 1,
+                bs,
+                None if args.enable_chunked_prefill else max_batched_tokens,
+                args.max_model_len,
+            )
+        kv: KvManager | PagedKvManager
+        if paged:
+            kv = PagedKvManager(
+                num_blocks,
+                bs,
+                dp_rank=dp_rank,
+                caching=args.enable_prefix_caching,
+                max_model_len=policy.max_model_len,
+            )
+        else:
+            kv = KvManager(
+                num_blocks,
+                bs,
+                dp_rank=dp_rank,
+                publish=args.enable_prefix_caching,
+                prefix_hit=PrefixHit.from_args(args),
+                tiers=tiers,
+            )
         capacity = CapacityGeneration()
         # FPM's queued-request tallies, kept by the queues themselves (engined/core/queued.py).
         queued = QueuedLengths()
@@ -169,7 +191,12 @@ class Engine:
         rng = random.Random(args.seed * 1_000_003 + dp_rank)
         vocab = Vocabulary(rng, args.vocab_size, args.excluded_token_ids)
         intake = RequestIntake(
-            policy, block_size=bs, caching=args.enable_prefix_caching, rng=rng, vocab=vocab
+            policy,
+            block_size=bs,
+            caching=args.enable_prefix_caching,
+            rng=rng,
+            vocab=vocab,
+            paged=paged,
         )
         sampler = (
             SpeculativeSampler(args.nextn_accept_rates, (args.aic_mtp_seed + worker_id) & _MASK64)
@@ -187,24 +214,39 @@ class Engine:
         preempter = Preempter(
             state, kv, policy, capacity, lifo=args.preemption_mode is PreemptionMode.LIFO
         )
-        scheduler = Scheduler(
-            args,
-            max_num_seqs=max_num_seqs,
-            max_batched_tokens=max_batched_tokens,
-            state=state,
-            kv=kv,
-            policy=policy,
-            parking=parking,
-            pending=book.pending,
-            finisher=finisher,
-            preempter=preempter,
-            perf=perf,
-            fast_paths=fast_paths,
-        )
+        scheduler: Scheduler | PagedScheduler
+        if isinstance(kv, PagedKvManager):
+            scheduler = PagedScheduler(
+                args,
+                max_num_seqs=max_num_seqs,
+                max_batched_tokens=max_batched_tokens,
+                state=state,
+                kv=kv,
+                policy=policy,
+                finisher=finisher,
+                preempter=preempter,
+                perf=perf,
+            )
+        else:
+            scheduler = Scheduler(
+                args,
+                max_num_seqs=max_num_seqs,
+                max_batched_tokens=max_batched_tokens,
+                state=state,
+                kv=kv,
+                policy=policy,
+                parking=parking,
+                pending=book.pending,
+                finisher=finisher,
+                preempter=preempter,
+                perf=perf,
+                fast_paths=fast_paths,
+            )
         emitter = TokenEmitter(
             args,
             state=state,
             kv=kv,
+            mocker_kv=kv if isinstance(kv, KvManager) else None,
             preempter=preempter,
             finisher=finisher,
             sampler=sampler,
@@ -220,6 +262,7 @@ class Engine:
             intake=intake,
             state=state,
             kv=kv,
+            mocker_kv=kv if isinstance(kv, KvManager) else None,
             book=book,
             finisher=finisher,
             capacity=capacity,
@@ -379,12 +422,14 @@ class Engine:
         num_blocks = self.num_blocks
         tiers = kv.offload
         if tiers is None:
+            # vLLM's usage leaves its null block out.
+            usable = num_blocks - 1 if self.paged else num_blocks
             return EngineMetrics(
                 self.dp_rank,
                 active,
                 kv.num_inactive_blocks(),
                 num_blocks,
-                active / num_blocks,
+                active / usable,
                 len(state.running_members),
                 waiting,
                 state.preemptions_total,

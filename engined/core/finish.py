@@ -12,7 +12,7 @@ from __future__ import annotations
 from engined.core.args import EngineArgs
 from engined.core.capacity import CapacityGeneration
 from engined.core.handoff import HandoffBook
-from engined.core.kv_manager import KvManager
+from engined.core.kv_cache import KvCache
 from engined.core.offload.parking import OnboardParking
 from engined.core.sequence import BlockMove
 from engined.core.state import RequestState, SchedulerState
@@ -25,7 +25,7 @@ class Finisher:
     def __init__(
         self,
         state: SchedulerState,
-        kv: KvManager,
+        kv: KvCache,
         book: HandoffBook,
         parking: OnboardParking,
         capacity: CapacityGeneration,

@@ -22,7 +22,16 @@ from engined.core.vocab import Vocabulary
 
 
 class RequestIntake:
-    __slots__ = ("_block_size", "_caching", "_minted", "_partial_ids", "_policy", "_rng", "_vocab")
+    __slots__ = (
+        "_block_size",
+        "_caching",
+        "_minted",
+        "_paged",
+        "_partial_ids",
+        "_policy",
+        "_rng",
+        "_vocab",
+    )
 
     def __init__(
         self,
@@ -32,8 +41,10 @@ class RequestIntake:
         caching: bool,
         rng: random.Random,
         vocab: Vocabulary,
+        paged: bool = False,
     ) -> None:
         self._policy = policy
+        self._paged = paged
         self._block_size = block_size
         self._caching = caching
         self._rng = rng
@@ -68,5 +79,6 @@ class RequestIntake:
             next_partial_id=self._partial_ids,
             planned=planned,
             vocab=self._vocab,
+            paged=self._paged,
         )
         return RequestState(request_id, seq, status)

@@ -71,6 +71,27 @@ class KvEventLog:
         self._events.append(event)
         return event
 
+    def stored_blocks(
+        self,
+        parent: int | None,
+        hashes: list[int],
+        local: list[int],
+        token_ids: list[int],
+    ) -> None:
+        """Publish blocks the vLLM pool just cached, as one GPU Stored."""
+        if self.publish:
+            self._events.append(
+                BlockStored(
+                    self.take_event_id(),
+                    self.dp_rank,
+                    parent,
+                    hashes,
+                    local,
+                    token_ids,
+                    self.block_size,
+                )
+            )
+
     def stored_block(
         self,
         parent_hash: int | None,

@@ -9,7 +9,7 @@ recomputes them when it is admitted again.
 from __future__ import annotations
 
 from engined.core.capacity import CapacityGeneration
-from engined.core.kv_manager import KvManager
+from engined.core.kv_cache import KvCache
 from engined.core.policy import AdmissionPolicy
 from engined.core.state import SchedulerState
 from engined.core.types import RequestStatus
@@ -21,7 +21,7 @@ class Preempter:
     def __init__(
         self,
         state: SchedulerState,
-        kv: KvManager,
+        kv: KvCache,
         policy: AdmissionPolicy,
         capacity: CapacityGeneration,
         *,

@@ -105,7 +105,20 @@ class Promote:
         self.tokens = tokens
 
 
-BlockMove = Use | Deref | Promote
+class Release:
+    """Drop every block of `seq` at once, tail first (the vLLM path, engined/core/paged/).
+
+    vLLM's pool keeps a block table per request, not blocks by lineage key: two requests may
+    hold distinct blocks with one hash, so only the sequence itself names what it holds.
+    """
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+
+
+BlockMove = Use | Deref | Promote | Release
 
 
 class SampledToken(NamedTuple):
@@ -145,6 +158,7 @@ class Sequence:
         "max_output_tokens",
         "num_allocated_tokens",
         "num_input_tokens",
+        "paged",
         "partial",
         "planned",
         "tokens",
@@ -162,8 +176,12 @@ class Sequence:
         planned: list[int] | None = None,
         emit_token_ids: bool = True,
         vocab: Vocabulary | None = None,
+        paged: bool = False,
     ) -> None:
         assert block_size >= 2, "invalid ActiveSequence"
+        # vLLM semantics (engined/core/paged/): blocks are allocated by the scheduler, so a
+        # sampled token asks for nothing, and freeing is one `Release`.
+        self.paged = paged
         self.block_size = block_size
         self.tokens = array("I", tokens)
         self.num_input_tokens = len(tokens)
@@ -250,10 +268,30 @@ class Sequence:
             token = self._rng.getrandbits(32)
         else:
             token = self._vocab.draw()
+        if self.paged:
+            self.push_paged(token)
+            return _new(
+                SampledToken,
+                (token, [Release(self)] if self.generated == self.max_output_tokens else []),
+            )
         moves = self._push(token)
         if self.generated == self.max_output_tokens:
             moves.append(self._free_for_tokens(len(self.tokens)))
         return _new(SampledToken, (token, moves))
+
+    def push_paged(self, token: Any) -> None:
+        """Take `token` under vLLM semantics: a block's hash exists as soon as its last token
+        does, as vLLM's request block hasher adds it (the scheduler caches full blocks)."""
+        tokens = self.tokens
+        _append(tokens, token)
+        self.generated += 1
+        bs = self.block_size
+        if not self.caching or len(tokens) % bs:
+            return
+        pos = len(self.hashes)
+        lh = array_block_hash(tokens[pos * bs : (pos + 1) * bs])
+        self.local.append(lh)
+        self.hashes.append(lh if pos == 0 else chain_hash(self.hashes[-1], lh))
 
     def _push(self, token: int) -> list[BlockMove]:
         tokens = self.tokens
@@ -329,6 +367,8 @@ class Sequence:
         """The Deref releasing every allocated block (empty when nothing is allocated)."""
         if self.num_allocated_tokens == 0:
             return []
+        if self.paged:
+            return [Release(self)]
         return [self._free_for_tokens(self.num_allocated_tokens)]
 
     def reset_with_moves(self) -> list[BlockMove]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from engined.core.args import EngineArgs, PerfModelKind, PrefixHitRule
+from engined.core.args import EngineArgs, PerfModelKind, PrefixHitRule, Semantics
 from engined.core.engine import Engine
 from engined.core.types import (
     Command,
@@ -37,8 +37,10 @@ def uid(n: int) -> str:
 
 
 def make_args(**overrides: Any) -> EngineArgs:
-    """bs 4, 6 blocks, budget 8, 3 seqs, chunked, prefix caching off, no time scaling."""
+    """bs 4, 6 blocks, budget 8, 3 seqs, chunked, prefix caching off, no time scaling, and
+    the mocker's pool (the seed twins' numbers; tests of vLLM semantics override it)."""
     fields: dict[str, Any] = {
+        "semantics": Semantics.MOCKER_1_3_0,
         "block_size": 4,
         "num_gpu_blocks": 6,
         "max_num_batched_tokens": 8,
@@ -55,6 +57,7 @@ def tiered_args(**overrides: Any) -> EngineArgs:
     """bs 4, 2 seqs, budget 64, prefix caching on, a G2 tier whose every hop takes 1 ms (1 MB
     blocks at 1 GB/s both ways), and passes that take no modeled time."""
     fields: dict[str, Any] = {
+        "semantics": Semantics.MOCKER_1_3_0,
         "block_size": 4,
         "max_num_seqs": 2,
         "max_num_batched_tokens": 64,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 
 from engined.core.capacity import CapacityGeneration
-from engined.core.kv_manager import KvManager
+from engined.core.kv_cache import KvCache
 from engined.core.offload.g1_glue import G1Glue
 from engined.core.offload.types import OnboardState
 from engined.core.prefix_hit import PrefillCost
@@ -55,7 +55,7 @@ class OnboardParking:
 
     __slots__ = ("_block_size", "_capacity", "_kv", "_state", "by_request", "parked")
 
-    def __init__(self, state: SchedulerState, kv: KvManager, capacity: CapacityGeneration) -> None:
+    def __init__(self, state: SchedulerState, kv: KvCache, capacity: CapacityGeneration) -> None:
         self._state = state
         self._kv = kv
         self._capacity = capacity

@@ -1,0 +1,43 @@
+"""What the engine's parts need of a rank's KV cache, whichever semantics built it.
+
+Two pools implement it: the mocker's lineage pool (kv_manager.py, `semantics =
+mocker-1.3.0`, offload tiers, P/D destinations, MTP) and vLLM 0.33's paged pool
+(paged/kv_cache_manager.py, the default). The preempter, the finisher, the token emitter and
+the commands free and read KV only through this, so they serve both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engined.core.offload.g1_glue import G1Glue
+    from engined.core.prefix_hit import PrefillCost
+    from engined.core.sequence import BlockMove, Sequence
+    from engined.core.types import KvEvent, OffloadWait
+
+
+class KvCache(Protocol):
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def offload(self) -> G1Glue | None: ...
+
+    def apply_all(self, moves: list[BlockMove]) -> bool: ...
+
+    def num_active_blocks(self) -> int: ...
+
+    def num_inactive_blocks(self) -> int: ...
+
+    def take_events(self) -> list[KvEvent]: ...
+
+    def take_offload_wait(self) -> OffloadWait | None: ...
+
+    def refresh_offload_wait(self, wait: OffloadWait) -> OffloadWait | None: ...
+
+    def prefill_cost(self, seq: Sequence) -> PrefillCost: ...
+
+    def active_block_ids(self, seq: Sequence) -> list[int]: ...
+
+    def reset_prefix_cache(self) -> bool: ...

@@ -1,0 +1,179 @@
+"""vLLM 0.33's block pool: a null block, an LRU free queue, and a hash map that allows twins.
+
+The observable rules (vllm/v1/core/block_pool.py), which routers and the parity harness see:
+
+* Block 0 is the null block: never handed out, so `num_gpu_blocks - 1` blocks are usable.
+* Free blocks wait in one queue, initially in id order. Allocation takes from the front and
+  evicts what a taken block still caches, one `BlockRemoved` per block, in order. A freed
+  block that caches nothing goes to the front (reused first); a cached one to the back, so
+  the least recently freed cached block is evicted first. A request frees its blocks tail
+  first, so a chain's tail is evicted before its head.
+* A hit takes a block back out of the queue wherever it is (`touch`).
+* Caching does not deduplicate: a block filled with content another block already caches is
+  cached too (vLLM keeps block tables append-only), gets its own `BlockStored`, and later its
+  own `BlockRemoved`. Lookups return the first block cached under a hash.
+
+Blocks are ints; the free queue is a dict used as an ordered set (O(1) removal from the
+middle and insertion at either end), and a block's cache key is its lineage key
+(engined/core/hashing.py), -1 when it caches nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+from engined.core.hashing import hash_of_key
+from engined.core.kv_event_log import KvEventLog
+
+NULL_BLOCK = 0
+
+
+class PagedBlockPool:
+    __slots__ = (
+        "_head",
+        "_next",
+        "_prev",
+        "_tail",
+        "_twins",
+        "cached",
+        "caching",
+        "key_of",
+        "log",
+        "num_blocks",
+        "num_cached_free",
+        "num_free",
+        "refs",
+    )
+
+    def __init__(self, num_blocks: int, *, caching: bool, log: KvEventLog) -> None:
+        assert num_blocks >= 2, "the pool needs a null block and one usable block"
+        self.num_blocks = num_blocks
+        self.caching = caching
+        self.log = log
+        # The free queue as a doubly linked list over block ids, between two sentinels.
+        head = self._head = num_blocks
+        tail = self._tail = num_blocks + 1
+        order = [head, *range(1, num_blocks), tail]
+        self._next = [0] * (num_blocks + 2)
+        self._prev = [0] * (num_blocks + 2)
+        for a, b in itertools.pairwise(order):
+            self._next[a] = b
+            self._prev[b] = a
+        self.num_free = num_blocks - 1
+        # Free blocks that still cache a prefix: hits that revive them, and eviction fodder.
+        self.num_cached_free = 0
+        self.refs = [0] * num_blocks
+        self.refs[NULL_BLOCK] = 1
+        self.key_of = [-1] * num_blocks
+        # Lineage key -> the first block cached under it; later twins in `_twins`, in order.
+        self.cached: dict[int, int] = {}
+        self._twins: dict[int, list[int]] = {}
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by requests (the null block excluded)."""
+        return self.num_blocks - 1 - self.num_free
+
+    def _unlink(self, block: int) -> None:
+        nxt = self._next
+        prv = self._prev
+        a = prv[block]
+        b = nxt[block]
+        nxt[a] = b
+        prv[b] = a
+        self.num_free -= 1
+        if self.key_of[block] >= 0:
+            self.num_cached_free -= 1
+
+    def _link_after(self, anchor: int, block: int) -> None:
+        nxt = self._next
+        prv = self._prev
+        b = nxt[anchor]
+        nxt[anchor] = block
+        prv[block] = anchor
+        nxt[block] = b
+        prv[b] = block
+        self.num_free += 1
+        if self.key_of[block] >= 0:
+            self.num_cached_free += 1
+
+    def get_new_blocks(self, count: int) -> list[int]:
+        """`count` blocks from the front of the queue, evicting what they cached."""
+        assert count <= self.num_free, "allocation beyond the free blocks"
+        taken: list[int] = []
+        refs = self.refs
+        key_of = self.key_of
+        nxt = self._next
+        head = self._head
+        for _ in range(count):
+            block = nxt[head]
+            self._unlink(block)
+            if key_of[block] >= 0:
+                self._evict(block)
+            refs[block] = 1
+            taken.append(block)
+        return taken
+
+    def _evict(self, block: int) -> None:
+        key = self.key_of[block]
+        self.key_of[block] = -1
+        self._uncache(key, block)
+        self.log.removed([hash_of_key(key)])
+
+    def _uncache(self, key: int, block: int) -> None:
+        twins = self._twins.get(key)
+        if twins is None:
+            del self.cached[key]
+            return
+        if self.cached[key] == block:
+            self.cached[key] = twins.pop(0)
+        else:
+            twins.remove(block)
+        if not twins:
+            del self._twins[key]
+
+    def cache(self, block: int, key: int) -> None:
+        """Cache a held block just filled, under `key` (a twin when another block has it)."""
+        self.key_of[block] = key
+        if key in self.cached:
+            self._twins.setdefault(key, []).append(block)
+        else:
+            self.cached[key] = block
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a handle on hit blocks, out of the free queue if they were free."""
+        refs = self.refs
+        for block in blocks:
+            if refs[block] == 0:
+                self._unlink(block)
+            refs[block] += 1
+
+    def free_blocks(self, ordered: Iterable[int]) -> None:
+        """Drop a handle on each block; of those it frees, the first is evicted first."""
+        refs = self.refs
+        key_of = self.key_of
+        caching = self.caching
+        front = self._head
+        for block in ordered:
+            n = refs[block] - 1
+            refs[block] = n
+            if n:
+                continue
+            if caching and key_of[block] >= 0:
+                self._link_after(self._prev[self._tail], block)
+            else:
+                # Reused first, in the order freed.
+                self._link_after(front, block)
+                front = block
+
+    def reset(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); False while any is held."""
+        if self.num_used:
+            return False
+        self.cached.clear()
+        self._twins.clear()
+        self.key_of = [-1] * self.num_blocks
+        self.num_cached_free = 0
+        self.log.cleared()
+        return True

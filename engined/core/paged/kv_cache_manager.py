@@ -1,0 +1,191 @@
+"""vLLM 0.33's KV cache manager for one full-attention group: block tables per request.
+
+What a vLLM scheduler asks of its `KVCacheManager`, with vLLM's rules
+(vllm/v1/core/kv_cache_manager.py, single_type_kv_cache_manager.py):
+
+* `get_computed_blocks`: the longest run of cached blocks from the start of the request's
+  known tokens, at most `num_tokens - 1` tokens long (the last token is recomputed for its
+  logits), one block less with EAGLE-style speculation.
+* `allocate_slots`: slots for the tokens scheduled now, counted whole blocks, or nothing at
+  all when the free queue cannot supply them (hit blocks that are free count against it). The
+  blocks whose every token is scheduled are cached at once, one `BlockStored` per call,
+  after the `BlockRemoved` of whatever the allocation evicted.
+* `free`: a request's blocks go back tail first.
+
+It also answers the engine's shared KV interface (`apply_all` of `Release` moves, the
+gauges, the event log), so the preempter, the finisher and the token emitter work over it
+unchanged. Offload tiers and P/D destinations stay on the mocker pool (README
+"Faithfulness"); here `offload` is always None.
+"""
+
+from __future__ import annotations
+
+from engined.core.kv_event_log import KvEventLog
+from engined.core.offload.g1_glue import G1Glue
+from engined.core.paged.block_pool import PagedBlockPool
+from engined.core.prefix_hit import PrefillCost
+from engined.core.sequence import BlockMove, Release, Sequence
+from engined.core.types import KvEvent, OffloadWait
+
+
+class PagedKvManager:
+    __slots__ = (
+        "_drop_draft_block",
+        "_num_cached",
+        "_tables",
+        "block_size",
+        "caching",
+        "log",
+        "max_model_len",
+        "pool",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        dp_rank: int,
+        caching: bool,
+        max_model_len: int,
+        drop_draft_block: bool = False,
+    ) -> None:
+        self.block_size = block_size
+        self.caching = caching
+        self.max_model_len = max_model_len
+        self._drop_draft_block = drop_draft_block
+        self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=caching)
+        self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log)
+        # Each request's block table, and how many of its leading blocks are cached.
+        self._tables: dict[Sequence, list[int]] = {}
+        self._num_cached: dict[Sequence, int] = {}
+
+    @property
+    def offload(self) -> G1Glue | None:
+        """No offload tiers on the vLLM pool (they run on the mocker's)."""
+        return None
+
+    # --- vLLM's KVCacheManager ----------------------------------------------------------
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting request starts with (vLLM's prefix hit)."""
+        if not self.caching:
+            return []
+        n = (len(seq.tokens) - 1) // self.block_size
+        cached = self.pool.cached
+        hit: list[int] = []
+        for key in seq.keys[:n]:
+            block = cached.get(key)
+            if block is None:
+                break
+            hit.append(block)
+        if self._drop_draft_block and hit:
+            hit.pop()
+        return hit
+
+    def allocate_slots(
+        self,
+        seq: Sequence,
+        num_computed: int,
+        num_new_tokens: int,
+        new_computed_blocks: list[int] | None = None,
+    ) -> bool:
+        """Slots for `num_new_tokens` after `num_computed` (plus the hit, for a waiting
+        request); False, having changed nothing, when the free queue is too short."""
+        bs = self.block_size
+        pool = self.pool
+        hit = new_computed_blocks or []
+        computed = min(num_computed + len(hit) * bs, self.max_model_len)
+        need = min(computed + num_new_tokens, self.max_model_len)
+        table = self._tables.get(seq)
+        held = len(table) if table is not None else 0
+        refs = pool.refs
+        required = max(-(-need // bs) - held - len(hit), 0)
+        for block in hit:
+            if refs[block] == 0:
+                required += 1
+        if required > pool.num_free:
+            return False
+        if table is None:
+            table = self._tables[seq] = []
+        if hit:
+            pool.touch(hit)
+            table.extend(hit)
+            self._num_cached[seq] = len(table)
+        fresh = -(-need // bs) - len(table)
+        if fresh > 0:
+            table.extend(pool.get_new_blocks(fresh))
+        if need > seq.num_allocated_tokens:
+            seq.num_allocated_tokens = need
+        if self.caching:
+            self._cache_blocks(seq, table, min(computed + num_new_tokens, len(seq.tokens)))
+        return True
+
+    def _cache_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
+        bs = self.block_size
+        done = self._num_cached.get(seq, 0)
+        full = min(num_tokens, len(seq.hashes) * bs) // bs
+        if done >= full:
+            return
+        cache = self.pool.cache
+        keys = seq.keys
+        for i in range(done, full):
+            cache(table[i], keys[i])
+        self._num_cached[seq] = full
+        if self.log.publish:
+            hashes = seq.hashes
+            self.log.stored_blocks(
+                hashes[done - 1] if done else None,
+                hashes[done:full],
+                seq.local[done:full],
+                seq.tokens[done * bs : full * bs].tolist(),
+            )
+
+    def free(self, seq: Sequence) -> None:
+        table = self._tables.pop(seq, None)
+        self._num_cached.pop(seq, None)
+        seq.num_allocated_tokens = 0
+        if table:
+            table.reverse()
+            self.pool.free_blocks(table)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return list(self._tables.get(seq, ()))
+
+    # --- the engine's KV interface ------------------------------------------------------
+
+    def apply_all(self, moves: list[BlockMove]) -> bool:
+        for move in moves:
+            assert type(move) is Release, "the vLLM pool frees whole requests only"
+            self.free(move.seq)
+        return True
+
+    def num_active_blocks(self) -> int:
+        return self.pool.num_used
+
+    def num_inactive_blocks(self) -> int:
+        return self.pool.num_cached_free
+
+    def take_events(self) -> list[KvEvent]:
+        return self.log.take()
+
+    def take_offload_wait(self) -> OffloadWait | None:
+        return None
+
+    def refresh_offload_wait(self, wait: OffloadWait) -> OffloadWait | None:
+        return None
+
+    def prefill_cost(self, seq: Sequence) -> PrefillCost:
+        """What admitting `seq` now would find cached (for the gauges and inspection)."""
+        hit = len(self.get_computed_blocks(seq))
+        cached = hit * self.block_size
+        active = sum(1 for b in self.get_computed_blocks(seq) if self.pool.refs[b])
+        return PrefillCost(
+            seq.num_blocks - hit, len(seq.tokens) - cached, cached, active * self.block_size
+        )
+
+    def active_block_ids(self, seq: Sequence) -> list[int]:
+        return self.block_table(seq)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset()

@@ -1,0 +1,189 @@
+"""The scheduling half of a pass under vLLM 0.33's semantics (vLLM's `Scheduler.schedule()`).
+
+1. Running requests in order, each taking what it lacks of its known tokens, capped by the
+   budget and by `max_model_len - 1` past what it computed. Its slots are allocated now
+   (`allocate_slots`); when they cannot be, the last running request is preempted (vLLM's
+   FCFS), until the allocation succeeds or the request preempted itself, which ends the
+   running step. A request with nothing to schedule is passed over.
+2. Waiting requests in queue order, only when nothing was preempted, while the budget and
+   `max_num_seqs` allow: each looks up its prefix hit and is admitted if slots for its chunk
+   can be allocated; otherwise admission stops. Without chunked prefill a prompt that does
+   not fit the remaining budget stops admission too.
+
+A fresh request that could never fit the pool is rejected (vLLM would hold it at the head of
+its queue forever). Everything the pass accumulates goes into its `PassContext`.
+"""
+
+from __future__ import annotations
+
+from engined.core.args import EngineArgs
+from engined.core.finish import Finisher
+from engined.core.fpm import ScheduledWork
+from engined.core.paged.kv_cache_manager import PagedKvManager
+from engined.core.pass_context import PassContext
+from engined.core.perf_model import PerfModel, scale_ms
+from engined.core.policy import AdmissionPolicy
+from engined.core.preemption import Preempter
+from engined.core.state import RequestState, SchedulerState
+from engined.core.types import Admission, RequestStatus
+
+_new = tuple.__new__
+
+
+class PagedScheduler:
+    __slots__ = (
+        "_chunked",
+        "_finisher",
+        "_kv",
+        "_max_model_len",
+        "_max_num_seqs",
+        "_perf",
+        "_policy",
+        "_preempter",
+        "_speedup_ratio",
+        "_state",
+        "block_size",
+        "max_batched_tokens",
+    )
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        state: SchedulerState,
+        kv: PagedKvManager,
+        policy: AdmissionPolicy,
+        finisher: Finisher,
+        preempter: Preempter,
+        perf: PerfModel,
+    ) -> None:
+        self.block_size = args.block_size
+        self.max_batched_tokens = max_batched_tokens
+        self._max_num_seqs = max_num_seqs
+        self._max_model_len = policy.max_model_len
+        self._chunked = args.enable_chunked_prefill
+        self._speedup_ratio = args.speedup_ratio
+        self._state = state
+        self._kv = kv
+        self._policy = policy
+        self._finisher = finisher
+        self._preempter = preempter
+        self._perf = perf
+
+    def schedule(self, ctx: PassContext) -> None:
+        self._schedule_running(ctx)
+        if not ctx.preempted_any:
+            self._admit_waiting(ctx)
+
+    def prefill_ms(self, ctx: PassContext) -> float:
+        """The modeled duration of the pass's prefill batch (0 without one)."""
+        n = ctx.batch_count
+        if not n:
+            return 0.0
+        raw = self._perf.prefill_ms(n, ctx.batch_isl // n, ctx.batch_prefix // n)
+        return scale_ms(raw, self._speedup_ratio)
+
+    def _schedule_running(self, ctx: PassContext) -> None:
+        running = self._state.running
+        kv = self._kv
+        cap = self._max_model_len - 1
+        i = 0
+        while i < len(running) and ctx.budget > 0:
+            req = running[i]
+            seq = req.seq
+            computed = req.num_computed_tokens
+            num_new = min(len(seq.tokens) - computed, ctx.budget, cap - computed)
+            if num_new <= 0:
+                i += 1
+                continue
+            preempted_itself = False
+            while not kv.allocate_slots(seq, computed, num_new):
+                victim = self._preempter.preempt()
+                if victim is None:
+                    return
+                ctx.preempted_any = True
+                self._undo_scheduled(ctx, victim)
+                if victim == req.request_id:
+                    preempted_itself = True
+                    break
+            if preempted_itself:
+                return
+            self._record(ctx, req, computed, num_new)
+            i += 1
+
+    def _admit_waiting(self, ctx: PassContext) -> None:
+        state = self._state
+        requests = state.requests
+        kv = self._kv
+        bs = self.block_size
+        policy = self._policy
+        while ctx.budget > 0 and len(state.running_members) < self._max_num_seqs:
+            request_id = state.next_waiting(False)
+            if request_id is None:
+                return
+            req = requests[request_id]
+            seq = req.seq
+            if req.status is RequestStatus.WAITING and policy.rejects(
+                seq, seq.current_known_blocks()
+            ):
+                ctx.rejected.append(request_id)
+                self._finisher.drop(request_id)
+                continue
+            hit = kv.get_computed_blocks(seq)
+            cached = len(hit) * bs
+            num_new = len(seq.tokens) - cached
+            if not self._chunked and num_new > ctx.budget:
+                return
+            num_new = min(num_new, ctx.budget)
+            if not kv.allocate_slots(seq, 0, num_new, hit):
+                return
+            state.transition_to_running(request_id)
+            if req.cached_prefix_tokens is None:
+                req.cached_prefix_tokens = cached
+            ctx.admissions.append(Admission(request_id, cached))
+            ctx.cache_queries += len(seq.tokens)
+            ctx.cache_hits += cached
+            self._record(ctx, req, cached, num_new)
+
+    def _record(self, ctx: PassContext, req: RequestState, computed: int, num_new: int) -> None:
+        """`req` computes `num_new` tokens after `computed` in this pass."""
+        seq = req.seq
+        prompt_len = seq.num_input_tokens
+        prompt_before = min(computed, prompt_len)
+        prompt_tokens = min(computed + num_new, prompt_len) - prompt_before
+        req.num_computed_tokens = computed + num_new
+        ctx.scheduled_ids.append(req.request_id)
+        ctx.scheduled.append(
+            _new(
+                ScheduledWork,
+                (
+                    num_new,
+                    prompt_tokens,
+                    prompt_before,
+                    prompt_len,
+                    len(seq.tokens),
+                    seq.generated >= seq.max_output_tokens,
+                ),
+            )
+        )
+        if prompt_tokens > 0:
+            ctx.batch_count += 1
+            ctx.batch_isl += prompt_before + prompt_tokens
+            ctx.batch_prefix += prompt_before
+        ctx.budget -= num_new
+
+    def _undo_scheduled(self, ctx: PassContext, victim: str) -> None:
+        ids = ctx.scheduled_ids
+        if victim not in ids:
+            return
+        at = ids.index(victim)
+        del ids[at]
+        work = ctx.scheduled.pop(at)
+        assert isinstance(work, ScheduledWork)
+        ctx.budget += work.total_tokens
+        if work.prompt_tokens > 0:
+            ctx.batch_count -= 1
+            ctx.batch_isl -= work.prefix_tokens + work.prompt_tokens
+            ctx.batch_prefix -= work.prefix_tokens
