@@ -124,6 +124,7 @@ class ReferenceIndexer:
         check_local_hashes: bool = True,
         check_chain: bool = True,
         lower_tier_edges: bool = False,
+        copies: bool = False,
     ) -> None:
         """`lower_tier_edges`: index the CPU and STORAGE media as Dynamo's `LowerTierIndexer`
         does, as continuation edges `(parent, local hash) -> block` that need no indexed
@@ -140,6 +141,9 @@ class ReferenceIndexer:
         self.lower_tier_edges = lower_tier_edges
         self.violations: list[Violation] = []
         self._trees: dict[_Key, dict[int, int | None]] = {}
+        self.copies = copies
+        # Extra copies of an indexed block, per tree (only with `copies`).
+        self._copies: dict[_Key, Counter[int]] = {}
         self._last_event_id: dict[tuple[int, int], int] = {}
         self._ok: Counter[EventKind] = Counter()
 
@@ -158,6 +162,7 @@ class ReferenceIndexer:
             elif isinstance(event, AllBlocksCleared):
                 for key in [k for k in self._trees if k[0] == worker_id and k[1] == event.dp_rank]:
                     del self._trees[key]
+                    self._copies.pop(key, None)
                 self._ok["cleared"] += 1
             else:
                 raise TypeError(f"not a KV event: {event!r}")
@@ -235,6 +240,14 @@ class ReferenceIndexer:
             self._check_chain(event, worker_id, where)
 
         duplicates = [h for h in event.block_hashes if h in tree]
+        if duplicates and self.copies:
+            extra = self._copies.setdefault((worker_id, event.dp_rank, event.medium), Counter())
+            prev_hash = parent
+            for h in event.block_hashes:
+                if h in tree and tree[h] == prev_hash:
+                    extra[h] += 1
+                    duplicates.remove(h)
+                prev_hash = h
         if duplicates:
             self._violate(
                 "duplicate_store",
@@ -272,10 +285,14 @@ class ReferenceIndexer:
         if not event.block_hashes:
             self._violate("bad_shape", event, worker_id, f"{where}: Removed with no blocks")
             return False
-        tree = self._trees.get((worker_id, event.dp_rank, event.medium), {})
+        key = (worker_id, event.dp_rank, event.medium)
+        tree = self._trees.get(key, {})
+        extra = self._copies.get(key, Counter())
         missing: list[int] = []
         for h in event.block_hashes:
-            if h in tree:
+            if extra[h] > 0:
+                extra[h] -= 1
+            elif h in tree:
                 del tree[h]
             else:
                 missing.append(h)

@@ -140,7 +140,7 @@ def cycles() -> set[frozenset[str]]:
 
 def test_the_graph_sees_every_module() -> None:
     assert "engined.core.engine" in graph()
-    assert "engined.core.scheduling" in graph()["engined.core.engine"]
+    assert "engined.core.scheduling" in graph()["engined.core.assembly"]
     assert package("engined.cli") == "cli"
     assert package("engined") == "engined"
 

@@ -497,6 +497,7 @@ ISSUE_FLAGS = {
     "--vocab-size": "engine.vocab_size",
     "--excluded-token-ids": "engine.excluded_token_ids",
     "--prefix-hit-rule": "engine.prefix_hit_rule",
+    "--semantics": "engine.semantics",
     "--decode-speedup-ratio": "engine.decode_speedup_ratio",
     "--kv-transfer-timing-mode": "engine.kv_transfer_timing_mode",
     "--max-model-len": "engine.max_model_len",

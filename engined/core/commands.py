@@ -24,7 +24,6 @@ from engined.core.finish import Finisher
 from engined.core.handoff import HandoffBook, HeldDestination
 from engined.core.intake import RequestIntake
 from engined.core.kv_cache import KvCache
-from engined.core.kv_manager import KvManager
 from engined.core.policy import AdmissionPolicy
 from engined.core.state import SchedulerState
 from engined.core.types import (
@@ -74,7 +73,6 @@ class Commands:
         "_intake",
         "_kv",
         "_max_num_seqs",
-        "_mocker_kv",
         "_policy",
         "_state",
         "_vocab",
@@ -91,7 +89,6 @@ class Commands:
         intake: RequestIntake,
         state: SchedulerState,
         kv: KvCache,
-        mocker_kv: KvManager | None,
         book: HandoffBook,
         finisher: Finisher,
         capacity: CapacityGeneration,
@@ -104,8 +101,6 @@ class Commands:
         self._intake = intake
         self._state = state
         self._kv = kv
-        # P/D destinations live on the mocker's pool only (None: vLLM semantics).
-        self._mocker_kv = mocker_kv
         self._book = book
         self._finisher = finisher
         self._capacity = capacity
@@ -217,11 +212,7 @@ class Commands:
     def _reserve_destination(self, handoff_id: str, request: Request) -> str:
         if not self._policy.supports_destination_reservation:
             raise UnsupportedError("destination reservation is not supported for TRT-LLM")
-        if self._mocker_kv is None:
-            raise UnsupportedError(
-                "destination reservation needs worker_type = decode "
-                "(or semantics = mocker-1.3.0): vLLM semantics has no destinations"
-            )
+
         request_id = self._new_request_id(request)
         book = self._book
         book.pending.validate(request_id, handoff_id)
@@ -246,8 +237,7 @@ class Commands:
         head = pending.front_due(generation)
         if head is None:
             return []
-        kv = self._mocker_kv
-        assert kv is not None, "destinations are only pending on the mocker's pool"
+        kv = self._kv
         if head.request.offload_wait_live(kv.refresh_offload_wait):
             pending.mark_front_attempted(generation)
             return []
@@ -271,8 +261,7 @@ class Commands:
         held = book.held.pop(handoff_id)
         if held is None:
             return NOOP
-        kv = self._mocker_kv
-        assert kv is not None, "destinations are only held on the mocker's pool"
+        kv = self._kv
         active_before = kv.num_active_blocks()
         kv.activate_destination(held.reservation)
         req = held.request
@@ -295,8 +284,7 @@ class Commands:
             return APPLIED
         held = book.held.pop(handoff_id)
         if held is not None:
-            assert self._mocker_kv is not None, "destinations are only held on the mocker's pool"
-            self._mocker_kv.cancel_destination(held.reservation)
+            self._kv.cancel_destination(held.reservation)
             self._capacity.bump()
             ended.append(EndedRequest(held.request.request_id, _CANCELLED))
             return APPLIED

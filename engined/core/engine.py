@@ -27,33 +27,15 @@ handoff book (handoff.py), the onboard parking (offload/parking.py), and the KV 
 
 from __future__ import annotations
 
-import random
 import sys
-from typing import NamedTuple
 
-from engined.core.args import EngineArgs, EngineType, PreemptionMode
-from engined.core.capacity import CapacityGeneration
-from engined.core.commands import Commands
-from engined.core.emission import TokenEmitter
+from engined.core.args import EngineArgs, EngineType
+from engined.core.assembly import EngineParts, assemble
 from engined.core.errors import UnsupportedError
-from engined.core.finish import Finisher
 from engined.core.fpm import build_snapshot
-from engined.core.handoff import HandoffBook
-from engined.core.intake import RequestIntake
-from engined.core.kv_manager import KvManager
-from engined.core.offload.config import OffloadConfig
-from engined.core.offload.parking import OnboardParking
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.paged.kv_cache_manager import PagedKvManager
-from engined.core.paged.scheduler import PagedScheduler
 from engined.core.pass_context import PassContext
-from engined.core.perf_model import make_perf_model
-from engined.core.policy import AdmissionPolicy, TrtllmNoEvictPolicy
-from engined.core.preemption import Preempter
-from engined.core.prefix_hit import PrefixHit
-from engined.core.queued import QueuedLengths, TalliedState, waiting_class
-from engined.core.scheduling import Scheduler
-from engined.core.speculative import SpeculativeSampler
 from engined.core.state import RequestState
 from engined.core.types import (
     NOOP,
@@ -68,30 +50,9 @@ from engined.core.types import (
     TierAdvance,
 )
 from engined.core.views import DestinationStage, HandoffView, QueueView, RequestPlace, RequestView
-from engined.core.vocab import Vocabulary
 
 _UNBOUNDED = sys.maxsize
 _MASK64 = (1 << 64) - 1
-
-
-class EngineParts(NamedTuple):
-    """The parts of one engine, for white-box tests that set up states no command reaches.
-
-    Not part of the contract: code outside tests goes through the `Engine` methods.
-    """
-
-    state: TalliedState
-    kv: KvManager | PagedKvManager
-    book: HandoffBook
-    parking: OnboardParking
-    intake: RequestIntake
-    queued: QueuedLengths
-    capacity: CapacityGeneration
-    scheduler: Scheduler | PagedScheduler
-    emitter: TokenEmitter
-    commands: Commands
-    finisher: Finisher
-    preempter: Preempter
 
 
 class Engine:
@@ -112,6 +73,7 @@ class Engine:
         "dp_rank",
         "num_blocks",
         "paged",
+        "usable_blocks",
         "worker_id",
     )
 
@@ -140,157 +102,22 @@ class Engine:
         self.args = args
         self.dp_rank = dp_rank
         self.worker_id = worker_id
-        self.block_size = bs = args.block_size
-        self.num_blocks = num_blocks = args.num_gpu_blocks
-        max_num_seqs = args.max_num_seqs or _UNBOUNDED
-        max_batched_tokens = args.max_num_batched_tokens or _UNBOUNDED
-        policy_cls = (
-            TrtllmNoEvictPolicy if args.engine_type is EngineType.TRTLLM else AdmissionPolicy
+        self.block_size = args.block_size
+        self.num_blocks = args.num_gpu_blocks
+        self._parts = parts = assemble(
+            args, dp_rank=dp_rank, worker_id=worker_id, tiers=tiers, fast_paths=fast_paths
         )
-        policy = policy_cls(
-            num_blocks,
-            bs,
-            None if args.enable_chunked_prefill else max_batched_tokens,
-            args.max_model_len,
-        )
-        if tiers is None:
-            offload_config = OffloadConfig.from_args(args)
-            tiers = TierEngine(offload_config) if offload_config is not None else None
-        self.paged = paged = tiers is None and args.runs_vllm_semantics()
-        if paged:
-            # vLLM keeps block 0 as its null block: one usable block fewer.
-            policy = policy_cls(
-                num_blocks - 1,
-                bs,
-                None if args.enable_chunked_prefill else max_batched_tokens,
-                args.max_model_len,
-            )
-        kv: KvManager | PagedKvManager
-        if paged:
-            kv = PagedKvManager(
-                num_blocks,
-                bs,
-                dp_rank=dp_rank,
-                caching=args.enable_prefix_caching,
-                max_model_len=policy.max_model_len,
-            )
-        else:
-            kv = KvManager(
-                num_blocks,
-                bs,
-                dp_rank=dp_rank,
-                publish=args.enable_prefix_caching,
-                prefix_hit=PrefixHit.from_args(args),
-                tiers=tiers,
-            )
-        capacity = CapacityGeneration()
-        # FPM's queued-request tallies, kept by the queues themselves (engined/core/queued.py).
-        queued = QueuedLengths()
-        book = HandoffBook(queued.decode)
-        state = TalliedState(waiting_class(queued, book.active.by_request.__contains__))
-        rng = random.Random(args.seed * 1_000_003 + dp_rank)
-        vocab = Vocabulary(rng, args.vocab_size, args.excluded_token_ids)
-        intake = RequestIntake(
-            policy,
-            block_size=bs,
-            caching=args.enable_prefix_caching,
-            rng=rng,
-            vocab=vocab,
-            paged=paged,
-        )
-        sampler = (
-            SpeculativeSampler(args.nextn_accept_rates, (args.aic_mtp_seed + worker_id) & _MASK64)
-            if args.aic_nextn is not None
-            else None
-        )
-        perf = make_perf_model(
-            args.perf_model,
-            prefill_ms_per_token=args.fixed_prefill_ms_per_token,
-            pass_overhead_ms=args.fixed_pass_overhead_ms,
-            decode_ms_per_pass=args.fixed_decode_ms_per_pass,
-        )
-        parking = OnboardParking(state, kv, capacity)
-        finisher = Finisher(state, kv, book, parking, capacity, args)
-        preempter = Preempter(
-            state, kv, policy, capacity, lifo=args.preemption_mode is PreemptionMode.LIFO
-        )
-        scheduler: Scheduler | PagedScheduler
-        if isinstance(kv, PagedKvManager):
-            scheduler = PagedScheduler(
-                args,
-                max_num_seqs=max_num_seqs,
-                max_batched_tokens=max_batched_tokens,
-                state=state,
-                kv=kv,
-                policy=policy,
-                finisher=finisher,
-                preempter=preempter,
-                perf=perf,
-            )
-        else:
-            scheduler = Scheduler(
-                args,
-                max_num_seqs=max_num_seqs,
-                max_batched_tokens=max_batched_tokens,
-                state=state,
-                kv=kv,
-                policy=policy,
-                parking=parking,
-                pending=book.pending,
-                finisher=finisher,
-                preempter=preempter,
-                perf=perf,
-                fast_paths=fast_paths,
-            )
-        emitter = TokenEmitter(
-            args,
-            state=state,
-            kv=kv,
-            mocker_kv=kv if isinstance(kv, KvManager) else None,
-            preempter=preempter,
-            finisher=finisher,
-            sampler=sampler,
-            rng=rng,
-            vocab=vocab,
-            perf=perf,
-            fast_paths=fast_paths,
-        )
-        commands = Commands(
-            block_size=bs,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            intake=intake,
-            state=state,
-            kv=kv,
-            mocker_kv=kv if isinstance(kv, KvManager) else None,
-            book=book,
-            finisher=finisher,
-            capacity=capacity,
-            policy=policy,
-            vocab=vocab,
-        )
-        self._state = state
-        self._kv = kv
-        self._book = book
-        self._parking = parking
-        self._queued = queued
-        self._scheduler = scheduler
-        self._emitter = emitter
-        self._commands = commands
-        self._parts = EngineParts(
-            state,
-            kv,
-            book,
-            parking,
-            intake,
-            queued,
-            capacity,
-            scheduler,
-            emitter,
-            commands,
-            finisher,
-            preempter,
-        )
+        self.paged = isinstance(parts.kv, PagedKvManager)
+        # vLLM keeps block 0 as its null block.
+        self.usable_blocks = self.num_blocks - 1 if self.paged else self.num_blocks
+        self._state = parts.state
+        self._kv = parts.kv
+        self._book = parts.book
+        self._parking = parts.parking
+        self._queued = parts.queued
+        self._scheduler = parts.scheduler
+        self._emitter = parts.emitter
+        self._commands = parts.commands
 
     @property
     def parts(self) -> EngineParts:
@@ -423,7 +250,7 @@ class Engine:
         tiers = kv.offload
         if tiers is None:
             # vLLM's usage leaves its null block out.
-            usable = num_blocks - 1 if self.paged else num_blocks
+            usable = self.usable_blocks
             return EngineMetrics(
                 self.dp_rank,
                 active,

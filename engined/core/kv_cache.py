@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from engined.core.kv_manager import DestinationReservation
     from engined.core.offload.g1_glue import G1Glue
     from engined.core.prefix_hit import PrefillCost
     from engined.core.sequence import BlockMove, Sequence
@@ -41,3 +42,9 @@ class KvCache(Protocol):
     def active_block_ids(self, seq: Sequence) -> list[int]: ...
 
     def reset_prefix_cache(self) -> bool: ...
+
+    def reserve_destination(self, seq: Sequence) -> DestinationReservation | None: ...
+
+    def activate_destination(self, res: DestinationReservation) -> None: ...
+
+    def cancel_destination(self, res: DestinationReservation) -> None: ...

@@ -361,7 +361,7 @@ class ControlServer:
             return
         loop = self._loops[rank]
         engine = loop.engine
-        capacity = engine.num_blocks * engine.block_size
+        capacity = engine.usable_blocks * engine.block_size
         # NOTE: a destination's prompt is left to the core, which refuses it with `capacity`.
         if len(request.token_ids) > capacity and not isinstance(msg, wire.ReserveDestination):
             self._error(

@@ -66,7 +66,7 @@ class _Gauges:
     """The `EngineView` of a remote rank: its engine's gauges as last reported."""
 
     def __init__(self, ready: w.RankReady) -> None:
-        self.num_blocks = ready.num_blocks
+        self.usable_blocks = ready.num_blocks
         self.block_size = ready.block_size
         self._metrics = ready.metrics
         self._num_waiting = ready.metrics.waiting

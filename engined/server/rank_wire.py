@@ -73,6 +73,7 @@ class RankReady(msgspec.Struct, frozen=True, array_like=True):
     kv_endpoint: str
     replay_endpoint: str | None
     fpm_endpoint: str | None
+    # The blocks requests can hold (`Engine.usable_blocks`): the prompt capacity check's.
     num_blocks: int
     block_size: int
     kv_hwm: int

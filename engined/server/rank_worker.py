@@ -231,7 +231,7 @@ class RankWorker:
                     kv.endpoint,
                     kv.replay_endpoint,
                     fpm.endpoint,
-                    loop.engine.num_blocks,
+                    loop.engine.usable_blocks,
                     loop.engine.block_size,
                     kv.hwm,
                     kv.replay_hwm,

@@ -11,6 +11,7 @@ from typing import Any
 
 from engined.core.args import EngineArgs, PerfModelKind, PrefixHitRule, Semantics
 from engined.core.engine import Engine
+from engined.core.kv_manager import KvManager
 from engined.core.types import (
     Command,
     CommandEffects,
@@ -250,3 +251,10 @@ def num_requests(core: Engine) -> int:
     """Requests the engine holds: waiting, running or parked."""
     queues = core.queues()
     return len(queues.waiting) + len(queues.running) + len(queues.parked)
+
+
+def lineage_kv(core: Engine) -> KvManager:
+    """The mocker's lineage pool of `core`, for white-box tests of it."""
+    kv = core.parts.kv
+    assert isinstance(kv, KvManager), "the test needs semantics = mocker-1.3.0"
+    return kv

@@ -19,6 +19,7 @@ from tests.core.factories import (
     emitted_tokens,
     finished,
     inactive_blocks,
+    lineage_kv,
     make_args,
     make_core,
     output_of,
@@ -225,7 +226,7 @@ def test_running_request_catches_up_decode_tail_before_promote() -> None:
     seq = parts.intake.build(request(rid, range(6), 16), rid, RequestStatus.RUNNING).seq
     creation = seq.prepare_allocation(len(seq))
     assert creation is not None and creation.num_blocks == 2
-    assert parts.kv.use(creation)
+    assert lineage_kv(core).use(creation)
     seq.num_allocated_tokens = len(seq)
     for _ in range(6):
         _, moves = seq.generate_token()
@@ -238,7 +239,7 @@ def test_running_request_catches_up_decode_tail_before_promote() -> None:
     assert active_blocks(core) == 0
     prompt_only = seq.prepare_allocation(seq.num_input_tokens)
     assert prompt_only is not None and prompt_only.num_blocks == 2
-    assert parts.kv.use(prompt_only)
+    assert lineage_kv(core).use(prompt_only)
     seq.num_allocated_tokens = seq.num_input_tokens
     assert active_blocks(core) == 2
 

@@ -52,7 +52,8 @@ from tests.wire.strategies import msgpack_scalars
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096  # 65,536 tokens: a request filling it streams for a few seconds
-POOL_TOKENS = BLOCK_SIZE * NUM_BLOCKS
+# What requests can hold: vLLM keeps block 0 as its null block.
+POOL_TOKENS = BLOCK_SIZE * (NUM_BLOCKS - 1)
 FAST = (
     "--speedup-ratio",
     "0",
@@ -65,7 +66,7 @@ FAST = (
 PACED = ("--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "10")
 # The control ROUTER's MAXMSGSIZE, derived from the pool: 2 x 65,536 tokens at 5 bytes,
 # 1 KiB of ids, a 1 MiB margin (engined.server.budgets).
-MAX_MESSAGE_BYTES = 2 * POOL_TOKENS * 5 + 1024 + 1024 * 1024
+MAX_MESSAGE_BYTES = 2 * BLOCK_SIZE * NUM_BLOCKS * 5 + 1024 + 1024 * 1024
 
 # The `daemon` fixture (tests/server/conftest.py): one fast daemon (speedup 0, a 4096-block
 # pool) shared by the tests that leave it idle.

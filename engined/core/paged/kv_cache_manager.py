@@ -14,13 +14,14 @@ What a vLLM scheduler asks of its `KVCacheManager`, with vLLM's rules
 
 It also answers the engine's shared KV interface (`apply_all` of `Release` moves, the
 gauges, the event log), so the preempter, the finisher and the token emitter work over it
-unchanged. Offload tiers and P/D destinations stay on the mocker pool (README
-"Faithfulness"); here `offload` is always None.
+unchanged. Offload tiers stay on the mocker pool (README "Faithfulness"): here `offload` is
+always None.
 """
 
 from __future__ import annotations
 
 from engined.core.kv_event_log import KvEventLog
+from engined.core.kv_manager import DestinationReservation
 from engined.core.offload.g1_glue import G1Glue
 from engined.core.paged.block_pool import PagedBlockPool
 from engined.core.prefix_hit import PrefillCost
@@ -32,6 +33,7 @@ class PagedKvManager:
     __slots__ = (
         "_drop_draft_block",
         "_num_cached",
+        "_reserved",
         "_tables",
         "block_size",
         "caching",
@@ -59,6 +61,8 @@ class PagedKvManager:
         # Each request's block table, and how many of its leading blocks are cached.
         self._tables: dict[Sequence, list[int]] = {}
         self._num_cached: dict[Sequence, int] = {}
+        # Each reserved P/D destination's sequence, until it is activated or cancelled.
+        self._reserved: dict[DestinationReservation, Sequence] = {}
 
     @property
     def offload(self) -> G1Glue | None:
@@ -89,6 +93,7 @@ class PagedKvManager:
         num_computed: int,
         num_new_tokens: int,
         new_computed_blocks: list[int] | None = None,
+        cache: bool = True,
     ) -> bool:
         """Slots for `num_new_tokens` after `num_computed` (plus the hit, for a waiting
         request); False, having changed nothing, when the free queue is too short."""
@@ -117,7 +122,7 @@ class PagedKvManager:
             table.extend(pool.get_new_blocks(fresh))
         if need > seq.num_allocated_tokens:
             seq.num_allocated_tokens = need
-        if self.caching:
+        if cache and self.caching:
             self._cache_blocks(seq, table, min(computed + num_new_tokens, len(seq.tokens)))
         return True
 
@@ -189,3 +194,27 @@ class PagedKvManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset()
+
+    # --- P/D destinations ---------------------------------------------------------------
+
+    def reserve_destination(self, seq: Sequence) -> DestinationReservation | None:
+        """Blocks for a prompt whose KV arrives by transfer: the local hit, touched, and
+        fresh blocks for the rest, cached (published) only at activation, as vLLM's
+        `allocate_slots(delay_cache_blocks=True)` does for a remote prefill."""
+        hit = self.get_computed_blocks(seq)
+        prompt_len = seq.num_input_tokens
+        fresh = -(-prompt_len // self.block_size) - len(hit)
+        if not self.allocate_slots(seq, 0, prompt_len - len(hit) * self.block_size, hit, False):
+            return None
+        table = self._tables[seq]
+        res = DestinationReservation(hit, table[len(hit) : len(hit) + fresh], None)
+        self._reserved[res] = seq
+        return res
+
+    def activate_destination(self, res: DestinationReservation) -> None:
+        seq = self._reserved.pop(res)
+        if self.caching:
+            self._cache_blocks(seq, self._tables[seq], seq.num_input_tokens)
+
+    def cancel_destination(self, res: DestinationReservation) -> None:
+        self.free(self._reserved.pop(res))

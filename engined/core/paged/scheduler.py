@@ -19,6 +19,7 @@ from __future__ import annotations
 from engined.core.args import EngineArgs
 from engined.core.finish import Finisher
 from engined.core.fpm import ScheduledWork
+from engined.core.handoff import PendingDestinations
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import PerfModel, scale_ms
@@ -37,6 +38,7 @@ class PagedScheduler:
         "_kv",
         "_max_model_len",
         "_max_num_seqs",
+        "_pending",
         "_perf",
         "_policy",
         "_preempter",
@@ -55,6 +57,7 @@ class PagedScheduler:
         state: SchedulerState,
         kv: PagedKvManager,
         policy: AdmissionPolicy,
+        pending: PendingDestinations,
         finisher: Finisher,
         preempter: Preempter,
         perf: PerfModel,
@@ -68,6 +71,7 @@ class PagedScheduler:
         self._state = state
         self._kv = kv
         self._policy = policy
+        self._pending = pending
         self._finisher = finisher
         self._preempter = preempter
         self._perf = perf
@@ -88,13 +92,15 @@ class PagedScheduler:
     def _schedule_running(self, ctx: PassContext) -> None:
         running = self._state.running
         kv = self._kv
-        cap = self._max_model_len - 1
+        max_model_len = self._max_model_len
         i = 0
         while i < len(running) and ctx.budget > 0:
             req = running[i]
             seq = req.seq
             computed = req.num_computed_tokens
-            num_new = min(len(seq.tokens) - computed, ctx.budget, cap - computed)
+            # Room for the token the step samples (none for a prefill-only request).
+            cap = max_model_len - (seq.generated < seq.max_output_tokens) - computed
+            num_new = min(len(seq.tokens) - computed, ctx.budget, cap)
             if num_new <= 0:
                 i += 1
                 continue
@@ -119,12 +125,25 @@ class PagedScheduler:
         kv = self._kv
         bs = self.block_size
         policy = self._policy
+        # While a P/D destination waits for KV, only activated ones (their prompt's KV
+        # already here) are admitted, as on the mocker's pool.
+        pending_head = bool(self._pending)
         while ctx.budget > 0 and len(state.running_members) < self._max_num_seqs:
-            request_id = state.next_waiting(False)
+            request_id = state.next_waiting(pending_head)
             if request_id is None:
                 return
             req = requests[request_id]
             seq = req.seq
+            if req.prompt_is_prebuilt():
+                computed = req.num_computed_tokens
+                if not kv.allocate_slots(seq, computed, len(seq.tokens) - computed):
+                    return
+                state.transition_to_running(request_id)
+                ctx.admissions.append(Admission(request_id, computed))
+                self._record(ctx, req, computed, len(seq.tokens) - computed, prefill=False)
+                continue
+            if pending_head:
+                return
             if req.status is RequestStatus.WAITING and policy.rejects(
                 seq, seq.current_known_blocks()
             ):
@@ -147,8 +166,11 @@ class PagedScheduler:
             ctx.cache_hits += cached
             self._record(ctx, req, cached, num_new)
 
-    def _record(self, ctx: PassContext, req: RequestState, computed: int, num_new: int) -> None:
-        """`req` computes `num_new` tokens after `computed` in this pass."""
+    def _record(
+        self, ctx: PassContext, req: RequestState, computed: int, num_new: int, prefill: bool = True
+    ) -> None:
+        """`req` computes `num_new` tokens after `computed` in this pass (`prefill` False:
+        prompt tokens that arrived by transfer cost no prefill time)."""
         seq = req.seq
         prompt_len = seq.num_input_tokens
         prompt_before = min(computed, prompt_len)
@@ -168,7 +190,7 @@ class PagedScheduler:
                 ),
             )
         )
-        if prompt_tokens > 0:
+        if prompt_tokens > 0 and prefill:
             ctx.batch_count += 1
             ctx.batch_isl += prompt_before + prompt_tokens
             ctx.batch_prefix += prompt_before

@@ -44,6 +44,7 @@ from tests.core.factories import (
     destination_is_held,
     finished,
     inactive_blocks,
+    lineage_kv,
     make_args,
     output_of,
     request,
@@ -120,7 +121,7 @@ def insert_running_request(
     seq = req.seq
     use = seq.prepare_allocation(len(seq))
     assert use is not None, "running test request must need initial KV"
-    assert parts.kv.use(use)
+    assert lineage_kv(core).use(use)
     seq.num_allocated_tokens = len(seq)
     req.num_computed_tokens = len(seq)
     state = parts.state
@@ -136,7 +137,7 @@ def seed_inactive_g1_block(core: Engine) -> None:
     ).seq
     use = seq.prepare_allocation(len(seq))
     assert use is not None and use.num_blocks == 1
-    assert parts.kv.use(use)
+    assert lineage_kv(core).use(use)
     seq.num_allocated_tokens = len(seq)
     assert parts.kv.apply_all(seq.free_moves())
     assert inactive_blocks(core) == 1
@@ -145,7 +146,7 @@ def seed_inactive_g1_block(core: Engine) -> None:
 def attach(core: Engine, engine: TierEngine) -> None:
     """The seed's `attach_*_offload_engine` after the setup: blocks published before carry
     no router metadata (white-box: an engine gets its tiers at construction otherwise)."""
-    core.parts.kv.attach_tiers(engine)
+    lineage_kv(core).attach_tiers(engine)
 
 
 def attach_g1_offload_engine(core: Engine) -> None:
@@ -384,8 +385,8 @@ def cache_prefix_in_g1(core: Engine, request_id: str, blocks: int) -> None:
     seq = core.parts.state.requests[request_id].seq
     use = seq.prepare_allocation(blocks * core.block_size)
     assert use is not None and use.num_blocks == blocks
-    assert core.parts.kv.use(use)
-    core.parts.kv.deref(Deref(None, list(use.keys)))
+    assert lineage_kv(core).use(use)
+    lineage_kv(core).deref(Deref(None, list(use.keys)))
 
 
 def test_partial_g2_swap_in_pins_cached_g1_prefix() -> None:

@@ -28,6 +28,7 @@ from engined.core.types import (
 )
 from tests.core.factories import (
     active_blocks,
+    lineage_kv,
     submit,
     view,
 )
@@ -179,7 +180,7 @@ def test_offload_workloads_drain_with_clean_events_on_every_tier(
     assert metrics.g2_active_blocks == 0 and metrics.g3_active_blocks == 0
     indexer.assert_clean()
     # What the indexer holds per tier is exactly what each tier holds with metadata.
-    assert indexer.num_blocks() == core.parts.kv.pool.num_registered
+    assert indexer.num_blocks() == lineage_kv(core).pool.num_registered
     assert indexer.num_blocks(medium=Medium.CPU) == len(offload.engine.g2.meta)
     if offload.engine.g3 is not None:
         assert indexer.num_blocks(medium=Medium.STORAGE) == len(offload.engine.g3.meta)

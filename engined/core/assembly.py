@@ -1,0 +1,210 @@
+"""How one rank's engine is put together: which KV pool and scheduler its semantics take,
+and every part built with its collaborators (the engine's constructor delegates here).
+
+The default semantics is vLLM 0.33's (engined/core/paged/); `semantics = mocker-1.3.0` or
+`prefix_hit_rule = mocker-1.3.0`, and configurations vLLM has no counterpart for (offload
+tiers), get the mocker's lineage pool (kv_manager.py) and scheduler (scheduling.py).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import NamedTuple
+
+from engined.core.args import EngineArgs, EngineType, PreemptionMode
+from engined.core.capacity import CapacityGeneration
+from engined.core.commands import Commands
+from engined.core.emission import TokenEmitter
+from engined.core.finish import Finisher
+from engined.core.handoff import HandoffBook
+from engined.core.intake import RequestIntake
+from engined.core.kv_manager import KvManager
+from engined.core.offload.config import OffloadConfig
+from engined.core.offload.parking import OnboardParking
+from engined.core.offload.tier_engine import TierEngine
+from engined.core.paged.kv_cache_manager import PagedKvManager
+from engined.core.paged.scheduler import PagedScheduler
+from engined.core.perf_model import make_perf_model
+from engined.core.policy import AdmissionPolicy, TrtllmNoEvictPolicy
+from engined.core.preemption import Preempter
+from engined.core.prefix_hit import PrefixHit
+from engined.core.queued import QueuedLengths, TalliedState, waiting_class
+from engined.core.scheduling import Scheduler
+from engined.core.speculative import SpeculativeSampler
+from engined.core.vocab import Vocabulary
+
+_UNBOUNDED = sys.maxsize
+_MASK64 = (1 << 64) - 1
+
+
+class EngineParts(NamedTuple):
+    """The parts of one engine, for white-box tests that set up states no command reaches.
+
+    Not part of the contract: code outside tests goes through the `Engine` methods.
+    """
+
+    state: TalliedState
+    kv: KvManager | PagedKvManager
+    book: HandoffBook
+    parking: OnboardParking
+    intake: RequestIntake
+    queued: QueuedLengths
+    capacity: CapacityGeneration
+    scheduler: Scheduler | PagedScheduler
+    emitter: TokenEmitter
+    commands: Commands
+    finisher: Finisher
+    preempter: Preempter
+
+
+def assemble(
+    args: EngineArgs,
+    *,
+    dp_rank: int,
+    worker_id: int,
+    tiers: TierEngine | None,
+    fast_paths: bool,
+) -> EngineParts:
+    """The parts of a rank's engine from normalized `args` (see `Engine.__init__`)."""
+    bs = args.block_size
+    num_blocks = args.num_gpu_blocks
+    max_num_seqs = args.max_num_seqs or _UNBOUNDED
+    max_batched_tokens = args.max_num_batched_tokens or _UNBOUNDED
+    policy_cls = TrtllmNoEvictPolicy if args.engine_type is EngineType.TRTLLM else AdmissionPolicy
+    policy = policy_cls(
+        num_blocks,
+        bs,
+        None if args.enable_chunked_prefill else max_batched_tokens,
+        args.max_model_len,
+    )
+    if tiers is None:
+        offload_config = OffloadConfig.from_args(args)
+        tiers = TierEngine(offload_config) if offload_config is not None else None
+    paged = tiers is None and args.runs_vllm_semantics()
+    if paged:
+        # vLLM keeps block 0 as its null block: one usable block fewer.
+        policy = policy_cls(
+            num_blocks - 1,
+            bs,
+            None if args.enable_chunked_prefill else max_batched_tokens,
+            args.max_model_len,
+        )
+    kv: KvManager | PagedKvManager
+    if paged:
+        kv = PagedKvManager(
+            num_blocks,
+            bs,
+            dp_rank=dp_rank,
+            caching=args.enable_prefix_caching,
+            max_model_len=policy.max_model_len,
+        )
+    else:
+        kv = KvManager(
+            num_blocks,
+            bs,
+            dp_rank=dp_rank,
+            publish=args.enable_prefix_caching,
+            prefix_hit=PrefixHit.from_args(args),
+            tiers=tiers,
+        )
+    capacity = CapacityGeneration()
+    # FPM's queued-request tallies, kept by the queues themselves (engined/core/queued.py).
+    queued = QueuedLengths()
+    book = HandoffBook(queued.decode)
+    state = TalliedState(waiting_class(queued, book.active.by_request.__contains__))
+    rng = random.Random(args.seed * 1_000_003 + dp_rank)
+    vocab = Vocabulary(rng, args.vocab_size, args.excluded_token_ids)
+    intake = RequestIntake(
+        policy,
+        block_size=bs,
+        caching=args.enable_prefix_caching,
+        rng=rng,
+        vocab=vocab,
+        paged=paged,
+    )
+    sampler = (
+        SpeculativeSampler(args.nextn_accept_rates, (args.aic_mtp_seed + worker_id) & _MASK64)
+        if args.aic_nextn is not None
+        else None
+    )
+    perf = make_perf_model(
+        args.perf_model,
+        prefill_ms_per_token=args.fixed_prefill_ms_per_token,
+        pass_overhead_ms=args.fixed_pass_overhead_ms,
+        decode_ms_per_pass=args.fixed_decode_ms_per_pass,
+    )
+    parking = OnboardParking(state, kv, capacity)
+    finisher = Finisher(state, kv, book, parking, capacity, args)
+    preempter = Preempter(
+        state, kv, policy, capacity, lifo=args.preemption_mode is PreemptionMode.LIFO
+    )
+    scheduler: Scheduler | PagedScheduler
+    if isinstance(kv, PagedKvManager):
+        scheduler = PagedScheduler(
+            args,
+            max_num_seqs=max_num_seqs,
+            max_batched_tokens=max_batched_tokens,
+            state=state,
+            kv=kv,
+            policy=policy,
+            pending=book.pending,
+            finisher=finisher,
+            preempter=preempter,
+            perf=perf,
+        )
+    else:
+        scheduler = Scheduler(
+            args,
+            max_num_seqs=max_num_seqs,
+            max_batched_tokens=max_batched_tokens,
+            state=state,
+            kv=kv,
+            policy=policy,
+            parking=parking,
+            pending=book.pending,
+            finisher=finisher,
+            preempter=preempter,
+            perf=perf,
+            fast_paths=fast_paths,
+        )
+    emitter = TokenEmitter(
+        args,
+        state=state,
+        kv=kv,
+        mocker_kv=kv if isinstance(kv, KvManager) else None,
+        preempter=preempter,
+        finisher=finisher,
+        sampler=sampler,
+        rng=rng,
+        vocab=vocab,
+        perf=perf,
+        fast_paths=fast_paths,
+    )
+    commands = Commands(
+        block_size=bs,
+        num_blocks=num_blocks - 1 if paged else num_blocks,
+        max_num_seqs=max_num_seqs,
+        intake=intake,
+        state=state,
+        kv=kv,
+        book=book,
+        finisher=finisher,
+        capacity=capacity,
+        policy=policy,
+        vocab=vocab,
+    )
+    return EngineParts(
+        state,
+        kv,
+        book,
+        parking,
+        intake,
+        queued,
+        capacity,
+        scheduler,
+        emitter,
+        commands,
+        finisher,
+        preempter,
+    )
