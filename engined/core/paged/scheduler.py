@@ -162,8 +162,10 @@ class PagedScheduler:
             if req.cached_prefix_tokens is None:
                 req.cached_prefix_tokens = cached
             ctx.admissions.append(Admission(request_id, cached))
-            ctx.cache_queries += len(seq.tokens)
-            ctx.cache_hits += cached
+            if not req.num_preemptions:
+                # vLLM counts a resumed request's lookup apart (`preempted_queries`).
+                ctx.cache_queries += len(seq.tokens)
+                ctx.cache_hits += cached
             self._record(ctx, req, cached, num_new)
 
     def _record(
