@@ -93,11 +93,33 @@ class PagedScheduler:
         running = self._state.running
         kv = self._kv
         max_model_len = self._max_model_len
+        bs = self.block_size
+        scheduled = ctx.scheduled
+        scheduled_ids = ctx.scheduled_ids
         i = 0
         while i < len(running) and ctx.budget > 0:
             req = running[i]
             seq = req.seq
             computed = req.num_computed_tokens
+            length = len(seq.tokens)
+            if (
+                length - computed == 1
+                and computed >= seq.num_input_tokens
+                and length % bs != 0
+                and (length - 1) // bs <= (seq.num_allocated_tokens - 1) // bs
+            ):
+                # A decode step whose slot is in a held block and that fills no block:
+                # `allocate_slots` would allocate and cache nothing. The request stands for
+                # its ScheduledWork (one token), as on the mocker's decode path.
+                if length > seq.num_allocated_tokens:
+                    seq.num_allocated_tokens = length
+                req.num_computed_tokens = length
+                req.scheduled_len = length
+                scheduled_ids.append(req.request_id)
+                scheduled.append(req)
+                ctx.budget -= 1
+                i += 1
+                continue
             # Room for the token the step samples (none for a prefill-only request).
             cap = max_model_len - (seq.generated < seq.max_output_tokens) - computed
             num_new = min(len(seq.tokens) - computed, ctx.budget, cap)
@@ -205,7 +227,9 @@ class PagedScheduler:
         at = ids.index(victim)
         del ids[at]
         work = ctx.scheduled.pop(at)
-        assert isinstance(work, ScheduledWork)
+        if isinstance(work, RequestState):
+            ctx.budget += 1
+            return
         ctx.budget += work.total_tokens
         if work.prompt_tokens > 0:
             ctx.batch_count -= 1
