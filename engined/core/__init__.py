@@ -14,6 +14,7 @@ import importlib.util
 
 # Every module the hot path runs, by measurement (benchmarks/core_throughput.py --profile).
 COMPILED_MODULES: tuple[str, ...] = (
+    "engined.core.assembly",
     "engined.core.block_pool",
     "engined.core.capacity",
     "engined.core.commands",
@@ -37,6 +38,9 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.sequence",
     "engined.core.speculative",
     "engined.core.state",
+    "engined.core.paged.block_pool",
+    "engined.core.paged.kv_cache_manager",
+    "engined.core.paged.scheduler",
     "engined.core.offload.g1_glue",
     "engined.core.offload.lanes",
     "engined.core.offload.link",
