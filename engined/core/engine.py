@@ -167,9 +167,14 @@ class Engine:
         book = HandoffBook(queued.decode)
         state = TalliedState(waiting_class(queued, book.active.by_request.__contains__))
         rng = random.Random(args.seed * 1_000_003 + dp_rank)
-        vocab = Vocabulary(rng, args.vocab_size, args.excluded_token_ids)
+        vocab = Vocabulary(args.vocab_size, args.excluded_token_ids)
         intake = RequestIntake(
-            policy, block_size=bs, caching=args.enable_prefix_caching, rng=rng, vocab=vocab
+            policy,
+            block_size=bs,
+            caching=args.enable_prefix_caching,
+            rng=rng,
+            vocab=vocab,
+            seed=args.seed,
         )
         sampler = (
             SpeculativeSampler(args.nextn_accept_rates, (args.aic_mtp_seed + worker_id) & _MASK64)
@@ -208,7 +213,6 @@ class Engine:
             preempter=preempter,
             finisher=finisher,
             sampler=sampler,
-            rng=rng,
             vocab=vocab,
             perf=perf,
             fast_paths=fast_paths,

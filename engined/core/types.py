@@ -71,13 +71,15 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     """A generation request as the core sees it (Dynamo's `DirectRequest`).
 
     `output_token_ids`, when given, is the planned output: its length overrides `max_tokens`.
-    `request_id` is minted by the core when absent.
+    `request_id` is minted by the core when absent. `seed` keys the request's token stream as
+    vLLM's `SamplingParams.seed` does (engined/core/token_stream.py).
     """
 
     token_ids: list[int]
     max_tokens: int
     request_id: RequestId | None = None
     output_token_ids: list[int] | None = None
+    seed: int | None = None
 
 
 # --- commands -------------------------------------------------------------------------------
