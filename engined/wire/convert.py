@@ -41,6 +41,7 @@ def to_core_request(request: WireRequest, request_id: str | None = None) -> core
         max_tokens=request.max_tokens,
         request_id=request.request_id if request_id is None else request_id,
         output_token_ids=request.output_token_ids,
+        seed=request.seed,
     )
 
 
