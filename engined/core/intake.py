@@ -83,7 +83,12 @@ class RequestIntake:
             self._block_size,
             caching=self._caching,
             rng=self._rng,
-            token_bits=token_bits(self._seed, request_id, request.seed, request.token_ids),
+            token_bits=token_bits(
+                self._seed,
+                request_id if request.stream_name is None else request.stream_name,
+                request.seed,
+                request.token_ids,
+            ),
             next_partial_id=self._partial_ids,
             planned=planned,
             vocab=self._vocab,

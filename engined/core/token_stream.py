@@ -10,7 +10,8 @@ the same KV events of their generated blocks) whatever the timing:
   gives other tokens;
 * without one, by the engine seed and the request id: the two daemons of a P/D handoff
   (same `--seed`, same id, as Dynamo's worker sends them) produce the same sequence, so the
-  decode side continues it as the prefill side would have.
+  decode side continues it as the prefill side would have. A daemon names an unnamed request
+  by its count among the unnamed ones instead of the UUID it gets (`Request.stream_name`).
 
 Token p is the p-th draw of the stream (rejection draws of a vocabulary included). A token
 taken back when its block could not be allocated is kept for the retry (`Sequence.pop`), MTP
@@ -38,12 +39,20 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 _SEEDED_TAG = b"engined/request-seed\x00"
 _UNSEEDED_TAG = b"engined/engine-seed\x00"
+_UNNAMED_TAG = b"engined/unnamed\x00"
 
 
-def stream_key(engine_seed: int, request_id: str, seed: int | None, prompt: Sequence[int]) -> int:
-    """The integer a request's stream is seeded with (see the module docstring)."""
+def stream_key(engine_seed: int, name: str | int, seed: int | None, prompt: Sequence[int]) -> int:
+    """The integer a request's stream is seeded with (see the module docstring).
+
+    `name` is the request id, or the count of an unnamed request (an int: no id collides).
+    """
     if seed is None or seed == UNSEEDED:
-        material = _UNSEEDED_TAG + str(engine_seed).encode() + b"\x00" + request_id.encode()
+        if isinstance(name, int):
+            tag, label = _UNNAMED_TAG, str(name).encode()
+        else:
+            tag, label = _UNSEEDED_TAG, name.encode()
+        material = tag + str(engine_seed).encode() + b"\x00" + label
         return int.from_bytes(blake2b(material, digest_size=32).digest(), "little")
     digest = blake2b(_SEEDED_TAG + str(seed).encode() + b"\x00", digest_size=32)
     tokens = array("I", prompt)
@@ -54,7 +63,7 @@ def stream_key(engine_seed: int, request_id: str, seed: int | None, prompt: Sequ
 
 
 def token_bits(
-    engine_seed: int, request_id: str, seed: int | None, prompt: Sequence[int]
+    engine_seed: int, name: str | int, seed: int | None, prompt: Sequence[int]
 ) -> TokenBits:
     """The request's `getrandbits`: every unplanned token it generates is drawn from it."""
-    return random.Random(stream_key(engine_seed, request_id, seed, prompt)).getrandbits
+    return random.Random(stream_key(engine_seed, name, seed, prompt)).getrandbits

@@ -83,3 +83,42 @@ def test_two_daemons_with_the_same_seed_stream_the_same_tokens(tmp_path: Path) -
     assert len(set(map(tuple, plain_a.values()))) == 20
     assert seeded_a == seeded_b
     assert seeded_a[0] != plain_a["r0"]
+
+
+async def unnamed_then_aliased(
+    daemon: DaemonProcess,
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """Three unnamed requests; then request "x" of one client, and "x" of another while the
+    first runs (so it runs under an alias)."""
+    ctx = zmq.asyncio.Context()
+    try:
+        async with (
+            await EngineClient.connect(daemon.control, ctx=ctx) as first,
+            await EngineClient.connect(daemon.control, ctx=ctx) as second,
+        ):
+            unnamed = [(await first.generate(PROMPTS[n], 8)).token_ids for n in range(3)]
+            long = await first.submit(PROMPTS[0], 5000, request_id="x")
+            aliased = await second.generate(PROMPTS[0], 40, request_id="x")
+            stats = await first.stats()
+            assert stats.ranks[0].running == 1, "the first x had ended: no alias was needed"
+            original = await first.collect(long)
+            return unnamed, original.token_ids, aliased.token_ids
+    finally:
+        ctx.term()
+
+
+def test_unnamed_and_aliased_requests_keep_their_tokens(tmp_path: Path) -> None:
+    """An unnamed request's tokens follow its count, not the UUID the daemon names it with; a
+    request run under an alias (another client holds its name) gets its name's tokens."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with (
+        start_daemon(tmp_path / "a", *COMMON, "--num-gpu-blocks", "4000") as a,
+        start_daemon(tmp_path / "b", *COMMON, "--num-gpu-blocks", "4000") as b,
+    ):
+        unnamed_a, original, aliased = run(unnamed_then_aliased(a))
+        unnamed_b, _, _ = run(unnamed_then_aliased(b))
+    assert unnamed_a == unnamed_b
+    assert len({tuple(tokens) for tokens in unnamed_a}) == 3
+    assert len(original) == 5000
+    assert aliased == original[:40]
