@@ -21,6 +21,7 @@ from engined.config import (
     load_config,
 )
 from engined.core.args import EngineArgs, EngineType, PrefixHitRule, SglangArgs, WorkerType
+from engined.core.vllm_hashing import HashAlgo
 
 
 def load(
@@ -498,6 +499,7 @@ ISSUE_FLAGS = {
     "--excluded-token-ids": "engine.excluded_token_ids",
     "--prefix-hit-rule": "engine.prefix_hit_rule",
     "--semantics": "engine.semantics",
+    "--prefix-caching-hash-algo": "engine.prefix_caching_hash_algo",
     "--decode-speedup-ratio": "engine.decode_speedup_ratio",
     "--kv-transfer-timing-mode": "engine.kv_transfer_timing_mode",
     "--max-model-len": "engine.max_model_len",
@@ -745,3 +747,40 @@ def test_prefix_hit_rule_print_config_round_trips(tmp_path: Path) -> None:
 def test_prefix_hit_rule_flag_lists_its_choices() -> None:
     flag = next(flag for flag in FLAGS if flag.name == "--prefix-hit-rule")
     assert flag.metavar == "[vllm|mocker-1.3.0]"
+
+
+# --- vLLM block hash algorithm ----------------------------------------------------------------
+
+
+def test_prefix_caching_hash_algo_defaults_to_vllms_sha256() -> None:
+    assert load().engine.prefix_caching_hash_algo is HashAlgo.SHA256
+
+
+def test_prefix_caching_hash_algo_from_each_layer(tmp_path: Path) -> None:
+    toml = '[engine]\nprefix_caching_hash_algo = "xxhash"\n'
+    assert load(toml, tmp_path=tmp_path).engine.prefix_caching_hash_algo is HashAlgo.XXHASH
+    env = {"ENGINED_PREFIX_CACHING_HASH_ALGO": "sha256_cbor"}
+    engine = load(toml, env=env, tmp_path=tmp_path).engine
+    assert engine.prefix_caching_hash_algo is HashAlgo.SHA256_CBOR
+    flags = {"engine.prefix_caching_hash_algo": "xxhash_cbor"}
+    engine = load(toml, env=env, flags=flags, tmp_path=tmp_path).engine
+    assert engine.prefix_caching_hash_algo is HashAlgo.XXHASH_CBOR
+
+
+@pytest.mark.parametrize(
+    ("layer", "source"),
+    [
+        ({"env": {"ENGINED_PREFIX_CACHING_HASH_ALGO": "md5"}}, "ENGINED_PREFIX_CACHING_HASH_ALGO"),
+        ({"flags": {"engine.prefix_caching_hash_algo": "md5"}}, "--prefix-caching-hash-algo"),
+    ],
+)
+def test_prefix_caching_hash_algo_refusal_has_vllms_words(
+    layer: dict[str, Any], source: str
+) -> None:
+    message = (
+        "engine.prefix_caching_hash_algo: Invalid prefix_caching_hash_algo 'md5'. Input should "
+        f"be 'sha256', 'sha256_cbor', 'xxhash' or 'xxhash_cbor'. (from {source})"
+    )
+    with raises(message) as info:
+        load(**layer)
+    assert info.value.key == "engine.prefix_caching_hash_algo"

@@ -84,6 +84,7 @@ class EngineClient(Connection):
         request_id: str | None = None,
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
+        seed: int | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Submitted:
         """Submit a request; read its outputs with `outputs(reply.request_id)`.
@@ -92,7 +93,7 @@ class EngineClient(Connection):
         output can be missed; without one the daemon mints the id and outputs that beat the
         `submitted` reply are kept for `outputs()` all the same.
         """
-        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank)
+        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed)
         msg = Submit(request=request, id=self._next_id())
         return await self._call_with_stream(msg, Submitted, request_id, timeout)
 
@@ -131,6 +132,7 @@ class EngineClient(Connection):
         request_id: str | None = None,
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
+        seed: int | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> AsyncIterator[OutputEntry]:
         """`submit` then `outputs`: the request's entries until its finished one."""
@@ -140,6 +142,7 @@ class EngineClient(Connection):
             request_id=request_id,
             output_token_ids=output_token_ids,
             dp_rank=dp_rank,
+            seed=seed,
             timeout=timeout,
         )
         async for entry in self.outputs(submitted.request_id, timeout=timeout):
@@ -153,6 +156,7 @@ class EngineClient(Connection):
         request_id: str | None = None,
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
+        seed: int | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Generation:
         """Submit and collect every output of the request."""
@@ -162,6 +166,7 @@ class EngineClient(Connection):
             request_id=request_id,
             output_token_ids=output_token_ids,
             dp_rank=dp_rank,
+            seed=seed,
             timeout=timeout,
         )
         return await self.collect(submitted, timeout=timeout)
@@ -221,10 +226,11 @@ class EngineClient(Connection):
         request_id: str | None = None,
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
+        seed: int | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Submitted:
         """Prefill on this (source) worker; `source_held` arrives as a lifecycle event."""
-        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank)
+        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed)
         msg = SubmitHandoffPrefill(handoff_id=handoff_id, request=request, id=self._next_id())
         return await self._call_with_stream(msg, Submitted, request_id, timeout)
 
@@ -250,11 +256,12 @@ class EngineClient(Connection):
         request_id: str | None = None,
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
+        seed: int | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> DestinationAccepted:
         """Reserve KV on this (destination) worker; `destination_reserved` follows as a
         lifecycle event, and the request's outputs stream after `activate_destination`."""
-        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank)
+        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed)
         msg = ReserveDestination(handoff_id=handoff_id, request=request, id=self._next_id())
         return await self._call_with_stream(msg, DestinationAccepted, request_id, timeout)
 
@@ -384,6 +391,7 @@ def _request(
     request_id: str | None,
     output_token_ids: Sequence[int] | None,
     dp_rank: int | None,
+    seed: int | None,
 ) -> WireRequest:
     # NOTE: no validation here: the daemon is the one judge of a request, and tests send
     # invalid ones through these methods on purpose.
@@ -393,4 +401,5 @@ def _request(
         max_tokens=max_tokens,
         output_token_ids=None if output_token_ids is None else list(output_token_ids),
         dp_rank=dp_rank,
+        seed=seed,
     )

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from engined.core.types import KvTransferTimingMode
+from engined.core.vllm_hashing import DEFAULT_HASH_ALGO, HashAlgo
 
 
 class EngineType(enum.StrEnum):
@@ -241,3 +242,10 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "mocker 1.3.0 (also implied by prefix_hit_rule = mocker-1.3.0)."
         ),
     ] = Semantics.VLLM
+    prefix_caching_hash_algo: Annotated[
+        HashAlgo,
+        Meta(
+            description="vLLM's block hash (sha256, sha256_cbor, xxhash, xxhash_cbor); "
+            "NONE_HASH follows PYTHONHASHSEED as in vLLM."
+        ),
+    ] = DEFAULT_HASH_ALGO

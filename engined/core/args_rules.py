@@ -31,6 +31,7 @@ from engined.core.args_fields import (
 )
 from engined.core.errors import InvalidArgsError
 from engined.core.types import KvTransferTimingMode
+from engined.core.vllm_hashing import HashAlgo
 
 # Rust's `{:?}` spelling of EngineType, which upstream messages embed.
 _RUST_ENGINE_NAME = {
@@ -62,6 +63,12 @@ ENUM_MESSAGES: dict[str, tuple[type[enum.StrEnum], str]] = {
     "semantics": (
         Semantics,
         "Invalid semantics '{}'. Must be 'vllm' or 'mocker-1.3.0'.",
+    ),
+    # vLLM's (pydantic's) words for a value outside its `PrefixCachingHashAlgo` literal.
+    "prefix_caching_hash_algo": (
+        HashAlgo,
+        "Invalid prefix_caching_hash_algo '{}'. "
+        "Input should be 'sha256', 'sha256_cbor', 'xxhash' or 'xxhash_cbor'.",
     ),
 }
 

@@ -114,13 +114,14 @@ def assemble(
     book = HandoffBook(queued.decode)
     state = TalliedState(waiting_class(queued, book.active.by_request.__contains__))
     rng = random.Random(args.seed * 1_000_003 + dp_rank)
-    vocab = Vocabulary(rng, args.vocab_size, args.excluded_token_ids)
+    vocab = Vocabulary(args.vocab_size, args.excluded_token_ids)
     intake = RequestIntake(
         policy,
         block_size=bs,
         caching=args.enable_prefix_caching,
         rng=rng,
         vocab=vocab,
+        seed=args.seed,
         paged=paged,
     )
     sampler = (
@@ -176,7 +177,6 @@ def assemble(
         preempter=preempter,
         finisher=finisher,
         sampler=sampler,
-        rng=rng,
         vocab=vocab,
         perf=perf,
         fast_paths=fast_paths,

@@ -2,10 +2,11 @@
 
 A request is ready when its KV has caught up with its tokens. Sampling a token that opens a
 new block allocates that block at once (mocker 1.3.0's eager allocation); when the pool is
-full that preempts the newest running request, possibly the sampling one, and the token is
-retried or dropped. A request with nothing left to generate (max_tokens 0) completes here
-with a token-less last output, after its prefill: upstream 1.3.0 never completed such
-requests, a defect fixed later, and we follow the fix.
+full that preempts the newest running request, possibly the sampling one, and the same token
+is retried, or kept for when the request runs again (`Sequence.popped`). A request with
+nothing left to generate (max_tokens 0) completes here with a token-less last output, after its
+prefill: upstream 1.3.0 never completed such requests, a defect fixed later, and we follow the
+fix.
 
 Each request that emitted or finished gets exactly one output per pass (all of an MTP
 burst's tokens in one `RequestOutput`), as vLLM's engine core reports a step; a plain decode
@@ -15,7 +16,6 @@ columns instead, the per-token cost a steady pass no longer pays.
 
 from __future__ import annotations
 
-import random
 from array import array
 from typing import Any
 
@@ -54,7 +54,6 @@ class TokenEmitter:
         "_mocker_kv",
         "_perf",
         "_preempter",
-        "_rng",
         "_sampler",
         "_state",
         "_vocab",
@@ -73,7 +72,6 @@ class TokenEmitter:
         preempter: Preempter,
         finisher: Finisher,
         sampler: SpeculativeSampler | None,
-        rng: random.Random,
         vocab: Vocabulary,
         perf: PerfModel,
         fast_paths: bool = True,
@@ -91,7 +89,6 @@ class TokenEmitter:
         self._preempter = preempter
         self._finisher = finisher
         self._sampler = sampler
-        self._rng = rng
         self._vocab = vocab
         self._perf = perf
         # Off only in the equivalence test of the hand-inlined decode step.
@@ -177,10 +174,6 @@ class TokenEmitter:
         refresh = kv.refresh_offload_wait
         bs = self.block_size
         fast = self._fast_paths
-        # NOTE: typed Any so that, compiled, a drawn token stays the Python int the draw made:
-        # as an `int` it would be unboxed, then boxed again for the token array and for the
-        # output's list, two allocations per token.
-        getrandbits: Any = self._rng.getrandbits
         draw: Any = self._vocab.draw
         # The array's method itself: compiled, `tokens.append` looks the name up per call.
         append_token: Any = array.append
@@ -208,8 +201,13 @@ class TokenEmitter:
                 and req.status is running
             ):
                 # The common decode step, inlined: same draw and effect as `generate_token` for
-                # a token that neither opens a block nor ends the request.
-                drawn = getrandbits(32) if draw is None else draw()
+                # a token that neither opens a block nor ends the request (only a token that
+                # opens a block is ever `popped`).
+                # NOTE: typed Any so that, compiled, a drawn token stays the Python int the
+                # draw made: as an `int` it would be unboxed, then boxed again for the token
+                # array and for the output's list, two allocations per token.
+                bits: Any = seq.token_bits
+                drawn: Any = bits(32) if draw is None else draw(bits)
                 append_token(tokens, drawn)
                 seq.generated += 1
                 decoded_ids.append(request_id)
@@ -221,13 +219,15 @@ class TokenEmitter:
                 and not offload
                 and seq.planned is None
                 and len(tokens) % bs == 0
+                and seq.popped is None
                 and seq.generated + 1 < seq.max_output_tokens
                 and req.cached_tokens_reported
                 and req.status is running
             ):
                 # The decode step that opens a block, inlined: the same draw and effects as
                 # `generate_token` and `apply_all` of its moves (Promote, then the new block).
-                token = getrandbits(32) if draw is None else draw()
+                bits = seq.token_bits
+                token = bits(32) if draw is None else draw(bits)
                 promote = seq.open_block(token)
                 if promote is not None:
                     mocker_kv.promote(promote)

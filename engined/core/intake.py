@@ -2,7 +2,8 @@
 
 Every request, plain or a handoff's, becomes a `RequestState` here: its prompt checked, its
 output length clamped by the admission policy, its `Sequence` cut into blocks with the
-engine's shared RNG, partial-block ids and vocabulary. A request without an id gets one from
+engine's shared RNG (block ids without prefix caching), partial-block ids and vocabulary, and
+given its own token stream (engined/core/token_stream.py). A request without an id gets one from
 a counter (`req-<n>`, skipping ids already taken), never from a clock or `uuid4`, so the same
 commands always give the same ids.
 """
@@ -17,6 +18,7 @@ from engined.core.errors import InvalidRequestError
 from engined.core.policy import AdmissionPolicy
 from engined.core.sequence import Sequence
 from engined.core.state import RequestState
+from engined.core.token_stream import SEED_MAX, SEED_MIN, token_bits
 from engined.core.types import Request, RequestStatus
 from engined.core.vocab import Vocabulary
 
@@ -30,6 +32,7 @@ class RequestIntake:
         "_partial_ids",
         "_policy",
         "_rng",
+        "_seed",
         "_vocab",
     )
 
@@ -41,9 +44,11 @@ class RequestIntake:
         caching: bool,
         rng: random.Random,
         vocab: Vocabulary,
+        seed: int,
         paged: bool = False,
     ) -> None:
         self._policy = policy
+        self._seed = seed
         self._paged = paged
         self._block_size = block_size
         self._caching = caching
@@ -67,6 +72,11 @@ class RequestIntake:
             raise InvalidRequestError("request.token_ids must not be empty")
         if request.max_tokens < 0:
             raise InvalidRequestError("request.max_tokens must be >= 0")
+        if request.seed is not None and not SEED_MIN <= request.seed <= SEED_MAX:
+            raise InvalidRequestError(
+                f"request.seed must be in [{SEED_MIN}, {SEED_MAX}] (vLLM's int64), "
+                f"got {request.seed}"
+            )
         planned = request.output_token_ids
         max_out = len(planned) if planned is not None else request.max_tokens
         max_out = self._policy.clamp_max_output(len(request.token_ids), max_out)
@@ -76,6 +86,12 @@ class RequestIntake:
             self._block_size,
             caching=self._caching,
             rng=self._rng,
+            token_bits=token_bits(
+                self._seed,
+                request_id if request.stream_name is None else request.stream_name,
+                request.seed,
+                request.token_ids,
+            ),
             next_partial_id=self._partial_ids,
             planned=planned,
             vocab=self._vocab,

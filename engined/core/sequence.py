@@ -25,6 +25,7 @@ from engined.core.hashing import (
     lineage_key,
     parent_lineage_key,
 )
+from engined.core.token_stream import TokenBits
 from engined.core.vocab import Vocabulary
 
 
@@ -142,6 +143,10 @@ class Sequence:
     without: then no two requests share a block, but a preempted request still finds its own
     blocks again). `keys[i]` is the block's lineage key in the pool: with caching `keys` is
     `hashes` itself (engined/core/hashing.py), and `parent_key` derives the lineage parents.
+
+    Unplanned tokens come from `token_bits`, the request's own stream
+    (engined/core/token_stream.py); `popped` is a token taken back by `pop`, the next one
+    generated, so a failed allocation does not shift the stream.
     """
 
     __slots__ = (
@@ -161,6 +166,8 @@ class Sequence:
         "paged",
         "partial",
         "planned",
+        "popped",
+        "token_bits",
         "tokens",
     )
 
@@ -172,6 +179,7 @@ class Sequence:
         *,
         caching: bool,
         rng: random.Random,
+        token_bits: TokenBits,
         next_partial_id: Callable[[], int],
         planned: list[int] | None = None,
         emit_token_ids: bool = True,
@@ -192,6 +200,8 @@ class Sequence:
         self.emit_token_ids = emit_token_ids and caching
         self.planned = planned
         self._rng = rng
+        self.token_bits = token_bits
+        self.popped: int | None = None
         # The core's shared range, so a vocabulary change reaches running requests.
         self._vocab = vocab
         self._next_partial_id = next_partial_id
@@ -262,12 +272,17 @@ class Sequence:
             "Cannot generate more tokens: reached max_output_tokens limit"
         )
         planned = self.planned
+        popped = self.popped
+        vocab = self._vocab
         if planned is not None:
             token = planned[self.generated]
-        elif self._vocab is None or self._vocab.draw is None:
-            token = self._rng.getrandbits(32)
+        elif popped is not None and (vocab is None or vocab.allows(popped)):
+            token = popped
+        elif vocab is None:
+            token = self.token_bits(32)
         else:
-            token = self._vocab.draw()
+            token = vocab.next_token(self.token_bits)
+        self.popped = None
         if self.paged:
             self.push_paged(token)
             return _new(
@@ -352,8 +367,9 @@ class Sequence:
         """Undo the last sampled token after its block could not be allocated.
 
         A promotion that already happened stays: the block it completed is full either way.
+        The token is kept as `popped`, what the retry generates at the same position.
         """
-        self.tokens.pop()
+        self.popped = self.tokens.pop()
         self.generated = max(self.generated - 1, 0)
         if len(self.tokens) % self.block_size == 0:
             self.partial = None

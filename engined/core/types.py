@@ -71,13 +71,19 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     """A generation request as the core sees it (Dynamo's `DirectRequest`).
 
     `output_token_ids`, when given, is the planned output: its length overrides `max_tokens`.
-    `request_id` is minted by the core when absent.
+    `request_id` is minted by the core when absent. `seed` keys the request's token stream as
+    vLLM's `SamplingParams.seed` does (engined/core/token_stream.py); without one the stream is
+    keyed by `stream_name`, or the request id when that is None. The daemon sets it so that
+    neither the alias it runs a request under nor the UUID it names an unnamed one with
+    changes the tokens: the client's own name, or the count of unnamed requests before it.
     """
 
     token_ids: list[int]
     max_tokens: int
     request_id: RequestId | None = None
     output_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream_name: str | int | None = None
 
 
 # --- commands -------------------------------------------------------------------------------

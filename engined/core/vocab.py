@@ -3,8 +3,8 @@
 Unset, a token is a raw u32 (`getrandbits(32)`), as it always was: every seed twin keeps its
 numbers. A client that detokenizes (a Dynamo frontend) needs ids its tokenizer knows, and
 needs the model's EOS and special tokens never to appear, or a stream would stop early or
-print control text; hence a vocabulary, drawn from the same per-core RNG so one seed still
-gives one output.
+print control text; hence a vocabulary, drawn from each request's own stream
+(engined/core/token_stream.py) so one seed still gives one output.
 
 The draw is exact (uniform, no modulo bias) and cheap: rejection over `[0, 2**bits)` with
 a set test for the excluded ids costs fewer than two RNG calls on average while at least
@@ -14,9 +14,10 @@ half the vocabulary is drawable. When most of it is excluded, a table of the dra
 
 from __future__ import annotations
 
-import random
 from array import array
 from collections.abc import Callable, Iterable
+
+from engined.core.token_stream import TokenBits
 
 VOCAB_SIZE_MAX = 2**32
 # The most excluded ids a vocabulary may name. Real tokenizers' EOS and special tokens number
@@ -78,23 +79,20 @@ class Vocabulary:
     """The token range of one core, read by every unplanned draw.
 
     Sequences hold the core's instance, so `configure` (the `SetVocabulary` command) applies
-    to every token drawn after it, in running requests too. `draw` is None while the range is
-    the raw u32 one: callers then inline `getrandbits(32)`, which keeps the default path as
-    fast as before the option existed.
+    to every token drawn after it, in running requests too. `draw` takes the drawing request's
+    `getrandbits`; it is None while the range is the raw u32 one: callers then inline
+    `getrandbits(32)`, which keeps the default path as fast as before the option existed.
     """
 
-    __slots__ = ("_getrandbits", "draw", "excluded_token_ids", "vocab_size")
+    __slots__ = ("_skip", "draw", "excluded_token_ids", "vocab_size")
 
     def __init__(
-        self,
-        rng: random.Random,
-        vocab_size: int | None = None,
-        excluded_token_ids: Iterable[int] = (),
+        self, vocab_size: int | None = None, excluded_token_ids: Iterable[int] = ()
     ) -> None:
-        self._getrandbits = rng.getrandbits
         self.vocab_size: int | None = None
         self.excluded_token_ids: tuple[int, ...] = ()
-        self.draw: Callable[[], int] | None = None
+        self._skip: frozenset[int] = frozenset()
+        self.draw: Callable[[TokenBits], int] | None = None
         self.configure(vocab_size, excluded_token_ids)
 
     def configure(self, vocab_size: int | None, excluded_token_ids: Iterable[int]) -> None:
@@ -102,28 +100,34 @@ class Vocabulary:
         excluded = canonical_excluded(excluded_token_ids)
         self.vocab_size = vocab_size
         self.excluded_token_ids = excluded
-        self.draw = _make_draw(self._getrandbits, vocab_size, excluded)
+        self._skip = frozenset(excluded)
+        self.draw = _make_draw(vocab_size, excluded)
 
-    def next_token(self) -> int:
-        """One unplanned token id (the non-inlined path)."""
+    def next_token(self, getrandbits: TokenBits) -> int:
+        """One unplanned token id drawn with `getrandbits` (the non-inlined path)."""
         draw = self.draw
-        return self._getrandbits(32) if draw is None else draw()
+        return getrandbits(32) if draw is None else draw(getrandbits)
+
+    def allows(self, token: int) -> bool:
+        """Whether the range in force may yield `token` (one drawn before a change may not)."""
+        size = self.vocab_size
+        return (size is None or token < size) and token not in self._skip
 
 
 def _make_draw(
-    getrandbits: Callable[[int], int], vocab_size: int | None, excluded: tuple[int, ...]
-) -> Callable[[], int] | None:
+    vocab_size: int | None, excluded: tuple[int, ...]
+) -> Callable[[TokenBits], int] | None:
     if vocab_size is None:
         if not excluded:
             return None
         vocab_size = VOCAB_SIZE_MAX
     drawable = vocab_size - len(excluded)
     if 2 * drawable < vocab_size:
-        return _table_draw(getrandbits, vocab_size, frozenset(excluded))
+        return _table_draw(vocab_size, frozenset(excluded))
     bits = (vocab_size - 1).bit_length()
     if not excluded:
 
-        def draw_range() -> int:
+        def draw_range(getrandbits: TokenBits) -> int:
             token = getrandbits(bits)
             while token >= vocab_size:
                 token = getrandbits(bits)
@@ -132,7 +136,7 @@ def _make_draw(
         return draw_range
     skip = frozenset(excluded)
 
-    def draw_rejecting() -> int:
+    def draw_rejecting(getrandbits: TokenBits) -> int:
         token = getrandbits(bits)
         while token >= vocab_size or token in skip:
             token = getrandbits(bits)
@@ -141,16 +145,14 @@ def _make_draw(
     return draw_rejecting
 
 
-def _table_draw(
-    getrandbits: Callable[[int], int], vocab_size: int, skip: frozenset[int]
-) -> Callable[[], int]:
+def _table_draw(vocab_size: int, skip: frozenset[int]) -> Callable[[TokenBits], int]:
     """Most ids excluded: index a table of the few drawable ones instead of rejecting."""
     # NOTE: fewer drawable ids than excluded ones, so the table is smaller than the setting.
     table = array("I", (token for token in range(vocab_size) if token not in skip))
     count = len(table)
     bits = (count - 1).bit_length()
 
-    def draw_table() -> int:
+    def draw_table(getrandbits: TokenBits) -> int:
         index = getrandbits(bits)
         while index >= count:
             index = getrandbits(bits)

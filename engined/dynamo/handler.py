@@ -28,6 +28,7 @@ import msgspec
 import structlog
 
 from engined.client import ClientClosedError, EngineClient, EngineError
+from engined.core.token_stream import SEED_MAX, SEED_MIN
 from engined.dynamo.args import DisaggregationMode
 from engined.wire.control import (
     DestinationReservedEvent,
@@ -182,7 +183,7 @@ class RequestHandler:
     # --- the three modes ------------------------------------------------------------------
 
     async def _aggregated(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
-        token_ids, max_tokens, dp_rank = self._parse(request)
+        token_ids, max_tokens, dp_rank, seed = self._parse(request)
         request_id = _request_id(context)
         submitted = await _refusing(
             self._client.submit(
@@ -190,6 +191,7 @@ class RequestHandler:
                 max_tokens,
                 request_id=request_id,
                 dp_rank=dp_rank,
+                seed=seed,
                 timeout=CALL_TIMEOUT_S,
             )
         )
@@ -198,7 +200,7 @@ class RequestHandler:
             yield chunk
 
     async def _prefill(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
-        token_ids, _, dp_rank = self._parse(request)
+        token_ids, _, dp_rank, seed = self._parse(request)
         handoff_id = request_id = _request_id(context)
         submitted = await _refusing(
             self._client.submit_handoff_prefill(
@@ -207,6 +209,7 @@ class RequestHandler:
                 1,
                 request_id=request_id,
                 dp_rank=dp_rank,
+                seed=seed,
                 timeout=CALL_TIMEOUT_S,
             )
         )
@@ -244,7 +247,7 @@ class RequestHandler:
         yield last
 
     async def _decode(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
-        token_ids, max_tokens, dp_rank = self._parse(request)
+        token_ids, max_tokens, dp_rank, seed = self._parse(request)
         prefill_result = request["prefill_result"]
         params = _handoff_params(prefill_result)
         handoff_id = params["handoff_id"]
@@ -259,6 +262,7 @@ class RequestHandler:
                     max_tokens,
                     request_id=request_id,
                     dp_rank=dp_rank,
+                    seed=seed,
                     timeout=CALL_TIMEOUT_S,
                 )
             )
@@ -349,7 +353,7 @@ class RequestHandler:
 
     # --- request fields ---------------------------------------------------------------------
 
-    def _parse(self, request: dict[str, Any]) -> tuple[list[int], int, int | None]:
+    def _parse(self, request: dict[str, Any]) -> tuple[list[int], int, int | None, int | None]:
         token_ids = request.get("token_ids")
         if not isinstance(token_ids, list) or not token_ids:
             raise RequestFailed(400, "token_ids: expected a non-empty list of token ids")
@@ -371,7 +375,17 @@ class RequestHandler:
         dp_rank = routing.get("dp_rank")
         if dp_rank is not None and (not isinstance(dp_rank, int) or dp_rank < 0):
             raise RequestFailed(400, f"routing.dp_rank: expected an int >= 0, got {dp_rank!r}")
-        return token_ids, max_tokens, dp_rank
+        sampling = request.get("sampling_options") or {}
+        if not isinstance(sampling, dict):
+            raise RequestFailed(400, f"sampling_options: expected a map, got {sampling!r}"[:200])
+        seed = sampling.get("seed")
+        if seed is not None and (
+            not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX
+        ):
+            raise RequestFailed(
+                400, f"sampling_options.seed: expected an int64 or null, got {seed!r}"
+            )
+        return token_ids, max_tokens, dp_rank, seed
 
 
 async def _refusing(call: Awaitable[T]) -> T:

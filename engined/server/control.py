@@ -120,6 +120,7 @@ class ControlServer:
             unread_bytes=unread_bytes,
         )
         self._ids = RequestIds()
+        self._unnamed = itertools.count()
         self._ownership = Ownership(
             loops,
             notify=self._terminals,
@@ -387,8 +388,10 @@ class ControlServer:
                 identity, msg.id, "overloaded", over_budget(held, cost, self._inflight_bytes)
             )
             return
+        # An unnamed request's tokens are keyed by its count, not by the UUID it is given.
+        unnamed = None if request.request_id else next(self._unnamed)
         request_id = request.request_id or str(uuid.uuid4())
-        command = to_core_command(msg, request_id=request_id)
+        command = to_core_command(msg, request_id=request_id, stream_name=unnamed)
         assert command is not None
         routes: dict[str, HandoffRoute] | None = None
         handoff_id = ""
@@ -418,7 +421,7 @@ class ControlServer:
                 return
             # Another client's name: this request runs under an alias (request_ids).
             core_id = self._ids.alias(identity, request_id)
-            command = to_core_command(msg, request_id=core_id)
+            command = to_core_command(msg, request_id=core_id, stream_name=request_id)
             assert command is not None and ownership.claim(rank, core_id, identity, cost)
         new_route: HandoffRoute | None = None
         if routes is not None and existing is None:

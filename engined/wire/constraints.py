@@ -36,6 +36,16 @@ MessageId = Annotated[
     int | str, Meta(description="Echoed in the direct reply; a string is at most 128 bytes.")
 ]
 
+# A request's sampling seed, vLLM's `SamplingParams.seed` (its API takes an int64; -1 is none).
+RequestSeed = Annotated[
+    int,
+    Meta(
+        ge=-(1 << 63),
+        le=(1 << 63) - 1,
+        description="Keys the request's generated tokens, as vLLM's seed; -1 means none.",
+    ),
+]
+
 # A tokenizer's vocabulary size: generated ids are drawn from [0, vocab_size).
 VocabSize = Annotated[
     int, Meta(ge=1, le=U32_LIMIT, description="Generated ids are drawn from [0, vocab_size).")

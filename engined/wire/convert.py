@@ -31,41 +31,50 @@ from engined.wire.control import (
 )
 
 
-def to_core_request(request: WireRequest, request_id: str | None = None) -> core.Request:
+def to_core_request(
+    request: WireRequest, request_id: str | None = None, stream_name: str | int | None = None
+) -> core.Request:
     """The core's request; `dp_rank` is the daemon's routing concern and is not passed on.
 
-    `request_id` replaces the message's (the daemon names a request the client left unnamed).
+    `request_id` replaces the message's (the daemon names a request the client left unnamed,
+    or runs it under an alias); `stream_name` is then what keys its tokens (core `Request`).
     """
     return core.Request(
         token_ids=request.token_ids,
         max_tokens=request.max_tokens,
         request_id=request.request_id if request_id is None else request_id,
         output_token_ids=request.output_token_ids,
+        seed=request.seed,
+        stream_name=stream_name,
     )
 
 
-def to_core_command(msg: ClientMessage, *, request_id: str | None = None) -> core.Command | None:
+def to_core_command(
+    msg: ClientMessage, *, request_id: str | None = None, stream_name: str | int | None = None
+) -> core.Command | None:
     """The core command a message asks for; None for the daemon's own messages.
 
     (`hello`, `stats`, `reset_prefix_cache`, `ping` and the others that name no request or
-    handoff are answered without one.) `request_id` names the request of a message that
-    carries one, as in `to_core_request`.
+    handoff are answered without one.) `request_id` and `stream_name` are those of the
+    request of a message that carries one, as in `to_core_request`.
     """
     match msg:
         case Submit():
-            return core.Submit(to_core_request(msg.request, request_id))
+            return core.Submit(to_core_request(msg.request, request_id, stream_name))
         case Cancel():
             return core.Cancel(msg.request_id)
         case SubmitHandoffPrefill():
             return core.SubmitHandoffPrefill(
-                msg.handoff_id, to_core_request(msg.request, request_id)
+                msg.handoff_id, to_core_request(msg.request, request_id, stream_name)
             )
         case ReleaseSource():
             return core.ReleaseSource(msg.handoff_id)
         case CancelSource():
             return core.CancelSource(msg.handoff_id)
         case ReserveDestination():
-            return core.ReserveDestination(msg.handoff_id, to_core_request(msg.request, request_id))
+            return core.ReserveDestination(
+                msg.handoff_id, to_core_request(msg.request, request_id, stream_name)
+            )
         case ActivateDestination():
             return core.ActivateDestination(msg.handoff_id)
         case CancelDestination():

@@ -76,7 +76,9 @@ SUBMIT: Final = control.Submit(
 RESERVE_DESTINATION: Final = control.ReserveDestination(
     id="c-7",
     handoff_id="h-1",
-    request=control.WireRequest(token_ids=[1, 2, 3, 4], max_tokens=4, output_token_ids=[9, 9]),
+    request=control.WireRequest(
+        token_ids=[1, 2, 3, 4], max_tokens=4, output_token_ids=[9, 9], seed=1234
+    ),
 )
 WELCOME: Final = control.Welcome(
     id=1,

@@ -22,6 +22,7 @@ from engined.wire.constraints import (
     NonNegativeInt,
     PromptTokenIds,
     RequestIdStr,
+    RequestSeed,
     TokenId,
     VocabSize,
     WorkerIdStr,
@@ -46,7 +47,8 @@ class WireRequest(
 
     `request_id` is minted by the core when absent; `output_token_ids`, when given, is the
     planned output and its length overrides `max_tokens` (0 = prefill only); `dp_rank` pins
-    the rank, else the daemon picks one round-robin.
+    the rank, else the daemon picks one round-robin; `seed` keys the generated tokens as
+    vLLM's `SamplingParams.seed` does (engined/core/token_stream.py).
     """
 
     request_id: RequestIdStr | None = None
@@ -54,6 +56,7 @@ class WireRequest(
     max_tokens: NonNegativeInt
     output_token_ids: list[TokenId] | None = None
     dp_rank: DpRank | None = None
+    seed: RequestSeed | None = None
 
 
 class ClientMessageBase(

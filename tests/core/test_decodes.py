@@ -3,7 +3,8 @@
 
 Steady decoding pays no output object and no list per token; every consumer (the daemon's
 routing, Prometheus, the rank workers' wire) reads both, and `request_outputs()` merges them
-for tests. The token values are those of seed 0, as everywhere in the core's suite.
+for tests. The token values are those of seed 0 and these request ids (each request draws from
+its own stream, engined/core/token_stream.py).
 """
 
 from __future__ import annotations
@@ -23,21 +24,21 @@ def test_first_outputs_and_ends_are_outputs_the_steps_between_are_decodes() -> N
     r1, r2 = uid(1), uid(2)
     submit(core, request(r1, range(4), 3))
     first = core.execute_pass(0.0)
-    assert first.outputs == [RequestOutput(r1, [3255389356], None, 0)]
+    assert first.outputs == [RequestOutput(r1, [2372731276], None, 0)]
     assert first.decodes == Decodes([], [], [0])
 
     submit(core, request(r2, range(100, 104), 3))
     second = core.execute_pass(1.0)
-    assert second.outputs == [RequestOutput(r2, [1112038970], None, 0)]
-    assert second.decodes == Decodes([r1], [173879092], [1])
+    assert second.outputs == [RequestOutput(r2, [1807314366], None, 0)]
+    assert second.decodes == Decodes([r1], [543587401], [1])
     assert second.request_outputs() == [
-        RequestOutput(r1, [173879092]),
-        RequestOutput(r2, [1112038970], None, 0),
+        RequestOutput(r1, [543587401]),
+        RequestOutput(r2, [1807314366], None, 0),
     ]
 
     third = core.execute_pass(2.0)
-    assert third.outputs == [RequestOutput(r1, [4146640122], FinishReason.LENGTH)]
-    assert third.decodes == Decodes([r2], [2195908194], [0])
+    assert third.outputs == [RequestOutput(r1, [2043858002], FinishReason.LENGTH)]
+    assert third.decodes == Decodes([r2], [1635463185], [0])
     assert [out.request_id for out in third.request_outputs()] == [r1, r2]
     assert third.accept_length_output_tokens == 2
 

@@ -25,6 +25,7 @@ def _decode(length: int) -> RequestState:
         16,
         caching=True,
         rng=random.Random(0),
+        token_bits=random.Random(0).getrandbits,
         next_partial_id=iter(range(10)).__next__,
     )
     req = RequestState("r", seq, RequestStatus.RUNNING)

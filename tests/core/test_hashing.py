@@ -43,6 +43,7 @@ def test_sequence_blocks_use_the_same_hashes_including_generated_blocks() -> Non
         4,
         caching=True,
         rng=random.Random(0),
+        token_bits=random.Random(0).getrandbits,
         next_partial_id=itertools.count().__next__,
         planned=[6, 7, 8, 9],
     )
@@ -61,6 +62,7 @@ def make_sequence(tokens: list[int], *, caching: bool, planned: list[int]) -> Se
         4,
         caching=caching,
         rng=random.Random(7),
+        token_bits=random.Random(7).getrandbits,
         next_partial_id=itertools.count().__next__,
         planned=planned,
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from engined.core.args import EngineArgs
 from engined.core.engine import Engine
 from engined.core.errors import InvalidArgsError, InvalidRequestError
+from engined.core.token_stream import token_bits
 from engined.core.types import APPLIED, SetVocabulary
 from engined.core.vocab import (
     EXCLUDED_TOKEN_IDS_MAX,
@@ -64,11 +64,11 @@ def vocab_args(**overrides: Any) -> EngineArgs:
 
 
 def test_unset_vocabulary_draws_the_raw_u32_stream() -> None:
-    """With caching on no block id consumes the RNG, so the outputs are its u32s in order."""
+    """The outputs are the u32s of the request's own stream, in order."""
     core = make_core(router_args(seed=7))
     submit(core, request("a", [1, 2, 3], 10))
-    rng = random.Random(7 * 1_000_003)
-    assert outputs(core) == {"a": [rng.getrandbits(32) for _ in range(10)]}
+    bits = token_bits(7, "a", None, [1, 2, 3])
+    assert outputs(core) == {"a": [bits(32) for _ in range(10)]}
 
 
 # --- vocab_size and excluded_token_ids ------------------------------------------------------------
@@ -96,8 +96,9 @@ def test_every_drawable_id_and_nothing_else_appears(
     vocab_size: int, excluded: tuple[int, ...]
 ) -> None:
     """Both draw strategies (rejection, table of the few drawable ids) hit exactly the range."""
-    vocab = Vocabulary(random.Random(3), vocab_size, excluded)
-    drawn = {vocab.next_token() for _ in range(20_000)}
+    vocab = Vocabulary(vocab_size, excluded)
+    bits = random.Random(3).getrandbits
+    drawn = {vocab.next_token(bits) for _ in range(20_000)}
     allowed = set(range(vocab_size)) - set(excluded)
     assert drawn <= allowed
     if len(allowed) <= 100:
@@ -105,17 +106,14 @@ def test_every_drawable_id_and_nothing_else_appears(
 
 
 def test_exclusion_without_vocab_size_skips_the_excluded_u32s() -> None:
-    class Scripted(random.Random):
-        def __init__(self, values: Iterator[int]) -> None:
-            super().__init__(0)
-            self.values = values
+    values = iter([5, 9, 5, 2**32 - 1, 7])
 
-        def getrandbits(self, k: int, /) -> int:
-            assert k == 32
-            return next(self.values)
+    def scripted(k: int) -> int:
+        assert k == 32
+        return next(values)
 
-    vocab = Vocabulary(Scripted(iter([5, 9, 5, 2**32 - 1, 7])), None, (5, 2**32 - 1))
-    assert [vocab.next_token() for _ in range(2)] == [9, 7]
+    vocab = Vocabulary(None, (5, 2**32 - 1))
+    assert [vocab.next_token(scripted) for _ in range(2)] == [9, 7]
 
 
 def test_same_seed_same_outputs_other_seed_other_outputs() -> None:

@@ -176,7 +176,13 @@ _partial_ids = itertools.count().__next__
 
 def record(request_id: str, *, prebuilt: bool) -> RequestState:
     seq = Sequence(
-        [1, 2, 3, 4, 5], 4, 4, caching=False, rng=random.Random(0), next_partial_id=_partial_ids
+        [1, 2, 3, 4, 5],
+        4,
+        4,
+        caching=False,
+        rng=random.Random(0),
+        token_bits=random.Random(0).getrandbits,
+        next_partial_id=_partial_ids,
     )
     req = RequestState(request_id, seq, RequestStatus.WAITING)
     if prebuilt:

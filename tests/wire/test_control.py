@@ -25,6 +25,8 @@ CLIENT_MESSAGES: list[control.ClientMessage] = [
     control.Submit(request=REQUEST),
     control.Submit(id=7, request=FULL_REQUEST),
     control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1)),
+    control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1, seed=-(2**63))),
+    control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1, seed=2**63 - 1)),
     control.Cancel(id=-3, request_id="r-1"),
     control.SubmitHandoffPrefill(handoff_id="h-1", request=REQUEST),
     control.ReleaseSource(handoff_id="h-1"),
@@ -215,6 +217,21 @@ def _submit(**request: Any) -> bytes:
 
 
 BAD_MESSAGE_CASES = [
+    pytest.param(
+        _submit(seed="7"),
+        r"Expected `int \| null`, got `str` - at `\$\.request\.seed`",
+        id="seed-str",
+    ),
+    pytest.param(
+        _submit(seed=1.5),
+        r"Expected `int \| null`, got `float` - at `\$\.request\.seed`",
+        id="seed-float",
+    ),
+    pytest.param(
+        _submit(seed=True),
+        r"Expected `int \| null`, got `bool` - at `\$\.request\.seed`",
+        id="seed-bool",
+    ),
     pytest.param(b"\xc1\x00", "Not a MessagePack message", id="random-bytes"),
     pytest.param(b"\x82\xa4type", "Not a MessagePack message.*truncated", id="truncated"),
     pytest.param(encode({"type": "ping"}) + b"\x00", "trailing characters", id="trailing-bytes"),
@@ -332,6 +349,16 @@ INVALID_REQUEST_CASES = [
         id="negative-max-tokens",
     ),
     pytest.param(_submit(dp_rank=-1), r"`\$\.request\.dp_rank`", id="negative-dp-rank"),
+    pytest.param(
+        _submit(seed=2**63),
+        r"Expected `int` <= 9223372036854775807 - at `\$\.request\.seed`",
+        id="seed-over-int64",
+    ),
+    pytest.param(
+        _submit(seed=2**64 - 1),
+        r"Expected `int` <= 9223372036854775807 - at `\$\.request\.seed`",
+        id="seed-u64-max",
+    ),
     pytest.param(
         encode({"type": "reset_prefix_cache", "dp_rank": -2}),
         r"`\$\.dp_rank`",

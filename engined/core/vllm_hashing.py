@@ -1,0 +1,150 @@
+"""Block hashes as vLLM 0.33 computes them for prefix caching and KV events.
+
+vLLM hashes a full block as `hash_fn((parent, tokens, extra_keys))`, the parent being the
+previous block's hash or, for a first block, `NONE_HASH`; `hash_fn` is picked by
+`--prefix-caching-hash-algo` (`sha256` by default, `sha256_cbor`, `xxhash`, `xxhash_cbor`):
+pickle or canonical CBOR serialisation, then SHA-256 or xxh3-128. `NONE_HASH` is
+`hash_fn(seed)`: the seed is `PYTHONHASHSEED` when set; otherwise the fixed
+`"vllm-none-hash"` for the SHA-256 algorithms and 32 random bytes (hex) per process for the
+xxhash ones, so their hashes are reproducible only with `PYTHONHASHSEED` set. KV events carry
+a hash as the low 64 bits of its big-endian value unless `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`
+is 0, when they carry the bytes.
+
+Extra keys (LoRA, multimodal, cache salt) are always None here: engined has none of them.
+Pickle is pinned at protocol 5, what `pickle.HIGHEST_PROTOCOL` is on every Python vLLM 0.33
+runs on; the CBOR encoder covers the types a block key holds (bytes, str, ints, None, tuples)
+in RFC 8949's canonical form, as `cbor2.dumps(canonical=True)` writes them.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import pickle
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import xxhash
+
+
+class HashAlgo(enum.StrEnum):
+    """vLLM 0.33's `PrefixCachingHashAlgo` choices."""
+
+    SHA256 = "sha256"
+    SHA256_CBOR = "sha256_cbor"
+    XXHASH = "xxhash"
+    XXHASH_CBOR = "xxhash_cbor"
+
+
+DEFAULT_HASH_ALGO: Final = HashAlgo.SHA256
+# vLLM's seed of NONE_HASH for the collision-resistant algorithms without PYTHONHASHSEED.
+DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
+_PICKLE_PROTOCOL: Final = 5
+_U64_MASK: Final = (1 << 64) - 1
+
+CborValue = bytes | str | int | None | tuple["CborValue", ...]
+
+
+def _head(major: int, value: int) -> bytes:
+    """A CBOR item head with the shortest argument (canonical form)."""
+    if value < 24:
+        return bytes([major << 5 | value])
+    for extra, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if value < 1 << (8 * size):
+            return bytes([major << 5 | extra]) + value.to_bytes(size, "big")
+    raise ValueError(f"CBOR argument {value} does not fit in 64 bits")
+
+
+def cbor_canonical(value: CborValue) -> bytes:
+    """RFC 8949 canonical CBOR of the values a block key holds."""
+    if value is None:
+        return b"\xf6"
+    if isinstance(value, bool):
+        raise TypeError("a block key holds no booleans")
+    if isinstance(value, int):
+        if value >= 0:
+            if value <= _U64_MASK:
+                return _head(0, value)
+            raw = value.to_bytes((value.bit_length() + 7) // 8, "big")
+            return b"\xc2" + _head(2, len(raw)) + raw
+        magnitude = -1 - value
+        if magnitude <= _U64_MASK:
+            return _head(1, magnitude)
+        raw = magnitude.to_bytes((magnitude.bit_length() + 7) // 8, "big")
+        return b"\xc3" + _head(2, len(raw)) + raw
+    if isinstance(value, bytes):
+        return _head(2, len(value)) + value
+    if isinstance(value, str):
+        encoded = value.encode()
+        return _head(3, len(encoded)) + encoded
+    return _head(4, len(value)) + b"".join(cbor_canonical(item) for item in value)
+
+
+def _pickled(value: object) -> bytes:
+    return pickle.dumps(value, protocol=_PICKLE_PROTOCOL)
+
+
+def _cbor(value: object) -> bytes:
+    assert isinstance(value, (bytes, str, int, tuple)) or value is None
+    return cbor_canonical(value)
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _serialiser(algo: HashAlgo) -> Callable[[object], bytes]:
+    return _cbor if algo in (HashAlgo.SHA256_CBOR, HashAlgo.XXHASH_CBOR) else _pickled
+
+
+def _digest(algo: HashAlgo) -> Callable[[bytes], bytes]:
+    return _sha256 if algo in (HashAlgo.SHA256, HashAlgo.SHA256_CBOR) else xxhash.xxh3_128_digest
+
+
+def is_collision_resistant(algo: HashAlgo) -> bool:
+    """vLLM derives NONE_HASH from a fixed seed only for these (SHA-256) algorithms."""
+    return algo in (HashAlgo.SHA256, HashAlgo.SHA256_CBOR)
+
+
+def none_hash(algo: HashAlgo, python_hash_seed: str | None) -> bytes:
+    """vLLM's NONE_HASH: the parent of every first block.
+
+    `python_hash_seed` is the process's `PYTHONHASHSEED` (None when unset). Unset, the xxhash
+    algorithms get a random seed, as vLLM does, so their hashes differ from run to run.
+    """
+    if python_hash_seed is not None:
+        seed = python_hash_seed
+    elif is_collision_resistant(algo):
+        seed = DEFAULT_NONE_HASH_SEED
+    else:
+        seed = secrets.token_bytes(32).hex()
+    return _digest(algo)(_serialiser(algo)(seed))
+
+
+class BlockHasher:
+    """`hash_block_tokens` of vLLM 0.33 for one algorithm and NONE_HASH (no extra keys)."""
+
+    __slots__ = ("_digest", "_none_hash", "_serialise")
+
+    def __init__(self, algo: HashAlgo, none_hash: bytes) -> None:
+        self._serialise = _serialiser(algo)
+        self._digest = _digest(algo)
+        self._none_hash = none_hash
+
+    def block_hash(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+        """The hash of a full block of `tokens` whose previous block hashed to `parent`."""
+        # vLLM tests `not parent_block_hash`: an empty parent is a first block too.
+        key = (parent or self._none_hash, tuple(tokens), None)
+        return self._digest(self._serialise(key))
+
+
+def event_block_hash(h: bytes, *, int_hashes: bool = True) -> int | bytes:
+    """A block hash as vLLM's KV events carry it (`maybe_convert_block_hash`).
+
+    `int_hashes` is `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` (vLLM's default 1): the hash's low 64
+    bits as an unsigned int; 0 keeps the bytes.
+    """
+    if not int_hashes:
+        return h
+    return int.from_bytes(h, "big") & _U64_MASK
