@@ -15,6 +15,8 @@ event of a long stream at once (`assert_clean`).
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import struct
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -75,6 +77,31 @@ def next_sequence_hash(parent: int, local: int) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent, local), seed=HASH_SEED)
 
 
+# vLLM 0.33's default block hash (sha256 over the pickled `(parent, tokens, extra_keys)`),
+# chained from NONE_HASH, with the low 64 bits as the event's int; written here from vLLM's
+# rules, independently of engined/core/vllm_hashing.py.
+VLLM_NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+
+
+def vllm_block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    key = (parent or VLLM_NONE_HASH, tuple(token_ids), None)
+    return hashlib.sha256(pickle.dumps(key, protocol=5)).digest()
+
+
+def vllm_event_hash(full: bytes) -> int:
+    return int.from_bytes(full, "big") & ((1 << 64) - 1)
+
+
+def vllm_sequence_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """vLLM's event hashes of every full block of `token_ids`."""
+    out: list[int] = []
+    parent: bytes | None = None
+    for i in range(len(token_ids) // block_size):
+        parent = vllm_block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(vllm_event_hash(parent))
+    return out
+
+
 def sequence_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Sequence hashes of the full blocks of a prompt, the router's block identities."""
     hashes: list[int] = []
@@ -124,7 +151,7 @@ class ReferenceIndexer:
         check_local_hashes: bool = True,
         check_chain: bool = True,
         lower_tier_edges: bool = False,
-        copies: bool = False,
+        vllm: bool = False,
     ) -> None:
         """`lower_tier_edges`: index the CPU and STORAGE media as Dynamo's `LowerTierIndexer`
         does, as continuation edges `(parent, local hash) -> block` that need no indexed
@@ -141,8 +168,11 @@ class ReferenceIndexer:
         self.lower_tier_edges = lower_tier_edges
         self.violations: list[Violation] = []
         self._trees: dict[_Key, dict[int, int | None]] = {}
-        self.copies = copies
-        # Extra copies of an indexed block, per tree (only with `copies`).
+        self.vllm = vllm
+        # vLLM's full (32-byte) hash of every block a checked Stored named, by event hash: the
+        # chain of a later block starts from its parent's.
+        self._vllm_full: dict[int, bytes] = {}
+        # Extra copies of an indexed block, per tree (only with `vllm`).
         self._copies: dict[_Key, Counter[int]] = {}
         self._last_event_id: dict[tuple[int, int], int] = {}
         self._ok: Counter[EventKind] = Counter()
@@ -240,7 +270,7 @@ class ReferenceIndexer:
             self._check_chain(event, worker_id, where)
 
         duplicates = [h for h in event.block_hashes if h in tree]
-        if duplicates and self.copies:
+        if duplicates and self.vllm:
             extra = self._copies.setdefault((worker_id, event.dp_rank, event.medium), Counter())
             prev_hash = parent
             for h in event.block_hashes:
@@ -262,7 +292,16 @@ class ReferenceIndexer:
             prev = h
         return True
 
+    def hashes_of(self, token_ids: Sequence[int]) -> list[int]:
+        """The event hashes of a prompt's full blocks, in this stream's hash family."""
+        if self.vllm:
+            return vllm_sequence_hashes(token_ids, self.block_size)
+        return sequence_hashes(token_ids, self.block_size)
+
     def _check_chain(self, event: BlockStored, worker_id: int, where: str) -> None:
+        if self.vllm:
+            self._check_vllm_chain(event, worker_id, where)
+            return
         prev = event.parent_hash
         for i, (block_hash, local) in enumerate(
             zip(event.block_hashes, event.local_hashes, strict=True)
@@ -278,6 +317,35 @@ class ReferenceIndexer:
                 )
                 return
             prev = block_hash
+
+    def _check_vllm_chain(self, event: BlockStored, worker_id: int, where: str) -> None:
+        """Each block's event hash is vLLM's hash of its tokens chained to its parent's."""
+        bs = self.block_size
+        parent: bytes | None = None
+        if event.parent_hash is not None:
+            known = self._vllm_full.get(event.parent_hash)
+            if known is None:
+                self._violate(
+                    "chain_mismatch",
+                    event,
+                    worker_id,
+                    f"{where}: parent {event.parent_hash} was never stored with its tokens",
+                )
+                return
+            parent = known
+        for i, block_hash in enumerate(event.block_hashes):
+            full = vllm_block_hash(parent, event.token_ids[i * bs : (i + 1) * bs])
+            if vllm_event_hash(full) != block_hash:
+                self._violate(
+                    "chain_mismatch",
+                    event,
+                    worker_id,
+                    f"{where}: block {i} hash {block_hash}, vLLM's chain gives "
+                    f"{vllm_event_hash(full)}",
+                )
+                return
+            self._vllm_full[block_hash] = full
+            parent = full
 
     def _apply_removed(self, event: BlockRemoved, worker_id: int) -> bool:
         """Apply one Removed; False when some hash was not indexed (the others are removed)."""
@@ -333,7 +401,7 @@ class ReferenceIndexer:
         Dynamo's lower-tier query continues from where the GPU match of that worker ends and
         counts consecutive blocks present in `medium`, each chained to the one before.
         """
-        hashes = sequence_hashes(token_ids, self.block_size)
+        hashes = self.hashes_of(token_ids)
         start = self.overlap(token_ids, worker_id, dp_rank)
         tree = self._trees.get((worker_id, dp_rank, medium), {})
         count = 0
@@ -358,7 +426,7 @@ class ReferenceIndexer:
         """Leading full blocks of a prompt that are indexed: the router's prefix-hit count."""
         tree = self._trees.get((worker_id, dp_rank, medium), {})
         count = 0
-        for h in sequence_hashes(token_ids, self.block_size):
+        for h in self.hashes_of(token_ids):
             if h not in tree:
                 break
             count += 1

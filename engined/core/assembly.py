@@ -32,6 +32,7 @@ from engined.core.prefix_hit import PrefixHit
 from engined.core.queued import QueuedLengths, TalliedState, waiting_class
 from engined.core.scheduling import Scheduler
 from engined.core.speculative import SpeculativeSampler
+from engined.core.vllm_hashing import BlockHasher, none_hash
 from engined.core.vocab import Vocabulary
 
 _UNBOUNDED = sys.maxsize
@@ -65,8 +66,10 @@ def assemble(
     worker_id: int,
     tiers: TierEngine | None,
     fast_paths: bool,
+    python_hash_seed: str | None,
 ) -> EngineParts:
     """The parts of a rank's engine from normalized `args` (see `Engine.__init__`)."""
+    algo = args.prefix_caching_hash_algo
     bs = args.block_size
     num_blocks = args.num_gpu_blocks
     max_num_seqs = args.max_num_seqs or _UNBOUNDED
@@ -98,6 +101,7 @@ def assemble(
             dp_rank=dp_rank,
             caching=args.enable_prefix_caching,
             max_model_len=policy.max_model_len,
+            hasher=BlockHasher(algo, none_hash(algo, python_hash_seed)),
         )
     else:
         kv = KvManager(

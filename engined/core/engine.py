@@ -85,12 +85,15 @@ class Engine:
         worker_id: int = 0,
         tiers: TierEngine | None = None,
         fast_paths: bool = True,
+        python_hash_seed: str | None = None,
     ) -> None:
         """Build the rank's engine from `args` (normalized here).
 
         `tiers` gives it a tier engine built elsewhere (tests); otherwise `args` build one
         when they ask for offload tiers (`OffloadConfig.from_args`). `fast_paths=False`
         turns the hand-inlined decode steps off (the equivalence test only).
+        `python_hash_seed` is the shell's `PYTHONHASHSEED`, from which vLLM semantics derive
+        NONE_HASH as vLLM does (engined/core/vllm_hashing.py): the core reads no environment.
 
         Raises:
             InvalidArgsError: `args` fail validation.
@@ -105,7 +108,12 @@ class Engine:
         self.block_size = args.block_size
         self.num_blocks = args.num_gpu_blocks
         self._parts = parts = assemble(
-            args, dp_rank=dp_rank, worker_id=worker_id, tiers=tiers, fast_paths=fast_paths
+            args,
+            dp_rank=dp_rank,
+            worker_id=worker_id,
+            tiers=tiers,
+            fast_paths=fast_paths,
+            python_hash_seed=python_hash_seed,
         )
         self.paged = isinstance(parts.kv, PagedKvManager)
         # vLLM keeps block 0 as its null block.

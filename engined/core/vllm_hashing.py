@@ -148,3 +148,8 @@ def event_block_hash(h: bytes, *, int_hashes: bool = True) -> int | bytes:
     if not int_hashes:
         return h
     return int.from_bytes(h, "big") & _U64_MASK
+
+
+def event_block_hash_int(h: bytes) -> int:
+    """`event_block_hash` in vLLM's default form (an int), typed as such for the KV path."""
+    return int.from_bytes(h, "big") & _U64_MASK

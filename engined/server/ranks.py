@@ -9,6 +9,7 @@ tell which process serves a rank.
 from __future__ import annotations
 
 import gc
+import os
 from typing import NamedTuple
 
 import zmq.asyncio
@@ -76,7 +77,12 @@ def build_rank(
         )
     else:
         fpm = NullFpmPublisher()
-    core = Engine(engine, dp_rank=rank, worker_id=rank)
+    core = Engine(
+        engine,
+        dp_rank=rank,
+        worker_id=rank,
+        python_hash_seed=os.environ.get("PYTHONHASHSEED"),
+    )
     loop = EngineLoop(
         core,
         kv=kv,

@@ -87,7 +87,7 @@ def test_every_workload_drains_with_clean_events(
     args, arrivals = workload
     core = Engine(args)
     # vLLM's pool caches twins of a recomputed block; the mocker's never repeats a store.
-    indexer = ReferenceIndexer(args.block_size, copies=core.paged)
+    indexer = ReferenceIndexer(args.block_size, vllm=core.paged)
     expected_tokens: dict[str, int] = {}
     emitted: dict[str, int] = {}
     finished: set[str] = set()

@@ -11,8 +11,13 @@ from typing import Any
 
 from engined.core.args import EngineArgs, Semantics
 from engined.core.engine import Engine
-from engined.core.hashing import block_hashes
 from engined.core.types import BlockRemoved, BlockStored, KvEvent
+from engined.core.vllm_hashing import (
+    DEFAULT_HASH_ALGO,
+    BlockHasher,
+    event_block_hash_int,
+    none_hash,
+)
 from tests.core.factories import make_args, rejected, request, submit
 
 
@@ -26,6 +31,17 @@ def paged_args(**overrides: Any) -> EngineArgs:
     }
     fields.update(overrides)
     return make_args(**fields)
+
+
+def vllm_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """The event hashes vLLM gives the full blocks of `tokens` (default algorithm)."""
+    hasher = BlockHasher(DEFAULT_HASH_ALGO, none_hash(DEFAULT_HASH_ALGO, None))
+    out: list[int] = []
+    parent: bytes | None = None
+    for i in range(len(tokens) // block_size):
+        parent = hasher.block_hash(parent, tokens[i * block_size : (i + 1) * block_size])
+        out.append(event_block_hash_int(parent))
+    return out
 
 
 def shape(events: list[KvEvent]) -> list[tuple[str, list[int], int | None]]:
@@ -71,11 +87,11 @@ def test_eviction_takes_the_least_recently_freed_block_tail_first_one_event_each
     first = list(range(8))
     submit(core, request("a", first, 1))
     stored_a = run(core)
-    h = block_hashes(first, 4).sequence
+    h = vllm_hashes(first, 4)
     assert shape(stored_a) == [("stored", h, None)]
     second = list(range(100, 123))
     submit(core, request("b", second, 1))
-    g = block_hashes(second, 4).sequence
+    g = vllm_hashes(second, 4)
     assert shape(run(core)) == [
         ("removed", [h[1]], None),
         ("removed", [h[0]], None),
@@ -89,7 +105,7 @@ def test_a_fully_cached_prompt_recomputes_its_last_block_in_a_twin() -> None:
     a Removed for each copy."""
     core = Engine(paged_args(num_gpu_blocks=7))
     prompt = list(range(8))
-    h = block_hashes(prompt, 4).sequence
+    h = vllm_hashes(prompt, 4)
     submit(core, request("a", prompt, 1))
     run(core)
     submit(core, request("b", prompt, 1))
@@ -107,7 +123,7 @@ def test_chunked_prefill_stores_a_block_once_all_its_tokens_are_scheduled() -> N
     block 1 with the second; the partial third block is never stored by the prompt."""
     core = Engine(paged_args(max_num_batched_tokens=6))
     prompt = list(range(10))
-    h = block_hashes(prompt, 4).sequence
+    h = vllm_hashes(prompt, 4)
     submit(core, request("a", prompt, 3))
     first = core.execute_pass(0.0)
     assert shape(first.kv_events) == [("stored", [h[0]], None)]

@@ -108,7 +108,7 @@ def check_kv_stream(stream: KvStream, block_size: int) -> ReferenceIndexer:
             assert event.block_size == block_size, event
             assert len(event.token_ids) == len(event.block_hashes) * block_size, event
     # The daemons run vLLM's semantics, whose pool caches twins (a recomputed last block).
-    indexer = ReferenceIndexer(block_size, copies=True)
+    indexer = ReferenceIndexer(block_size, vllm=True)
     indexer.apply(to_core_events(stream.batches))
     indexer.assert_clean()
     return indexer

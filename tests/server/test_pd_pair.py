@@ -101,7 +101,7 @@ class Streams:
         """Catch both streams up and feed them to one indexer, one worker id per daemon."""
         await self.prefill.catch_up()
         await self.decode.catch_up()
-        indexer = ReferenceIndexer(BLOCK_SIZE, copies=True)
+        indexer = ReferenceIndexer(BLOCK_SIZE, vllm=True)
         indexer.apply(to_core_events(self.prefill.batches), worker_id=PREFILL)
         indexer.apply(to_core_events(self.decode.batches), worker_id=DECODE)
         indexer.assert_clean()

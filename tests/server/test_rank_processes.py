@@ -316,7 +316,7 @@ def test_kv_event_streams_are_consistent_per_rank(tmp_path: Path) -> None:
                     tokens = prompt(i, 64)
                     gen = await client.generate(tokens, 4, dp_rank=i % 2, timeout=WAIT_S)
                     served.append((tokens, gen.dp_rank))
-                indexer = ReferenceIndexer(BLOCK_SIZE, copies=True)
+                indexer = ReferenceIndexer(BLOCK_SIZE, vllm=True)
                 for rank, stream in enumerate(streams):
                     await stream.catch_up()
                     assert stream.batches and stream.next_seq == len(stream.batches)

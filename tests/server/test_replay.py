@@ -200,7 +200,7 @@ async def session(daemon: DaemonProcess) -> AsyncIterator[tuple[zmq.asyncio.Cont
 
 
 def assert_clean_stream(payloads: Sequence[bytes]) -> ReferenceIndexer:
-    indexer = ReferenceIndexer(BLOCK_SIZE, copies=True)
+    indexer = ReferenceIndexer(BLOCK_SIZE, vllm=True)
     indexer.apply(to_core_events([decode_batch(p) for p in payloads]))
     indexer.assert_clean()
     return indexer
@@ -393,7 +393,7 @@ def test_vllm_array_format_carries_the_same_events(tmp_path: Path) -> None:
             assert event_content(map_event) == event_content(array_event)
             kinds.add(event_content(map_event)[0])
     assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
-    indexer = ReferenceIndexer(BLOCK_SIZE, copies=True)
+    indexer = ReferenceIndexer(BLOCK_SIZE, vllm=True)
     indexer.apply(to_core_events(array_batches))
     indexer.assert_clean()
 
@@ -448,7 +448,7 @@ def test_data_parallel_ranks_publish_separately(tmp_path: Path) -> None:
                 for stream in streams:
                     await stream.catch_up()
 
-                indexer = ReferenceIndexer(BLOCK_SIZE, copies=True)
+                indexer = ReferenceIndexer(BLOCK_SIZE, vllm=True)
                 for rank, stream in enumerate(streams):
                     assert stream.next_seq == len(stream.batches)
                     assert {b.data_parallel_rank for b in stream.batches} == {rank}

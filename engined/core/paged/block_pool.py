@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from engined.core.hashing import hash_of_key
 from engined.core.kv_event_log import KvEventLog
 
 NULL_BLOCK = 0
@@ -38,12 +37,14 @@ class PagedBlockPool:
         "_twins",
         "cached",
         "caching",
+        "event_hash_of",
         "key_of",
         "log",
         "num_blocks",
         "num_cached_free",
         "num_free",
         "refs",
+        "vllm_hash_of",
     )
 
     def __init__(self, num_blocks: int, *, caching: bool, log: KvEventLog) -> None:
@@ -66,6 +67,10 @@ class PagedBlockPool:
         self.refs = [0] * num_blocks
         self.refs[NULL_BLOCK] = 1
         self.key_of = [-1] * num_blocks
+        # What a cached block is to the outside: vLLM's hash of it (the next block's parent)
+        # and that hash as KV events carry it (engined/core/vllm_hashing.py).
+        self.vllm_hash_of: list[bytes] = [b""] * num_blocks
+        self.event_hash_of = [0] * num_blocks
         # Lineage key -> the first block cached under it; later twins in `_twins`, in order.
         self.cached: dict[int, int] = {}
         self._twins: dict[int, list[int]] = {}
@@ -119,7 +124,7 @@ class PagedBlockPool:
         key = self.key_of[block]
         self.key_of[block] = -1
         self._uncache(key, block)
-        self.log.removed([hash_of_key(key)])
+        self.log.removed([self.event_hash_of[block]])
 
     def _uncache(self, key: int, block: int) -> None:
         twins = self._twins.get(key)
@@ -133,9 +138,11 @@ class PagedBlockPool:
         if not twins:
             del self._twins[key]
 
-    def cache(self, block: int, key: int) -> None:
+    def cache(self, block: int, key: int, vllm_hash: bytes, event_hash: int) -> None:
         """Cache a held block just filled, under `key` (a twin when another block has it)."""
         self.key_of[block] = key
+        self.vllm_hash_of[block] = vllm_hash
+        self.event_hash_of[block] = event_hash
         if key in self.cached:
             self._twins.setdefault(key, []).append(block)
         else:

@@ -27,11 +27,13 @@ from engined.core.paged.block_pool import PagedBlockPool
 from engined.core.prefix_hit import PrefillCost
 from engined.core.sequence import BlockMove, Release, Sequence
 from engined.core.types import KvEvent, OffloadWait
+from engined.core.vllm_hashing import BlockHasher, event_block_hash_int
 
 
 class PagedKvManager:
     __slots__ = (
         "_drop_draft_block",
+        "_hasher",
         "_num_cached",
         "_reserved",
         "_tables",
@@ -50,12 +52,14 @@ class PagedKvManager:
         dp_rank: int,
         caching: bool,
         max_model_len: int,
+        hasher: BlockHasher,
         drop_draft_block: bool = False,
     ) -> None:
         self.block_size = block_size
         self.caching = caching
         self.max_model_len = max_model_len
         self._drop_draft_block = drop_draft_block
+        self._hasher = hasher
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=caching)
         self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log)
         # Each request's block table, and how many of its leading blocks are cached.
@@ -127,24 +131,34 @@ class PagedKvManager:
         return True
 
     def _cache_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
+        """Cache the blocks whose every token is scheduled: vLLM hashes each (chained to the
+        previous block's hash) and publishes them as one Stored."""
         bs = self.block_size
         done = self._num_cached.get(seq, 0)
         full = min(num_tokens, len(seq.hashes) * bs) // bs
         if done >= full:
             return
-        cache = self.pool.cache
+        pool = self.pool
+        vllm_hash_of = pool.vllm_hash_of
+        event_hash_of = pool.event_hash_of
+        block_hash = self._hasher.block_hash
+        tokens = seq.tokens
         keys = seq.keys
+        parent = vllm_hash_of[table[done - 1]] if done else None
+        stored: list[int] = []
         for i in range(done, full):
-            cache(table[i], keys[i])
+            h = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            ext = event_block_hash_int(h)
+            pool.cache(table[i], keys[i], h, ext)
+            stored.append(ext)
+            parent = h
         self._num_cached[seq] = full
-        if self.log.publish:
-            hashes = seq.hashes
-            self.log.stored_blocks(
-                hashes[done - 1] if done else None,
-                hashes[done:full],
-                seq.local[done:full],
-                seq.tokens[done * bs : full * bs].tolist(),
-            )
+        self.log.stored_blocks(
+            event_hash_of[table[done - 1]] if done else None,
+            stored,
+            seq.local[done:full],
+            tokens[done * bs : full * bs].tolist(),
+        )
 
     def free(self, seq: Sequence) -> None:
         table = self._tables.pop(seq, None)
