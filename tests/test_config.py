@@ -499,6 +499,7 @@ ISSUE_FLAGS = {
     "--excluded-token-ids": "engine.excluded_token_ids",
     "--prefix-hit-rule": "engine.prefix_hit_rule",
     "--semantics": "engine.semantics",
+    "--scheduler-reserve-full-isl": "engine.scheduler_reserve_full_isl",
     "--prefix-caching-hash-algo": "engine.prefix_caching_hash_algo",
     "--decode-speedup-ratio": "engine.decode_speedup_ratio",
     "--kv-transfer-timing-mode": "engine.kv_transfer_timing_mode",

@@ -235,6 +235,13 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "mocker-1.3.0: it computes nothing."
         ),
     ] = PrefixHitRule.VLLM
+    scheduler_reserve_full_isl: Annotated[
+        bool,
+        Meta(
+            description="vLLM semantics: admit a waiting request only when its whole known "
+            "sequence fits the free blocks, not just its first chunk (vLLM's default)."
+        ),
+    ] = True
     semantics: Annotated[
         Semantics,
         Meta(

@@ -98,9 +98,12 @@ class PagedKvManager:
         num_new_tokens: int,
         new_computed_blocks: list[int] | None = None,
         cache: bool = True,
+        full_sequence_must_fit: bool = False,
     ) -> bool:
         """Slots for `num_new_tokens` after `num_computed` (plus the hit, for a waiting
-        request); False, having changed nothing, when the free queue is too short."""
+        request); False, having changed nothing, when the free queue is too short, or, with
+        `full_sequence_must_fit` (vLLM's admission gate), when it could not hold the whole
+        known sequence."""
         bs = self.block_size
         pool = self.pool
         hit = new_computed_blocks or []
@@ -109,11 +112,15 @@ class PagedKvManager:
         table = self._tables.get(seq)
         held = len(table) if table is not None else 0
         refs = pool.refs
-        required = max(-(-need // bs) - held - len(hit), 0)
+        evictable = 0
         for block in hit:
             if refs[block] == 0:
-                required += 1
-        if required > pool.num_free:
+                evictable += 1
+        if full_sequence_must_fit:
+            whole = -(-min(len(seq.tokens), self.max_model_len) // bs)
+            if max(whole - held - len(hit), 0) + evictable > pool.num_free:
+                return False
+        if max(-(-need // bs) - held - len(hit), 0) + evictable > pool.num_free:
             return False
         if table is None:
             table = self._tables[seq] = []

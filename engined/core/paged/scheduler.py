@@ -7,8 +7,9 @@
    running step. A request with nothing to schedule is passed over.
 2. Waiting requests in queue order, only when nothing was preempted, while the budget and
    `max_num_seqs` allow: each looks up its prefix hit and is admitted if slots for its chunk
-   can be allocated; otherwise admission stops. Without chunked prefill a prompt that does
-   not fit the remaining budget stops admission too.
+   can be allocated and (`scheduler_reserve_full_isl`, vLLM's default) the free blocks could
+   hold its whole known sequence; otherwise admission stops. Without chunked prefill a prompt
+   that does not fit the remaining budget stops admission too.
 
 A fresh request that could never fit the pool is rejected (vLLM would hold it at the head of
 its queue forever). Everything the pass accumulates goes into its `PassContext`.
@@ -35,6 +36,7 @@ class PagedScheduler:
     __slots__ = (
         "_chunked",
         "_finisher",
+        "_full_isl",
         "_kv",
         "_max_model_len",
         "_max_num_seqs",
@@ -67,6 +69,7 @@ class PagedScheduler:
         self._max_num_seqs = max_num_seqs
         self._max_model_len = policy.max_model_len
         self._chunked = args.enable_chunked_prefill
+        self._full_isl = args.scheduler_reserve_full_isl
         self._speedup_ratio = args.speedup_ratio
         self._state = state
         self._kv = kv
@@ -178,7 +181,7 @@ class PagedScheduler:
             if not self._chunked and num_new > ctx.budget:
                 return
             num_new = min(num_new, ctx.budget)
-            if not kv.allocate_slots(seq, 0, num_new, hit):
+            if not kv.allocate_slots(seq, 0, num_new, hit, full_sequence_must_fit=self._full_isl):
                 return
             state.transition_to_running(request_id)
             if req.cached_prefix_tokens is None:
