@@ -499,6 +499,7 @@ ISSUE_FLAGS = {
     "--excluded-token-ids": "engine.excluded_token_ids",
     "--prefix-hit-rule": "engine.prefix_hit_rule",
     "--semantics": "engine.semantics",
+    "--scheduling-policy": "engine.scheduling_policy",
     "--scheduler-reserve-full-isl": "engine.scheduler_reserve_full_isl",
     "--prefix-caching-hash-algo": "engine.prefix_caching_hash_algo",
     "--decode-speedup-ratio": "engine.decode_speedup_ratio",
@@ -597,7 +598,9 @@ def test_switches_and_metavars() -> None:
         "--kv-events-connect",
         "--curve-publishers",
         "--api-key-metrics",
+        "--scheduler-reserve-full-isl",
     }
+    assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"
     assert by_name["--enable-prefix-caching"].negation == "--no-enable-prefix-caching"
     assert by_name["--engine-type"].metavar == "[vllm|trtllm]"
     assert by_name["--log-format"].metavar == "[auto|console|json]"

@@ -85,6 +85,7 @@ class EngineClient(Connection):
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
         seed: int | None = None,
+        priority: int = 0,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Submitted:
         """Submit a request; read its outputs with `outputs(reply.request_id)`.
@@ -93,7 +94,9 @@ class EngineClient(Connection):
         output can be missed; without one the daemon mints the id and outputs that beat the
         `submitted` reply are kept for `outputs()` all the same.
         """
-        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed)
+        request = _request(
+            token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed, priority
+        )
         msg = Submit(request=request, id=self._next_id())
         return await self._call_with_stream(msg, Submitted, request_id, timeout)
 
@@ -133,6 +136,7 @@ class EngineClient(Connection):
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
         seed: int | None = None,
+        priority: int = 0,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> AsyncIterator[OutputEntry]:
         """`submit` then `outputs`: the request's entries until its finished one."""
@@ -143,6 +147,7 @@ class EngineClient(Connection):
             output_token_ids=output_token_ids,
             dp_rank=dp_rank,
             seed=seed,
+            priority=priority,
             timeout=timeout,
         )
         async for entry in self.outputs(submitted.request_id, timeout=timeout):
@@ -157,6 +162,7 @@ class EngineClient(Connection):
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
         seed: int | None = None,
+        priority: int = 0,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Generation:
         """Submit and collect every output of the request."""
@@ -167,6 +173,7 @@ class EngineClient(Connection):
             output_token_ids=output_token_ids,
             dp_rank=dp_rank,
             seed=seed,
+            priority=priority,
             timeout=timeout,
         )
         return await self.collect(submitted, timeout=timeout)
@@ -227,10 +234,13 @@ class EngineClient(Connection):
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
         seed: int | None = None,
+        priority: int = 0,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Submitted:
         """Prefill on this (source) worker; `source_held` arrives as a lifecycle event."""
-        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed)
+        request = _request(
+            token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed, priority
+        )
         msg = SubmitHandoffPrefill(handoff_id=handoff_id, request=request, id=self._next_id())
         return await self._call_with_stream(msg, Submitted, request_id, timeout)
 
@@ -257,11 +267,14 @@ class EngineClient(Connection):
         output_token_ids: Sequence[int] | None = None,
         dp_rank: int | None = None,
         seed: int | None = None,
+        priority: int = 0,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> DestinationAccepted:
         """Reserve KV on this (destination) worker; `destination_reserved` follows as a
         lifecycle event, and the request's outputs stream after `activate_destination`."""
-        request = _request(token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed)
+        request = _request(
+            token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed, priority
+        )
         msg = ReserveDestination(handoff_id=handoff_id, request=request, id=self._next_id())
         return await self._call_with_stream(msg, DestinationAccepted, request_id, timeout)
 
@@ -392,6 +405,7 @@ def _request(
     output_token_ids: Sequence[int] | None,
     dp_rank: int | None,
     seed: int | None,
+    priority: int = 0,
 ) -> WireRequest:
     # NOTE: no validation here: the daemon is the one judge of a request, and tests send
     # invalid ones through these methods on purpose.
@@ -402,4 +416,5 @@ def _request(
         output_token_ids=None if output_token_ids is None else list(output_token_ids),
         dp_rank=dp_rank,
         seed=seed,
+        priority=priority,
     )

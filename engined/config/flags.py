@@ -82,6 +82,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--excluded-token-ids", "engine.excluded_token_ids"),
     Flag("--prefix-hit-rule", "engine.prefix_hit_rule"),
     Flag("--semantics", "engine.semantics"),
+    Flag("--scheduling-policy", "engine.scheduling_policy"),
     Flag("--scheduler-reserve-full-isl", "engine.scheduler_reserve_full_isl"),
     Flag("--prefix-caching-hash-algo", "engine.prefix_caching_hash_algo"),
     Flag("--perf-model", "engine.perf_model"),

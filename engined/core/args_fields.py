@@ -60,6 +60,15 @@ class Semantics(enum.StrEnum):
     MOCKER_1_3_0 = "mocker-1.3.0"
 
 
+class SchedulingPolicy(enum.StrEnum):
+    """vLLM's `--scheduling-policy` (vLLM semantics only)."""
+
+    FCFS = "fcfs"
+    # Waiting requests by (priority, arrival), lower first; the victim of a preemption is the
+    # running request with the greatest (priority, arrival).
+    PRIORITY = "priority"
+
+
 class TrtllmArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     capacity_scheduler_policy: str | None = None
 
@@ -235,6 +244,13 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "mocker-1.3.0: it computes nothing."
         ),
     ] = PrefixHitRule.VLLM
+    scheduling_policy: Annotated[
+        SchedulingPolicy,
+        Meta(
+            description="vLLM semantics: fcfs, or priority (waiting requests by their "
+            "priority, lower first; preemption takes the lowest-priority running one)."
+        ),
+    ] = SchedulingPolicy.FCFS
     scheduler_reserve_full_isl: Annotated[
         bool,
         Meta(

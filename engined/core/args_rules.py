@@ -26,6 +26,7 @@ from engined.core.args_fields import (
     EngineType,
     PreemptionMode,
     PrefixHitRule,
+    SchedulingPolicy,
     Semantics,
     WorkerType,
 )
@@ -59,6 +60,10 @@ ENUM_MESSAGES: dict[str, tuple[type[enum.StrEnum], str]] = {
     "prefix_hit_rule": (
         PrefixHitRule,
         "Invalid prefix_hit_rule '{}'. Must be 'vllm' or 'mocker-1.3.0'.",
+    ),
+    "scheduling_policy": (
+        SchedulingPolicy,
+        "Invalid scheduling_policy '{}'. Input should be 'fcfs' or 'priority'.",
     ),
     "semantics": (
         Semantics,

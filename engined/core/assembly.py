@@ -12,10 +12,11 @@ import random
 import sys
 from typing import NamedTuple
 
-from engined.core.args import EngineArgs, EngineType, PreemptionMode
+from engined.core.args import EngineArgs, EngineType, PreemptionMode, SchedulingPolicy
 from engined.core.capacity import CapacityGeneration
 from engined.core.commands import Commands
 from engined.core.emission import TokenEmitter
+from engined.core.errors import InvalidArgsError
 from engined.core.finish import Finisher
 from engined.core.handoff import HandoffBook
 from engined.core.intake import RequestIntake
@@ -85,6 +86,13 @@ def assemble(
         offload_config = OffloadConfig.from_args(args)
         tiers = TierEngine(offload_config) if offload_config is not None else None
     paged = tiers is None and args.runs_vllm_semantics()
+    by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
+    if by_priority and not paged:
+        raise InvalidArgsError(
+            "scheduling_policy=priority needs vLLM semantics (semantics = vllm, "
+            "engine_type = vllm, no MTP or offload tiers)",
+            key="scheduling_policy",
+        )
     if paged:
         # vLLM keeps block 0 as its null block: one usable block fewer.
         policy = policy_cls(
@@ -116,7 +124,9 @@ def assemble(
     # FPM's queued-request tallies, kept by the queues themselves (engined/core/queued.py).
     queued = QueuedLengths()
     book = HandoffBook(queued.decode)
-    state = TalliedState(waiting_class(queued, book.active.by_request.__contains__))
+    state = TalliedState(
+        waiting_class(queued, book.active.by_request.__contains__), priority=by_priority
+    )
     rng = random.Random(args.seed * 1_000_003 + dp_rank)
     vocab = Vocabulary(args.vocab_size, args.excluded_token_ids)
     intake = RequestIntake(
@@ -142,7 +152,12 @@ def assemble(
     parking = OnboardParking(state, kv, capacity)
     finisher = Finisher(state, kv, book, parking, capacity, args)
     preempter = Preempter(
-        state, kv, policy, capacity, lifo=args.preemption_mode is PreemptionMode.LIFO
+        state,
+        kv,
+        policy,
+        capacity,
+        lifo=args.preemption_mode is PreemptionMode.LIFO,
+        by_priority=by_priority,
     )
     scheduler: Scheduler | PagedScheduler
     if isinstance(kv, PagedKvManager):

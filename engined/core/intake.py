@@ -25,6 +25,7 @@ from engined.core.vocab import Vocabulary
 
 class RequestIntake:
     __slots__ = (
+        "_arrivals",
         "_block_size",
         "_caching",
         "_minted",
@@ -56,6 +57,8 @@ class RequestIntake:
         self._vocab = vocab
         self._partial_ids = itertools.count().__next__
         self._minted = itertools.count()
+        # Arrival order, vLLM's tie-break between equal priorities.
+        self._arrivals = itertools.count()
 
     def request_id(self, request: Request, taken: Callable[[str], bool]) -> str:
         """The request's own id, or the next minted one that `taken` does not claim."""
@@ -97,4 +100,7 @@ class RequestIntake:
             vocab=self._vocab,
             paged=self._paged,
         )
-        return RequestState(request_id, seq, status)
+        state = RequestState(request_id, seq, status)
+        state.priority = request.priority
+        state.arrival = next(self._arrivals)
+        return state

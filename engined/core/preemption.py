@@ -1,6 +1,7 @@
 """Preemption: a running request goes back to the front of the queue, its KV freed.
 
-The victim is the newest running request (LIFO, vLLM's default) or the oldest (FIFO). A
+The victim is the newest running request (LIFO, vLLM's default) or the oldest (FIFO); under
+`scheduling_policy = priority`, the running request with the greatest (priority, arrival). A
 request waiting on an offload is never the victim: its blocks free up by themselves. The
 TRT-LLM no-evict policy never preempts. A preempted request keeps its generated tokens and
 recomputes them when it is admitted again.
@@ -11,12 +12,16 @@ from __future__ import annotations
 from engined.core.capacity import CapacityGeneration
 from engined.core.kv_cache import KvCache
 from engined.core.policy import AdmissionPolicy
-from engined.core.state import SchedulerState
+from engined.core.state import RequestState, SchedulerState
 from engined.core.types import RequestStatus
 
 
+def _priority_key(req: RequestState) -> tuple[int, int]:
+    return (req.priority, req.arrival)
+
+
 class Preempter:
-    __slots__ = ("_capacity", "_kv", "_lifo", "_policy", "_state")
+    __slots__ = ("_by_priority", "_capacity", "_kv", "_lifo", "_policy", "_state")
 
     def __init__(
         self,
@@ -26,12 +31,14 @@ class Preempter:
         capacity: CapacityGeneration,
         *,
         lifo: bool,
+        by_priority: bool = False,
     ) -> None:
         self._state = state
         self._kv = kv
         self._policy = policy
         self._capacity = capacity
         self._lifo = lifo
+        self._by_priority = by_priority
 
     def preempt(self) -> str | None:
         """Evict one running request back to the front of the queue; its id, or None."""
@@ -41,7 +48,14 @@ class Preempter:
         kv = self._kv
         order = reversed(state.running) if self._lifo else iter(state.running)
         running = RequestStatus.RUNNING
-        if kv.offload is None:
+        if self._by_priority:
+            # vLLM's priority policy: the greatest (priority, arrival), wherever it runs.
+            req = max(
+                (r for r in state.running if r.status is running),
+                key=_priority_key,
+                default=None,
+            )
+        elif kv.offload is None:
             req = next((r for r in order if r.status is running), None)
         else:
             refresh = kv.refresh_offload_wait

@@ -77,8 +77,10 @@ class TalliedState(SchedulerState):
 
     __slots__ = ("_counted", "_queued_as")
 
-    def __init__(self, queued_as: Callable[[RequestState], QueuedAs | None]) -> None:
-        super().__init__()
+    def __init__(
+        self, queued_as: Callable[[RequestState], QueuedAs | None], *, priority: bool = False
+    ) -> None:
+        super().__init__(priority=priority)
         self._queued_as = queued_as
         self._counted: dict[str, QueuedAs] = {}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, KeysView
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ class RequestState:
     # The sequence length of its last one-token decode schedule: what the pass's FPM counts
     # for it (the request itself stands in `PassContext.scheduled`, so no int is boxed).
     scheduled_len: int = 0
+    # vLLM's request priority (lower first) and the order it arrived in: the waiting order
+    # and the preemption victim under `scheduling_policy = priority`.
+    priority: int = 0
+    arrival: int = 0
 
     def prompt_is_prebuilt(self) -> bool:
         """An activated destination: its prompt KV arrived by transfer, nothing to prefill."""
@@ -66,6 +71,7 @@ class SchedulerState:
     """
 
     __slots__ = (
+        "_heap",
         "_prebuilt",
         "_queue",
         "preemptions_total",
@@ -74,8 +80,12 @@ class SchedulerState:
         "running_members",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, *, priority: bool = False) -> None:
         self._queue: OrderedDict[str, None] = OrderedDict()
+        # Under `scheduling_policy = priority` the head is the least (priority, arrival) of
+        # the queue, as vLLM's PriorityRequestQueue orders requests (whose ties go to the
+        # earlier arrival). Entries of requests that left are dropped when they surface.
+        self._heap: list[tuple[int, int, str]] | None = [] if priority else None
         self._prebuilt: OrderedDict[str, None] = OrderedDict()
         # The running requests' records, in order: the pass walks them without a lookup per
         # request; `running_members` holds their ids.
@@ -96,14 +106,20 @@ class SchedulerState:
 
     def push_waiting(self, request_id: str) -> None:
         self._queue[request_id] = None
-        if self.requests[request_id].prompt_is_prebuilt():
+        req = self.requests[request_id]
+        if self._heap is not None:
+            heapq.heappush(self._heap, (req.priority, req.arrival, request_id))
+        if req.prompt_is_prebuilt():
             self._prebuilt[request_id] = None
 
     def prepend_waiting(self, request_id: str) -> None:
         queue = self._queue
         queue[request_id] = None
         queue.move_to_end(request_id, last=False)
-        if self.requests[request_id].prompt_is_prebuilt():
+        req = self.requests[request_id]
+        if self._heap is not None:
+            heapq.heappush(self._heap, (req.priority, req.arrival, request_id))
+        if req.prompt_is_prebuilt():
             prebuilt = self._prebuilt
             prebuilt[request_id] = None
             prebuilt.move_to_end(request_id, last=False)
@@ -117,7 +133,17 @@ class SchedulerState:
                 del prebuilt[request_id]
 
     def next_waiting(self, prefer_prebuilt: bool) -> str | None:
-        """The FIFO head; while destinations are pending, the first prebuilt request instead."""
+        """The head (FIFO, or by priority); while destinations are pending, the first prebuilt
+        request instead."""
+        heap = self._heap
+        if heap is not None and not prefer_prebuilt:
+            queue = self._queue
+            while heap:
+                request_id = heap[0][2]
+                if request_id in queue:
+                    return request_id
+                heapq.heappop(heap)
+            return None
         for request_id in self._prebuilt if prefer_prebuilt else self._queue:
             return request_id
         return None

@@ -84,6 +84,8 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     output_token_ids: list[int] | None = None
     seed: int | None = None
     stream_name: str | int | None = None
+    # vLLM's request priority: lower runs first under `scheduling_policy = priority`.
+    priority: int = 0
 
 
 # --- commands -------------------------------------------------------------------------------

@@ -46,6 +46,17 @@ RequestSeed = Annotated[
     ),
 ]
 
+# A request's scheduling priority, vLLM's `priority` (an int; lower is served first under
+# `scheduling_policy = priority`, ignored under fcfs).
+RequestPriority = Annotated[
+    int,
+    Meta(
+        ge=-(1 << 63),
+        le=(1 << 63) - 1,
+        description="Lower runs first under scheduling_policy = priority (vLLM's priority).",
+    ),
+]
+
 # A tokenizer's vocabulary size: generated ids are drawn from [0, vocab_size).
 VocabSize = Annotated[
     int, Meta(ge=1, le=U32_LIMIT, description="Generated ids are drawn from [0, vocab_size).")

@@ -46,6 +46,7 @@ def to_core_request(
         output_token_ids=request.output_token_ids,
         seed=request.seed,
         stream_name=stream_name,
+        priority=request.priority,
     )
 
 

@@ -22,6 +22,7 @@ from engined.wire.constraints import (
     NonNegativeInt,
     PromptTokenIds,
     RequestIdStr,
+    RequestPriority,
     RequestSeed,
     TokenId,
     VocabSize,
@@ -48,7 +49,8 @@ class WireRequest(
     `request_id` is minted by the core when absent; `output_token_ids`, when given, is the
     planned output and its length overrides `max_tokens` (0 = prefill only); `dp_rank` pins
     the rank, else the daemon picks one round-robin; `seed` keys the generated tokens as
-    vLLM's `SamplingParams.seed` does (engined/core/token_stream.py).
+    vLLM's `SamplingParams.seed` does (engined/core/token_stream.py); `priority` orders it
+    under `scheduling_policy = priority` as vLLM's request priority does (lower first).
     """
 
     request_id: RequestIdStr | None = None
@@ -57,6 +59,7 @@ class WireRequest(
     output_token_ids: list[TokenId] | None = None
     dp_rank: DpRank | None = None
     seed: RequestSeed | None = None
+    priority: RequestPriority = 0
 
 
 class ClientMessageBase(

@@ -93,12 +93,15 @@ def request(
     tokens: list[int] | range,
     max_tokens: int,
     output_token_ids: list[int] | None = None,
+    *,
+    priority: int = 0,
 ) -> Request:
     return Request(
         token_ids=list(tokens),
         max_tokens=max_tokens,
         request_id=request_id,
         output_token_ids=output_token_ids,
+        priority=priority,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engined.core.args import EngineArgs, Semantics
+from engined.core.args import EngineArgs, SchedulingPolicy, Semantics
 from engined.core.engine import Engine
 from engined.core.types import BlockRemoved, BlockStored, KvEvent
 from engined.core.vllm_hashing import (
@@ -147,3 +147,28 @@ def test_a_pass_that_preempts_admits_nobody_and_slots_come_at_schedule_time() ->
     assert core.metrics().preemptions_total == 1
     assert core.queues().running == ["a"]
     assert core.queues().waiting == ["b", "c"]
+
+
+def test_priority_admits_the_lowest_priority_value_and_preempts_the_highest() -> None:
+    """`scheduling_policy = priority`: waiting requests by (priority, arrival), lower first;
+    when a running request cannot grow, the running request of greatest (priority, arrival)
+    is preempted, wherever it stands, and the walk goes on."""
+    core = Engine(
+        paged_args(
+            scheduling_policy=SchedulingPolicy.PRIORITY,
+            num_gpu_blocks=5,
+            enable_prefix_caching=False,
+            max_num_seqs=2,
+        )
+    )
+    submit(core, request("low", range(8), 4, priority=5))
+    submit(core, request("high", range(100, 108), 4, priority=-1))
+    submit(core, request("mid", range(200, 208), 4, priority=0))
+    first = core.execute_pass(0.0)
+    assert [a.request_id for a in first.admissions] == ["high", "mid"]
+    # Both hold 2 of the 4 usable blocks and need a third for their 9th token: "mid" (the
+    # greater priority value) is preempted, and "high" grows.
+    second = core.execute_pass(first.end_ms)
+    assert second.admissions == []
+    assert core.queues().running == ["high"]
+    assert sorted(core.queues().waiting) == ["low", "mid"]

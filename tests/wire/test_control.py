@@ -27,6 +27,8 @@ CLIENT_MESSAGES: list[control.ClientMessage] = [
     control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1)),
     control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1, seed=-(2**63))),
     control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1, seed=2**63 - 1)),
+    control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1, priority=-(2**63))),
+    control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1, priority=7)),
     control.Cancel(id=-3, request_id="r-1"),
     control.SubmitHandoffPrefill(handoff_id="h-1", request=REQUEST),
     control.ReleaseSource(handoff_id="h-1"),
@@ -232,6 +234,16 @@ BAD_MESSAGE_CASES = [
         r"Expected `int \| null`, got `bool` - at `\$\.request\.seed`",
         id="seed-bool",
     ),
+    pytest.param(
+        _submit(priority="1"),
+        r"Expected `int`, got `str` - at `\$\.request\.priority`",
+        id="priority-str",
+    ),
+    pytest.param(
+        _submit(priority=None),
+        r"Expected `int`, got `None` - at `\$\.request\.priority`",
+        id="priority-null",
+    ),
     pytest.param(b"\xc1\x00", "Not a MessagePack message", id="random-bytes"),
     pytest.param(b"\x82\xa4type", "Not a MessagePack message.*truncated", id="truncated"),
     pytest.param(encode({"type": "ping"}) + b"\x00", "trailing characters", id="trailing-bytes"),
@@ -353,6 +365,11 @@ INVALID_REQUEST_CASES = [
         _submit(seed=2**63),
         r"Expected `int` <= 9223372036854775807 - at `\$\.request\.seed`",
         id="seed-over-int64",
+    ),
+    pytest.param(
+        _submit(priority=2**63),
+        r"Expected `int` <= 9223372036854775807 - at `\$\.request\.priority`",
+        id="priority-over-int64",
     ),
     pytest.param(
         _submit(seed=2**64 - 1),

@@ -3,13 +3,16 @@
 1. Running requests in order, each taking what it lacks of its known tokens, capped by the
    budget and by `max_model_len - 1` past what it computed. Its slots are allocated now
    (`allocate_slots`); when they cannot be, the last running request is preempted (vLLM's
-   FCFS), until the allocation succeeds or the request preempted itself, which ends the
-   running step. A request with nothing to schedule is passed over.
-2. Waiting requests in queue order, only when nothing was preempted, while the budget and
-   `max_num_seqs` allow: each looks up its prefix hit and is admitted if slots for its chunk
-   can be allocated and (`scheduler_reserve_full_isl`, vLLM's default) the free blocks could
-   hold its whole known sequence; otherwise admission stops. Without chunked prefill a prompt
-   that does not fit the remaining budget stops admission too.
+   FCFS; under `scheduling_policy = priority` the one of greatest (priority, arrival)),
+   until the allocation succeeds or the request preempted itself, which ends the running
+   step (under priority, the walk goes on with the next). A request with nothing to
+   schedule is passed over.
+2. Waiting requests in queue order (FCFS, or by (priority, arrival)), only when nothing was
+   preempted, while the budget and `max_num_seqs` allow: each looks up its prefix hit and is
+   admitted if slots for its chunk can be allocated and (`scheduler_reserve_full_isl`,
+   vLLM's default) the free blocks could hold its whole known sequence; otherwise admission
+   stops. Without chunked prefill a prompt that does not fit the remaining budget stops
+   admission too.
 
 A fresh request that could never fit the pool is rejected (vLLM would hold it at the head of
 its queue forever). Everything the pass accumulates goes into its `PassContext`.
@@ -17,7 +20,7 @@ its queue forever). Everything the pass accumulates goes into its `PassContext`.
 
 from __future__ import annotations
 
-from engined.core.args import EngineArgs
+from engined.core.args import EngineArgs, SchedulingPolicy
 from engined.core.finish import Finisher
 from engined.core.fpm import ScheduledWork
 from engined.core.handoff import PendingDestinations
@@ -34,6 +37,7 @@ _new = tuple.__new__
 
 class PagedScheduler:
     __slots__ = (
+        "_by_priority",
         "_chunked",
         "_finisher",
         "_full_isl",
@@ -70,6 +74,7 @@ class PagedScheduler:
         self._max_model_len = policy.max_model_len
         self._chunked = args.enable_chunked_prefill
         self._full_isl = args.scheduler_reserve_full_isl
+        self._by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
         self._speedup_ratio = args.speedup_ratio
         self._state = state
         self._kv = kv
@@ -129,18 +134,25 @@ class PagedScheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            preempted_itself = False
+            preempted = preempted_itself = False
             while not kv.allocate_slots(seq, computed, num_new):
                 victim = self._preempter.preempt()
                 if victim is None:
                     return
-                ctx.preempted_any = True
+                ctx.preempted_any = preempted = True
                 self._undo_scheduled(ctx, victim)
                 if victim == req.request_id:
                     preempted_itself = True
                     break
             if preempted_itself:
-                return
+                if not self._by_priority:
+                    return
+                # Under priority the requests after it rank higher and may still fit; the
+                # next one now stands at `i`.
+                continue
+            if preempted and self._by_priority:
+                # The victim may have run before it: find the request's place again.
+                i = running.index(req)
             self._record(ctx, req, computed, num_new)
             i += 1
 
