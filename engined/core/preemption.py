@@ -16,7 +16,7 @@ from engined.core.types import RequestStatus
 
 
 class Preempter:
-    __slots__ = ("_capacity", "_kv", "_lifo", "_policy", "_state")
+    __slots__ = ("_capacity", "_kv", "_lifo", "_policy", "_state", "victims")
 
     def __init__(
         self,
@@ -32,6 +32,8 @@ class Preempter:
         self._policy = policy
         self._capacity = capacity
         self._lifo = lifo
+        # The victims in order, kept only when a recording engine sets a list (`PassTrace`).
+        self.victims: list[str] | None = None
 
     def preempt(self) -> str | None:
         """Evict one running request back to the front of the queue; its id, or None."""
@@ -62,4 +64,6 @@ class Preempter:
         self._capacity.bump()
         ok = kv.apply_all(moves)
         assert ok, "preemption cleanup must be infallible"
+        if self.victims is not None:
+            self.victims.append(victim)
         return victim
