@@ -192,14 +192,11 @@ class VllmRun:
         return tokens[position] if position < len(tokens) else fallback_token(request_id, position)
 
     def run(self) -> Trace:
-        from vllm.v1.outputs import ModelRunnerOutput
-
         scenario: Scenario = self.job.scenario
         arrivals = scenario.arrivals()
         last_arrival = max(arrivals, default=-1)
         scheduler = self.scheduler
         trace = Trace(scenario=scenario.name)
-        generated: dict[str, list[int]] = {}
         index = 0
         while index <= last_arrival or scheduler.get_num_unfinished_requests():
             if index >= MAX_STEPS:
@@ -207,55 +204,55 @@ class VllmRun:
                 break
             for request in arrivals.get(index, []):
                 scheduler.add_request(self._request(request.id, request.prompt, request.max_tokens))
-            waiting_before = {
-                rid for rid, req in scheduler.requests.items() if req.status.name != "RUNNING"
-            }
-            self.preempted = []
-            output = scheduler.schedule()
-            step = Step(index=index)
-            new_computed = {
-                new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs
-            }
-            cached = output.scheduled_cached_reqs
-            for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
-                new_computed[rid] = computed
-            req_ids: list[str] = []
-            sampled: list[list[int]] = []
-            for rid, count in output.num_scheduled_tokens.items():
-                computed = new_computed[rid]
-                step.scheduled.append(Scheduled(rid, computed, count))
-                if rid in waiting_before:
-                    step.admitted.append(Admitted(rid, computed))
-                request = scheduler.requests[rid]
-                req_ids.append(rid)
-                if request.num_computed_tokens >= request.num_tokens:
-                    position = len(request.output_token_ids)
-                    token = self._token(rid, position)
-                    sampled.append([token])
-                else:
-                    sampled.append([])
-            step.preempted = list(self.preempted)
-            runner_output = ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-            )
-            outputs = scheduler.update_from_output(output, runner_output)
-            for client_outputs in outputs.values():
-                for out in client_outputs.outputs:
-                    generated.setdefault(out.request_id, []).extend(out.new_token_ids)
-                    stats = out.prefill_stats
-                    if stats is not None:
-                        step.cached.append(CachedReport(out.request_id, stats.num_cached_tokens))
-                    if out.finish_reason is not None:
-                        step.finished.append(out.request_id)
-            step.running, step.waiting = scheduler.get_request_counts()
-            step.events = self.recorder.events
-            self.recorder.events = []
-            trace.steps.append(step)
+            trace.steps.append(self._step(index, trace.output_tokens))
             index += 1
-        trace.output_tokens = generated
         return trace
+
+    def _step(self, index: int, generated: dict[str, list[int]]) -> Step:
+        """One `EngineCore.step()` with fabricated model output; `generated` gains the
+        step's output tokens."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        scheduler = self.scheduler
+        waiting_before = {
+            rid for rid, req in scheduler.requests.items() if req.status.name != "RUNNING"
+        }
+        self.preempted = []
+        output = scheduler.schedule()
+        step = Step(index=index, preempted=self.preempted)
+        computed_before = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        computed_before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        sampled: list[list[int]] = []
+        for rid, count in output.num_scheduled_tokens.items():
+            computed = computed_before[rid]
+            step.scheduled.append(Scheduled(rid, computed, count))
+            if rid in waiting_before:
+                step.admitted.append(Admitted(rid, computed))
+            request = scheduler.requests[rid]
+            caught_up = request.num_computed_tokens >= request.num_tokens
+            position = len(request.output_token_ids)
+            sampled.append([self._token(rid, position)] if caught_up else [])
+        req_ids = list(output.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        outputs = scheduler.update_from_output(output, runner_output)
+        for client_outputs in outputs.values():
+            for out in client_outputs.outputs:
+                generated.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.prefill_stats is not None:
+                    step.cached.append(
+                        CachedReport(out.request_id, out.prefill_stats.num_cached_tokens)
+                    )
+                if out.finish_reason is not None:
+                    step.finished.append(out.request_id)
+        step.running, step.waiting = scheduler.get_request_counts()
+        step.events = self.recorder.events
+        self.recorder.events = []
+        return step
 
 
 def run_jobs(jobs: list[VllmJob]) -> list[Trace]:
