@@ -86,12 +86,14 @@ class Engine:
         tiers: TierEngine | None = None,
         fast_paths: bool = True,
         python_hash_seed: str | None = None,
+        record: bool = False,
     ) -> None:
         """Build the rank's engine from `args` (normalized here).
 
         `tiers` gives it a tier engine built elsewhere (tests); otherwise `args` build one
         when they ask for offload tiers (`OffloadConfig.from_args`). `fast_paths=False`
-        turns the hand-inlined decode steps off (the equivalence test only).
+        turns the hand-inlined decode steps off (the equivalence test only); `record=True`
+        gives each `PassResult` its `trace` (the parity harness only).
         `python_hash_seed` is the shell's `PYTHONHASHSEED`, from which vLLM semantics derive
         NONE_HASH as vLLM does (engined/core/vllm_hashing.py): the core reads no environment.
 
@@ -126,6 +128,7 @@ class Engine:
         self._scheduler = parts.scheduler
         self._emitter = parts.emitter
         self._commands = parts.commands
+        parts.preempter.victims = [] if record else None
 
     @property
     def parts(self) -> EngineParts:
@@ -151,12 +154,13 @@ class Engine:
         destination. The result's `end_ms` is the step's modeled end (`now_ms` when it did
         nothing that takes time, or the next tier deadline when it could only wait)."""
         before = self.metrics()
-        ctx = PassContext(now_ms, self._scheduler.max_batched_tokens)
+        ctx = PassContext(now_ms, self._scheduler.max_batched_tokens, self._parts.preempter.victims)
         tiers = self._kv.offload
         if tiers is not None:
             self._parking.advance(now_ms)
         scheduler = self._scheduler
         scheduler.schedule(ctx)
+        ctx.read_shares(self._state.requests)
         prefill_ms = scheduler.prefill_ms(ctx)
         decode_ms = self._emitter.emit(ctx)
         outputs = ctx.outputs
@@ -208,6 +212,7 @@ class Engine:
             ctx.cache_hits,
             ctx.output_tokens,
             ctx.decode_forwards,
+            ctx.trace(),
         )
 
     # --- offload tiers ------------------------------------------------------------------

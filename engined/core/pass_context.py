@@ -7,6 +7,7 @@ the engine turns it into the pass's `PassResult`.
 from __future__ import annotations
 
 from engined.core.fpm import ScheduledWork
+from engined.core.pass_trace import PassTrace, ScheduledTokens
 from engined.core.state import RequestState
 from engined.core.types import (
     Admission,
@@ -38,9 +39,11 @@ class PassContext:
         "rejected",
         "scheduled",
         "scheduled_ids",
+        "shares",
+        "victims",
     )
 
-    def __init__(self, now_ms: float, budget: int) -> None:
+    def __init__(self, now_ms: float, budget: int, victims: list[str] | None = None) -> None:
         self.now_ms = now_ms
         # Tokens this pass may still schedule.
         self.budget = budget
@@ -76,8 +79,34 @@ class PassContext:
         # MTP acceptance figures: visible output tokens, decode forwards.
         self.output_tokens = 0
         self.decode_forwards = 0
+        # Recording (`PassTrace`): the preempter's victim list, and the shares read from it.
+        self.victims = victims
+        self.shares: list[ScheduledTokens] = []
 
     def add_output(self, output: RequestOutput) -> None:
         """Every output but a plain decode step goes here, so emission order is kept."""
         self.outputs.append(output)
         self.decoded_before.append(len(self.decoded_ids))
+
+    def read_shares(self, requests: dict[str, RequestState]) -> None:
+        """When recording, each scheduled request's share, read before emission changes the
+        requests: a decode by its `scheduled_len`, other work by its new computed count."""
+        if self.victims is None:
+            return
+        shares = self.shares
+        for request_id, work in zip(self.scheduled_ids, self.scheduled, strict=True):
+            if isinstance(work, RequestState):
+                shares.append(ScheduledTokens(request_id, work.scheduled_len - 1, 1))
+            else:
+                new = work.total_tokens
+                computed = requests[request_id].num_computed_tokens - new
+                shares.append(ScheduledTokens(request_id, computed, new))
+
+    def trace(self) -> PassTrace | None:
+        """The pass's `PassTrace` when recording (taking the victims), else None."""
+        victims = self.victims
+        if victims is None:
+            return None
+        taken = victims[:]
+        victims.clear()
+        return PassTrace(self.shares, taken)

@@ -21,7 +21,7 @@ def _priority_key(req: RequestState) -> tuple[int, int]:
 
 
 class Preempter:
-    __slots__ = ("_by_priority", "_capacity", "_kv", "_lifo", "_policy", "_state")
+    __slots__ = ("_by_priority", "_capacity", "_kv", "_lifo", "_policy", "_state", "victims")
 
     def __init__(
         self,
@@ -39,6 +39,8 @@ class Preempter:
         self._capacity = capacity
         self._lifo = lifo
         self._by_priority = by_priority
+        # The victims in order, kept only when a recording engine sets a list (`PassTrace`).
+        self.victims: list[str] | None = None
 
     def preempt(self) -> str | None:
         """Evict one running request back to the front of the queue; its id, or None."""
@@ -76,4 +78,6 @@ class Preempter:
         self._capacity.bump()
         ok = kv.apply_all(moves)
         assert ok, "preemption cleanup must be infallible"
+        if self.victims is not None:
+            self.victims.append(victim)
         return victim

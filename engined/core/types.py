@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import msgspec
 
+from engined.core.pass_trace import PassTrace
+
 RequestId = str
 HandoffId = str
 
@@ -481,6 +483,8 @@ class PassResult(msgspec.Struct, frozen=True):
     # MTP acceptance: visible output tokens and the decode forwards that produced them.
     accept_length_output_tokens: int = 0
     accept_length_decode_forwards: int = 0
+    # Set only by an engine built with `record=True` (engined/core/pass_trace.py).
+    trace: PassTrace | None = None
 
     def request_outputs(self) -> list[RequestOutput]:
         """Every request's output of this pass, `outputs` and `decodes` in emission order.

@@ -1,0 +1,127 @@
+"""engined's `Engine` on the parity scenarios, in the trace format of `parity.trace`.
+
+One pass is one step. Arrivals are submitted before the pass of their step, and passes run
+back to back, `now_ms` advancing to each pass's `end_ms` (engined's pacing and speedup do not
+matter here). engined draws its own output tokens, so it runs first: its tokens, by request
+and position, are what the vLLM side samples.
+"""
+
+from __future__ import annotations
+
+from engined.core.args import EngineArgs
+from engined.core.engine import Engine
+from engined.core.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    PassResult,
+    Request,
+    Submit,
+)
+from parity.scenario import Scenario
+from parity.trace import (
+    Admitted,
+    CachedReport,
+    Cleared,
+    Removed,
+    Scheduled,
+    Step,
+    Stored,
+    Trace,
+)
+from parity.trace import KvEvent as TraceEvent
+
+# As the vLLM side: a side still busy after this many steps has livelocked.
+MAX_STEPS = 20_000
+
+
+def engine_args(scenario: Scenario) -> EngineArgs:
+    """The `EngineArgs` equivalent to the scenario's vLLM configuration."""
+    config = scenario.config
+    return EngineArgs(
+        block_size=config.block_size,
+        num_gpu_blocks=config.num_gpu_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        enable_prefix_caching=config.enable_prefix_caching,
+        seed=config.seed,
+    )
+
+
+def _hash_str(value: int | None) -> str | None:
+    return None if value is None else str(value)
+
+
+def trace_events(events: list[KvEvent]) -> list[TraceEvent]:
+    """engined's KV events in the trace's terms: a grouped removal is one `Removed` per hash."""
+    out: list[TraceEvent] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            out.append(
+                Stored(
+                    [str(h) for h in event.block_hashes],
+                    _hash_str(event.parent_hash),
+                    list(event.token_ids),
+                    event.block_size,
+                )
+            )
+        elif isinstance(event, BlockRemoved):
+            out.extend(Removed(str(h)) for h in event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            out.append(Cleared())
+    return out
+
+
+def _step(index: int, result: PassResult) -> Step:
+    assert result.trace is not None
+    step = Step(index=index)
+    step.scheduled = [Scheduled(s.request_id, s.computed, s.new) for s in result.trace.scheduled]
+    shares = {s.request_id: s.computed for s in step.scheduled}
+    step.admitted = [Admitted(a.request_id, shares[a.request_id]) for a in result.admissions]
+    step.preempted = list(result.trace.preempted)
+    for output in result.request_outputs():
+        if output.cached_tokens is not None:
+            step.cached.append(CachedReport(output.request_id, output.cached_tokens))
+        if output.finish_reason is not None:
+            step.finished.append(output.request_id)
+    step.running = result.metrics.running
+    step.waiting = result.metrics.waiting
+    step.events = trace_events(result.kv_events)
+    return step
+
+
+def run(scenario: Scenario) -> Trace:
+    """The scenario through a fresh engine; the trace carries the tokens it generated."""
+    engine = Engine(engine_args(scenario), record=True)
+    arrivals = scenario.arrivals()
+    last_arrival = max(arrivals, default=-1)
+    trace = Trace(scenario=scenario.name)
+    generated: dict[str, list[int]] = {}
+    now_ms = 0.0
+    index = 0
+    while index <= last_arrival or not engine.is_empty():
+        if index >= MAX_STEPS:
+            trace.error = f"still busy after {MAX_STEPS} steps"
+            break
+        arrived: list[TraceEvent] = []
+        for request in arrivals.get(index, []):
+            submitted = Request(
+                token_ids=list(request.prompt),
+                max_tokens=request.max_tokens,
+                request_id=request.id,
+            )
+            effects = engine.apply(Submit(submitted), now_ms=now_ms)
+            arrived += trace_events(effects.kv_events)
+        result = engine.execute_pass(now_ms)
+        for output in result.request_outputs():
+            generated.setdefault(output.request_id, []).extend(output.new_token_ids)
+        step = _step(index, result)
+        step.events = arrived + step.events
+        trace.steps.append(step)
+        now_ms = max(result.end_ms, now_ms)
+        index += 1
+    trace.output_tokens = generated
+    return trace

@@ -1,0 +1,64 @@
+"""What both sides run: an engine configuration and a request stream, in steps.
+
+Plain msgspec Structs over the stdlib, so the vLLM side (which cannot import engined) reads
+the same definitions the engined side does.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    """The settings both schedulers get. `num_gpu_blocks` is the same number on both sides:
+    vLLM keeps one of them as its null block, which is one of the differences to find."""
+
+    block_size: int = 16
+    num_gpu_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+
+class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One request, submitted before the step `arrival` (0-based) is scheduled."""
+
+    id: str
+    arrival: int
+    prompt: list[int]
+    max_tokens: int
+
+
+class Scenario(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    config: Config
+    requests: list[ScenarioRequest]
+    # One line for the parity table.
+    description: str = ""
+
+    def arrivals(self) -> dict[int, list[ScenarioRequest]]:
+        """The requests by arrival step, each step's in scenario order."""
+        by_step: dict[int, list[ScenarioRequest]] = {}
+        for request in self.requests:
+            by_step.setdefault(request.arrival, []).append(request)
+        return by_step
+
+
+class VllmJob(msgspec.Struct, frozen=True, kw_only=True):
+    """A scenario for the vLLM side, with the output tokens engined drew for each request by
+    position: vLLM samples nothing, so it is given the same tokens (they feed block hashes
+    and the events' token ids)."""
+
+    scenario: Scenario
+    output_tokens: dict[str, list[int]]
+    # Compare raw block hashes too (once engined computes vLLM's); recorded either way.
+    hash_algo: str = "sha256"
+
+
+def fallback_token(request_id: str, position: int) -> int:
+    """The token for a position engined never produced (a side generating longer than the
+    other): deterministic, so a rerun gives the same trace."""
+    return (sum(request_id.encode()) * 31 + position) % 32000 + 1

@@ -1,0 +1,195 @@
+"""The parity scenarios (issue 25): generated deterministically, so the table reproduces.
+
+Every random choice comes from a `random.Random` seeded by the scenario's own seed. Token
+ids stay below 32000 (the tiny Llama's vocabulary) and differ between unrelated prompts, so
+prefix hits happen only where a scenario shares a prefix on purpose.
+"""
+
+from __future__ import annotations
+
+import random
+
+from parity.scenario import Config, Scenario, ScenarioRequest
+
+VOCAB = 32000
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def chunked_prompt() -> Scenario:
+    return Scenario(
+        name="chunked-300",
+        description="one 300-token prompt chunked at budget 64, 8 tokens out",
+        config=Config(num_gpu_blocks=64, max_num_batched_tokens=64, max_num_seqs=64),
+        requests=[ScenarioRequest(id="r0", arrival=0, prompt=list(range(1, 301)), max_tokens=8)],
+    )
+
+
+def shared_prefix(*, staggered: bool, caching: bool = True) -> Scenario:
+    rng = random.Random(8)
+    prefix = _tokens(rng, 64)
+    requests = [
+        ScenarioRequest(
+            id=f"s{i}",
+            arrival=2 * i if staggered else 0,
+            prompt=prefix + _tokens(rng, 32),
+            max_tokens=8,
+        )
+        for i in range(8)
+    ]
+    name = "shared-prefix-" + ("staggered" if staggered else "burst")
+    when = "every 2 steps" if staggered else "at one step"
+    if not caching:
+        name += "-nocache"
+    return Scenario(
+        name=name,
+        description=f"8 requests sharing a 64-token prefix {when}"
+        + ("" if caching else ", prefix caching off"),
+        config=Config(
+            num_gpu_blocks=128,
+            max_num_batched_tokens=256,
+            max_num_seqs=64,
+            enable_prefix_caching=caching,
+        ),
+        requests=requests,
+    )
+
+
+def pressure() -> Scenario:
+    rng = random.Random(12)
+    return Scenario(
+        name="pressure",
+        description="12 x (64 prompt + 48 out) in 24 blocks: preemption and re-admission",
+        config=Config(num_gpu_blocks=24, max_num_batched_tokens=8192, max_num_seqs=256),
+        requests=[
+            ScenarioRequest(id=f"p{i}", arrival=0, prompt=_tokens(rng, 64), max_tokens=48)
+            for i in range(12)
+        ],
+    )
+
+
+def repeated_prompts(length: int = 100) -> Scenario:
+    """A 96-token prompt is whole blocks: fully cached, its last token is recomputed."""
+    rng = random.Random(5)
+    prompt = _tokens(rng, length)
+    return Scenario(
+        name="repeated-prompts" + ("-whole-blocks" if length % 16 == 0 else ""),
+        description=f"one {length}-token prompt sent 8 times, 5 steps apart (the prefix-hit rule)",
+        config=Config(num_gpu_blocks=64, max_num_batched_tokens=128, max_num_seqs=16),
+        requests=[
+            ScenarioRequest(id=f"x{i}", arrival=5 * i, prompt=list(prompt), max_tokens=4)
+            for i in range(8)
+        ],
+    )
+
+
+def random_mix(
+    seed: int,
+    *,
+    num_blocks: int,
+    budget: int,
+    count: int = 200,
+    block_size: int = 16,
+    max_num_seqs: int = 64,
+) -> Scenario:
+    """`count` requests over 8 shared prefixes (16-128 tokens) with their own suffixes,
+    arriving over about `count / 2` steps."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, rng.randrange(16, 129)) for _ in range(8)]
+    requests = []
+    for i in range(count):
+        shared = rng.random() < 0.8
+        prompt = (rng.choice(prefixes) if shared else []) + _tokens(rng, rng.randrange(1, 97))
+        requests.append(
+            ScenarioRequest(
+                id=f"m{i}",
+                arrival=rng.randrange(0, count // 2),
+                prompt=prompt,
+                max_tokens=rng.randrange(1, 65),
+            )
+        )
+    requests.sort(key=lambda r: r.arrival)
+    return Scenario(
+        name=f"random-s{seed}-b{num_blocks}-t{budget}-bs{block_size}",
+        description=(
+            f"{count} random requests, shared prefixes; {num_blocks} blocks of {block_size}, "
+            f"budget {budget}, seed {seed}"
+        ),
+        config=Config(
+            block_size=block_size,
+            num_gpu_blocks=num_blocks,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+        ),
+        requests=requests,
+    )
+
+
+def max_num_seqs_limit() -> Scenario:
+    rng = random.Random(4)
+    return Scenario(
+        name="max-num-seqs",
+        description="10 requests at once, max_num_seqs 4",
+        config=Config(num_gpu_blocks=128, max_num_batched_tokens=256, max_num_seqs=4),
+        requests=[
+            ScenarioRequest(id=f"q{i}", arrival=0, prompt=_tokens(rng, 40), max_tokens=12)
+            for i in range(10)
+        ],
+    )
+
+
+def max_model_len_limit() -> Scenario:
+    rng = random.Random(6)
+    return Scenario(
+        name="max-model-len",
+        description="prompts of 100 asking 64 tokens under max_model_len 128",
+        config=Config(
+            num_gpu_blocks=64, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=128
+        ),
+        requests=[
+            ScenarioRequest(id=f"l{i}", arrival=i, prompt=_tokens(rng, 100), max_tokens=64)
+            for i in range(4)
+        ],
+    )
+
+
+def no_chunked_prefill() -> Scenario:
+    rng = random.Random(9)
+    return Scenario(
+        name="no-chunked-prefill",
+        description="chunked prefill off: 6 prompts of 150-400 tokens at budget 512",
+        config=Config(
+            num_gpu_blocks=128,
+            max_num_batched_tokens=512,
+            max_num_seqs=16,
+            max_model_len=512,
+            enable_chunked_prefill=False,
+        ),
+        requests=[
+            ScenarioRequest(
+                id=f"n{i}", arrival=i, prompt=_tokens(rng, rng.randrange(150, 401)), max_tokens=6
+            )
+            for i in range(6)
+        ],
+    )
+
+
+def all_scenarios() -> list[Scenario]:
+    return [
+        chunked_prompt(),
+        shared_prefix(staggered=False),
+        shared_prefix(staggered=True),
+        shared_prefix(staggered=False, caching=False),
+        pressure(),
+        repeated_prompts(),
+        repeated_prompts(96),
+        max_num_seqs_limit(),
+        max_model_len_limit(),
+        no_chunked_prefill(),
+        random_mix(1, num_blocks=160, budget=256),
+        random_mix(2, num_blocks=64, budget=256),
+        random_mix(3, num_blocks=96, budget=128),
+        random_mix(4, num_blocks=48, budget=512, block_size=32),
+    ]

@@ -1,0 +1,140 @@
+"""The one trace format both sides produce, and the canonical identity of KV blocks.
+
+A trace is one `Step` per `schedule()` (vLLM) or pass (engined), in order. Block hashes
+differ between the two today (engined xxh3, vLLM sha256), so blocks are compared by what
+they are: the full token prefix a block closes, derived from the stored events' parent chain
+and token ids (`canonical_events`). Raw hashes stay in the trace for the strict comparison.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+import msgspec
+
+
+class Scheduled(msgspec.Struct, frozen=True, array_like=True):
+    """A scheduled request: its computed tokens before this step, the tokens it schedules."""
+
+    request_id: str
+    computed: int
+    new: int
+
+
+class Admitted(msgspec.Struct, frozen=True, array_like=True):
+    """A waiting -> running transition; `computed` its computed tokens then (the prefix hit)."""
+
+    request_id: str
+    computed: int
+
+
+class CachedReport(msgspec.Struct, frozen=True, array_like=True):
+    """The `cached_tokens` an output reported."""
+
+    request_id: str
+    cached_tokens: int
+
+
+class Stored(msgspec.Struct, frozen=True, tag="stored"):
+    block_hashes: list[str]
+    parent: str | None
+    token_ids: list[int]
+    block_size: int
+
+
+class Removed(msgspec.Struct, frozen=True, tag="removed"):
+    """One evicted block (a grouped removal is split into one per hash, in order)."""
+
+    block_hash: str
+
+
+class Cleared(msgspec.Struct, frozen=True, tag="cleared"):
+    pass
+
+
+KvEvent = Stored | Removed | Cleared
+
+
+class Step(msgspec.Struct, kw_only=True):
+    index: int
+    scheduled: list[Scheduled] = []
+    admitted: list[Admitted] = []
+    cached: list[CachedReport] = []
+    preempted: list[str] = []
+    finished: list[str] = []
+    running: int = 0
+    waiting: int = 0
+    events: list[KvEvent] = []
+
+
+class Trace(msgspec.Struct, kw_only=True):
+    scenario: str
+    steps: list[Step] = []
+    # Set when the side failed mid-run; the steps before the failure are kept.
+    error: str | None = None
+    # Each request's generated tokens by position (engined's, handed to vLLM).
+    output_tokens: dict[str, list[int]] = {}
+
+
+class CanonicalBlock(msgspec.Struct, frozen=True, array_like=True):
+    """A stored or removed block by identity: the length of the token prefix it closes and
+    a digest of that prefix; `parent` likewise for the block before it (None at the root)."""
+
+    kind: str
+    identity: str
+    parent: str | None = None
+
+
+def prefix_identity(tokens: list[int]) -> str:
+    """`len:digest` of a token prefix: equal prefixes, equal identities."""
+    digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8).hexdigest()
+    return f"{len(tokens)}:{digest}"
+
+
+class Canonicalizer:
+    """Follows one side's events in order, mapping each raw hash to the token prefix it
+    closes. A removal or parent of a hash never stored is named `unknown:<hash>`."""
+
+    __slots__ = ("_prefixes",)
+
+    def __init__(self) -> None:
+        self._prefixes: dict[str, list[int]] = {}
+
+    def step(self, events: list[KvEvent]) -> list[CanonicalBlock]:
+        blocks: list[CanonicalBlock] = []
+        prefixes = self._prefixes
+        for event in events:
+            if isinstance(event, Stored):
+                parent_prefix: list[int] | None = []
+                parent_id: str | None = None
+                if event.parent is not None:
+                    parent_prefix = prefixes.get(event.parent)
+                    parent_id = (
+                        prefix_identity(parent_prefix)
+                        if parent_prefix is not None
+                        else f"unknown:{event.parent}"
+                    )
+                prefix = list(parent_prefix or [])
+                size = event.block_size
+                for i, block_hash in enumerate(event.block_hashes):
+                    prefix = prefix + event.token_ids[i * size : (i + 1) * size]
+                    prefixes[block_hash] = prefix
+                    identity = prefix_identity(prefix)
+                    blocks.append(CanonicalBlock("stored", identity, parent_id))
+                    parent_id = identity
+            elif isinstance(event, Removed):
+                known = prefixes.get(event.block_hash)
+                identity = (
+                    prefix_identity(known) if known is not None else f"unknown:{event.block_hash}"
+                )
+                blocks.append(CanonicalBlock("removed", identity))
+            else:
+                blocks.append(CanonicalBlock("cleared", ""))
+        return blocks
+
+
+def canonical_events(trace: Trace) -> list[list[CanonicalBlock]]:
+    """Every step's events of `trace` by canonical identity."""
+    canonicalizer = Canonicalizer()
+    return [canonicalizer.step(step.events) for step in trace.steps]

@@ -1,0 +1,282 @@
+"""vLLM 0.33's real v1 `Scheduler` on the parity scenarios; runs INSIDE the vLLM venv.
+
+Reads a msgpack list of `VllmJob` on stdin and writes a msgpack list of `Trace` on stdout,
+one vLLM import for every scenario (the import alone takes 15-100 s). It may import only
+vllm, torch, msgspec, the stdlib and the engined-free `parity.scenario`/`parity.trace`.
+
+One step is what `EngineCore.step()` does without a model: add the requests arriving at it,
+`schedule()`, a `ModelRunnerOutput` with one sampled token for every scheduled request that
+has caught up with its tokens (none for a partial prefill chunk), `update_from_output()`.
+The sampled token is engined's token for that request at that output position. Preemptions
+are recorded by wrapping the scheduler's `_preempt_request`, in call order; KV events by a
+recorder in place of the (null) publisher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import msgspec
+
+from parity.scenario import Config, Scenario, VllmJob, fallback_token
+from parity.trace import (
+    Admitted,
+    CachedReport,
+    Cleared,
+    KvEvent,
+    Removed,
+    Scheduled,
+    Step,
+    Stored,
+    Trace,
+)
+
+# Enough steps for any scenario here; a side still busy after them has livelocked.
+MAX_STEPS = 20_000
+
+# A tiny Llama: the scheduler reads only lengths and limits from the model config.
+_TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 1,
+    "vocab_size": 32000,
+    "max_position_embeddings": 1 << 20,
+    "torch_dtype": "float32",
+}
+
+
+def _hash_str(block_hash: Any) -> str:
+    return block_hash.hex() if isinstance(block_hash, bytes) else str(block_hash)
+
+
+class _Recorder:
+    """Stands in for the scheduler's KV event publisher: keeps the events of a step."""
+
+    def __init__(self) -> None:
+        self.events: list[KvEvent] = []
+
+    def publish(self, batch: Any) -> None:
+        for event in batch.events:
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                parent = event.parent_block_hash
+                self.events.append(
+                    Stored(
+                        [_hash_str(h) for h in event.block_hashes],
+                        None if parent is None else _hash_str(parent),
+                        list(event.token_ids),
+                        event.block_size,
+                    )
+                )
+            elif kind == "BlockRemoved":
+                self.events.extend(Removed(_hash_str(h)) for h in event.block_hashes)
+            elif kind == "AllBlocksCleared":
+                self.events.append(Cleared())
+            else:
+                raise TypeError(f"unexpected KV event {kind}")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class VllmRun:
+    """One scenario through a fresh scheduler (fresh block pool, fresh hashes)."""
+
+    def __init__(self, job: VllmJob, model_dir: str) -> None:
+        import torch
+        from vllm.config import (
+            CacheConfig,
+            KVEventsConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.job = job
+        config: Config = job.scenario.config
+        model_config = ModelConfig(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            dtype="float32",
+        )
+        cache_config = CacheConfig(
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefix_caching_hash_algo=job.hash_algo,
+        )
+        cache_config.num_gpu_blocks = config.num_gpu_blocks
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            is_encoder_decoder=False,
+        )
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        )
+        spec = FullAttentionSpec(
+            block_size=config.block_size, num_kv_heads=1, head_size=16, dtype=torch.float32
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=config.num_gpu_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        )
+        self.scheduler = Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=config.block_size,
+            log_stats=True,
+        )
+        self.recorder = _Recorder()
+        self.scheduler.kv_event_publisher = self.recorder
+        self.preempted: list[str] = []
+        wrapped = self.scheduler._preempt_request
+
+        def preempt(request: Any, *args: Any, **kwargs: Any) -> None:
+            self.preempted.append(request.request_id)
+            wrapped(request, *args, **kwargs)
+
+        self.scheduler._preempt_request = preempt
+        self.hasher: Callable[[Any], Any] | None = None
+        if config.enable_prefix_caching:
+            hash_fn = get_hash_fn_by_name(job.hash_algo)
+            init_none_hash(hash_fn)
+            self.hasher = get_request_block_hasher(config.block_size, hash_fn, 0)
+
+    def _request(self, request_id: str, prompt: list[int], max_tokens: int) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=0.0,
+            block_hasher=self.hasher,
+        )
+
+    def _token(self, request_id: str, position: int) -> int:
+        tokens = self.job.output_tokens.get(request_id, [])
+        return tokens[position] if position < len(tokens) else fallback_token(request_id, position)
+
+    def run(self) -> Trace:
+        scenario: Scenario = self.job.scenario
+        arrivals = scenario.arrivals()
+        last_arrival = max(arrivals, default=-1)
+        scheduler = self.scheduler
+        trace = Trace(scenario=scenario.name)
+        index = 0
+        while index <= last_arrival or scheduler.get_num_unfinished_requests():
+            if index >= MAX_STEPS:
+                trace.error = f"still busy after {MAX_STEPS} steps"
+                break
+            for request in arrivals.get(index, []):
+                scheduler.add_request(self._request(request.id, request.prompt, request.max_tokens))
+            trace.steps.append(self._step(index, trace.output_tokens))
+            index += 1
+        return trace
+
+    def _step(self, index: int, generated: dict[str, list[int]]) -> Step:
+        """One `EngineCore.step()` with fabricated model output; `generated` gains the
+        step's output tokens."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        scheduler = self.scheduler
+        waiting_before = {
+            rid for rid, req in scheduler.requests.items() if req.status.name != "RUNNING"
+        }
+        self.preempted = []
+        output = scheduler.schedule()
+        step = Step(index=index, preempted=self.preempted)
+        computed_before = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        computed_before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        sampled: list[list[int]] = []
+        for rid, count in output.num_scheduled_tokens.items():
+            computed = computed_before[rid]
+            step.scheduled.append(Scheduled(rid, computed, count))
+            if rid in waiting_before:
+                step.admitted.append(Admitted(rid, computed))
+            request = scheduler.requests[rid]
+            caught_up = request.num_computed_tokens >= request.num_tokens
+            position = len(request.output_token_ids)
+            sampled.append([self._token(rid, position)] if caught_up else [])
+        req_ids = list(output.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        outputs = scheduler.update_from_output(output, runner_output)
+        for client_outputs in outputs.values():
+            for out in client_outputs.outputs:
+                generated.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.prefill_stats is not None:
+                    step.cached.append(
+                        CachedReport(out.request_id, out.prefill_stats.num_cached_tokens)
+                    )
+                if out.finish_reason is not None:
+                    step.finished.append(out.request_id)
+        step.running, step.waiting = scheduler.get_request_counts()
+        step.events = self.recorder.events
+        self.recorder.events = []
+        return step
+
+
+def run_jobs(jobs: list[VllmJob]) -> list[Trace]:
+    with tempfile.TemporaryDirectory(prefix="parity-llama-") as model_dir:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(_TINY_LLAMA, f)
+        traces = []
+        for job in jobs:
+            try:
+                traces.append(VllmRun(job, model_dir).run())
+            except Exception:
+                traces.append(Trace(scenario=job.scenario.name, error=traceback.format_exc()))
+        return traces
+
+
+def main() -> None:
+    jobs = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=list[VllmJob])
+    # vLLM logs to stdout: the traces get the real one, everything else goes to stderr.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    traces = run_jobs(jobs)
+    out.write(msgspec.msgpack.encode(traces))
+    out.flush()
+
+
+if __name__ == "__main__":
+    main()
