@@ -1,4 +1,4 @@
-"""`python -m parity [--vllm-python P] [--scenario NAME...] [--write-table FILE] [--raw-hashes]`.
+"""`python -m parity [--vllm-python P] [--scenario NAME...] [--write-table FILE] [--no-raw-hashes]`.
 
 Prints one verdict line per scenario (`name: 12/12 steps equal`) and, for each, its first
 divergence in detail; `--write-table` writes the markdown table of docs/parity.md.
@@ -40,7 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", help="the vLLM venv's interpreter")
     parser.add_argument("--scenario", action="append", default=[], help="run only these")
     parser.add_argument("--write-table", metavar="FILE", help="write the parity table")
-    parser.add_argument("--raw-hashes", action="store_true", help="compare raw block hashes too")
+    parser.add_argument(
+        "--raw-hashes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare the raw block hashes too (the default; --no-raw-hashes compares blocks "
+        "by the token prefix they close only)",
+    )
     args = parser.parse_args(argv)
     scenarios = all_scenarios()
     known = {s.name for s in scenarios}

@@ -8,7 +8,9 @@ and position, are what the vLLM side samples.
 
 from __future__ import annotations
 
-from engined.core.args import EngineArgs
+import os
+
+from engined.core.args import EngineArgs, SchedulingPolicy
 from engined.core.engine import Engine
 from engined.core.types import (
     AllBlocksCleared,
@@ -19,6 +21,7 @@ from engined.core.types import (
     Request,
     Submit,
 )
+from engined.core.vllm_hashing import HashAlgo
 from parity.scenario import Scenario
 from parity.trace import (
     Admitted,
@@ -48,6 +51,9 @@ def engine_args(scenario: Scenario) -> EngineArgs:
         enable_chunked_prefill=config.enable_chunked_prefill,
         enable_prefix_caching=config.enable_prefix_caching,
         seed=config.seed,
+        scheduling_policy=SchedulingPolicy(config.scheduling_policy),
+        scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
+        prefix_caching_hash_algo=HashAlgo(config.prefix_caching_hash_algo),
     )
 
 
@@ -95,7 +101,10 @@ def _step(index: int, result: PassResult) -> Step:
 
 def run(scenario: Scenario) -> Trace:
     """The scenario through a fresh engine; the trace carries the tokens it generated."""
-    engine = Engine(engine_args(scenario), record=True)
+    # The vLLM side inherits this environment: both derive NONE_HASH from the same seed.
+    engine = Engine(
+        engine_args(scenario), record=True, python_hash_seed=os.environ.get("PYTHONHASHSEED")
+    )
     arrivals = scenario.arrivals()
     last_arrival = max(arrivals, default=-1)
     trace = Trace(scenario=scenario.name)
@@ -112,6 +121,7 @@ def run(scenario: Scenario) -> Trace:
                 token_ids=list(request.prompt),
                 max_tokens=request.max_tokens,
                 request_id=request.id,
+                priority=request.priority,
             )
             effects = engine.apply(Submit(submitted), now_ms=now_ms)
             arrived += trace_events(effects.kv_events)

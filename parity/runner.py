@@ -63,7 +63,7 @@ def run_vllm(jobs: list[VllmJob], python: Path) -> list[Trace]:
 
 
 def run_scenarios(
-    scenarios: list[Scenario], python: Path, *, raw_hashes: bool = False
+    scenarios: list[Scenario], python: Path, *, raw_hashes: bool = True
 ) -> list[Verdict]:
     """engined first (its tokens feed vLLM), then every scenario through vLLM, compared."""
     engined = [engined_side.run(scenario) for scenario in scenarios]

@@ -21,6 +21,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
+    # vLLM's --scheduling-policy, --scheduler-reserve-full-isl, --prefix-caching-hash-algo.
+    scheduling_policy: str = "fcfs"
+    scheduler_reserve_full_isl: bool = True
+    prefix_caching_hash_algo: str = "sha256"
 
 
 class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +34,8 @@ class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
     arrival: int
     prompt: list[int]
     max_tokens: int
+    # vLLM's request priority (lower first under the priority policy).
+    priority: int = 0
 
 
 class Scenario(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,8 +60,6 @@ class VllmJob(msgspec.Struct, frozen=True, kw_only=True):
 
     scenario: Scenario
     output_tokens: dict[str, list[int]]
-    # Compare raw block hashes too (once engined computes vLLM's); recorded either way.
-    hash_algo: str = "sha256"
 
 
 def fallback_token(request_id: str, position: int) -> int:

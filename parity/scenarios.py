@@ -93,9 +93,14 @@ def random_mix(
     count: int = 200,
     block_size: int = 16,
     max_num_seqs: int = 64,
+    policy: str = "fcfs",
+    full_isl: bool = True,
+    caching: bool = True,
+    hash_algo: str = "sha256",
 ) -> Scenario:
     """`count` requests over 8 shared prefixes (16-128 tokens) with their own suffixes,
-    arriving over about `count / 2` steps."""
+    arriving over about `count / 2` steps; under the priority policy each has a priority in
+    0-3. The name says every setting that is not the default."""
     rng = random.Random(seed)
     prefixes = [_tokens(rng, rng.randrange(16, 129)) for _ in range(8)]
     requests = []
@@ -108,22 +113,62 @@ def random_mix(
                 arrival=rng.randrange(0, count // 2),
                 prompt=prompt,
                 max_tokens=rng.randrange(1, 65),
+                priority=rng.randrange(4) if policy == "priority" else 0,
             )
         )
     requests.sort(key=lambda r: r.arrival)
+    extras = [
+        label
+        for label, on in (
+            (policy, policy != "fcfs"),
+            ("no-full-isl", not full_isl),
+            ("nocache", not caching),
+            (hash_algo, hash_algo != "sha256"),
+        )
+        if on
+    ]
     return Scenario(
-        name=f"random-s{seed}-b{num_blocks}-t{budget}-bs{block_size}",
+        name="-".join([f"random-s{seed}-b{num_blocks}-t{budget}-bs{block_size}", *extras]),
         description=(
             f"{count} random requests, shared prefixes; {num_blocks} blocks of {block_size}, "
-            f"budget {budget}, seed {seed}"
+            f"budget {budget}, seed {seed}" + "".join(f"; {label}" for label in extras)
         ),
         config=Config(
             block_size=block_size,
             num_gpu_blocks=num_blocks,
             max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs,
+            scheduling_policy=policy,
+            scheduler_reserve_full_isl=full_isl,
+            enable_prefix_caching=caching,
+            prefix_caching_hash_algo=hash_algo,
         ),
         requests=requests,
+    )
+
+
+def priority_pressure() -> Scenario:
+    """The pressure scenario under the priority policy, priorities 0-3 at random."""
+    rng = random.Random(13)
+    return Scenario(
+        name="pressure-priority",
+        description="12 x (64 prompt + 48 out) in 24 blocks, priority policy, priorities 0-3",
+        config=Config(
+            num_gpu_blocks=24,
+            max_num_batched_tokens=8192,
+            max_num_seqs=256,
+            scheduling_policy="priority",
+        ),
+        requests=[
+            ScenarioRequest(
+                id=f"q{i}",
+                arrival=i // 3,
+                prompt=_tokens(rng, 64),
+                max_tokens=48,
+                priority=rng.randrange(4),
+            )
+            for i in range(12)
+        ],
     )
 
 
@@ -192,4 +237,10 @@ def all_scenarios() -> list[Scenario]:
         random_mix(2, num_blocks=64, budget=256),
         random_mix(3, num_blocks=96, budget=128),
         random_mix(4, num_blocks=48, budget=512, block_size=32),
+        priority_pressure(),
+        random_mix(5, num_blocks=64, budget=256, policy="priority"),
+        random_mix(6, num_blocks=96, budget=128, block_size=32, policy="priority"),
+        random_mix(7, num_blocks=64, budget=256, full_isl=False),
+        random_mix(8, num_blocks=80, budget=192, caching=False),
+        random_mix(9, num_blocks=96, budget=256, hash_algo="sha256_cbor"),
     ]

@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import msgspec
 
-from parity.scenario import Config, Scenario, VllmJob, fallback_token
+from parity.scenario import Config, Scenario, ScenarioRequest, VllmJob, fallback_token
 from parity.trace import (
     Admitted,
     CachedReport,
@@ -126,7 +126,7 @@ class VllmRun:
         cache_config = CacheConfig(
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            prefix_caching_hash_algo=job.hash_algo,
+            prefix_caching_hash_algo=config.prefix_caching_hash_algo,
         )
         cache_config.num_gpu_blocks = config.num_gpu_blocks
         scheduler_config = SchedulerConfig(
@@ -135,6 +135,8 @@ class VllmRun:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             is_encoder_decoder=False,
+            policy=config.scheduling_policy,
+            scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
         )
         vllm_config = VllmConfig(
             model_config=model_config,
@@ -167,24 +169,29 @@ class VllmRun:
             wrapped(request, *args, **kwargs)
 
         self.scheduler._preempt_request = preempt
+        self.arrivals = 0
         self.hasher: Callable[[Any], Any] | None = None
         if config.enable_prefix_caching:
-            hash_fn = get_hash_fn_by_name(job.hash_algo)
+            hash_fn = get_hash_fn_by_name(config.prefix_caching_hash_algo)
             init_none_hash(hash_fn)
             self.hasher = get_request_block_hasher(config.block_size, hash_fn, 0)
 
-    def _request(self, request_id: str, prompt: list[int], max_tokens: int) -> Any:
+    def _request(self, request: ScenarioRequest) -> Any:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+        # Arrival times increase as the frontend's clock would: the priority policy's
+        # tie-break between equal priorities.
+        self.arrivals += 1
         return Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt),
+            request_id=request.id,
+            prompt_token_ids=list(request.prompt),
             sampling_params=params,
             pooling_params=None,
-            arrival_time=0.0,
+            arrival_time=float(self.arrivals),
             block_hasher=self.hasher,
+            priority=request.priority,
         )
 
     def _token(self, request_id: str, position: int) -> int:
@@ -203,7 +210,7 @@ class VllmRun:
                 trace.error = f"still busy after {MAX_STEPS} steps"
                 break
             for request in arrivals.get(index, []):
-                scheduler.add_request(self._request(request.id, request.prompt, request.max_tokens))
+                scheduler.add_request(self._request(request))
             trace.steps.append(self._step(index, trace.output_tokens))
             index += 1
         return trace
