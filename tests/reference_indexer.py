@@ -174,6 +174,11 @@ class ReferenceIndexer:
         self._vllm_full: dict[int, bytes] = {}
         # Extra copies of an indexed block, per tree (only with `vllm`).
         self._copies: dict[_Key, Counter[int]] = {}
+        # Dynamo's router keeps no copy count: the first Removed of a block with copies left
+        # drops it from the router, which the engine still caches (`router_gone`), and the
+        # last one is a removal of a block the router no longer has (`router_misses`).
+        self._router_gone: dict[_Key, set[int]] = {}
+        self.router_misses = 0
         self._last_event_id: dict[tuple[int, int], int] = {}
         self._ok: Counter[EventKind] = Counter()
 
@@ -193,6 +198,7 @@ class ReferenceIndexer:
                 for key in [k for k in self._trees if k[0] == worker_id and k[1] == event.dp_rank]:
                     del self._trees[key]
                     self._copies.pop(key, None)
+                    self._router_gone.pop(key, None)
                 self._ok["cleared"] += 1
             else:
                 raise TypeError(f"not a KV event: {event!r}")
@@ -286,9 +292,12 @@ class ReferenceIndexer:
                 f"{where}: already indexed: {duplicates}",
             )
         prev = parent
+        gone = self._router_gone.get((worker_id, event.dp_rank, event.medium))
         for h in event.block_hashes:
             if h not in tree:
                 tree[h] = prev
+            if gone:
+                gone.discard(h)
             prev = h
         return True
 
@@ -356,12 +365,20 @@ class ReferenceIndexer:
         key = (worker_id, event.dp_rank, event.medium)
         tree = self._trees.get(key, {})
         extra = self._copies.get(key, Counter())
+        gone = self._router_gone.setdefault(key, set())
         missing: list[int] = []
         for h in event.block_hashes:
             if extra[h] > 0:
                 extra[h] -= 1
+                if h in gone:
+                    self.router_misses += 1
+                else:
+                    gone.add(h)
             elif h in tree:
                 del tree[h]
+                if h in gone:
+                    gone.discard(h)
+                    self.router_misses += 1
             else:
                 missing.append(h)
         if missing:
@@ -415,6 +432,52 @@ class ReferenceIndexer:
 
     def blocks(self, worker_id: int = 0, dp_rank: int = 0, medium: Medium = Medium.GPU) -> set[int]:
         return set(self._trees.get((worker_id, dp_rank, medium), ()))
+
+    def router_blocks(
+        self, worker_id: int = 0, dp_rank: int = 0, medium: Medium = Medium.GPU
+    ) -> set[int]:
+        """`blocks` as Dynamo's router indexes them: without the blocks whose first copy's
+        Removed it applied while another copy stays cached (vLLM's twins), nor, as its radix
+        tree drops a removed node's subtree, their descendants."""
+        key = (worker_id, dp_rank, medium)
+        tree = self._trees.get(key, {})
+        gone = self._router_gone.get(key, set())
+        if not gone:
+            return set(tree)
+        visible: dict[int, bool] = {}
+
+        def reachable(h: int) -> bool:
+            path: list[int] = []
+            node: int | None = h
+            seen = True
+            while node is not None:
+                known = visible.get(node)
+                if known is not None:
+                    seen = known
+                    break
+                if node in gone:
+                    seen = False
+                    break
+                if node not in tree:
+                    # A removed parent: its children stay indexed (see the class docstring).
+                    break
+                path.append(node)
+                node = tree[node]
+            for n in path:
+                visible[n] = seen
+            return seen
+
+        return {h for h in tree if reachable(h)}
+
+    def router_overlap(self, token_ids: Sequence[int], worker_id: int = 0, dp_rank: int = 0) -> int:
+        """`overlap` as Dynamo's router computes it (see `router_blocks`)."""
+        indexed = self.router_blocks(worker_id, dp_rank)
+        count = 0
+        for h in self.hashes_of(token_ids):
+            if h not in indexed:
+                break
+            count += 1
+        return count
 
     def overlap(
         self,

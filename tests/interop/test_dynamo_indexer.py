@@ -128,7 +128,8 @@ async def run_jobs(s: Scenario, batch: Sequence[Job]) -> None:
 
 def reference(s: Scenario) -> ReferenceIndexer:
     """The daemon's cache as its own event stream says: every rank's batches from seq 0."""
-    ref = ReferenceIndexer(BLOCK_SIZE)
+    # The daemons run vLLM semantics: vLLM's hashes, and its twin stores counted.
+    ref = ReferenceIndexer(BLOCK_SIZE, vllm=True)
     for stream in s.streams:
         ref.apply(to_core_events(stream.batches), worker_id=WORKER_ID)
     ref.assert_clean()
@@ -140,7 +141,8 @@ def expected(
 ) -> dict[tuple[int, int], int]:
     out = {}
     for rank in range(dp_size):
-        blocks = ref.overlap(tokens, worker_id=WORKER_ID, dp_rank=rank)
+        # What Dynamo's router makes of vLLM's stream: it keeps no count of a block's twins.
+        blocks = ref.router_overlap(tokens, worker_id=WORKER_ID, dp_rank=rank)
         if blocks:
             out[(WORKER_ID, rank)] = blocks * BLOCK_SIZE
     return out
@@ -215,12 +217,21 @@ async def check(
             )
     # The whole cache, not only the prompts' paths: the same blocks per worker and rank.
     want_blocks = {
-        (WORKER_ID, rank): ref.blocks(WORKER_ID, rank)
+        (WORKER_ID, rank): ref.router_blocks(WORKER_ID, rank)
         for rank in range(s.dp_size)
-        if ref.num_blocks(WORKER_ID, rank)
+        if ref.router_blocks(WORKER_ID, rank)
     }
     for indexer in indexers:
-        assert await asyncio.to_thread(indexer.dump_blocks) == want_blocks, indexer.name
+        got_blocks = await asyncio.to_thread(indexer.dump_blocks)
+        assert got_blocks == want_blocks, (
+            indexer.name,
+            {
+                key: (sorted(got_blocks.get(key, set()) - blocks), sorted(blocks - got_blocks[key]))
+                for key, blocks in want_blocks.items()
+                if key in got_blocks and got_blocks[key] != blocks
+            },
+            set(got_blocks) ^ set(want_blocks),
+        )
         assert indexer.log_problems() == [], f"{indexer.name}:\n{indexer.log_text()[-4000:]}"
     return overlaps
 
