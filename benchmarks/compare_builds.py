@@ -5,8 +5,8 @@ A side is a tree whose `engined` its children import through `PYTHONPATH`. Its c
 default, run in place as `setup.py build_ext --inplace` under this interpreter (which has
 mypy: the dev venv), with no `ENGINED_*` build variable. That is the compiled core from
 issue 24 on, and pure Python before (the release `3a10a4f` has no compiled build at all).
-`pure` builds nothing and sets `ENGINED_PURE=1` for the side's processes, which a revision
-from issue 24 on honours even over extension modules; `compiled` asks for mypyc
+`pure` builds nothing and, for a revision from issue 24 on, sets `ENGINED_PURE=1` for the
+side's processes, which it honours even over extension modules; `compiled` asks for mypyc
 (`ENGINED_MYPYC=1`) and fails when the revision has the compiled build and it does not
 compile. The working tree is built in a copy of itself (tracked and unignored files, as a
 fresh clone plus the uncommitted changes), so the checkout keeps its own build, unless it
@@ -109,7 +109,10 @@ def build_in_place(tree: Path, mode: str) -> None:
 def prepare(tree: Path, mode: str, scratch: Path, *, working_tree: bool) -> Side:
     """The side for `tree` with its core built as `mode` asks; `core` says which it runs."""
     if mode == "pure":
-        side = Side(tree, {"ENGINED_PURE": "1"})
+        # Only a revision that knows ENGINED_PURE gets it: older daemons refuse unknown
+        # ENGINED_* variables (and build nothing unasked, so a fresh checkout is pure).
+        knows = (tree / "engined" / "core" / "core_build.py").exists()
+        side = Side(tree, {"ENGINED_PURE": "1"} if knows else {})
     else:
         side = Side(tree)
         wanted = "compiled (mypyc)"
