@@ -1,8 +1,8 @@
 """`engined:build_info`: which core the daemon runs, beside the figures it produces.
 
-The compiled core is about three times the pure one, and an install falls back to the pure
-one where it cannot compile (or a stale extension is refused): a dashboard that sees
-throughput drop can read why here. The series is an info metric (a constant 1 whose labels
+The compiled core is more than twice as fast as the pure one, and an install falls back to
+the pure one where it cannot compile (and a process where a stale extension is refused): a
+dashboard that sees throughput drop can read why here. The series is an info metric (a constant 1 whose labels
 carry the facts), named like vLLM's `vllm:cache_config_info` with engined's prefix.
 """
 
