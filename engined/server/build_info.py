@@ -2,8 +2,9 @@
 
 The compiled core is more than twice as fast as the pure one, and an install falls back to
 the pure one where it cannot compile (and a process where a stale extension is refused): a
-dashboard that sees throughput drop can read why here. The series is an info metric (a constant 1 whose labels
-carry the facts), named like vLLM's `vllm:cache_config_info` with engined's prefix.
+dashboard that sees throughput drop can read why here. The series is an info metric (a
+constant 1 whose labels carry the facts), named like vLLM's `vllm:cache_config_info` with
+engined's prefix.
 """
 
 from __future__ import annotations
