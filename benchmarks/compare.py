@@ -1,8 +1,8 @@
 """A/B benchmark: an older revision against the working tree, alternating runs on one machine.
 
     .venv/bin/python benchmarks/compare.py REV [--benchmark core|e2e|e2e-pacing] [--repeat 3]
-        [--new REV2] [--compiled none|new|both] [--script-from own|new] [--clock wall|cpu]
-        [-- extra args]
+        [--new REV2] [--core default|pure|compiled | --compiled none|new|both]
+        [--script-from own|new] [--clock wall|cpu] [-- extra args]
 
 REV is checked out in a temporary `git worktree` (removed at the end, also on Ctrl-C). Each
 side runs its *own* copy of the benchmark script with identical arguments, under this
@@ -21,11 +21,11 @@ per token of the e2e benchmark, which is less sensitive to other load than wall 
 load only ever slows a run down, so on a noisy day the ratio of the best rounds (timeit's
 rule) is the steadier one; the medians say what a typical run gets.
 
-`--compiled new` compiles the new side's core with mypyc first (`ENGINED_MYPYC=1 setup.py
-build_ext --inplace`, under this interpreter, which needs mypy: the dev venv has it), in a copy
-of the working tree when that is the new side, so the checkout gets no `.so`; `both` compiles
-the old side's worktree too, when its revision has the compiled build (3a10a4f has not: it
-stays pure Python, which is the release's figure). Each side says which core it runs.
+Each side's core is, unless told otherwise, what a default install of its revision gives
+(`--core default`: compiled from issue 24 on, pure Python before; 3a10a4f has no compiled
+build), so the ratios are what users get; `--core pure` or `--core compiled` sets both
+sides, and the older `--compiled new` (old pure, new compiled), `both` and `none` (both pure)
+still work. compare_builds.py says how each is built; each side prints which core it runs.
 
 `--clock cpu` (core benchmark only) runs each side's script with `time.perf_counter` replaced
 by `time.process_time`, so its rates count CPU seconds, not wall seconds: time the process
@@ -58,6 +58,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+
+from compare_builds import MODES, Side, child_env, prepare, side_python
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,28 +147,10 @@ def worktree(rev: str, parent: Path, side: str) -> Iterator[Path]:
         subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
 
 
-def child_env(tree: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(tree)  # the tree's engined, not the editable install's
-    env["PYTHONUNBUFFERED"] = "1"
-    env.pop("PYTHONHOME", None)
-    return env
-
-
-def side_python(tree: Path, scratch: Path, code: str) -> subprocess.CompletedProcess[str]:
-    """`python -c code` as the side's children run (away from the tree: PYTHONPATH alone)."""
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=scratch,
-        env=child_env(tree),
-        capture_output=True,
-        text=True,
-    )
-
-
-def check_import(tree: Path, scratch: Path) -> str:
+def check_import(side: Side, scratch: Path) -> str:
     """The `engined` the side's children import."""
-    proc = side_python(tree, scratch, "import engined.cli; print(engined.cli.__file__)")
+    tree = side.tree
+    proc = side_python(side, scratch, "import engined.cli; print(engined.cli.__file__)")
     if proc.returncode != 0:
         last = proc.stderr.strip().splitlines()[-1:] or ["no message"]
         raise SystemExit(f"{tree}: `import engined.cli` fails: {last[0]}")
@@ -176,45 +160,6 @@ def check_import(tree: Path, scratch: Path) -> str:
     return out
 
 
-def copy_of_working_tree(scratch: Path) -> Path:
-    """The working tree's tracked and unignored files, as a fresh clone would have them plus
-    the uncommitted changes, in `scratch` (so compiling it leaves no `.so` in the checkout)."""
-    dest = scratch / "new-working-tree"
-    dest.mkdir()
-    files = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    ).stdout
-    for name in files.decode().split("\0"):
-        source = REPO / name
-        if name and source.is_file():
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-    return dest
-
-
-def compile_core(tree: Path, scratch: Path) -> str:
-    """Compile the tree's core in place as `ENGINED_MYPYC=1 pip install` would; says what
-    the side then runs. A revision from before the compiled build stays pure Python."""
-    if not (tree / "setup.py").exists():
-        return "pure Python (the revision has no compiled build)"
-    proc = subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
-        cwd=tree,
-        env={**os.environ, "ENGINED_MYPYC": "1"},
-        capture_output=True,
-        text=True,
-    )
-    check = side_python(tree, scratch, "import engined.core as c; print(c.compiled())")
-    if proc.returncode != 0 or check.stdout.strip() != "True":
-        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
-        raise SystemExit(f"{tree}: compiling the core failed (mypy and a C compiler?): {last}")
-    return "compiled (mypyc)"
-
-
 # Runs the script (argv[1]) as __main__ with the CPU clock standing in for perf_counter.
 _CPU_CLOCK = (
     "import runpy, sys, time; time.perf_counter = time.process_time; "
@@ -222,14 +167,14 @@ _CPU_CLOCK = (
 )
 
 
-def run_side(tree: Path, script: Path, args: list[str], clock: str = "wall") -> str:
+def run_side(side: Side, script: Path, args: list[str], clock: str = "wall") -> str:
     """One run; its own process group, so an interrupt here also ends the daemon it started."""
     launch = [sys.executable] if clock == "wall" else [sys.executable, "-c", _CPU_CLOCK]
     cmd = [*launch, str(script), *args]
     proc = subprocess.Popen(
         cmd,
-        cwd=tree,
-        env=child_env(tree),
+        cwd=side.tree,
+        env=child_env(side.tree, side.env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -311,11 +256,18 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="rounds (one run of each side)")
     parser.add_argument("--new", default=None, help="a revision instead of the working tree")
     parser.add_argument(
+        "--core",
+        choices=MODES,
+        default=None,
+        help="each side's core: as a default install of its revision builds it (the "
+        "default), pure Python, or compiled by mypyc (needs mypy and a C compiler)",
+    )
+    parser.add_argument(
         "--compiled",
         choices=("none", "new", "both"),
-        default="none",
-        help="compile the core (mypyc) of the new side, or of both, before the runs "
-        "(the working tree is copied first; needs mypy and a C compiler)",
+        default=None,
+        help="the older spelling: none = --core pure; new = the old side pure, the new "
+        "compiled; both = --core compiled",
     )
     parser.add_argument(
         "--script-from",
@@ -332,6 +284,14 @@ def main() -> None:
     ns = parser.parse_args(argv)
     if ns.clock == "cpu" and ns.benchmark != "core":
         parser.error("--clock cpu applies to the core benchmark only (e2e runs a daemon)")
+    if ns.core is not None and ns.compiled is not None:
+        parser.error("--core and --compiled: say it once")
+    old_mode, new_mode = {
+        None: (ns.core or "default",) * 2,
+        "none": ("pure", "pure"),
+        "new": ("pure", "compiled"),
+        "both": ("compiled", "compiled"),
+    }[ns.compiled]
     script, fixed, metrics = BENCHMARKS[ns.benchmark]
     args = fixed + extra
     signal.signal(signal.SIGTERM, _interrupt)  # so the worktrees are removed then as well
@@ -344,27 +304,17 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="engined-compare-"))
     try:
         with worktree(ns.rev, scratch, "old") as old_tree:
-            if ns.compiled == "both":
-                print(f"old core: {compile_core(old_tree, scratch)}")
+            old = prepare(old_tree, old_mode, scratch, working_tree=False)
+            print(f"old core ({old_mode}): {old.core}")
             with contextlib.ExitStack() as stack:
                 if ns.new is not None:
                     new_tree = stack.enter_context(worktree(ns.new, scratch, "new"))
-                elif ns.compiled != "none":
-                    new_tree = copy_of_working_tree(scratch)
                 else:
                     new_tree = REPO
-                if ns.compiled != "none":
-                    print(f"new core: {compile_core(new_tree, scratch)}")
+                new = prepare(new_tree, new_mode, scratch, working_tree=ns.new is None)
+                print(f"new core ({new_mode}): {new.core}")
                 run_rounds(
-                    old_tree,
-                    new_tree,
-                    script,
-                    ns.script_from,
-                    args,
-                    metrics,
-                    ns.repeat,
-                    scratch,
-                    ns.clock,
+                    old, new, script, ns.script_from, args, metrics, ns.repeat, scratch, ns.clock
                 )
     except KeyboardInterrupt:
         print("interrupted; worktrees removed", file=sys.stderr)
@@ -374,8 +324,8 @@ def main() -> None:
 
 
 def run_rounds(
-    old_tree: Path,
-    new_tree: Path,
+    old: Side,
+    new: Side,
     script: str,
     script_from: str,
     args: list[str],
@@ -384,17 +334,17 @@ def run_rounds(
     scratch: Path,
     clock: str = "wall",
 ) -> None:
-    trees = {"old": old_tree, "new": new_tree}
+    sides = {"old": old, "new": new}
     scripts: dict[str, Path] = {}
-    for side, tree in trees.items():
-        scripts[side] = (new_tree if script_from == "new" else tree) / "benchmarks" / script
-        print(f"{side} imports {check_import(tree, scratch)}, runs {scripts[side]}")
+    for side, built in sides.items():
+        scripts[side] = (new if script_from == "new" else built).tree / "benchmarks" / script
+        print(f"{side} imports {check_import(built, scratch)}, runs {scripts[side]}")
     results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     for n in range(repeat):
         order = ("old", "new") if n % 2 == 0 else ("new", "old")
         for side in order:
             started = time.perf_counter()
-            values = parse(metrics, run_side(trees[side], scripts[side], args, clock))
+            values = parse(metrics, run_side(sides[side], scripts[side], args, clock))
             results[side].append(values)
             shown = ", ".join(f"{k} {fmt(v)}" for k, v in values.items())
             print(f"round {n + 1} {side}: {shown}  ({time.perf_counter() - started:.1f} s)")

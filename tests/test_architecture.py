@@ -8,10 +8,11 @@ reader). Packages are layered:
     wire < client, config < server    client < dynamo < cli (dynamo may use tools)
 
 A module may import its own package and the packages below it, never one above or beside
-it. Beside the layers sit the neutral modules (`NEUTRAL`: the ZeroMQ socket factory and the
-logging set-up), plumbing that every layer above the core may import and that imports no
-`engined` module itself; the core may not (it does no I/O). There is no allow-list: every
-upward import and every cycle fails.
+it; `engined` itself imports the core, to check its build first. Beside the layers sit the
+neutral modules (`NEUTRAL`: the ZeroMQ socket factory and the logging set-up), plumbing
+that every layer above the core may import and that imports no `engined` module itself; the
+core may not (it does no I/O). There is no allow-list: every upward import and every cycle
+fails.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ NEUTRAL = frozenset({"engined.zmq_sockets", "engined.logs"})
 
 # Package -> the packages its modules may import (besides its own).
 MAY_IMPORT: dict[str, frozenset[str]] = {
-    "engined": frozenset(),
+    # `engined` itself: the core's build check, which must run before any compiled module.
+    "engined": frozenset({"core"}),
     "neutral": frozenset(),
     "core": frozenset(),
     "wire": frozenset({"neutral", "core"}),

@@ -12,17 +12,21 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 import engined
+import engined.core
 from engined.cli import app
+from engined.core import COMPILED_MODULES, core_build
 from engined.tools import events as events_tool
 from engined.tools import fpm as fpm_tool
 
 RUN_TIMEOUT_S = 60.0
+ROOT = Path(engined.__file__).resolve().parents[1]
 
 
 def run_module(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[str]:
@@ -46,6 +50,24 @@ def test_python_dash_m_engined_prints_the_version() -> None:
     result = run_module("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"engined {engined.__version__}"
+
+
+def test_version_names_the_core_on_stderr() -> None:
+    """Which core runs, and why the pure one: stderr, so stdout stays the bare version."""
+    result = run_module("--version")
+    assert result.stderr.splitlines() == [f"core: {engined.core.build()}"]
+    environ = {**os.environ, "ENGINED_PURE": "1"}
+    pure = subprocess.run(
+        [sys.executable, "-m", "engined", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=environ,
+        check=True,
+    )
+    expected = core_build.inspect(ROOT, COMPILED_MODULES, environ)
+    assert not expected.compiled
+    assert pure.stderr.splitlines() == [f"core: {expected}"]
 
 
 def test_python_dash_m_engined_is_the_cli() -> None:

@@ -108,9 +108,10 @@ def test_realtime_priority_needs_a_paced_daemon() -> None:
 
 
 def test_the_build_and_test_variables_are_not_settings() -> None:
-    """`ENGINED_MYPYC=1` (the compiled-core build) and `ENGINED_EXPECT_COMPILED` (the test
-    suite) may stay exported in a shell that then starts a daemon."""
-    env = {"ENGINED_MYPYC": "1", "ENGINED_EXPECT_COMPILED": "0"}
+    """`ENGINED_MYPYC=1`, `ENGINED_PURE=1` (the build, and the pure core at run time) and
+    `ENGINED_EXPECT_COMPILED` (the test suite) may stay exported in a shell that then starts
+    a daemon."""
+    env = {"ENGINED_MYPYC": "1", "ENGINED_PURE": "1", "ENGINED_EXPECT_COMPILED": "0"}
     assert load(env=env) == DaemonConfig()
 
 

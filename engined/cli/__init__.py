@@ -33,8 +33,8 @@ app = typer.Typer(
 def _print_version(value: bool) -> None:
     if value:
         typer.echo(f"engined {__version__}")
-        # Which core is installed (setup.py's ENGINED_MYPYC=1 build): on stderr, so stdout
-        # stays the bare version scripts parse.
+        # Which core runs (compiled, or pure and why: engined.core.core_build): on stderr, so
+        # stdout stays the bare version scripts parse.
         typer.echo(f"core: {core_build()}", err=True)
         raise typer.Exit()
 

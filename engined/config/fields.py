@@ -20,8 +20,11 @@ from engined.core.args import EngineArgs
 ENV_PREFIX = "ENGINED_"
 # `ENGINED_*` variables that are not settings and must not be refused as typos; add a name
 # here (with its reader) before any code reads another `ENGINED_*` variable. The build reads
-# ENGINED_MYPYC (setup.py), the test suite ENGINED_EXPECT_COMPILED (tests/conftest.py).
-ENV_ALLOWLIST: frozenset[str] = frozenset({"ENGINED_MYPYC", "ENGINED_EXPECT_COMPILED"})
+# ENGINED_MYPYC and ENGINED_PURE (setup.py), every process ENGINED_PURE
+# (engined/core/core_build.py), the test suite ENGINED_EXPECT_COMPILED (tests/conftest.py).
+ENV_ALLOWLIST: frozenset[str] = frozenset(
+    {"ENGINED_MYPYC", "ENGINED_PURE", "ENGINED_EXPECT_COMPILED"}
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,16 +1,22 @@
-"""The scheduler core: pure, deterministic, typed Python, optionally compiled with mypyc.
+"""The scheduler core: pure, deterministic, typed Python, compiled with mypyc where it can be.
 
-The Python source is the only source of truth. `ENGINED_MYPYC=1 pip install .` (or `-e .`)
-compiles the modules of `COMPILED_MODULES` (setup.py reads this tuple) into extension
-modules beside their sources, which Python imports in preference to them; `build()` says
-which of the two runs. The rest stay interpreted: msgspec Structs (`types`, `views`, `args`)
-gain nothing from mypyc, and its compiled annotations break `msgspec.convert` of `args`.
+The Python source is the only source of truth. `pip install .` (or `-e .`) compiles the
+modules of `COMPILED_MODULES` (setup.py reads this tuple) into extension modules beside their
+sources, unless `ENGINED_PURE=1` or the build cannot. Python would import those in preference
+to the sources, so `engined`, when imported, first has `core_build.activate` decide: the
+extensions load only if the build record vouches for the sources on disk. `build()` says
+which core runs, and why the pure one. The rest stay interpreted: msgspec Structs (`types`,
+`views`, `args`) gain nothing from mypyc, and its compiled annotations break
+`msgspec.convert` of `args`.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+
+from engined.core import core_build
+from engined.core.core_build import CoreBuild
 
 # Every module the hot path runs, by measurement (benchmarks/core_throughput.py --profile).
 COMPILED_MODULES: tuple[str, ...] = (
@@ -55,6 +61,11 @@ COMPILED_MODULES: tuple[str, ...] = (
 )
 
 
+def running() -> CoreBuild:
+    """The core this process runs, as decided when it first imported `engined`."""
+    return core_build.running()
+
+
 def compiled_modules() -> tuple[str, ...]:
     """The modules of `COMPILED_MODULES` that import from an extension module (a `.so`)."""
     found: list[str] = []
@@ -71,10 +82,5 @@ def compiled() -> bool:
 
 
 def build() -> str:
-    """Which core runs: "compiled (mypyc)", "pure Python", or a partial build, named."""
-    count = len(compiled_modules())
-    if count == len(COMPILED_MODULES):
-        return "compiled (mypyc)"
-    if count == 0:
-        return "pure Python"
-    return f"partly compiled ({count} of {len(COMPILED_MODULES)} modules; rebuild or remove)"
+    """Which core runs: "compiled (mypyc)", or "pure Python" and why (`CoreBuild.reason`)."""
+    return str(core_build.running())

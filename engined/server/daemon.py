@@ -32,6 +32,7 @@ import zmq.asyncio
 
 import engined
 from engined.config import DaemonConfig
+from engined.core import running as running_core
 from engined.core.policy import context_length
 from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
@@ -161,11 +162,14 @@ class Daemon:
         if cfg.http_port is not None:
             # Imported here: prometheus_client adds ~20 ms to start-up, which a daemon without
             # metrics (the default) should not pay.
+            from engined.server.build_info import BuildInfo
             from engined.server.http import HttpServer
             from engined.server.metrics import VllmMetrics
 
             # Bound first, so that /health answers 503 while the rest starts.
             self.metrics = VllmMetrics.from_config(cfg)
+            info = BuildInfo(cfg.model_name, engined.__version__, running_core())
+            self.metrics.registry.register(info)
             self.http = HttpServer(
                 self.metrics.registry,
                 health=self.health,
@@ -312,6 +316,7 @@ class Daemon:
         log.info(
             "engined started",
             version=engined.__version__,
+            core=str(running_core()),
             pid=os.getpid(),
             worker_id=self.worker_id,
             control_endpoint=cfg.control_endpoint,

@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+import engined.core
 from engined.config import DaemonConfig
 from engined.server.daemon import EXIT_OK, Daemon
 from tests.server.support import ipc_config
@@ -53,6 +54,7 @@ def test_the_start_up_log_names_the_bounds_in_force(tmp_path: Path) -> None:
         return [e for e in logs if e["event"] == "engined started"]
 
     (started,) = run(scenario())
+    assert started["core"] == engined.core.build()
     limits = started["limits"]
     assert isinstance(limits, dict)
     assert limits["max_queued_requests"] == 77
