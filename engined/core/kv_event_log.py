@@ -77,8 +77,10 @@ class KvEventLog:
         hashes: list[int],
         local: list[int],
         token_ids: list[int],
+        medium: Medium = Medium.GPU,
     ) -> None:
-        """Publish blocks the vLLM pool just cached, as one GPU Stored."""
+        """Publish blocks registered in `medium` together, as one Stored (the vLLM pool's
+        cached blocks, a lower tier's registration)."""
         if self.publish:
             self._events.append(
                 BlockStored(
@@ -89,6 +91,7 @@ class KvEventLog:
                     local,
                     token_ids,
                     self.block_size,
+                    medium,
                 )
             )
 
@@ -101,19 +104,13 @@ class KvEventLog:
         medium: Medium,
     ) -> None:
         """Publish one block Stored in `medium` (a lower tier's registration)."""
-        if self.publish:
-            self._events.append(
-                BlockStored(
-                    self.take_event_id(),
-                    self.dp_rank,
-                    parent_hash,
-                    [block_hash],
-                    [local_hash if local_hash is not None else 0],
-                    token_ids if token_ids is not None else [],
-                    self.block_size,
-                    medium,
-                )
-            )
+        self.stored_blocks(
+            parent_hash,
+            [block_hash],
+            [local_hash if local_hash is not None else 0],
+            token_ids if token_ids is not None else [],
+            medium,
+        )
 
     def removed(self, hashes: list[int], medium: Medium = Medium.GPU) -> None:
         """Publish blocks evicted from `medium` (nothing for an empty list)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from engined.core.fpm import ScheduledWork
 from engined.core.pass_trace import PassTrace, ScheduledTokens
+from engined.core.perf_model import PerfModel, scale_ms
 from engined.core.state import RequestState
 from engined.core.types import (
     Admission,
@@ -82,6 +83,38 @@ class PassContext:
         # Recording (`PassTrace`): the preempter's victim list, and the shares read from it.
         self.victims = victims
         self.shares: list[ScheduledTokens] = []
+
+    def add_prefill(self, prefix_tokens: int, prompt_tokens: int) -> None:
+        """A request prefills `prompt_tokens` after `prefix_tokens` in this pass's batch."""
+        self.batch_count += 1
+        self.batch_isl += prefix_tokens + prompt_tokens
+        self.batch_prefix += prefix_tokens
+
+    def prefill_ms(self, perf: PerfModel, speedup_ratio: float) -> float:
+        """The modeled duration of the pass's prefill batch (0 without one)."""
+        n = self.batch_count
+        if not n:
+            return 0.0
+        raw = perf.prefill_ms(n, self.batch_isl // n, self.batch_prefix // n)
+        return scale_ms(raw, speedup_ratio)
+
+    def unschedule(self, request_id: str, counts_prefill: bool) -> None:
+        """A request scheduled earlier in this pass was preempted: its share goes back to the
+        budget and leaves the prefill batch (`counts_prefill`: its prompt tokens were in it)."""
+        ids = self.scheduled_ids
+        if request_id not in ids:
+            return
+        at = ids.index(request_id)
+        del ids[at]
+        work = self.scheduled.pop(at)
+        if isinstance(work, RequestState):
+            self.budget += 1
+            return
+        self.budget += work.total_tokens
+        if work.prompt_tokens > 0 and counts_prefill:
+            self.batch_count -= 1
+            self.batch_isl -= work.prefix_tokens + work.prompt_tokens
+            self.batch_prefix -= work.prefix_tokens
 
     def add_output(self, output: RequestOutput) -> None:
         """Every output but a plain decode step goes here, so emission order is kept."""

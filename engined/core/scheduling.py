@@ -29,11 +29,11 @@ from engined.core.handoff import PendingDestinations
 from engined.core.kv_manager import KvManager
 from engined.core.offload.parking import OnboardParking, ParkOutcome
 from engined.core.pass_context import PassContext
-from engined.core.perf_model import PerfModel, scale_ms
+from engined.core.perf_model import PerfModel
 from engined.core.policy import AdmissionPolicy, Decision
 from engined.core.preemption import Preempter
 from engined.core.prefix_hit import PrefillCost
-from engined.core.state import RequestState, SchedulerState
+from engined.core.state import SchedulerState
 from engined.core.types import Admission, RequestStatus
 
 
@@ -124,11 +124,7 @@ class Scheduler:
 
     def prefill_ms(self, ctx: PassContext) -> float:
         """The modeled duration of the pass's prefill batch (0 without one)."""
-        n = ctx.batch_count
-        if not n:
-            return 0.0
-        raw = self._perf.prefill_ms(n, ctx.batch_isl // n, ctx.batch_prefix // n)
-        return scale_ms(raw, self._speedup_ratio)
+        return ctx.prefill_ms(self._perf, self._speedup_ratio)
 
     def _schedule_running(self, ctx: PassContext) -> None:
         """Step 1 of the pass. Decoding requests (one dangling token inside an allocated
@@ -282,7 +278,7 @@ class Scheduler:
                 actual = before
                 break
             ctx.preempted_any = True
-            self._undo_scheduled(ctx, victim)
+            ctx.unschedule(victim, self._counts_prefill)
             if victim == request_id:
                 return _new(Scheduled, (_PREEMPTED_ITSELF, 0, cached))
         tokens_used = actual - before
@@ -311,9 +307,7 @@ class Scheduler:
             )
         )
         if prompt_tokens > 0 and self._counts_prefill:
-            ctx.batch_count += 1
-            ctx.batch_isl += prompt_before + prompt_tokens
-            ctx.batch_prefix += prompt_before
+            ctx.add_prefill(prompt_before, prompt_tokens)
         if from_waiting:
             self._state.transition_to_running(request_id)
             if req.cached_prefix_tokens is None:
@@ -322,19 +316,3 @@ class Scheduler:
             ctx.cache_hits += cached
         ctx.budget = budget - tokens_used
         return _new(Scheduled, (_SCHEDULED, tokens_used, cached))
-
-    def _undo_scheduled(self, ctx: PassContext, victim: str) -> None:
-        ids = ctx.scheduled_ids
-        if victim not in ids:
-            return
-        at = ids.index(victim)
-        del ids[at]
-        work = ctx.scheduled.pop(at)
-        if isinstance(work, RequestState):
-            ctx.budget += 1
-            return
-        ctx.budget += work.total_tokens
-        if work.prompt_tokens > 0 and self._counts_prefill:
-            ctx.batch_count -= 1
-            ctx.batch_isl -= work.prefix_tokens + work.prompt_tokens
-            ctx.batch_prefix -= work.prefix_tokens

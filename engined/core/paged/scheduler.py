@@ -20,13 +20,13 @@ its queue forever). Everything the pass accumulates goes into its `PassContext`.
 
 from __future__ import annotations
 
-from engined.core.args import EngineArgs, SchedulingPolicy
+from engined.core.args import EngineArgs, SchedulingPolicy, WorkerType
 from engined.core.finish import Finisher
 from engined.core.fpm import ScheduledWork
 from engined.core.handoff import PendingDestinations
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.pass_context import PassContext
-from engined.core.perf_model import PerfModel, scale_ms
+from engined.core.perf_model import PerfModel
 from engined.core.policy import AdmissionPolicy
 from engined.core.preemption import Preempter
 from engined.core.state import RequestState, SchedulerState
@@ -39,6 +39,7 @@ class PagedScheduler:
     __slots__ = (
         "_by_priority",
         "_chunked",
+        "_counts_prefill",
         "_finisher",
         "_full_isl",
         "_kv",
@@ -73,6 +74,8 @@ class PagedScheduler:
         self._max_num_seqs = max_num_seqs
         self._max_model_len = policy.max_model_len
         self._chunked = args.enable_chunked_prefill
+        # A decode worker's prompts arrive by transfer: their tokens cost no prefill time.
+        self._counts_prefill = args.worker_type is not WorkerType.DECODE
         self._full_isl = args.scheduler_reserve_full_isl
         self._by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
         self._speedup_ratio = args.speedup_ratio
@@ -91,11 +94,7 @@ class PagedScheduler:
 
     def prefill_ms(self, ctx: PassContext) -> float:
         """The modeled duration of the pass's prefill batch (0 without one)."""
-        n = ctx.batch_count
-        if not n:
-            return 0.0
-        raw = self._perf.prefill_ms(n, ctx.batch_isl // n, ctx.batch_prefix // n)
-        return scale_ms(raw, self._speedup_ratio)
+        return ctx.prefill_ms(self._perf, self._speedup_ratio)
 
     def _schedule_running(self, ctx: PassContext) -> None:
         running = self._state.running
@@ -140,7 +139,7 @@ class PagedScheduler:
                 if victim is None:
                     return
                 ctx.preempted_any = preempted = True
-                self._undo_scheduled(ctx, victim)
+                ctx.unschedule(victim, self._counts_prefill)
                 if victim == req.request_id:
                     preempted_itself = True
                     break
@@ -229,24 +228,6 @@ class PagedScheduler:
                 ),
             )
         )
-        if prompt_tokens > 0 and prefill:
-            ctx.batch_count += 1
-            ctx.batch_isl += prompt_before + prompt_tokens
-            ctx.batch_prefix += prompt_before
+        if prompt_tokens > 0 and prefill and self._counts_prefill:
+            ctx.add_prefill(prompt_before, prompt_tokens)
         ctx.budget -= num_new
-
-    def _undo_scheduled(self, ctx: PassContext, victim: str) -> None:
-        ids = ctx.scheduled_ids
-        if victim not in ids:
-            return
-        at = ids.index(victim)
-        del ids[at]
-        work = ctx.scheduled.pop(at)
-        if isinstance(work, RequestState):
-            ctx.budget += 1
-            return
-        ctx.budget += work.total_tokens
-        if work.prompt_tokens > 0:
-            ctx.batch_count -= 1
-            ctx.batch_isl -= work.prefix_tokens + work.prompt_tokens
-            ctx.batch_prefix -= work.prefix_tokens
