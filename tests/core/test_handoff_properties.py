@@ -17,7 +17,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from engined.core.args import EngineType, PrefixHitRule, WorkerType
+from engined.core.args import EngineType, PrefixHitRule, Semantics, WorkerType
 from engined.core.engine import Engine
 from engined.core.errors import (
     CapacityError,
@@ -173,6 +173,7 @@ configs = st.fixed_dictionaries(
         "max_num_seqs": st.integers(1, 3),
         "max_num_batched_tokens": st.integers(4, 32),
         "prefix_hit_rule": st.sampled_from(list(PrefixHitRule)),
+        "semantics": st.sampled_from(list(Semantics)),
         "vocab_size": st.one_of(st.none(), st.integers(1, 8)),
     }
 )
@@ -508,7 +509,7 @@ def test_random_handoff_sequences_keep_both_cores_consistent(
     sides = []
     for worker_id, worker_type in ((1, WorkerType.PREFILL), (2, WorkerType.DECODE)):
         core = Engine(make_args(worker_type=worker_type, **config), worker_id=worker_id)
-        sides.append(Side(core, ReferenceIndexer(core.block_size)))
+        sides.append(Side(core, ReferenceIndexer(core.block_size, vllm=core.paged)))
     h = Harness(sides)
     for op in program:
         run_op(h, op)

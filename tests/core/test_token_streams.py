@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engined.core.args import EngineArgs, WorkerType
+from engined.core.args import EngineArgs, Semantics, WorkerType
 from engined.core.engine import Engine
 from engined.core.errors import InvalidRequestError
 from engined.core.sequence import Sequence
@@ -109,6 +109,7 @@ workloads = st.fixed_dictionaries(
             max_size=8,
         ),
         "others": st.lists(st.tuples(st.integers(1, 14), st.integers(0, 12)), max_size=4),
+        "semantics": st.sampled_from(list(Semantics)),
     }
 )
 
@@ -124,6 +125,7 @@ def test_tokens_do_not_depend_on_batching_timing_or_other_requests(w: dict[str, 
         num_gpu_blocks=w["blocks"],
         max_num_batched_tokens=w["budget"],
         max_num_seqs=w["seqs"],
+        semantics=w["semantics"],
         **vocab,
     )
     mine = [
