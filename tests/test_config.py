@@ -502,6 +502,7 @@ ISSUE_FLAGS = {
     "--semantics": "engine.semantics",
     "--scheduling-policy": "engine.scheduling_policy",
     "--scheduler-reserve-full-isl": "engine.scheduler_reserve_full_isl",
+    "--async-scheduling": "engine.async_scheduling",
     "--prefix-caching-hash-algo": "engine.prefix_caching_hash_algo",
     "--decode-speedup-ratio": "engine.decode_speedup_ratio",
     "--kv-transfer-timing-mode": "engine.kv_transfer_timing_mode",
@@ -600,8 +601,10 @@ def test_switches_and_metavars() -> None:
         "--curve-publishers",
         "--api-key-metrics",
         "--scheduler-reserve-full-isl",
+        "--async-scheduling",
     }
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"
+    assert by_name["--async-scheduling"].negation == "--no-async-scheduling"
     assert by_name["--enable-prefix-caching"].negation == "--no-enable-prefix-caching"
     assert by_name["--engine-type"].metavar == "[vllm|trtllm]"
     assert by_name["--log-format"].metavar == "[auto|console|json]"
