@@ -24,6 +24,7 @@ from engined.core.kv_manager import KvManager
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.parking import OnboardParking
 from engined.core.offload.tier_engine import TierEngine
+from engined.core.paged.async_batches import AsyncBatches
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.paged.scheduler import PagedScheduler
 from engined.core.perf_model import make_perf_model
@@ -58,6 +59,8 @@ class EngineParts(NamedTuple):
     commands: Commands
     finisher: Finisher
     preempter: Preempter
+    # With `async_scheduling`: the batch queue the passes run through.
+    batches: AsyncBatches | None = None
 
 
 def assemble(
@@ -92,6 +95,12 @@ def assemble(
             "scheduling_policy=priority needs vLLM semantics (semantics = vllm, "
             "engine_type = vllm, no MTP or offload tiers)",
             key="scheduling_policy",
+        )
+    if args.async_scheduling and not paged:
+        raise InvalidArgsError(
+            "async_scheduling needs vLLM semantics (semantics = vllm, "
+            "engine_type = vllm, no MTP or offload tiers)",
+            key="async_scheduling",
         )
     if paged:
         # vLLM keeps block 0 as its null block: one usable block fewer.
@@ -213,6 +222,10 @@ def assemble(
         policy=policy,
         vocab=vocab,
     )
+    batches = None
+    if args.async_scheduling:
+        assert isinstance(scheduler, PagedScheduler) and isinstance(kv, PagedKvManager)
+        batches = AsyncBatches(state=state, scheduler=scheduler, kv=kv, emitter=emitter)
     return EngineParts(
         state,
         kv,
@@ -226,4 +239,5 @@ def assemble(
         commands,
         finisher,
         preempter,
+        batches,
     )

@@ -127,9 +127,18 @@ class PagedScheduler:
                 ctx.budget -= 1
                 i += 1
                 continue
+            # Async scheduling: tokens still being sampled are computed as placeholders, and
+            # a request whose last token is among them has nothing left to schedule.
+            placeholders = req.num_output_placeholders
+            if (
+                placeholders
+                and computed + 2 - placeholders >= seq.num_input_tokens + seq.max_output_tokens
+            ):
+                i += 1
+                continue
             # Room for the token the step samples (none for a prefill-only request).
             cap = max_model_len - (seq.generated < seq.max_output_tokens) - computed
-            num_new = min(len(seq.tokens) - computed, ctx.budget, cap)
+            num_new = min(length + placeholders - computed, ctx.budget, cap)
             if num_new <= 0:
                 i += 1
                 continue
