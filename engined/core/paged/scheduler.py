@@ -1,7 +1,9 @@
 """The scheduling half of a pass under vLLM 0.33's semantics (vLLM's `Scheduler.schedule()`).
 
-1. Running requests in order, each taking what it lacks of its known tokens, capped by the
-   budget and by `max_model_len - 1` past what it computed. Its slots are allocated now
+1. Running requests in order, each taking what it lacks of its known tokens (and, with
+   async scheduling, of the placeholders for tokens still being sampled; a request whose
+   last token is among them is passed over), capped by the budget and by
+   `max_model_len - 1` past what it computed. Its slots are allocated now
    (`allocate_slots`); when they cannot be, the last running request is preempted (vLLM's
    FCFS; under `scheduling_policy = priority` the one of greatest (priority, arrival)),
    until the allocation succeeds or the request preempted itself, which ends the running
