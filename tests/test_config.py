@@ -792,3 +792,37 @@ def test_prefix_caching_hash_algo_refusal_has_vllms_words(
     with raises(message) as info:
         load(**layer)
     assert info.value.key == "engine.prefix_caching_hash_algo"
+
+
+# --- options only vLLM's scheduler has ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "key", "source"),
+    [
+        ({"engine.async_scheduling": True}, "engine.async_scheduling", "--async-scheduling"),
+        (
+            {"engine.scheduling_policy": "priority"},
+            "engine.scheduling_policy",
+            "--scheduling-policy",
+        ),
+    ],
+)
+def test_vllm_only_options_are_refused_without_vllm_semantics(
+    flags: dict[str, Any], key: str, source: str
+) -> None:
+    with raises(f"{key}: ") as info:
+        load(flags={"engine.semantics": "mocker-1.3.0", **flags})
+    assert info.value.key == key
+    assert "needs vLLM semantics" in str(info.value)
+    assert str(info.value).endswith(f"(from {source})")
+
+
+def test_async_scheduling_from_every_layer(tmp_path: Path) -> None:
+    assert load().engine.async_scheduling is False
+    assert load("[engine]\nasync_scheduling = true\n", tmp_path=tmp_path).engine.async_scheduling
+    assert load(env={"ENGINED_ASYNC_SCHEDULING": "yes"}).engine.async_scheduling
+    with raises("engine.async_scheduling: Expected `bool`, got `int`"):
+        load("[engine]\nasync_scheduling = 3\n", tmp_path=tmp_path)
+    with raises("engine.async_scheduling: expected a boolean"):
+        load(env={"ENGINED_ASYNC_SCHEDULING": "maybe"})

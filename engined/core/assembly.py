@@ -63,6 +63,27 @@ class EngineParts(NamedTuple):
     batches: AsyncBatches | None = None
 
 
+def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
+    """Refuse the options only vLLM's scheduler has when the core will not run it (`paged`
+    False: the mocker's pool); the daemon's config validation asks the same before starting.
+
+    Raises:
+        InvalidArgsError: naming the option.
+    """
+    if paged:
+        return
+    for key, value, on in (
+        ("scheduling_policy", "=priority", args.scheduling_policy is SchedulingPolicy.PRIORITY),
+        ("async_scheduling", "", args.async_scheduling),
+    ):
+        if on:
+            raise InvalidArgsError(
+                f"{key}{value} needs vLLM semantics (semantics = vllm, "
+                "engine_type = vllm, no MTP or offload tiers)",
+                key=key,
+            )
+
+
 def assemble(
     args: EngineArgs,
     *,
@@ -89,19 +110,8 @@ def assemble(
         offload_config = OffloadConfig.from_args(args)
         tiers = TierEngine(offload_config) if offload_config is not None else None
     paged = tiers is None and args.runs_vllm_semantics()
+    check_vllm_only(args, paged=paged)
     by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
-    if by_priority and not paged:
-        raise InvalidArgsError(
-            "scheduling_policy=priority needs vLLM semantics (semantics = vllm, "
-            "engine_type = vllm, no MTP or offload tiers)",
-            key="scheduling_policy",
-        )
-    if args.async_scheduling and not paged:
-        raise InvalidArgsError(
-            "async_scheduling needs vLLM semantics (semantics = vllm, "
-            "engine_type = vllm, no MTP or offload tiers)",
-            key="async_scheduling",
-        )
     if paged:
         # vLLM keeps block 0 as its null block: one usable block fewer.
         policy = policy_cls(
