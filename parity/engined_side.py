@@ -54,6 +54,7 @@ def engine_args(scenario: Scenario) -> EngineArgs:
         scheduling_policy=SchedulingPolicy(config.scheduling_policy),
         scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
         prefix_caching_hash_algo=HashAlgo(config.prefix_caching_hash_algo),
+        async_scheduling=config.async_scheduling,
     )
 
 

@@ -25,6 +25,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     scheduling_policy: str = "fcfs"
     scheduler_reserve_full_isl: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    # vLLM's AsyncScheduler, driven as EngineCore drives it (`step_with_batch_queue`).
+    async_scheduling: bool = False
 
 
 class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):

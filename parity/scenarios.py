@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 
+import msgspec
+
 from parity.scenario import Config, Scenario, ScenarioRequest
 
 VOCAB = 32000
@@ -221,6 +223,16 @@ def no_chunked_prefill() -> Scenario:
     )
 
 
+def asynchronous(scenario: Scenario) -> Scenario:
+    """`scenario` under vLLM's AsyncScheduler (`<name>-async`)."""
+    return msgspec.structs.replace(
+        scenario,
+        name=scenario.name + "-async",
+        description=scenario.description + "; async scheduling",
+        config=msgspec.structs.replace(scenario.config, async_scheduling=True),
+    )
+
+
 def all_scenarios() -> list[Scenario]:
     return [
         chunked_prompt(),
@@ -243,4 +255,26 @@ def all_scenarios() -> list[Scenario]:
         random_mix(7, num_blocks=64, budget=256, full_isl=False),
         random_mix(8, num_blocks=80, budget=192, caching=False),
         random_mix(9, num_blocks=96, budget=256, hash_algo="sha256_cbor"),
+        *async_scenarios(),
+    ]
+
+
+def async_scenarios() -> list[Scenario]:
+    """The same streams under vLLM's AsyncScheduler (issue 25: `--async-scheduling`)."""
+    return [
+        asynchronous(scenario)
+        for scenario in (
+            chunked_prompt(),
+            shared_prefix(staggered=True),
+            pressure(),
+            repeated_prompts(),
+            repeated_prompts(96),
+            max_num_seqs_limit(),
+            max_model_len_limit(),
+            random_mix(1, num_blocks=160, budget=256),
+            random_mix(2, num_blocks=64, budget=256),
+            random_mix(4, num_blocks=48, budget=512, block_size=32),
+            priority_pressure(),
+            random_mix(5, num_blocks=64, budget=256, policy="priority"),
+        )
     ]

@@ -10,6 +10,13 @@ has caught up with its tokens (none for a partial prefill chunk), `update_from_o
 The sampled token is engined's token for that request at that output position. Preemptions
 are recorded by wrapping the scheduler's `_preempt_request`, in call order; KV events by a
 recorder in place of the (null) publisher.
+
+With `async_scheduling` the scheduler is vLLM's `AsyncScheduler` and one step is one
+`EngineCore.step_with_batch_queue()` with its batch queue of 2: schedule a batch if there
+are requests and queue it (its fabricated output, sampled for every request it does not
+leave mid-prefill, is known at once); return there if the queue is not full and something
+ran or remains; otherwise take the oldest batch and `update_from_output()` it. So a step
+schedules batch N and delivers batch N-1's tokens, and the first step delivers nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import os
 import sys
 import tempfile
 import traceback
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +114,7 @@ class VllmRun:
         )
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (
             FullAttentionSpec,
@@ -137,6 +146,7 @@ class VllmRun:
             is_encoder_decoder=False,
             policy=config.scheduling_policy,
             scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
+            async_scheduling=config.async_scheduling,
         )
         vllm_config = VllmConfig(
             model_config=model_config,
@@ -152,7 +162,11 @@ class VllmRun:
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
         )
-        self.scheduler = Scheduler(
+        self.asynchronous = config.async_scheduling
+        # EngineCore's batch queue (async scheduling): (scheduler output, model output).
+        self.batch_queue: deque[tuple[Any, Any]] = deque()
+        scheduler_cls = AsyncScheduler if self.asynchronous else Scheduler
+        self.scheduler = scheduler_cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -211,22 +225,49 @@ class VllmRun:
                 break
             for request in arrivals.get(index, []):
                 scheduler.add_request(self._request(request))
-            trace.steps.append(self._step(index, trace.output_tokens))
+            step = self._async_step if self.asynchronous else self._step
+            trace.steps.append(step(index, trace.output_tokens))
             index += 1
         return trace
 
     def _step(self, index: int, generated: dict[str, list[int]]) -> Step:
         """One `EngineCore.step()` with fabricated model output; `generated` gains the
         step's output tokens."""
+        step = Step(index=index)
+        output, runner_output = self._schedule(step)
+        self._update(step, output, runner_output, generated)
+        return self._close(step)
+
+    def _async_step(self, index: int, generated: dict[str, list[int]]) -> Step:
+        """One `EngineCore.step_with_batch_queue()` (batch queue of 2) with fabricated
+        model output; `generated` gains the tokens of the batch it updates from, if any."""
+        scheduler = self.scheduler
+        queue = self.batch_queue
+        step = Step(index=index)
+        if scheduler.has_requests():
+            output, runner_output = self._schedule(step)
+            queue.appendleft((output, runner_output))
+            ran = output.total_num_scheduled_tokens > 0
+            if len(queue) < 2 and (ran or scheduler.has_requests()):
+                return self._close(step)
+        elif not queue:
+            return self._close(step)
+        output, runner_output = queue.pop()
+        self._update(step, output, runner_output, generated)
+        return self._close(step)
+
+    def _schedule(self, step: Step) -> tuple[Any, Any]:
+        """`schedule()`, recorded into `step`, and the model output it will get: one token
+        for every scheduled request that samples (not mid-prefill), the token engined drew
+        for the output position it will take."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         scheduler = self.scheduler
         waiting_before = {
             rid for rid, req in scheduler.requests.items() if req.status.name != "RUNNING"
         }
-        self.preempted = []
+        self.preempted = step.preempted
         output = scheduler.schedule()
-        step = Step(index=index, preempted=self.preempted)
         computed_before = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
         computed_before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -237,16 +278,25 @@ class VllmRun:
             if rid in waiting_before:
                 step.admitted.append(Admitted(rid, computed))
             request = scheduler.requests[rid]
-            caught_up = request.num_computed_tokens >= request.num_tokens
-            position = len(request.output_token_ids)
-            sampled.append([self._token(rid, position)] if caught_up else [])
+            # Async: the output placeholders (this batch's included) stand for the tokens
+            # still to be sampled; the position of this batch's is the last of them.
+            pending = request.num_output_placeholders
+            position = len(request.output_token_ids) + max(pending - 1, 0)
+            samples = not request.is_prefill_chunk
+            sampled.append([self._token(rid, position)] if samples else [])
         req_ids = list(output.num_scheduled_tokens)
         runner_output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
-        outputs = scheduler.update_from_output(output, runner_output)
+        return output, runner_output
+
+    def _update(
+        self, step: Step, output: Any, runner_output: Any, generated: dict[str, list[int]]
+    ) -> None:
+        """`update_from_output()`, its outputs recorded into `step` and `generated`."""
+        outputs = self.scheduler.update_from_output(output, runner_output)
         for client_outputs in outputs.values():
             for out in client_outputs.outputs:
                 generated.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -256,7 +306,10 @@ class VllmRun:
                     )
                 if out.finish_reason is not None:
                     step.finished.append(out.request_id)
-        step.running, step.waiting = scheduler.get_request_counts()
+
+    def _close(self, step: Step) -> Step:
+        """The counts after the step, and the KV events it published."""
+        step.running, step.waiting = self.scheduler.get_request_counts()
         step.events = self.recorder.events
         self.recorder.events = []
         return step

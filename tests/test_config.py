@@ -502,6 +502,7 @@ ISSUE_FLAGS = {
     "--semantics": "engine.semantics",
     "--scheduling-policy": "engine.scheduling_policy",
     "--scheduler-reserve-full-isl": "engine.scheduler_reserve_full_isl",
+    "--async-scheduling": "engine.async_scheduling",
     "--prefix-caching-hash-algo": "engine.prefix_caching_hash_algo",
     "--decode-speedup-ratio": "engine.decode_speedup_ratio",
     "--kv-transfer-timing-mode": "engine.kv_transfer_timing_mode",
@@ -600,8 +601,10 @@ def test_switches_and_metavars() -> None:
         "--curve-publishers",
         "--api-key-metrics",
         "--scheduler-reserve-full-isl",
+        "--async-scheduling",
     }
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"
+    assert by_name["--async-scheduling"].negation == "--no-async-scheduling"
     assert by_name["--enable-prefix-caching"].negation == "--no-enable-prefix-caching"
     assert by_name["--engine-type"].metavar == "[vllm|trtllm]"
     assert by_name["--log-format"].metavar == "[auto|console|json]"
@@ -789,3 +792,37 @@ def test_prefix_caching_hash_algo_refusal_has_vllms_words(
     with raises(message) as info:
         load(**layer)
     assert info.value.key == "engine.prefix_caching_hash_algo"
+
+
+# --- options only vLLM's scheduler has ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "key", "source"),
+    [
+        ({"engine.async_scheduling": True}, "engine.async_scheduling", "--async-scheduling"),
+        (
+            {"engine.scheduling_policy": "priority"},
+            "engine.scheduling_policy",
+            "--scheduling-policy",
+        ),
+    ],
+)
+def test_vllm_only_options_are_refused_without_vllm_semantics(
+    flags: dict[str, Any], key: str, source: str
+) -> None:
+    with raises(f"{key}: ") as info:
+        load(flags={"engine.semantics": "mocker-1.3.0", **flags})
+    assert info.value.key == key
+    assert "needs vLLM semantics" in str(info.value)
+    assert str(info.value).endswith(f"(from {source})")
+
+
+def test_async_scheduling_from_every_layer(tmp_path: Path) -> None:
+    assert load().engine.async_scheduling is False
+    assert load("[engine]\nasync_scheduling = true\n", tmp_path=tmp_path).engine.async_scheduling
+    assert load(env={"ENGINED_ASYNC_SCHEDULING": "yes"}).engine.async_scheduling
+    with raises("engine.async_scheduling: Expected `bool`, got `int`"):
+        load("[engine]\nasync_scheduling = 3\n", tmp_path=tmp_path)
+    with raises("engine.async_scheduling: expected a boolean"):
+        load(env={"ENGINED_ASYNC_SCHEDULING": "maybe"})

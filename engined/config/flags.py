@@ -84,6 +84,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--semantics", "engine.semantics"),
     Flag("--scheduling-policy", "engine.scheduling_policy"),
     Flag("--scheduler-reserve-full-isl", "engine.scheduler_reserve_full_isl"),
+    Flag("--async-scheduling", "engine.async_scheduling"),
     Flag("--prefix-caching-hash-algo", "engine.prefix_caching_hash_algo"),
     Flag("--perf-model", "engine.perf_model"),
     Flag("--fixed-prefill-ms-per-token", "engine.fixed_prefill_ms_per_token"),

@@ -20,6 +20,7 @@ from engined.config.fields import (
 )
 from engined.config.schema import ConfigError, DaemonConfig
 from engined.core.args import EngineArgs, EngineType
+from engined.core.assembly import check_vllm_only
 from engined.core.errors import InvalidArgsError
 from engined.core.offload.config import OffloadConfig
 
@@ -61,7 +62,8 @@ def validate(layers: Layers) -> DaemonConfig:
         raise layers.error(_engine_key(error), str(error)) from None
     try:
         # Offload tiers are built per core; refuse an impossible shape before any is.
-        OffloadConfig.from_args(engine)
+        tiers = OffloadConfig.from_args(engine)
+        check_vllm_only(engine, paged=tiers is None and engine.runs_vllm_semantics())
     except InvalidArgsError as error:
         raise layers.error(_engine_key(error), str(error)) from None
     if engine.engine_type is EngineType.SGLANG:

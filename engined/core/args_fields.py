@@ -258,6 +258,13 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "sequence fits the free blocks, not just its first chunk (vLLM's default)."
         ),
     ] = True
+    async_scheduling: Annotated[
+        bool,
+        Meta(
+            description="vLLM semantics: vLLM's AsyncScheduler (a pass schedules with "
+            "placeholders for tokens still being sampled; outputs arrive one pass later)."
+        ),
+    ] = False
     semantics: Annotated[
         Semantics,
         Meta(

@@ -24,6 +24,7 @@ from engined.core.kv_manager import KvManager
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.parking import OnboardParking
 from engined.core.offload.tier_engine import TierEngine
+from engined.core.paged.async_batches import AsyncBatches
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.paged.scheduler import PagedScheduler
 from engined.core.perf_model import make_perf_model
@@ -58,6 +59,29 @@ class EngineParts(NamedTuple):
     commands: Commands
     finisher: Finisher
     preempter: Preempter
+    # With `async_scheduling`: the batch queue the passes run through.
+    batches: AsyncBatches | None = None
+
+
+def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
+    """Refuse the options only vLLM's scheduler has when the core will not run it (`paged`
+    False: the mocker's pool); the daemon's config validation asks the same before starting.
+
+    Raises:
+        InvalidArgsError: naming the option.
+    """
+    if paged:
+        return
+    for key, value, on in (
+        ("scheduling_policy", "=priority", args.scheduling_policy is SchedulingPolicy.PRIORITY),
+        ("async_scheduling", "", args.async_scheduling),
+    ):
+        if on:
+            raise InvalidArgsError(
+                f"{key}{value} needs vLLM semantics (semantics = vllm, "
+                "engine_type = vllm, no MTP or offload tiers)",
+                key=key,
+            )
 
 
 def assemble(
@@ -86,13 +110,8 @@ def assemble(
         offload_config = OffloadConfig.from_args(args)
         tiers = TierEngine(offload_config) if offload_config is not None else None
     paged = tiers is None and args.runs_vllm_semantics()
+    check_vllm_only(args, paged=paged)
     by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
-    if by_priority and not paged:
-        raise InvalidArgsError(
-            "scheduling_policy=priority needs vLLM semantics (semantics = vllm, "
-            "engine_type = vllm, no MTP or offload tiers)",
-            key="scheduling_policy",
-        )
     if paged:
         # vLLM keeps block 0 as its null block: one usable block fewer.
         policy = policy_cls(
@@ -213,6 +232,10 @@ def assemble(
         policy=policy,
         vocab=vocab,
     )
+    batches = None
+    if args.async_scheduling:
+        assert isinstance(scheduler, PagedScheduler) and isinstance(kv, PagedKvManager)
+        batches = AsyncBatches(state=state, scheduler=scheduler, kv=kv, emitter=emitter)
     return EngineParts(
         state,
         kv,
@@ -226,4 +249,5 @@ def assemble(
         commands,
         finisher,
         preempter,
+        batches,
     )

@@ -124,6 +124,17 @@ class TokenEmitter:
         )
         return scale_ms(raw, self._decode_ratio)
 
+    def modeled_decode_ms(self, batch: int, total_len: int) -> float:
+        """The modeled duration of a decode batch now (async scheduling models a batch's
+        time when it is scheduled)."""
+        return self._decode_ms(batch, total_len)
+
+    def finish(
+        self, ctx: PassContext, req: RequestState, tokens: list[int], cleanup: list[BlockMove]
+    ) -> None:
+        """`req` ends with `tokens` (async scheduling's resolution of a batch)."""
+        self._finish(ctx, req, tokens, cleanup)
+
     def _finish(
         self, ctx: PassContext, req: RequestState, tokens: list[int], cleanup: list[BlockMove]
     ) -> None:

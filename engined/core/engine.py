@@ -6,7 +6,9 @@ This file is the engine's whole contract. Everything is a call that returns what
   the handoff commands, vocabulary, prefix-cache reset), with the requests it ended, the
   handoff events and KV events it caused.
 * `execute_pass(now_ms) -> PassResult`: vLLM's `schedule()` and `update_from_output()` in
-  one deterministic call: one `RequestOutput` per request that produced tokens or ended,
+  one deterministic call (with `async_scheduling`, one `step_with_batch_queue()`: the
+  schedule of a batch and the update from the one before; engined/core/paged/async_batches.py):
+  one `RequestOutput` per request that produced tokens or ended,
   the requests that ended and why, admissions, handoff and KV events, FPM, gauges, the
   modeled end of the pass, and whether it progressed at all.
 * `advance_tiers(now_ms) -> TierAdvance`: the offload tiers' transfers due by `now_ms`
@@ -59,6 +61,7 @@ class Engine:
     """The scheduler of one data-parallel rank: requests, KV blocks, handoffs, passes."""
 
     __slots__ = (
+        "_batches",
         "_book",
         "_commands",
         "_emitter",
@@ -128,6 +131,7 @@ class Engine:
         self._scheduler = parts.scheduler
         self._emitter = parts.emitter
         self._commands = parts.commands
+        self._batches = parts.batches
         parts.preempter.victims = [] if record else None
 
     @property
@@ -158,11 +162,17 @@ class Engine:
         tiers = self._kv.offload
         if tiers is not None:
             self._parking.advance(now_ms)
-        scheduler = self._scheduler
-        scheduler.schedule(ctx)
-        ctx.read_shares(self._state.requests)
-        prefill_ms = scheduler.prefill_ms(ctx)
-        decode_ms = self._emitter.emit(ctx)
+        batches = self._batches
+        resolved = True
+        if batches is None:
+            scheduler = self._scheduler
+            scheduler.schedule(ctx)
+            ctx.read_shares(self._state.requests)
+            prefill_ms = scheduler.prefill_ms(ctx)
+            decode_ms = self._emitter.emit(ctx)
+        else:
+            prefill_ms, resolved = batches.step(ctx)
+            decode_ms = 0.0
         outputs = ctx.outputs
         ended = ctx.ended
         for request_id in ctx.rejected:
@@ -177,7 +187,9 @@ class Engine:
         lifecycle = ctx.lifecycle
         lifecycle += self._commands.retry_pending_destinations()
         metrics = self.metrics()
-        kv_events = self._kv.take_events()
+        # Async scheduling: a pass that resolved no batch publishes nothing yet (vLLM
+        # publishes KV events from `update_from_output`).
+        kv_events = self._kv.take_events() if resolved else []
         queued = self._queued
         wall_time_secs = (end_ms - now_ms) / 1000.0
         fpm = build_snapshot(
@@ -196,6 +208,7 @@ class Engine:
             or ended
             or wall_time_secs > 0
             or metrics != before
+            or not resolved
         )
         return PassResult(
             end_ms,

@@ -32,6 +32,12 @@ class RequestState:
     # and the preemption victim under `scheduling_policy = priority`.
     priority: int = 0
     arrival: int = 0
+    # Async scheduling (engined/core/paged/async_batches.py), as vLLM's `Request` counts
+    # them: tokens sampled by batches in flight (included in `num_computed_tokens`), tokens
+    # of batches in flight, and of those the ones a preemption made stale.
+    num_output_placeholders: int = 0
+    num_in_flight_tokens: int = 0
+    num_stale_output_tokens: int = 0
 
     def prompt_is_prebuilt(self) -> bool:
         """An activated destination: its prompt KV arrived by transfer, nothing to prefill."""

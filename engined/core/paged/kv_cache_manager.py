@@ -167,6 +167,13 @@ class PagedKvManager:
             tokens[done * bs : full * bs].tolist(),
         )
 
+    def cache_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """vLLM's `cache_blocks` after a sampled token arrives (async scheduling): cache the
+        full blocks among the first `num_tokens`."""
+        table = self._tables.get(seq)
+        if table is not None and self.caching:
+            self._cache_blocks(seq, table, num_tokens)
+
     def free(self, seq: Sequence) -> None:
         table = self._tables.pop(seq, None)
         self._num_cached.pop(seq, None)

@@ -1,7 +1,9 @@
 """The scheduling half of a pass under vLLM 0.33's semantics (vLLM's `Scheduler.schedule()`).
 
-1. Running requests in order, each taking what it lacks of its known tokens, capped by the
-   budget and by `max_model_len - 1` past what it computed. Its slots are allocated now
+1. Running requests in order, each taking what it lacks of its known tokens (and, with
+   async scheduling, of the placeholders for tokens still being sampled; a request whose
+   last token is among them is passed over), capped by the budget and by
+   `max_model_len - 1` past what it computed. Its slots are allocated now
    (`allocate_slots`); when they cannot be, the last running request is preempted (vLLM's
    FCFS; under `scheduling_policy = priority` the one of greatest (priority, arrival)),
    until the allocation succeeds or the request preempted itself, which ends the running
@@ -127,9 +129,18 @@ class PagedScheduler:
                 ctx.budget -= 1
                 i += 1
                 continue
+            # Async scheduling: tokens still being sampled are computed as placeholders, and
+            # a request whose last token is among them has nothing left to schedule.
+            placeholders = req.num_output_placeholders
+            if (
+                placeholders
+                and computed + 2 - placeholders >= seq.num_input_tokens + seq.max_output_tokens
+            ):
+                i += 1
+                continue
             # Room for the token the step samples (none for a prefill-only request).
             cap = max_model_len - (seq.generated < seq.max_output_tokens) - computed
-            num_new = min(len(seq.tokens) - computed, ctx.budget, cap)
+            num_new = min(length + placeholders - computed, ctx.budget, cap)
             if num_new <= 0:
                 i += 1
                 continue

@@ -1,0 +1,160 @@
+"""`--async-scheduling`: vLLM 0.33's `AsyncScheduler` as its `EngineCore` runs it.
+
+With async scheduling vLLM's engine core keeps a batch queue of 2
+(`EngineCore.step_with_batch_queue`): each call schedules batch N while batch N-1 is still
+on the GPU, and then, once the queue is full, waits for batch N-1 and calls
+`update_from_output` on it. One engined pass is one such call:
+
+1. If the engine holds requests, schedule a batch (`PagedScheduler.schedule`) and queue it.
+   Every request it schedules that is not left mid-prefill will sample a token nobody knows
+   yet: it gets an output placeholder, counted in its computed tokens, so the next schedule
+   gives it one more token to compute (the placeholder's) and allocates its slot (and block,
+   and preempts for it) when vLLM does. A request whose last token is already in flight is
+   passed over. If the queue was empty and something ran or remains, the pass ends here:
+   nothing is delivered, and the KV events stay in the log for the next pass, as vLLM
+   publishes them from `update_from_output` only.
+2. Otherwise the oldest batch is resolved: each request it sampled for draws its token
+   (appended, hashed), loses a placeholder, caches the blocks its delivered tokens fill, and
+   gets its output; a request reaching its length finishes and frees its blocks.
+
+So a request's tokens arrive one pass later than under the synchronous scheduler, and the
+first pass after an idle engine delivers nothing. A request preempted while a batch of
+its was in flight keeps that batch's token (vLLM delivers stale output rather than
+resample it) but not its placeholder; vLLM's rule that holds back such a request until its
+stale output drains never fires with a queue of 2, since the batch drains in the same call
+that preempted it.
+
+Time: a pass lasts as long as the batch it resolves took to run (its prefill and decode
+modeled at its schedule); a schedule-only pass takes none. Its FPM describes the batch it
+scheduled. Outside vLLM semantics (mocker pool, MTP, offload tiers) async scheduling is
+refused (`InvalidArgsError` from assembly).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from engined.core.emission import TokenEmitter
+from engined.core.paged.kv_cache_manager import PagedKvManager
+from engined.core.paged.scheduler import PagedScheduler
+from engined.core.pass_context import PassContext
+from engined.core.state import RequestState, SchedulerState
+from engined.core.types import RequestOutput, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Batch(NamedTuple):
+    """A scheduled batch in flight: per request, the tokens it computes and whether it
+    samples one; and its modeled duration."""
+
+    requests: list[RequestState]
+    num_tokens: list[int]
+    samples: list[bool]
+    duration_ms: float
+
+
+class AsyncBatches:
+    """EngineCore's batch queue (2 deep) over the paged scheduler."""
+
+    __slots__ = ("_emitter", "_kv", "_queue", "_scheduler", "_state")
+
+    def __init__(
+        self,
+        *,
+        state: SchedulerState,
+        scheduler: PagedScheduler,
+        kv: PagedKvManager,
+        emitter: TokenEmitter,
+    ) -> None:
+        self._state = state
+        self._scheduler = scheduler
+        self._kv = kv
+        self._emitter = emitter
+        self._queue: deque[Batch] = deque()
+
+    def step(self, ctx: PassContext) -> tuple[float, bool]:
+        """One `step_with_batch_queue`: the modeled duration (ms) of the batch it resolved,
+        and whether it resolved one (False: its KV events wait for the next pass)."""
+        state = self._state
+        queue = self._queue
+        if state.requests:
+            self._scheduler.schedule(ctx)
+            ctx.read_shares(state.requests)
+            batch = self._placeholders(ctx)
+            queue.appendleft(batch)
+            if len(queue) < 2 and (batch.requests or state.requests):
+                return 0.0, False
+        elif not queue:
+            return 0.0, True
+        batch = queue.pop()
+        self._resolve(ctx, batch)
+        return batch.duration_ms, True
+
+    def _placeholders(self, ctx: PassContext) -> Batch:
+        """vLLM's `_update_after_schedule`: the batch's tokens are in flight, and each
+        request it does not leave mid-prefill gets a placeholder for its sampled token."""
+        requests = self._state.requests
+        batch: list[RequestState] = []
+        counts: list[int] = []
+        samples: list[bool] = []
+        samplers = total_len = 0
+        for request_id, work in zip(ctx.scheduled_ids, ctx.scheduled, strict=True):
+            req = requests[request_id]
+            num = 1 if isinstance(work, RequestState) else work.total_tokens
+            req.num_in_flight_tokens += num
+            length = len(req.seq.tokens)
+            sample = req.num_computed_tokens >= length + req.num_output_placeholders
+            if sample:
+                req.num_output_placeholders += 1
+                samplers += 1
+                total_len += length
+            batch.append(req)
+            counts.append(num)
+            samples.append(sample)
+        duration = self._scheduler.prefill_ms(ctx)
+        if samplers:
+            duration += self._emitter.modeled_decode_ms(samplers, total_len)
+        return Batch(batch, counts, samples, duration)
+
+    def _resolve(self, ctx: PassContext, batch: Batch) -> None:
+        """vLLM's `update_from_output` for `batch`, its model output fabricated: one drawn
+        token for every request it sampled for (still here: a cancelled one is skipped)."""
+        requests = self._state.requests
+        kv = self._kv
+        emitter = self._emitter
+        emitted = 0
+        for req, num, sample in zip(batch.requests, batch.num_tokens, batch.samples, strict=True):
+            request_id = req.request_id
+            if requests.get(request_id) is not req:
+                continue
+            req.num_in_flight_tokens -= num
+            stale = req.num_stale_output_tokens > 0
+            if stale:
+                req.num_stale_output_tokens -= num
+            if not sample:
+                continue
+            seq = req.seq
+            if seq.generated >= seq.max_output_tokens:
+                emitter.finish(ctx, req, [], seq.free_moves())
+                continue
+            placeholder = req.num_output_placeholders > 0
+            was_running = req.status is _RUNNING
+            token, moves = seq.generate_token()
+            emitted += 1
+            if not stale and placeholder:
+                req.num_output_placeholders -= 1
+                if was_running:
+                    kv.cache_computed(seq, req.num_computed_tokens - req.num_in_flight_tokens)
+            if seq.generated >= seq.max_output_tokens:
+                emitter.finish(ctx, req, [token], moves)
+                continue
+            cached = req.take_cached_tokens()
+            if cached is None:
+                ctx.decoded_ids.append(request_id)
+                ctx.decoded_tokens.append(token)
+            else:
+                ctx.add_output(RequestOutput(request_id, [token], None, cached))
+        ctx.output_tokens += emitted
+        ctx.decode_forwards += emitted
