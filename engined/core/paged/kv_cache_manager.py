@@ -137,6 +137,23 @@ class PagedKvManager:
             self._cache_blocks(seq, table, min(computed + num_new_tokens, len(seq.tokens)))
         return True
 
+    def append_slot(self, seq: Sequence, length: int) -> bool:
+        """`allocate_slots(seq, length - 1, 1)` of a running request: a slot for its token
+        `length`, in a new block when the held ones are full (False, with nothing changed,
+        when none is free), and the block that token fills cached."""
+        table = self._tables[seq]
+        bs = self.block_size
+        pool = self.pool
+        if length > len(table) * bs:
+            if not pool.num_free:
+                return False
+            table.append(pool.get_new_blocks(1)[0])
+        if length > seq.num_allocated_tokens:
+            seq.num_allocated_tokens = length
+        if self.caching and length % bs == 0:
+            self._cache_blocks(seq, table, length)
+        return True
+
     def _cache_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         """Cache the blocks whose every token is scheduled: vLLM hashes each (chained to the
         previous block's hash) and publishes them as one Stored."""

@@ -145,7 +145,14 @@ class PagedScheduler:
                 i += 1
                 continue
             preempted = preempted_itself = False
-            while not kv.allocate_slots(seq, computed, num_new):
+            # A plain decode step that opens or fills a block takes `append_slot`, the same
+            # allocation and caching without `allocate_slots`' generality.
+            grow = num_new == 1 and not placeholders and computed >= seq.num_input_tokens
+            while not (
+                kv.append_slot(seq, computed + 1)
+                if grow
+                else kv.allocate_slots(seq, computed, num_new)
+            ):
                 victim = self._preempter.preempt()
                 if victim is None:
                     return
