@@ -204,9 +204,11 @@ class TokenEmitter:
             if (
                 fast
                 and seq.planned is None
-                and len(tokens) % bs != 0
-                # vLLM's pool hashes a block when its last token arrives (`push_paged`).
-                and (mocker_kv is not None or (len(tokens) + 1) % bs != 0)
+                # The mocker's pool allocates the block a token opens; vLLM's hashes the block
+                # a token fills (`push_paged`). Either way the general path does that.
+                and (
+                    len(tokens) % bs != 0 if mocker_kv is not None else (len(tokens) + 1) % bs != 0
+                )
                 and seq.generated + 1 < seq.max_output_tokens
                 and req.cached_tokens_reported
                 and req.status is running

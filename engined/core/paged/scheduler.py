@@ -170,7 +170,14 @@ class PagedScheduler:
             if preempted and self._by_priority:
                 # The victim may have run before it: find the request's place again.
                 i = running.index(req)
-            self._record(ctx, req, computed, num_new)
+            if grow:
+                # One decode token: the request stands for its ScheduledWork, as above.
+                req.num_computed_tokens = req.scheduled_len = computed + 1
+                scheduled_ids.append(req.request_id)
+                scheduled.append(req)
+                ctx.budget -= 1
+            else:
+                self._record(ctx, req, computed, num_new)
             i += 1
 
     def _admit_waiting(self, ctx: PassContext) -> None:
