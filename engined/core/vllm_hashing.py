@@ -125,17 +125,18 @@ def none_hash(algo: HashAlgo, python_hash_seed: str | None) -> bytes:
 class BlockHasher:
     """`hash_block_tokens` of vLLM 0.33 for one algorithm and NONE_HASH (no extra keys)."""
 
-    __slots__ = ("_digest", "_none_hash", "_serialise")
+    __slots__ = ("_digest", "_serialise", "algo", "none_hash")
 
     def __init__(self, algo: HashAlgo, none_hash: bytes) -> None:
         self._serialise = _serialiser(algo)
         self._digest = _digest(algo)
-        self._none_hash = none_hash
+        self.algo = algo
+        self.none_hash = none_hash
 
     def block_hash(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
         """The hash of a full block of `tokens` whose previous block hashed to `parent`."""
         # vLLM tests `not parent_block_hash`: an empty parent is a first block too.
-        key = (parent or self._none_hash, tuple(tokens), None)
+        key = (parent or self.none_hash, tuple(tokens), None)
         return self._digest(self._serialise(key))
 
 
@@ -152,4 +153,4 @@ def event_block_hash(h: bytes, *, int_hashes: bool = True) -> int | bytes:
 
 def event_block_hash_int(h: bytes) -> int:
     """`event_block_hash` in vLLM's default form (an int), typed as such for the KV path."""
-    return int.from_bytes(h, "big") & _U64_MASK
+    return int.from_bytes(h[-8:], "big")
