@@ -99,27 +99,12 @@ def assemble(
     num_blocks = args.num_gpu_blocks
     max_num_seqs = args.max_num_seqs or _UNBOUNDED
     max_batched_tokens = args.max_num_batched_tokens or _UNBOUNDED
-    policy_cls = TrtllmNoEvictPolicy if args.engine_type is EngineType.TRTLLM else AdmissionPolicy
-    policy = policy_cls(
-        num_blocks,
-        bs,
-        None if args.enable_chunked_prefill else max_batched_tokens,
-        args.max_model_len,
-    )
     if tiers is None:
         offload_config = OffloadConfig.from_args(args)
         tiers = TierEngine(offload_config) if offload_config is not None else None
     paged = tiers is None and args.runs_vllm_semantics()
     check_vllm_only(args, paged=paged)
     by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
-    if paged:
-        # vLLM keeps block 0 as its null block: one usable block fewer.
-        policy = policy_cls(
-            num_blocks - 1,
-            bs,
-            None if args.enable_chunked_prefill else max_batched_tokens,
-            args.max_model_len,
-        )
     kv: KvManager | PagedKvManager
     if paged:
         kv = PagedKvManager(
@@ -127,7 +112,7 @@ def assemble(
             bs,
             dp_rank=dp_rank,
             caching=args.enable_prefix_caching,
-            max_model_len=policy.max_model_len,
+            max_model_len=args.max_model_len,
             hasher=BlockHasher(algo, none_hash(algo, python_hash_seed)),
         )
     else:
@@ -139,6 +124,13 @@ def assemble(
             prefix_hit=PrefixHit.from_args(args),
             tiers=tiers,
         )
+    policy_cls = TrtllmNoEvictPolicy if args.engine_type is EngineType.TRTLLM else AdmissionPolicy
+    policy = policy_cls(
+        kv.usable_blocks,
+        bs,
+        None if args.enable_chunked_prefill else max_batched_tokens,
+        args.max_model_len,
+    )
     capacity = CapacityGeneration()
     # FPM's queued-request tallies, kept by the queues themselves (engined/core/queued.py).
     queued = QueuedLengths()
@@ -221,7 +213,7 @@ def assemble(
     )
     commands = Commands(
         block_size=bs,
-        num_blocks=num_blocks - 1 if paged else num_blocks,
+        num_blocks=kv.usable_blocks,
         max_num_seqs=max_num_seqs,
         intake=intake,
         state=state,

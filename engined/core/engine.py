@@ -121,8 +121,7 @@ class Engine:
             python_hash_seed=python_hash_seed,
         )
         self.paged = isinstance(parts.kv, PagedKvManager)
-        # vLLM keeps block 0 as its null block.
-        self.usable_blocks = self.num_blocks - 1 if self.paged else self.num_blocks
+        self.usable_blocks = parts.kv.usable_blocks
         self._state = parts.state
         self._kv = parts.kv
         self._book = parts.book

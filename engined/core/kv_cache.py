@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engined.core.kv_manager import DestinationReservation
     from engined.core.offload.g1_glue import G1Glue
-    from engined.core.prefix_hit import PrefillCost
     from engined.core.sequence import BlockMove, Sequence
     from engined.core.types import KvEvent, OffloadWait
 
@@ -24,6 +23,9 @@ class KvCache(Protocol):
 
     @property
     def offload(self) -> G1Glue | None: ...
+
+    @property
+    def usable_blocks(self) -> int: ...
 
     def apply_all(self, moves: list[BlockMove]) -> bool: ...
 
@@ -36,8 +38,6 @@ class KvCache(Protocol):
     def take_offload_wait(self) -> OffloadWait | None: ...
 
     def refresh_offload_wait(self, wait: OffloadWait) -> OffloadWait | None: ...
-
-    def prefill_cost(self, seq: Sequence) -> PrefillCost: ...
 
     def active_block_ids(self, seq: Sequence) -> list[int]: ...
 

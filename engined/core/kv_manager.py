@@ -113,6 +113,11 @@ class KvManager:
 
     # --- queries ------------------------------------------------------------------------
 
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks requests can hold: all of the mocker's pool."""
+        return self.pool.num_blocks
+
     def num_active_blocks(self) -> int:
         return self.pool.num_active
 

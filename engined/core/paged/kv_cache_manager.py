@@ -5,7 +5,8 @@ What a vLLM scheduler asks of its `KVCacheManager`, with vLLM's rules
 
 * `get_computed_blocks`: the longest run of cached blocks from the start of the request's
   known tokens, at most `num_tokens - 1` tokens long (the last token is recomputed for its
-  logits), one block less with EAGLE-style speculation.
+  logits). (vLLM drops one block more with EAGLE-style speculation; MTP runs on the
+  mocker's pool.)
 * `allocate_slots`: slots for the tokens scheduled now, counted whole blocks, or nothing at
   all when the free queue cannot supply them (hit blocks that are free count against it). The
   blocks whose every token is scheduled are cached at once, one `BlockStored` per call,
@@ -28,7 +29,7 @@ from engined.core.kv_event_log import KvEventLog
 from engined.core.kv_manager import DestinationReservation
 from engined.core.offload.g1_glue import G1Glue
 from engined.core.paged.block_pool import PagedBlockPool
-from engined.core.prefix_hit import PrefillCost
+from engined.core.policy import context_length
 from engined.core.sequence import BlockMove, Release, Sequence
 from engined.core.types import KvEvent, OffloadWait
 from engined.core.vllm_hashing import BlockHasher, HashAlgo
@@ -40,7 +41,6 @@ _dumps: Final = pickle.dumps
 
 class PagedKvManager:
     __slots__ = (
-        "_drop_draft_block",
         "_hasher",
         "_none_hash",
         "_num_cached",
@@ -61,19 +61,18 @@ class PagedKvManager:
         *,
         dp_rank: int,
         caching: bool,
-        max_model_len: int,
+        max_model_len: int | None,
         hasher: BlockHasher,
-        drop_draft_block: bool = False,
     ) -> None:
+        """`max_model_len` is the configured one (None: unset); the pool caps it."""
         self.block_size = block_size
         self.caching = caching
-        self.max_model_len = max_model_len
-        self._drop_draft_block = drop_draft_block
         self._hasher = hasher
         self._none_hash = hasher.none_hash
         self._sha256_pickle = hasher.algo is HashAlgo.SHA256
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=caching)
         self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log)
+        self.max_model_len = context_length(self.usable_blocks, block_size, max_model_len)
         # Each request's block table, and how many of its leading blocks are cached.
         self._tables: dict[Sequence, list[int]] = {}
         self._num_cached: dict[Sequence, int] = {}
@@ -99,8 +98,6 @@ class PagedKvManager:
             if block is None:
                 break
             hit.append(block)
-        if self._drop_draft_block and hit:
-            hit.pop()
         return hit
 
     def allocate_slots(
@@ -229,6 +226,11 @@ class PagedKvManager:
             self.free(move.seq)
         return True
 
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks requests can hold: all but vLLM's null block."""
+        return self.pool.num_blocks - 1
+
     def num_active_blocks(self) -> int:
         return self.pool.num_used
 
@@ -243,15 +245,6 @@ class PagedKvManager:
 
     def refresh_offload_wait(self, wait: OffloadWait) -> OffloadWait | None:
         return None
-
-    def prefill_cost(self, seq: Sequence) -> PrefillCost:
-        """What admitting `seq` now would find cached (for the gauges and inspection)."""
-        hit = len(self.get_computed_blocks(seq))
-        cached = hit * self.block_size
-        active = sum(1 for b in self.get_computed_blocks(seq) if self.pool.refs[b])
-        return PrefillCost(
-            seq.num_blocks - hit, len(seq.tokens) - cached, cached, active * self.block_size
-        )
 
     def active_block_ids(self, seq: Sequence) -> list[int]:
         return self.block_table(seq)
