@@ -22,7 +22,7 @@ from engined.core.types import (
     Submit,
 )
 from engined.core.vllm_hashing import HashAlgo
-from parity.scenario import Scenario
+from parity.scenario import MAX_STEPS, Scenario
 from parity.trace import (
     Admitted,
     CachedReport,
@@ -34,9 +34,6 @@ from parity.trace import (
     Trace,
 )
 from parity.trace import KvEvent as TraceEvent
-
-# As the vLLM side: a side still busy after this many steps has livelocked.
-MAX_STEPS = 20_000
 
 
 def engine_args(scenario: Scenario) -> EngineArgs:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
+# A side still busy after this many steps has livelocked (both sides stop there).
+MAX_STEPS = 20_000
+
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
     """The settings both schedulers get. `num_gpu_blocks` is the same number on both sides:

@@ -35,7 +35,14 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import msgspec
 
-from parity.scenario import Config, Scenario, ScenarioRequest, VllmJob, fallback_token
+from parity.scenario import (
+    MAX_STEPS,
+    Config,
+    Scenario,
+    ScenarioRequest,
+    VllmJob,
+    fallback_token,
+)
 from parity.trace import (
     Admitted,
     CachedReport,
@@ -47,9 +54,6 @@ from parity.trace import (
     Stored,
     Trace,
 )
-
-# Enough steps for any scenario here; a side still busy after them has livelocked.
-MAX_STEPS = 20_000
 
 # A tiny Llama: the scheduler reads only lengths and limits from the model config.
 _TINY_LLAMA = {

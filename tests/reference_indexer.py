@@ -19,7 +19,7 @@ import hashlib
 import pickle
 import struct
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -471,13 +471,7 @@ class ReferenceIndexer:
 
     def router_overlap(self, token_ids: Sequence[int], worker_id: int = 0, dp_rank: int = 0) -> int:
         """`overlap` as Dynamo's router computes it (see `router_blocks`)."""
-        indexed = self.router_blocks(worker_id, dp_rank)
-        count = 0
-        for h in self.hashes_of(token_ids):
-            if h not in indexed:
-                break
-            count += 1
-        return count
+        return self._leading(token_ids, self.router_blocks(worker_id, dp_rank))
 
     def overlap(
         self,
@@ -487,10 +481,13 @@ class ReferenceIndexer:
         medium: Medium = Medium.GPU,
     ) -> int:
         """Leading full blocks of a prompt that are indexed: the router's prefix-hit count."""
-        tree = self._trees.get((worker_id, dp_rank, medium), {})
+        return self._leading(token_ids, self._trees.get((worker_id, dp_rank, medium), {}))
+
+    def _leading(self, token_ids: Sequence[int], indexed: Container[int]) -> int:
+        """How many leading full blocks of `token_ids` are in `indexed`."""
         count = 0
         for h in self.hashes_of(token_ids):
-            if h not in tree:
+            if h not in indexed:
                 break
             count += 1
         return count
