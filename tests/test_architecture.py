@@ -6,6 +6,7 @@ reader). Packages are layered:
 
     core < wire < server < cli        core < config < client < tools < cli
     wire < client, config < server    client < dynamo < cli (dynamo may use tools)
+    client < openai (the OpenAI API server: a control client; nothing below imports it)
 
 A module may import its own package and the packages below it, never one above or beside
 it; `engined` itself imports the core, to check its build first. Beside the layers sit the
@@ -40,6 +41,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "client": frozenset({"engined", "neutral", "core", "wire", "config"}),
     "tools": frozenset({"engined", "neutral", "core", "wire", "config", "client"}),
     "dynamo": frozenset({"engined", "neutral", "core", "wire", "config", "client", "tools"}),
+    "openai": frozenset({"engined", "neutral", "core", "wire", "config", "client"}),
     "cli": frozenset(
         {"engined", "neutral", "core", "wire", "config", "server", "client", "tools", "dynamo"}
     ),
