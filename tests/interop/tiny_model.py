@@ -6,8 +6,8 @@ model over `<unk> <s> </s>` (ids 0, 1, 2) and the words `w0 .. w{vocab_words - 1
 3), split on whitespace, decoded by joining the words with spaces. No special token is added
 on encode, so a prompt of N words is exactly N token ids: `words(n)` builds one.
 
-`tokenizers` lives in the peers venv, not in the project's (no new dev dependency): when the
-running interpreter cannot import it, this file runs itself under the peers python
+`tokenizers` is one of engined's dependencies (engined serve's tokenizers), so the model is
+built in-process; an interpreter that cannot import it runs this file under the peers python
 (`python tiny_model.py DIR --vocab-words N --max-position-embeddings M`). The script half
 uses the standard library and `tokenizers` only.
 """
@@ -50,7 +50,6 @@ def _write_json(path: Path, value: object) -> None:
 
 def _build_here(directory: Path, vocab_words: int, max_position_embeddings: int) -> None:
     """Write the four files with `tokenizers` (must be importable in this interpreter)."""
-    # Only in the peers venv: mypy under the project's venv has no stubs for it.
     from tokenizers import (  # type: ignore[import-not-found, unused-ignore]
         Tokenizer,
         decoders,
