@@ -133,6 +133,10 @@ class HttpConnection(asyncio.Protocol):
     def task(self) -> asyncio.Task[None] | None:
         return self._task
 
+    @property
+    def unparsed_bytes(self) -> int:
+        return len(self._backlog)
+
     def close_if_idle(self) -> None:
         """At shutdown: a connection with no request in flight goes at once."""
         if self._task is None and not self._reader.items:

@@ -63,6 +63,11 @@ class HttpServer:
         return len(self._connections)
 
     @property
+    def unparsed_bytes(self) -> int:
+        """Bytes received and not parsed yet: pipelined requests waiting for their turn."""
+        return sum(connection.unparsed_bytes for connection in self._connections)
+
+    @property
     def max_connections(self) -> int:
         """`limits.max_connections`, within what the descriptor limit lets the process hold."""
         return self._max_connections
@@ -103,10 +108,11 @@ class HttpServer:
         for connection in list(self._connections | self._refusing):
             connection.close_if_idle()
         self._check_all_closed()
-        try:
-            await asyncio.wait_for(self._all_closed.wait(), max(grace_s, 0.0))
-        except TimeoutError:
-            log.warning("http shutdown grace over", cut=len(self._connections))
+        if not self._all_closed.is_set():
+            try:
+                await asyncio.wait_for(self._all_closed.wait(), max(grace_s, 0.0))
+            except TimeoutError:
+                log.warning("http shutdown grace over", cut=len(self._connections))
         tasks = []
         for connection in list(self._connections | self._refusing):
             if connection.task is not None:
