@@ -28,12 +28,15 @@ Stacks (`--stacks`, default all):
 * `uvicorn`: uvicorn + uvloop + httptools, a raw ASGI app (no framework).
 * `granian-asgi`, `granian-rsgi`: granian (Rust, hyper) with one worker, its uvloop loop.
 * `aiohttp`: aiohttp.web on uvloop.
-* `engined`: engined.openai.http.HttpServer (the server this choice led to), on uvloop.
+* `engined`: engined.openai.http.HttpServer (the server this choice led to), on uvloop;
+  `engined-asyncio` the same on asyncio's own loop (does uvloop matter?).
 
-Run it in a scratch venv with every candidate, never the project's own:
+Run it in a scratch venv with every candidate, never the project's own (the checkout this
+file is in is put on `sys.path` for the `engined` stacks; structlog, msgspec and xxhash are
+what importing it needs):
 
     python3 -m venv .venv-bench
-    .venv-bench/bin/pip install -e . httptools uvloop uvicorn granian aiohttp
+    .venv-bench/bin/pip install httptools uvloop uvicorn granian aiohttp structlog msgspec xxhash
     .venv-bench/bin/python benchmarks/http_stacks.py [--stacks raw uvicorn] [--repeat 3]
 """
 
@@ -53,7 +56,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-STACKS = ("raw", "raw-coalesced", "uvicorn", "granian-asgi", "granian-rsgi", "aiohttp", "engined")
+STACKS = (
+    "raw",
+    "raw-coalesced",
+    "uvicorn",
+    "granian-asgi",
+    "granian-rsgi",
+    "aiohttp",
+    "engined",
+    "engined-asyncio",
+)
 EVENTS = 256
 _EVENT = (
     b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764720000,'
@@ -260,6 +272,7 @@ async def _events() -> AsyncIterator[bytes]:
 
 
 def _engined_server() -> Callable[[socket.socket], Awaitable[None]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from engined.openai.http import (
         HttpLimits,
         HttpRequest,
@@ -327,7 +340,8 @@ def serve(stack: str, port: int) -> None:
             log_level="warning",
         )
         return
-    uvloop.install()
+    if stack != "engined-asyncio":
+        uvloop.install()
     asyncio.run(_serve_async(stack, port))
 
 
@@ -346,7 +360,7 @@ async def _serve_async(stack: str, port: int) -> None:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
         await asyncio.Event().wait()
-    elif stack == "engined":
+    elif stack in ("engined", "engined-asyncio"):
         sock = socket.create_server(("127.0.0.1", port), backlog=1024)
         await _engined_server()(sock)
 

@@ -57,6 +57,8 @@ class HttpConnection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._unwinding = False
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline: float | None = None
+        self._cut: asyncio.TimerHandle | None = None
         self._reading_paused = False
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
@@ -112,7 +114,10 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._reader.phase = "dead"
-        self._cancel_timer()
+        for handle in (self._timer, self._cut):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._cut = None
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(ConnectionResetError("client went away"))
         if self._task is not None and not self._unwinding:
@@ -356,12 +361,12 @@ class HttpConnection(asyncio.Protocol):
             transport.write_eof()
             self._resume_reading()
             self._closing = True
-            self._timer = self._loop.call_later(LINGER_S, transport.abort)
+            self._cut = self._loop.call_later(LINGER_S, transport.abort)
             return
         self._closing = True
         transport.close()
         if transport.get_write_buffer_size():
-            self._timer = self._loop.call_later(self._limits.write_timeout_s, transport.abort)
+            self._cut = self._loop.call_later(self._limits.write_timeout_s, transport.abort)
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and self._transport is not None and not self._closing:
@@ -376,8 +381,13 @@ class HttpConnection(asyncio.Protocol):
     # --- deadlines ----------------------------------------------------------------------------
 
     def _arm(self) -> None:
-        """One timer per connection, set only while the server waits for the client."""
-        self._cancel_timer()
+        """A deadline only while the server waits for the client.
+
+        One timer per connection, moved lazily: a request on a kept-alive connection moves
+        its deadline later without touching the timer, which, when it fires early, re-arms
+        for the deadline then in force. So a request costs no timer operation.
+        """
+        self._deadline = None
         reader = self._reader
         if self._task is not None or reader.items or self._closing or self.closed:
             return
@@ -390,15 +400,24 @@ class HttpConnection(asyncio.Protocol):
             deadline = reader.phase_since + limits.body_timeout_s
         else:
             return
-        self._timer = self._loop.call_at(deadline, self._expired)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
+        self._deadline = deadline
+        if self._timer is not None and self._timer.when() > deadline:
             self._timer.cancel()
             self._timer = None
+        if self._timer is None:
+            self._timer = self._loop.call_at(deadline, self._expired)
+
+    def _cancel_timer(self) -> None:
+        self._deadline = None
 
     def _expired(self) -> None:
         self._timer = None
+        if self._deadline is None:
+            return
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._expired)
+            return
+        self._deadline = None
         if self._task is not None or self._reader.items or self._closing or self.closed:
             return
         phase = self._reader.phase

@@ -71,8 +71,9 @@ class RequestReader:
     def feed(self, data: memoryview) -> int:
         """Parse `data` until a request is complete (or the reader dies); bytes consumed."""
         offset = 0
-        while offset < len(data) and not self.items and self.phase != "dead":
-            piece = data[offset : offset + FEED_SLICE]
+        size = len(data)
+        while offset < size and not self.items and self.phase != "dead":
+            piece = data if size <= FEED_SLICE else data[offset : offset + FEED_SLICE]
             offset += len(piece)
             try:
                 self._parser.feed_data(piece)
@@ -106,11 +107,6 @@ class RequestReader:
             431, f"Request header fields too large (limit {self._limits.max_head_bytes} bytes)"
         )
 
-    def _count_head(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > self._limits.max_head_bytes:
-            raise self._too_large_head()
-
     # httptools callbacks: an exception raised here becomes an HttpParserCallbackError.
 
     def on_message_begin(self) -> None:
@@ -123,15 +119,20 @@ class RequestReader:
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
-        self._count_head(len(url))
+        self._head_bytes += len(url)
+        if self._head_bytes > self._limits.max_head_bytes:
+            raise self._too_large_head()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name, value))
-        if len(self._headers) > self._limits.max_headers:
+        headers = self._headers
+        headers.append((name, value))
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self._limits.max_head_bytes:
+            raise self._too_large_head()
+        if len(headers) > self._limits.max_headers:
             raise self._refuse(
                 431, f"Request header fields too large (limit {self._limits.max_headers} headers)"
             )
-        self._count_head(len(name) + len(value) + 4)
 
     def on_headers_complete(self) -> None:
         self.phase = "body"
@@ -139,7 +140,9 @@ class RequestReader:
         headers: dict[str, str] = {}
         for raw_name, raw_value in self._headers:
             name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+            if name in headers:
+                value = f"{headers[name]}, {value}"
+            headers[name] = value
         method = self._parser.get_method().decode("ascii")
         version = self._parser.get_http_version()
         self._head = (method, version, self._parser.should_keep_alive(), headers)
@@ -160,14 +163,22 @@ class RequestReader:
 
     def on_message_complete(self) -> None:
         method, version, keep_alive, headers = self._head
-        try:
-            url = httptools.parse_url(b"".join(self._url))
-            path = unquote(url.path.decode("ascii")) if url.path else "/"
-            query = url.query.decode("ascii") if url.query else ""
-        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
-            raise self._refuse(400, "Invalid HTTP request received: bad request target") from None
+        path, query = self._target(b"".join(self._url))
         request = HttpRequest(method, path, query, headers, b"".join(self._body), self.peer)
         self.items.append(Item(request, keep_alive=keep_alive, http10=version == "1.0"))
         self._body.clear()
         self.continue_due = False
         self.phase = "wait" if keep_alive else "dead"
+
+    def _target(self, raw: bytes) -> tuple[str, str]:
+        """(percent-decoded path, raw query) of the request target; llhttp checked its bytes."""
+        try:
+            if raw.startswith(b"/") and b"#" not in raw:
+                path, _, query = raw.decode("ascii").partition("?")
+            else:  # absolute form (or a fragment): let the URL parser take it apart
+                url = httptools.parse_url(raw)
+                path = url.path.decode("ascii") if url.path else "/"
+                query = url.query.decode("ascii") if url.query else ""
+        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
+            raise self._refuse(400, "Invalid HTTP request received: bad request target") from None
+        return (unquote(path) if "%" in path else path), query
