@@ -108,6 +108,37 @@ class App:
             feed.closed.set()
 
 
+class Chunks:
+    """A stream that is not a generator, so only an explicit aclose() reaches it.
+
+    The test puts what it yields: bytes, None (the end) or an exception (raised there).
+    Its aclose() waits for the test, as the serving layer's waits for the daemon to take the
+    cancel, so a test sees whether the server lets it finish.
+    """
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[bytes | Exception | None] = asyncio.Queue()
+        self.aclose_started = asyncio.Event()
+        self.aclose_may_end = asyncio.Event()
+        self.aclosed = 0
+
+    def __aiter__(self) -> Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        item = await self.queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.aclose_started.set()
+        await self.aclose_may_end.wait()
+        self.aclosed += 1
+
+
 @contextlib.asynccontextmanager
 async def serving(
     app: App | None = None,

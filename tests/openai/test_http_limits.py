@@ -15,9 +15,10 @@ import socket
 
 import pytest
 
-from engined.openai.http import HttpLimits
+from engined.openai.http import HttpLimits, HttpRequest, StreamingResponse
 from tests.openai.http_support import (
     App,
+    Chunks,
     Response,
     connect,
     error_factory,
@@ -248,12 +249,7 @@ def test_a_client_that_never_reads_a_stream_is_cut_and_its_iterator_aclosed() ->
     async def scenario() -> None:
         app = App()
         async with serving(app, HttpLimits(write_timeout_s=SHORT)) as (server, port):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", port))
-            sock.setblocking(False)
-            _, writer = await asyncio.open_connection(sock=sock)
-            writer.write(post("/stream", b"{}"))
+            writer = await never_reading_client(port, post("/stream", b"{}"))
             await until(lambda: app.feeds, "the stream started")
             feed = app.feeds[0]
             for _ in range(64):
@@ -266,6 +262,39 @@ def test_a_client_that_never_reads_a_stream_is_cut_and_its_iterator_aclosed() ->
         assert not feed.chunks.empty()  # it stopped taking chunks when the client stalled
 
     run(scenario())
+
+
+def test_a_stalled_streams_aclose_may_await() -> None:
+    async def scenario() -> None:
+        chunks = Chunks()
+
+        async def handler(request: HttpRequest) -> StreamingResponse:
+            return StreamingResponse(200, chunks)
+
+        limits = HttpLimits(write_timeout_s=SHORT)
+        async with serving(handler=handler, limits=limits) as (server, port):
+            writer = await never_reading_client(port, get("/"))
+            for _ in range(64):
+                await chunks.queue.put(b"x" * 65536)
+            await chunks.aclose_started.wait()
+            await until(lambda: server.connections == 0, "the connection cut")
+            chunks.aclose_may_end.set()
+            await until(lambda: chunks.aclosed == 1, "aclose() finished")
+            writer.close()
+        assert chunks.aclosed == 1
+
+    run(scenario())
+
+
+async def never_reading_client(port: int, request: bytes) -> asyncio.StreamWriter:
+    """A connection with a small receive buffer that sends `request` and reads nothing."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    _, writer = await asyncio.open_connection(sock=sock)
+    writer.write(request)
+    return writer
 
 
 def test_a_pipelining_client_cannot_make_the_server_buffer_without_bound() -> None:

@@ -10,13 +10,13 @@ malformed inputs are in test_http_limits.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from engined.openai.http import HttpRequest, HttpResponse, StreamingResponse
 from tests.openai.http_support import (
     App,
+    Chunks,
     connect,
     error_factory,
     exchange,
@@ -218,27 +218,6 @@ def test_a_client_leaving_mid_stream_gets_the_iterator_aclosed() -> None:
     run(scenario())
 
 
-class Chunks:
-    """An async iterator that is not a generator: only an explicit aclose() reaches it."""
-
-    def __init__(self) -> None:
-        self.next_called = asyncio.Event()
-        self.aclosed = 0
-        self.gate = asyncio.Event()
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self
-
-    async def __anext__(self) -> bytes:
-        self.next_called.set()
-        await self.gate.wait()
-        self.gate.clear()
-        return b"data: tick\n\n"
-
-    async def aclose(self) -> None:
-        self.aclosed += 1
-
-
 def test_a_client_leaving_mid_stream_reaches_a_plain_iterators_aclose() -> None:
     async def scenario() -> None:
         chunks = Chunks()
@@ -250,11 +229,42 @@ def test_a_client_leaving_mid_stream_reaches_a_plain_iterators_aclose() -> None:
             reader, writer = await connect(port)
             writer.write(get("/"))
             await read_head(reader)
-            chunks.gate.set()
+            await chunks.queue.put(b"data: tick\n\n")
             assert await read_chunk(reader) == b"data: tick\n\n"
             writer.close()
-            await until(lambda: chunks.aclosed == 1, "aclose()")
+            await chunks.aclose_started.wait()
+            chunks.aclose_may_end.set()
+            await until(lambda: chunks.aclosed == 1, "aclose() finished")
             await until(lambda: server.connections == 0, "the connection dropped")
+        assert chunks.aclosed == 1
+
+    run(scenario())
+
+
+def test_a_stream_that_fails_midway_is_cut_short_and_aclosed() -> None:
+    async def scenario() -> None:
+        chunks = Chunks()
+
+        async def handler(request: HttpRequest) -> HttpResponse | StreamingResponse:
+            if request.path == "/ok":
+                return HttpResponse(200, b"ok")
+            return StreamingResponse(200, chunks)
+
+        async with serving(handler=handler) as (_, port):
+            reader, writer = await connect(port)
+            writer.write(get("/"))
+            await read_head(reader)
+            await chunks.queue.put(b"data: 0\n\n")
+            assert await read_chunk(reader) == b"data: 0\n\n"
+            await chunks.queue.put(RuntimeError("the engine went away"))
+            await chunks.aclose_started.wait()
+            chunks.aclose_may_end.set()
+            with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+                await read_chunk(reader)
+            await until(lambda: chunks.aclosed == 1, "aclose() finished")
+            writer.close()
+            response, _ = await exchange(port, get("/ok", "Connection: close"))
+        assert response.body == b"ok"
         assert chunks.aclosed == 1
 
     run(scenario())
@@ -334,6 +344,28 @@ def test_shutdown_lets_a_stream_in_flight_finish_within_the_grace() -> None:
             idle_writer.close()
         assert feed.ended_by == "exhausted"
         assert "connection" not in headers
+
+    run(scenario())
+
+
+def test_shutdown_waits_for_a_cut_streams_aclose() -> None:
+    async def scenario() -> None:
+        chunks = Chunks()
+
+        async def handler(request: HttpRequest) -> StreamingResponse:
+            return StreamingResponse(200, chunks)
+
+        async with serving(handler=handler) as (server, port):
+            reader, writer = await connect(port)
+            writer.write(get("/"))
+            await read_head(reader)
+            shutdown = asyncio.create_task(server.shutdown(0.01))
+            await chunks.aclose_started.wait()
+            assert not shutdown.done()
+            chunks.aclose_may_end.set()
+            await shutdown
+            writer.close()
+        assert chunks.aclosed == 1
 
     run(scenario())
 

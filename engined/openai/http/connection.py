@@ -148,9 +148,14 @@ class HttpConnection(asyncio.Protocol):
             self._close_after_write()
 
     def abort(self) -> None:
-        """At the end of shutdown's grace: cancel what runs (a stream's finally aclose()s it)."""
-        if self._task is not None and not self._unwinding:
-            self._task.cancel()
+        """Cut the connection and cancel what runs for it (a stream's finally aclose()s it).
+
+        Called from the request's own task (a stalled reader, a failed stream), it does not
+        cancel that task, whose aclose() of the stream must be able to await.
+        """
+        task = self._task
+        if task is not None and not self._unwinding and task is not asyncio.current_task():
+            task.cancel()
         self._reader.phase = "dead"
         self._closing = True
         if self._transport is not None:
@@ -218,14 +223,14 @@ class HttpConnection(asyncio.Protocol):
             log.debug("http request refused", status=item.refusal.status, peer=self._peer)
             self._write(self._error_bytes(item.refusal.status, item.refusal.message))
             return False
-        close = not item.keep_alive or self._owner.shutting_down
         try:
             response = await self._owner.handler(item.request)
-            if not isinstance(response, HttpResponse | StreamingResponse):
+            if not isinstance(response, (HttpResponse, StreamingResponse)):
                 raise TypeError(f"handler returned {type(response).__name__}")
         except Exception:
             log.exception("http handler failed", path=item.request.path, peer=self._peer)
             response = self._error(500, "Internal Server Error")
+        close = not item.keep_alive or self._owner.shutting_down
         head_only = item.request.method == "HEAD"
         if isinstance(response, StreamingResponse):
             return await self._stream(response, close, head_only, item.http10)
