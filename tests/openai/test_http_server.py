@@ -166,6 +166,32 @@ def test_chunked_request_body_with_extensions_and_trailers() -> None:
     run(scenario())
 
 
+def test_a_body_of_ten_thousand_one_byte_chunks_arrives_whole() -> None:
+    async def scenario() -> None:
+        async with serving() as (_, port):
+            text = "".join(chr(ord("a") + n % 26) for n in range(10_000))
+            chunks = b"".join(b"1\r\n" + c.encode() + b"\r\n" for c in text) + b"0\r\n\r\n"
+            head = get("/c", "Transfer-Encoding: chunked", "Connection: close", method="POST")
+            response, _ = await exchange(port, head + chunks)
+        assert response.json()["body"] == text
+
+    run(scenario())
+
+
+def test_two_thousand_tiny_pipelined_requests_in_one_write_are_all_answered_in_order() -> None:
+    async def scenario() -> None:
+        app = App()
+        async with serving(app) as (_, port):
+            reader, writer = await connect(port)
+            writer.write(b"".join(f"GET /{n} HTTP/1.1\r\n\r\n".encode() for n in range(2000)))
+            paths = [(await read_response(reader)).json()["path"] for _ in range(2000)]
+            writer.close()
+        assert paths == [f"/{n}" for n in range(2000)]
+        assert app.most_in_flight == 1
+
+    run(scenario())
+
+
 def test_each_streamed_chunk_reaches_the_client_before_the_next_is_yielded() -> None:
     async def scenario() -> None:
         app = App()

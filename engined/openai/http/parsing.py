@@ -4,7 +4,7 @@ llhttp is strict (RFC 9112: one Content-Length, no Content-Length beside Transfe
 well-formed chunks, token methods and header names), which is what keeps a request from being
 read two ways. What llhttp does not bound, this does: head bytes and header lines (431),
 body bytes (413, a declared length refused before any of the body is read). The reader is
-fed at most 16 KiB at a time and stops once a request is complete, so a pipelining client
+fed at most 4 KiB at a time and stops once a request is complete, so a pipelining client
 never makes it hold more than the few requests one slice can carry.
 """
 
@@ -21,7 +21,7 @@ import httptools
 from engined.openai.http.limits import HttpLimits
 from engined.openai.http.types import HttpRequest
 
-FEED_SLICE = 16 * 1024
+FEED_SLICE = 4 * 1024
 Phase = Literal["wait", "head", "body", "dead"]
 
 
@@ -63,7 +63,7 @@ class RequestReader:
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
         self._raw_head_bytes = 0
-        self._body: list[bytes] = []
+        self._body = bytearray()
         self._body_bytes = 0
         self._head: tuple[str, str, bool, dict[str, str]] = ("", "", False, {})
         self._refusal: Refusal | None = None
@@ -159,12 +159,12 @@ class RequestReader:
             raise self._refuse(
                 413, f"Request body too large (limit {self._limits.max_body_bytes} bytes)"
             )
-        self._body.append(body)
+        self._body += body
 
     def on_message_complete(self) -> None:
         method, version, keep_alive, headers = self._head
         path, query = self._target(b"".join(self._url))
-        request = HttpRequest(method, path, query, headers, b"".join(self._body), self.peer)
+        request = HttpRequest(method, path, query, headers, bytes(self._body), self.peer)
         self.items.append(Item(request, keep_alive=keep_alive, http10=version == "1.0"))
         self._body.clear()
         self.continue_due = False
