@@ -19,7 +19,7 @@ from typing import Literal, Protocol, cast
 
 import structlog
 
-from engined.openai.http import wire
+import engined.openai.http.wire as wire
 from engined.openai.http.limits import HttpLimits
 from engined.openai.http.parsing import Item, RequestReader
 from engined.openai.http.types import ErrorFactory, Handler, HttpResponse, StreamingResponse
