@@ -296,6 +296,23 @@ def test_a_stream_that_fails_midway_is_cut_short_and_aclosed() -> None:
     run(scenario())
 
 
+def test_a_stream_with_a_malformed_header_gets_a_500_and_is_aclosed() -> None:
+    async def scenario() -> None:
+        chunks = Chunks()
+        chunks.aclose_may_end.set()
+
+        async def handler(request: HttpRequest) -> StreamingResponse:
+            return StreamingResponse(200, chunks, headers=(("x-split", "a\nb"),))
+
+        async with serving(handler=handler) as (_, port):
+            response, _ = await exchange(port, get("/", "Connection: close"))
+        assert response.status == 500
+        assert response.body == error_factory(500, "Internal Server Error").body
+        assert chunks.aclosed == 1
+
+    run(scenario())
+
+
 def test_a_client_leaving_during_a_handler_cancels_it() -> None:
     async def scenario() -> None:
         app = App()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import AsyncIterator
 from typing import Literal, Protocol, cast
 
 import structlog
@@ -231,45 +232,37 @@ class HttpConnection(asyncio.Protocol):
             log.exception("http handler failed", path=item.request.path, peer=self._peer)
             response = self._error(500, "Internal Server Error")
         close = not item.keep_alive or self._owner.shutting_down
-        head_only = item.request.method == "HEAD"
-        if isinstance(response, StreamingResponse):
-            return await self._stream(response, close, head_only, item.http10)
+        streaming = isinstance(response, StreamingResponse)
+        # An HTTP/1.0 client cannot take chunks: its stream's end is the connection's.
+        close = close or (streaming and item.http10)
         try:
             head = wire.head(
                 response.status,
                 response.content_type,
                 response.headers,
-                length=len(response.body),
+                length=None if isinstance(response, StreamingResponse) else len(response.body),
                 close=close,
                 keep_alive_10=item.http10,
             )
         except ValueError:
             log.exception("http handler's response is malformed", path=item.request.path)
+            if isinstance(response, StreamingResponse):
+                await _aclose(response.chunks)
             self._write(self._error_bytes(500, "Internal Server Error", close))
-        else:
-            self._write(head if head_only else head + response.body)
+            await self._drain()
+            return not close
+        head_only = item.request.method == "HEAD"
+        if isinstance(response, StreamingResponse):
+            return await self._stream(response.chunks, head, head_only, item.http10, close)
+        self._write(head if head_only else head + response.body)
         await self._drain()
         return not close
 
     async def _stream(
-        self, response: StreamingResponse, close: bool, head_only: bool, http10: bool
+        self, chunks: AsyncIterator[bytes], head: bytes, head_only: bool, http10: bool, close: bool
     ) -> bool:
-        """Each chunk out as it comes; an HTTP/1.0 client gets the body up to the close."""
-        chunks = response.chunks
-        close = close or http10
+        """Each chunk out as it comes, then `chunks` aclose()d, however the stream ended."""
         try:
-            try:
-                head = wire.head(
-                    response.status,
-                    response.content_type,
-                    response.headers,
-                    length=None,
-                    close=close,
-                )
-            except ValueError:
-                log.exception("http handler's response is malformed")
-                self._write(self._error_bytes(500, "Internal Server Error", close))
-                return not close
             self._write(head)
             if head_only:
                 return not close
@@ -324,30 +317,10 @@ class HttpConnection(asyncio.Protocol):
             self._drain_waiter = None
 
     def _error(self, status: int, message: str) -> HttpResponse:
-        try:
-            response = self._owner.error_factory(status, message)
-            if isinstance(response, HttpResponse):
-                return response
-        except Exception:
-            log.exception("http error factory failed", status=status)
-        return wire.fallback(status, message)
+        return wire.error_response(self._owner.error_factory, status, message)
 
     def _error_bytes(self, status: int, message: str, close: bool = True) -> bytes:
-        response = self._error(status, message)
-        try:
-            head = wire.head(
-                response.status,
-                response.content_type,
-                response.headers,
-                length=len(response.body),
-                close=close,
-            )
-        except ValueError:
-            response = wire.fallback(status, message)
-            head = wire.head(
-                status, response.content_type, (), length=len(response.body), close=close
-            )
-        return head + response.body
+        return wire.error_bytes(self._owner.error_factory, status, message, close)
 
     def _close_after_write(self, *, linger: bool = False) -> None:
         """Close once what is written is sent; a client that reads none of it is cut.
@@ -386,11 +359,10 @@ class HttpConnection(asyncio.Protocol):
     # --- deadlines ----------------------------------------------------------------------------
 
     def _arm(self) -> None:
-        """A deadline only while the server waits for the client.
+        """A deadline only while the server waits for the client, on one lazy timer.
 
-        One timer per connection, moved lazily: a request on a kept-alive connection moves
-        its deadline later without touching the timer, which, when it fires early, re-arms
-        for the deadline then in force. So a request costs no timer operation.
+        A timer that fires early re-arms for the deadline then in force, so a request on a
+        kept-alive connection costs no timer operation.
         """
         self._deadline = None
         reader = self._reader

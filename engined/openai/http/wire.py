@@ -11,7 +11,11 @@ import time
 from email.utils import formatdate
 from http import HTTPStatus
 
-from engined.openai.http.types import HttpResponse
+import structlog
+
+from engined.openai.http.types import ErrorFactory, HttpResponse
+
+log = structlog.get_logger(__name__)
 
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -76,3 +80,31 @@ def chunk(data: bytes) -> bytes:
 def fallback(status: int, message: str) -> HttpResponse:
     """What the server sends when the app's error factory itself fails."""
     return HttpResponse(status, message.encode("utf-8", "replace"), "text/plain; charset=utf-8")
+
+
+def error_response(factory: ErrorFactory, status: int, message: str) -> HttpResponse:
+    """The app's error for a refusal of the server; a factory that fails costs the shape only."""
+    try:
+        response = factory(status, message)
+        if isinstance(response, HttpResponse):
+            return response
+    except Exception:
+        log.exception("http error factory failed", status=status)
+    return fallback(status, message)
+
+
+def error_bytes(factory: ErrorFactory, status: int, message: str, close: bool = True) -> bytes:
+    """A whole error response, head and body."""
+    response = error_response(factory, status, message)
+    try:
+        error_head = head(
+            response.status,
+            response.content_type,
+            response.headers,
+            length=len(response.body),
+            close=close,
+        )
+    except ValueError:
+        response = fallback(status, message)
+        error_head = head(status, response.content_type, (), length=len(response.body), close=close)
+    return error_head + response.body
