@@ -1,0 +1,21 @@
+"""The API server's HTTP/1.1 server (issue 22, part a): see server.py for why it is our own."""
+
+from engined.openai.http.limits import HttpLimits
+from engined.openai.http.server import HttpServer
+from engined.openai.http.types import (
+    ErrorFactory,
+    Handler,
+    HttpRequest,
+    HttpResponse,
+    StreamingResponse,
+)
+
+__all__ = [
+    "ErrorFactory",
+    "Handler",
+    "HttpLimits",
+    "HttpRequest",
+    "HttpResponse",
+    "HttpServer",
+    "StreamingResponse",
+]

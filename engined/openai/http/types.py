@@ -1,0 +1,43 @@
+"""What a handler of the API server sees and returns (issue 22's shared design, exactly).
+
+The HTTP layer knows nothing of OpenAI: it hands a fully read request to one coroutine and
+writes what it returns. Its own refusals go through the app's `ErrorFactory`, so that a client
+meets vLLM's JSON error shape whether the app or the server said no.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    method: str  # upper-case as sent ("GET", "POST")
+    path: str  # percent-decoded path, no query string
+    query: str  # raw query string ("" when none)
+    headers: Mapping[str, str]  # names lower-cased; repeated headers joined with ", "
+    body: bytes
+    peer: str  # "host:port" of the client
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingResponse:
+    status: int
+    chunks: AsyncIterator[bytes]  # each chunk is written and flushed as soon as it is yielded
+    content_type: str = "text/event-stream; charset=utf-8"
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse | StreamingResponse]]
+# The server's own refusals (malformed HTTP, too large, too slow, too many connections) are
+# built by the app, so they carry vLLM's JSON error shape: ErrorFactory(status, message).
+ErrorFactory = Callable[[int, str], HttpResponse]
