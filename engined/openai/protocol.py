@@ -6,13 +6,11 @@ Every field vLLM's `CompletionRequest`, `ChatCompletionRequest`, `TokenizeComple
 accepted and ignored, as vLLM does. Fields that shape only sampling (temperature, top_p,
 penalties, ...) are typed and checked but change nothing in a simulated engine.
 
-Where a type is looser than vLLM's, the value is kept as JSON gave it and vLLM's own checks on
-it run in `protocol_checks` or not at all: `structured_outputs`, `tools`, `tool_choice`,
-`repetition_detection` and the content parts of a message stay plain objects (no structured
-output, tools or media here); `prompt_embeds` stays the JSON string(s) (vLLM reads them as
-bytes; this engine has no prompt embeddings). A message is an object with a string `role`
-(vLLM takes custom roles) and text or a list of parts as `content`, null only for the
-`assistant` role and a named `function` one.
+The objects inside a request are in `protocol_parts`. Where a type is looser than vLLM's, the
+value is kept as JSON gave it: a named `tool_choice` and a message's content parts stay plain
+objects (no tools or media here; vLLM's own checks on `tool_choice` run in
+`protocol_checks`), and `prompt_embeds` stays the JSON string(s) (vLLM reads them as bytes;
+this engine has no prompt embeddings).
 
 `decode_*_request(body, content_type)` turns a POST body into a struct or raises `ApiError`
 with vLLM's status, type, parameter and message: a body that is not JSON, a field of a wrong
@@ -30,17 +28,50 @@ import msgspec
 import msgspec.inspect as mi
 
 from engined.openai import protocol_checks as checks
-from engined.openai.errors import Errors, Loc, request_validation_error
+from engined.openai.errors import Errors, request_validation_error
 from engined.openai.protocol_json import parse_body
 from engined.openai.protocol_lax import (
     FAIL,
+    FIELD_HOOKS,
     NOT_AN_OBJECT,
+    STRUCT_CHECKS,
     UNION_FIELDS,
     UnionField,
     convert,
     register_literals,
     validate_struct,
 )
+from engined.openai.protocol_parts import (
+    ChatCompletionToolsParam,
+    ChatMessageParam,
+    LegacyStructuralTagResponseFormat,
+    RepetitionDetectionParams,
+    ResponseFormat,
+    StreamOptions,
+    StructuralTagResponseFormat,
+    StructuredOutputsParams,
+    check_null_contents,
+    check_repetition_detection,
+    check_structured_outputs,
+    message_not_an_object,
+    request_not_an_object,
+)
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatCompletionToolsParam",
+    "ChatMessageParam",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "StreamOptions",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
+    "TokenizeRequest",
+    "decode_chat_request",
+    "decode_completion_request",
+    "decode_detokenize_request",
+    "decode_tokenize_request",
+]
 
 INT64_MIN: Final = -(2**63)
 INT64_MAX: Final = 2**63 - 1
@@ -50,35 +81,6 @@ Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 Stop: TypeAlias = str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None
 XArgs: TypeAlias = dict[str, str | int | float | list[str | int | float]] | None
-
-
-class JsonSchemaResponseFormat(msgspec.Struct, kw_only=True):
-    name: str
-    description: str | None = None
-    json_schema: dict[str, Any] | None = msgspec.field(default=None, name="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaResponseFormat | None = None
-
-
-class StructuralTagResponseFormat(msgspec.Struct, kw_only=True):
-    type: Literal["structural_tag"]
-    format: Any
-
-
-class LegacyStructuralTag(msgspec.Struct, kw_only=True):
-    begin: str
-    structural_tag_schema: dict[str, Any] | None = msgspec.field(default=None, name="schema")
-    end: str
-
-
-class LegacyStructuralTagResponseFormat(msgspec.Struct, kw_only=True):
-    type: Literal["structural_tag"]
-    structures: list[LegacyStructuralTag]
-    triggers: list[str]
 
 
 if TYPE_CHECKING:
@@ -95,22 +97,6 @@ else:
 
 def _request_id() -> str:
     return uuid.uuid4().hex
-
-
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
-
-
-class ChatMessageParam(msgspec.Struct, kw_only=True):
-    """One message of `messages`: any role (vLLM accepts custom roles), text or parts."""
-
-    role: str
-    content: str | list[str | dict[str, Any]] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    reasoning: str | None = None
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
@@ -152,7 +138,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     prompt_embeds: str | list[str] | None = None
     add_special_tokens: bool = True
     response_format: AnyResponseFormat = None
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     priority: Int64 = 0
     request_id: str = msgspec.field(default_factory=_request_id)
     session_id: str | None = None
@@ -167,7 +153,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     vllm_xargs: XArgs = None
-    repetition_detection: dict[str, Any] | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
     thinking_token_budget: int | None = None
     stream_interval: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
@@ -190,7 +176,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
         None
@@ -226,7 +212,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     priority: Int64 = 0
     request_id: str = msgspec.field(default_factory=_request_id)
     session_id: str | None = None
@@ -242,7 +228,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     vllm_xargs: XArgs = None
-    repetition_detection: dict[str, Any] | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
     stream_interval: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
@@ -264,7 +250,7 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
 
 
 TokenizeRequest: TypeAlias = TokenizeCompletionRequest | TokenizeChatRequest
@@ -289,6 +275,12 @@ _TOKENIZE_CHAT: Final = _struct(TokenizeChatRequest)
 _DETOKENIZE: Final = _struct(DetokenizeRequest)
 for _format in (ResponseFormat, StructuralTagResponseFormat, LegacyStructuralTagResponseFormat):
     register_literals(_format)
+STRUCT_CHECKS[StructuredOutputsParams] = check_structured_outputs
+STRUCT_CHECKS[RepetitionDetectionParams] = check_repetition_detection
+NOT_AN_OBJECT[ChatMessageParam] = message_not_an_object
+for _request in (CompletionRequest, ChatCompletionRequest):
+    FIELD_HOOKS[(_request, "thinking_token_budget")] = checks.thinking_token_budget
+FIELD_HOOKS[(ChatCompletionRequest, "top_logprobs")] = checks.top_logprobs
 
 UNION_FIELDS[(CompletionRequest, "prompt")] = UnionField(
     list[TokenId], list[list[TokenId]], str, list[str], None
@@ -299,50 +291,17 @@ _RESPONSE_FORMAT: Final = UnionField(
 UNION_FIELDS[(CompletionRequest, "response_format")] = _RESPONSE_FORMAT
 UNION_FIELDS[(ChatCompletionRequest, "response_format")] = _RESPONSE_FORMAT
 
-# Each member of vLLM's message union refuses a message that is not an object, in turn.
-_MESSAGE_KINDS: Final = (
-    "ChatCompletionDeveloperMessageParam",
-    "ChatCompletionSystemMessageParam",
-    "ChatCompletionUserMessageParam",
-    "ChatCompletionAssistantMessageParam",
-    "ChatCompletionToolMessageParam",
-    "ChatCompletionFunctionMessageParam",
-    "CustomChatCompletionMessageParam",
-)
 
-
-def _message_not_an_object(value: object, loc: Loc, errors: Errors) -> None:
-    for kind in _MESSAGE_KINDS:
-        errors.add("dict_type", (*loc, kind), "Input should be a valid dictionary", value)
-    msg = "Input should be a valid dictionary or object to extract fields from"
-    errors.add("model_attributes_type", (*loc, "Message"), msg, value)
-
-
-NOT_AN_OBJECT[ChatMessageParam] = _message_not_an_object
-
-
-def _check_null_contents(raw: dict[str, Any]) -> None:
-    """vLLM's message union takes a null `content` only from an assistant or named function."""
-    errors = Errors()
-    for index, message in enumerate(raw["messages"]):
-        if "content" not in message or message["content"] is not None:
-            continue
-        role, name = message.get("role"), message.get("name")
-        if role == "assistant" or (role == "function" and isinstance(name, str)):
-            continue
-        loc = ("body", "messages", index, "content")
-        errors.add("string_type", loc, "Input should be a valid string", None)
-    if errors.count:
-        raise request_validation_error(errors)
-
-
-def _root(body: bytes, content_type: str | None, t: mi.StructType) -> dict[str, Any]:
-    """The parsed body as an object, or vLLM's refusal of a body that is none."""
+def _root(body: bytes, content_type: str | None, t: mi.StructType | None) -> dict[str, Any]:
+    """The parsed body as an object, or vLLM's refusal of a body that is none (`t` None: a
+    tokenize request, whose two forms both refuse it)."""
     raw = parse_body(body, content_type)
     if type(raw) is not dict:
         errors = Errors()
         if raw is None:
             errors.add("missing", ("body",), "Field required", None)
+        elif t is None:
+            request_not_an_object(raw, ("body",), errors)
         else:
             validate_struct(raw, t, ("body",), errors)
         raise request_validation_error(errors)
@@ -362,7 +321,7 @@ def decode_chat_request(
 ) -> ChatCompletionRequest:
     raw = checks.chat(_root(body, content_type, _CHAT))
     request: ChatCompletionRequest = convert(raw, _CHAT)
-    _check_null_contents(raw)
+    check_null_contents(raw)
     return request
 
 
@@ -370,12 +329,12 @@ def decode_tokenize_request(
     body: bytes, content_type: str | None = "application/json"
 ) -> TokenizeRequest:
     """The prompt form or the messages form; with both valid, the messages form (as vLLM)."""
-    raw = checks.tokenize(_root(body, content_type, _TOKENIZE_CHAT))
+    raw = checks.tokenize(_root(body, content_type, None))
     errors = Errors()
     chat = validate_struct(raw, _TOKENIZE_CHAT, ("body",), None)
     if chat is not FAIL:
         assert isinstance(chat, TokenizeChatRequest)
-        _check_null_contents(raw)
+        check_null_contents(raw)
         return chat
     prompt = validate_struct(raw, _TOKENIZE_PROMPT, ("body",), errors)
     if prompt is not FAIL:

@@ -174,15 +174,19 @@ def _prompt(data: Body) -> None:
         raise validation_error(message, param="prompt")
 
 
-def _thinking_token_budget(data: Body) -> None:
-    budget = data.get("thinking_token_budget")
+def thinking_token_budget(budget: object) -> object:
+    """The field's own validator: an integer >= 0, or -1 (or null) for none."""
     if budget is None:
-        return
+        return None
     if type(budget) is not int or budget < -1:
         message = "`thinking_token_budget` must be a non-negative integer or -1 for unlimited."
         raise validation_error(message, param="thinking_token_budget", value=budget)
-    if budget == -1:
-        data["thinking_token_budget"] = None
+    return None if budget == -1 else budget
+
+
+def top_logprobs(value: object) -> object:
+    """The field's own validator: null means 0."""
+    return 0 if value is None else value
 
 
 def _generation_prompt(data: Body) -> None:
@@ -265,7 +269,6 @@ def completion(data: Body) -> Body:
         data["max_tokens"] = 16
     _cache_salt(data)
     _mm_payload_alias(data)
-    _thinking_token_budget(data)
     return data
 
 
@@ -279,9 +282,6 @@ def chat(data: Body) -> Body:
     _messages(data)
     _cache_salt(data)
     _mm_payload_alias(data)
-    if "top_logprobs" in data and data["top_logprobs"] is None:
-        data["top_logprobs"] = 0
-    _thinking_token_budget(data)
     return data
 
 

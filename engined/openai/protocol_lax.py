@@ -74,6 +74,10 @@ class UnionField:
 
 
 UNION_FIELDS: dict[tuple[type, str], UnionField] = {}
+# A field's own before-validator: its raw value in, the value to validate out, or ApiError.
+FIELD_HOOKS: dict[tuple[type, str], Callable[[object], object]] = {}
+# A struct's own checks once its fields are valid (a dataclass's __post_init__): ApiError.
+STRUCT_CHECKS: dict[type, Callable[[Any], None]] = {}
 # msgspec.inspect sorts a Literal's values; pydantic's message lists them as declared.
 _LITERAL_ORDER: dict[tuple[object, ...], tuple[object, ...]] = {}
 
@@ -266,13 +270,22 @@ def validate_struct(
         union = UNION_FIELDS.get((t.cls, field.name))
         field_type = union.type if union is not None else field.type
         item = value[field.encode_name]
+        hook = FIELD_HOOKS.get((t.cls, field.name))
+        if hook is not None:
+            item = hook(item)
         result = validate(item, field_type, (*loc, field.encode_name), errors, strict)
         if result is FAIL:
             if errors is None:
                 return FAIL
             failed = True
         fields[field.name] = result
-    return FAIL if failed else t.cls(**fields)
+    if failed:
+        return FAIL
+    result = t.cls(**fields)
+    check = STRUCT_CHECKS.get(t.cls)
+    if check is not None:
+        check(result)
+    return result
 
 
 def _to_union(
@@ -341,12 +354,22 @@ def _strict(raw: dict[str, Any], t: mi.StructType) -> Any:
     except (msgspec.ValidationError, UnicodeEncodeError):
         return FAIL
     for field in t.fields:
+        if field.encode_name not in raw:
+            continue
+        value = raw[field.encode_name]
+        hook = FIELD_HOOKS.get((t.cls, field.name))
+        if hook is not None:
+            setattr(result, field.name, hook(value))
         union = UNION_FIELDS.get((t.cls, field.name))
-        if union is not None and field.encode_name in raw:
-            value = union.strict(raw[field.encode_name])
+        if union is not None:
+            value = union.strict(value)
             if value is FAIL:
                 return FAIL
             setattr(result, field.name, value)
+        value = getattr(result, field.name)
+        check = STRUCT_CHECKS.get(type(value))
+        if check is not None:
+            check(value)
     return result
 
 
