@@ -23,7 +23,7 @@ from typing import Any, Final
 import msgspec
 import msgspec.inspect as mi
 
-from engined.openai.errors import Errors, Loc, request_validation_error
+from engined.openai.errors import KEPT_ERRORS, Errors, Loc, request_validation_error
 
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
@@ -62,6 +62,7 @@ class UnionField:
     def __init__(self, *members: Any) -> None:
         self.members = members
         self.type = mi.UnionType(types=tuple(mi.type_info(m) for m in members))
+        _STRICT_UNIONS[id(self.type)] = self
 
     def strict(self, value: object) -> object:
         """The first member `value` converts to strictly (msgspec's speed), or FAIL."""
@@ -74,6 +75,7 @@ class UnionField:
 
 
 UNION_FIELDS: dict[tuple[type, str], UnionField] = {}
+_STRICT_UNIONS: dict[int, UnionField] = {}
 # A field's own before-validator: its raw value in, the value to validate out, or ApiError.
 FIELD_HOOKS: dict[tuple[type, str], Callable[[object], object]] = {}
 # A struct's own checks once its fields are valid (a dataclass's __post_init__): ApiError.
@@ -213,11 +215,17 @@ def _to_list(
         return _fail(errors, "list_type", loc, "Input should be a valid list", value)
     out: list[object] = []
     failed = False
+    item_type = t.item_type
+    rule = _RULES[type(item_type)]
     for index, item in enumerate(value):
-        result = validate(item, t.item_type, (*loc, index), errors, strict)
+        result = rule(item, item_type, loc, None, strict)
         if result is FAIL:
             if errors is None:
                 return FAIL
+            if rule in _LEAF_RULES and len(errors.kept) == KEPT_ERRORS:
+                errors.count += 1
+            else:
+                rule(item, item_type, (*loc, index), errors, strict)
             failed = True
         out.append(result)
     if failed:
@@ -239,11 +247,14 @@ def _to_dict(
         return _fail(errors, "dict_type", loc, "Input should be a valid dictionary", value)
     out: dict[object, object] = {}
     failed = False
+    value_type = t.value_type
+    rule = _RULES[type(value_type)]
     for key, item in value.items():
-        result = validate(item, t.value_type, (*loc, key), errors, strict)
+        result = rule(item, value_type, loc, None, strict)
         if result is FAIL:
             if errors is None:
                 return FAIL
+            rule(item, value_type, (*loc, key), errors, strict)
             failed = True
         out[key] = result
     return FAIL if failed else out
@@ -296,10 +307,16 @@ def _to_union(
         return None
     if len(members) == 1:
         return validate(value, members[0], loc, errors, strict)
-    for member in members:
-        result = validate(value, member, loc, None, True)
+    declared = _STRICT_UNIONS.get(id(t))
+    if declared is not None:
+        result = declared.strict(value)
         if result is not FAIL:
             return result
+    else:
+        for member in members:
+            result = validate(value, member, loc, None, True)
+            if result is not FAIL:
+                return result
     if strict:
         return FAIL
     collected = Errors()
@@ -314,6 +331,56 @@ def _to_union(
     return FAIL
 
 
+def _int_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
+    return _bounded(_to_int(value, loc, errors, strict), t, loc, errors, value)
+
+
+def _float_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
+    return _to_float(value, loc, errors, strict)
+
+
+def _bool_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
+    return _to_bool(value, loc, errors, strict)
+
+
+def _str_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
+    return _to_str(value, t, loc, errors)
+
+
+def _literal_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
+    return _to_literal(value, t, loc, errors)
+
+
+def _any_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
+    return value
+
+
+def _none_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
+    if value is None:
+        return None
+    return _fail(errors, "none_required", loc, "Input should be None", value)
+
+
+Rule = Callable[[Any, Any, Loc, "Errors | None", bool], object]
+_RULES: Final[dict[type, Rule]] = {
+    mi.AnyType: _any_rule,
+    mi.UnionType: _to_union,
+    mi.IntType: _int_rule,
+    mi.FloatType: _float_rule,
+    mi.BoolType: _bool_rule,
+    mi.StrType: _str_rule,
+    mi.LiteralType: _literal_rule,
+    mi.ListType: _to_list,
+    mi.DictType: _to_dict,
+    mi.StructType: validate_struct,
+    mi.NoneType: _none_rule,
+}
+
+
+# Rules whose value fails with exactly one error.
+_LEAF_RULES: Final = frozenset({_int_rule, _float_rule, _bool_rule, _str_rule, _literal_rule})
+
+
 def validate(
     value: object, t: mi.Type, loc: Loc, errors: Errors | None, strict: bool = False
 ) -> object:
@@ -321,31 +388,7 @@ def validate(
 
     Errors go to `errors`; without a sink the first failure ends the validation.
     """
-    if isinstance(t, mi.AnyType):
-        return value
-    if isinstance(t, mi.UnionType):
-        return _to_union(value, t, loc, errors, strict)
-    if isinstance(t, mi.IntType):
-        return _bounded(_to_int(value, loc, errors, strict), t, loc, errors, value)
-    if isinstance(t, mi.FloatType):
-        return _to_float(value, loc, errors, strict)
-    if isinstance(t, mi.BoolType):
-        return _to_bool(value, loc, errors, strict)
-    if isinstance(t, mi.StrType):
-        return _to_str(value, t, loc, errors)
-    if isinstance(t, mi.LiteralType):
-        return _to_literal(value, t, loc, errors)
-    if isinstance(t, mi.ListType):
-        return _to_list(value, t, loc, errors, strict)
-    if isinstance(t, mi.DictType):
-        return _to_dict(value, t, loc, errors, strict)
-    if isinstance(t, mi.StructType):
-        return validate_struct(value, t, loc, errors, strict)
-    if isinstance(t, mi.NoneType):
-        if value is None:
-            return None
-        return _fail(errors, "none_required", loc, "Input should be None", value)
-    raise TypeError(f"no lax rule for {t!r}")
+    return _RULES[type(t)](value, t, loc, errors, strict)
 
 
 def _strict(raw: dict[str, Any], t: mi.StructType) -> Any:
