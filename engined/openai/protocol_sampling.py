@@ -218,13 +218,6 @@ def _check_logprobs(request: Request, vocab_size: int, max_logprobs: int) -> Non
             )
             raise validation_error(message, param="logprob_token_ids", value=len(ids))
         _check_vocab(ids, "logprob_token_ids", vocab_size)
-        count = request.logprobs if isinstance(request, CompletionRequest) else None
-        if count is not None and count != len(ids):
-            message = (
-                "When both logprobs and logprob_token_ids are set, logprobs must equal "
-                f"len(logprob_token_ids). Got logprobs={count}, len(logprob_token_ids)={len(ids)}."
-            )
-            raise validation_error(message, param="logprob_token_ids", value=len(ids))
     prompt = _prompt_logprobs(request)
     if prompt:
         prompt = vocab_size if prompt == -1 else prompt
