@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from http import HTTPStatus
 from typing import Any, Final
 
 import msgspec
@@ -146,6 +147,12 @@ def validation_error(message: str, *, param: str | None = None, value: object = 
 def value_error(message: str) -> ApiError:
     """A plain `ValueError` out of vLLM's request path: 400 without a parameter."""
     return ApiError(400, message, BAD_REQUEST)
+
+
+def http_error(status: int, message: str) -> ApiError:
+    """vLLM's answer to an HTTPException: the reason phrase as `type`, no parameter. The shape
+    for the HTTP server's own refusals (its `ErrorFactory`)."""
+    return ApiError(status, message, HTTPStatus(status).phrase)
 
 
 def unsupported_media_type() -> ApiError:

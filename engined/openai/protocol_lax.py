@@ -1,13 +1,11 @@
-"""Pydantic's lax validation as vLLM 0.33's request models run it, and its error text.
+"""Pydantic's lax validation, as vLLM 0.33's request models run it.
 
 Decoding tries msgspec's strict conversion first; a body it refuses comes here, where every
 field is validated the way pydantic 2 does in Python mode (what FastAPI runs on the parsed
 JSON): `"12"`, `12.0` and `true` are integers, `"yes"` and `1` are booleans, `"1e3"` is a
 number, unions try each member strictly and then laxly and report every member's errors.
-What fails is reported as vLLM's `RequestValidationError` handler reports it: "N validation
-errors:" and one line per error (the first 10), each the error's dict with its location
-joined by dots and its input summarized, under the type "Bad Request" and the first error's
-location as `param`.
+What fails is collected as pydantic's error dicts and reported as vLLM reports them
+(`errors.request_validation_error`).
 
 The types come from `msgspec.inspect` of the request structs, so a field is declared once.
 """
@@ -98,7 +96,11 @@ def register_literals(annotation: object) -> None:
         register_literals(arg)
 
 
-def _to_int(value: object, loc: Loc, errors: Errors | None, strict: bool) -> object:
+def _to_int(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
+    return _bounded(_int(value, loc, errors, strict), t, loc, errors, value)
+
+
+def _int(value: object, loc: Loc, errors: Errors | None, strict: bool) -> object:
     if type(value) is int:
         return value
     if strict:
@@ -124,7 +126,7 @@ def _to_int(value: object, loc: Loc, errors: Errors | None, strict: bool) -> obj
     return _fail(errors, "int_type", loc, "Input should be a valid integer", value)
 
 
-def _to_float(value: object, loc: Loc, errors: Errors | None, strict: bool) -> object:
+def _to_float(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
     if type(value) is float:
         return value
     if type(value) is int:
@@ -140,7 +142,7 @@ def _to_float(value: object, loc: Loc, errors: Errors | None, strict: bool) -> o
     return _fail(errors, "float_type", loc, "Input should be a valid number", value)
 
 
-def _to_bool(value: object, loc: Loc, errors: Errors | None, strict: bool) -> object:
+def _to_bool(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
     if type(value) is bool:
         return value
     if not strict:
@@ -149,11 +151,10 @@ def _to_bool(value: object, loc: Loc, errors: Errors | None, strict: bool) -> ob
                 return True
             if value.lower() in _FALSE:
                 return False
-        if type(value) is float and value.is_integer():
-            value = int(value)
-        if type(value) is int and _INT64_MIN <= value <= _INT64_MAX:
-            if value in (0, 1):
-                return value == 1
+        number = int(value) if type(value) is float and value.is_integer() else value
+        if type(number) is int and _INT64_MIN <= number <= _INT64_MAX:
+            if number in (0, 1):
+                return number == 1
             msg = "Input should be a valid boolean, unable to interpret input"
             return _fail(errors, "bool_parsing", loc, msg, value)
         if isinstance(value, str):
@@ -186,7 +187,7 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
-def _to_str(value: object, t: mi.StrType, loc: Loc, errors: Errors | None) -> object:
+def _to_str(value: object, t: mi.StrType, loc: Loc, errors: Errors | None, strict: bool) -> object:
     if not isinstance(value, str):
         return _fail(errors, "string_type", loc, "Input should be a valid string", value)
     if t.min_length is not None and len(value) < t.min_length:
@@ -198,7 +199,9 @@ def _to_str(value: object, t: mi.StrType, loc: Loc, errors: Errors | None) -> ob
     return value
 
 
-def _to_literal(value: object, t: mi.LiteralType, loc: Loc, errors: Errors | None) -> object:
+def _to_literal(
+    value: object, t: mi.LiteralType, loc: Loc, errors: Errors | None, strict: bool
+) -> object:
     if value in t.values and type(value) is str:
         return value
     declared = _LITERAL_ORDER.get(tuple(sorted(t.values, key=str)), t.values)
@@ -331,26 +334,6 @@ def _to_union(
     return FAIL
 
 
-def _int_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
-    return _bounded(_to_int(value, loc, errors, strict), t, loc, errors, value)
-
-
-def _float_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
-    return _to_float(value, loc, errors, strict)
-
-
-def _bool_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
-    return _to_bool(value, loc, errors, strict)
-
-
-def _str_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
-    return _to_str(value, t, loc, errors)
-
-
-def _literal_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
-    return _to_literal(value, t, loc, errors)
-
-
 def _any_rule(value: object, t: Any, loc: Loc, errors: Errors | None, strict: bool) -> object:
     return value
 
@@ -365,11 +348,11 @@ Rule = Callable[[Any, Any, Loc, "Errors | None", bool], object]
 _RULES: Final[dict[type, Rule]] = {
     mi.AnyType: _any_rule,
     mi.UnionType: _to_union,
-    mi.IntType: _int_rule,
-    mi.FloatType: _float_rule,
-    mi.BoolType: _bool_rule,
-    mi.StrType: _str_rule,
-    mi.LiteralType: _literal_rule,
+    mi.IntType: _to_int,
+    mi.FloatType: _to_float,
+    mi.BoolType: _to_bool,
+    mi.StrType: _to_str,
+    mi.LiteralType: _to_literal,
     mi.ListType: _to_list,
     mi.DictType: _to_dict,
     mi.StructType: validate_struct,
@@ -378,7 +361,7 @@ _RULES: Final[dict[type, Rule]] = {
 
 
 # Rules whose value fails with exactly one error.
-_LEAF_RULES: Final = frozenset({_int_rule, _float_rule, _bool_rule, _str_rule, _literal_rule})
+_LEAF_RULES: Final = frozenset({_to_int, _to_float, _to_bool, _to_str, _to_literal})
 
 
 def validate(

@@ -119,3 +119,16 @@ def test_scalar_coercions_are_pydantics(
         as_float,
         as_bool,
     )
+
+
+def test_an_error_shows_the_value_as_sent() -> None:
+    errors = Errors()
+    validate(2.0, mi.type_info(bool), ("body", "echo"), errors)
+    assert errors.kept == [
+        {
+            "type": "bool_parsing",
+            "loc": ("body", "echo"),
+            "msg": "Input should be a valid boolean, unable to interpret input",
+            "input": 2.0,
+        }
+    ]

@@ -17,6 +17,7 @@ from engined.openai.errors import (
     context_length_error,
     empty_prompt,
     engine_dead,
+    http_error,
     method_not_allowed,
     prefill_backlog_full,
     prompt_chars_error,
@@ -225,6 +226,7 @@ def test_error_builders_answer_as_vllm() -> None:
         "empty": empty_prompt().body(),
         "vocab": token_out_of_vocabulary(7, param="kv_transfer_params.prompt_token_ids").body(),
         "chars": prompt_chars_error(100, 5000, 30).body(),
+        "http": http_error(413, "Request body too large").body(),
     }
     assert answers == {
         "media": b'{"error":{"message":"1 validation error:\\n  Unsupported Media Type: Only '
@@ -247,6 +249,8 @@ def test_error_builders_answer_as_vllm() -> None:
         b"the upper bound for 100 input tokens). Please reduce the length of the input prompt. "
         b'(parameter=input_text, value=5000)","type":"BadRequestError","param":"input_text",'
         b'"code":400}}',
+        "http": b'{"error":{"message":"Request body too large","type":"Request Entity Too Large",'
+        b'"param":null,"code":413}}',
     }
     assert [route_not_found().status, method_not_allowed().status] == [404, 405]
 
