@@ -10,6 +10,11 @@ event with `json.dumps`' spaced separators and ASCII escapes, chat with compact 
 
 Every message passes through vLLM's sanitizer (no addresses, tracebacks or file paths), as
 vLLM's handlers apply it to every error they build.
+
+A body pydantic refuses is answered with all its errors counted ("N validation errors:") and
+the first 10 printed, each as pydantic's error dict with its location joined by dots and its
+input summarized, the type "Bad Request" and the first error's location as `param`:
+`Errors` collects them, `request_validation_error` renders them.
 """
 
 from __future__ import annotations
@@ -27,40 +32,13 @@ KEPT_ERRORS: Final = 10
 _INPUT_CHARS: Final = 200
 _LINE_CHARS: Final = 1000
 # Location segments vLLM's handler drops from `param` and from the printed locations.
-_INTERNAL_SEGMENTS: Final = frozenset(
-    [
-        "function-wrap",
-        "function-after",
-        "function-before",
-        "function-plain",
-        "json-or-python",
-        "lax-or-strict",
-        "chain",
-        "default",
-        "nullable",
-        "tagged-union",
-        "union",
-        "call",
-        "arguments",
-        "is-instance",
-        "is-subclass",
-        "callable",
-        "str",
-        "int",
-        "float",
-        "bool",
-        "bytes",
-        "bytearray",
-        "list",
-        "tuple",
-        "dict",
-        "set",
-        "frozenset",
-        "complex",
-        "none",
-        "nonetype",
-    ]
-)
+_INTERNAL_SEGMENTS: Final = frozenset([
+    "function-wrap", "function-after", "function-before", "function-plain", "json-or-python",
+    "lax-or-strict", "chain", "default", "nullable", "tagged-union", "union", "call",
+    "arguments", "is-instance", "is-subclass", "callable", "str", "int", "float", "bool",
+    "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset", "complex", "none",
+    "nonetype",
+])  # fmt: skip
 _BRACKETS = re.compile(r"[\[\]{}()]")
 
 Loc = tuple[str | int, ...]

@@ -1,19 +1,22 @@
 """vLLM 0.33's checks of a decoded request once its prompt is tokenized, in vLLM's order.
 
 The serving layer runs, for a completion or chat request, after `decode_*_request`, the model
-check and admission:
+check (`errors.model_not_found`) and admission (`errors.engine_overloaded`):
 
-1. `errors.context_length_error(max_model_len, prompt_tokens, *requested_max_tokens(request))`
-   (the output budget and truncation size, then the tokenized prompt);
-2. `check_sampling(request, effective_max_tokens(...))`: what vLLM's `SamplingParams` refuses
+1. `check_completion_prompt(request)` (completions): the prompts this engine cannot render;
+2. `errors.context_length_error(max_model_len, prompt_tokens, budget, max_tokens_param=field,
+   truncate_prompt_tokens=..., from_text=...)` with `budget, field = requested_max_tokens(
+   request)`: the output budget and truncation size, then the tokenized prompt;
+3. `check_sampling(request, effective_max_tokens(...))`: what vLLM's `SamplingParams` refuses
    while the request is built, before any response starts (always an HTTP 400);
-3. `check_engine(request, ...)`: what vLLM's engine refuses when the request reaches it. vLLM
-   adds a request lazily, on the stream's first read, so for a streamed request these come
-   after the 200, as the stream's last event (`ApiError.stream_event`) before `[DONE]`.
+4. `check_engine(request, prompt_token_ids, ...)`: what vLLM's engine refuses when the request
+   reaches it. vLLM adds a request lazily, on the stream's first read, so for a streamed
+   request these come after the 200, as the stream's last event (`ApiError.stream_event`)
+   before `[DONE]`.
 
 Messages are vLLM's, parameter suffixes included. Sampling values are checked as vLLM checks
-them although the simulated engine never samples. Left out: the `repetition_detection`,
-`structured_outputs` and `response_format` contents (no constrained decoding here).
+them although the simulated engine never samples. Left out: vLLM's checks of structured-output
+grammars and schemas against its backends (no constrained decoding here).
 """
 
 from __future__ import annotations
