@@ -8,8 +8,9 @@ do these, in that order, and with vLLM's messages. Each returns the (possibly re
 Left out: the structural-tag grammar checks (xgrammar; no structured output here), the
 system-message content warning (a log line) and dropping `kv_transfer_params.prompt_token_ids`
 beside media content (no media here). Where vLLM itself would crash on a malformed value
-(a non-object `structured_outputs`, a `tools` entry without a function), the value is left to
-the type checks, which refuse it with a 400.
+(a non-object `structured_outputs`, a named `tool_choice` beside a `tools` entry without a
+function, a `tool_calls` that is a number), the value is left to the type checks, which
+refuse it with a 400.
 """
 
 from __future__ import annotations
