@@ -188,6 +188,11 @@ def generation_error() -> ApiError:
     return ApiError(500, "Internal server error", "InternalServerError")
 
 
+def beam_search_stream() -> ApiError:
+    """A streamed completion asking for beam search, refused before even the model check."""
+    return value_error("Streaming is not currently supported with beam search")
+
+
 def empty_prompt() -> ApiError:
     """A prompt of no tokens reaching the engine (`[[]]`; `""` and `[]` are caught earlier)."""
     return validation_error("The decoder prompt cannot be empty")

@@ -312,7 +312,7 @@ def check_completion_prompt(request: CompletionRequest) -> None:
     model without fill-in-the-middle rendering and without prompt embeddings enabled.
 
     (A streamed beam search is refused earlier still, before the model check:
-    "Streaming is not currently supported with beam search".)
+    `errors.beam_search_stream`.)
     """
     if request.suffix is not None:
         if request.echo:

@@ -13,6 +13,7 @@ import pytest
 
 from engined.openai.errors import (
     ApiError,
+    beam_search_stream,
     body_parse_error,
     context_length_error,
     empty_prompt,
@@ -227,6 +228,7 @@ def test_error_builders_answer_as_vllm() -> None:
         "vocab": token_out_of_vocabulary(7, param="kv_transfer_params.prompt_token_ids").body(),
         "chars": prompt_chars_error(100, 5000, 30).body(),
         "http": http_error(413, "Request body too large").body(),
+        "beam": beam_search_stream().body(),
     }
     assert answers == {
         "media": b'{"error":{"message":"1 validation error:\\n  Unsupported Media Type: Only '
@@ -251,6 +253,8 @@ def test_error_builders_answer_as_vllm() -> None:
         b'"code":400}}',
         "http": b'{"error":{"message":"Request body too large","type":"Request Entity Too Large",'
         b'"param":null,"code":413}}',
+        "beam": b'{"error":{"message":"Streaming is not currently supported with beam search",'
+        b'"type":"BadRequestError","param":null,"code":400}}',
     }
     assert [route_not_found().status, method_not_allowed().status] == [404, 405]
 
