@@ -18,6 +18,7 @@ from engined.core.errors import InvalidRequestError
 from engined.core.policy import AdmissionPolicy
 from engined.core.sequence import Sequence
 from engined.core.state import RequestState
+from engined.core.stops import StopRule
 from engined.core.token_stream import SEED_MAX, SEED_MIN, token_bits
 from engined.core.types import Request, RequestStatus
 from engined.core.vocab import Vocabulary
@@ -82,6 +83,17 @@ class RequestIntake:
             )
         planned = request.output_token_ids
         max_out = len(planned) if planned is not None else request.max_tokens
+        # vLLM's `SamplingParams` words, with the field's path.
+        if request.min_tokens < 0:
+            raise InvalidRequestError(
+                f"request.min_tokens must be greater than or equal to 0, got {request.min_tokens}."
+            )
+        if request.min_tokens > max_out:
+            raise InvalidRequestError(
+                "request.min_tokens must be less than or equal to "
+                f"max_tokens={max_out}, got {request.min_tokens}."
+            )
+        stop_ids = request.stop_token_ids
         max_out = self._policy.clamp_max_output(len(request.token_ids), max_out)
         seq = Sequence(
             request.token_ids,
@@ -99,6 +111,7 @@ class RequestIntake:
             planned=planned,
             vocab=self._vocab,
             paged=self._paged,
+            stops=StopRule(stop_ids, request.min_tokens) if stop_ids else None,
         )
         state = RequestState(request_id, seq, status)
         state.priority = request.priority

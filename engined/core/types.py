@@ -46,6 +46,7 @@ class FinishReason(enum.StrEnum):
     """Why a request ended, spelled as the control protocol spells `finish_reason`.
 
     `LENGTH`: it produced its `max_tokens` (or reached `max_model_len`), vLLM's "length".
+    `STOP`: it generated one of its `stop_token_ids` once it had `min_tokens`, vLLM's "stop".
     `REJECTED`: admission refused it (it could never run here). `CANCELLED`: a command
     dropped it (cancel, cancel_source of a pending source, cancel_destination).
     """
@@ -53,6 +54,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     REJECTED = "rejected"
     CANCELLED = "cancelled"
+    STOP = "stop"
 
 
 class OffloadWait(NamedTuple):
@@ -78,6 +80,9 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     keyed by `stream_name`, or the request id when that is None. The daemon sets it so that
     neither the alias it runs a request under nor the UUID it names an unnamed one with
     changes the tokens: the client's own name, or the count of unnamed requests before it.
+
+    `stop_token_ids` and `min_tokens` are vLLM's: a generated stop id ends the request once
+    it has `min_tokens` tokens out (engined/core/stops.py).
     """
 
     token_ids: list[int]
@@ -88,6 +93,8 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     stream_name: str | int | None = None
     # vLLM's request priority: lower runs first under `scheduling_policy = priority`.
     priority: int = 0
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -293,7 +300,8 @@ class RequestOutput(msgspec.Struct, frozen=True, gc=False):
     end); `finish_reason` is set on the request's last output. `cached_tokens` rides only
     on a request's first output (prefix tokens found at its first admission);
     `handoff_delay_ms` only on the last output of a prefill worker's request (the modeled
-    transfer of its full prompt).
+    transfer of its full prompt); `stop_reason` only on the last output of a request that
+    stopped, the stop id it generated (vLLM's `stop_reason`).
     """
 
     request_id: RequestId
@@ -301,6 +309,7 @@ class RequestOutput(msgspec.Struct, frozen=True, gc=False):
     finish_reason: FinishReason | None = None
     cached_tokens: int | None = None
     handoff_delay_ms: float | None = None
+    stop_reason: int | None = None
 
 
 class Decodes(msgspec.Struct, frozen=True, gc=False):
