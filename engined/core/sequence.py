@@ -24,6 +24,7 @@ from engined.core.hashing import (
     chain_hash,
     lineage_key,
     parent_lineage_key,
+    salt_root,
 )
 from engined.core.stops import StopRule
 from engined.core.token_stream import TokenBits
@@ -148,7 +149,8 @@ class Sequence:
     Unplanned tokens come from `token_bits`, the request's own stream
     (engined/core/token_stream.py); `popped` is a token taken back by `pop`, the next one
     generated, so a failed allocation does not shift the stream. `stops` (None without stop
-    ids) ends the request early, and `stop_reason` is then the stop id it generated.
+    ids) ends the request early, and `stop_reason` is then the stop id it generated; a
+    `cache_salt` roots its block hashes (vLLM semantics only).
     """
 
     __slots__ = (
@@ -156,6 +158,7 @@ class Sequence:
         "_rng",
         "_vocab",
         "block_size",
+        "cache_salt",
         "caching",
         "emit_token_ids",
         "generated",
@@ -190,6 +193,7 @@ class Sequence:
         vocab: Vocabulary | None = None,
         paged: bool = False,
         stops: StopRule | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         assert block_size >= 2, "invalid ActiveSequence"
         # vLLM semantics (engined/core/paged/): blocks are allocated by the scheduler, so a
@@ -209,6 +213,7 @@ class Sequence:
         self.popped: int | None = None
         self.stops = stops
         self.stop_reason: int | None = None
+        self.cache_salt = cache_salt
         # The core's shared range, so a vocabulary change reaches running requests.
         self._vocab = vocab
         self._next_partial_id = next_partial_id
@@ -216,7 +221,8 @@ class Sequence:
         self.hashes: list[int]
         self.keys: list[int]
         if caching:
-            self.local, self.hashes = block_hashes(self.tokens, block_size)
+            root = None if cache_salt is None else salt_root(cache_salt)
+            self.local, self.hashes = block_hashes(self.tokens, block_size, root)
             self.keys = self.hashes
         else:
             getrandbits = rng.getrandbits
@@ -322,7 +328,9 @@ class Sequence:
         pos = len(self.hashes)
         lh = array_block_hash(tokens[pos * bs : (pos + 1) * bs])
         self.local.append(lh)
-        self.hashes.append(lh if pos == 0 else chain_hash(self.hashes[-1], lh))
+        salt = self.cache_salt
+        parent = self.hashes[-1] if pos else None if salt is None else salt_root(salt)
+        self.hashes.append(lh if parent is None else chain_hash(parent, lh))
 
     def _push(self, token: int) -> list[BlockMove]:
         tokens = self.tokens

@@ -81,8 +81,9 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     neither the alias it runs a request under nor the UUID it names an unnamed one with
     changes the tokens: the client's own name, or the count of unnamed requests before it.
 
-    `stop_token_ids` and `min_tokens` are vLLM's: a generated stop id ends the request once
-    it has `min_tokens` tokens out (engined/core/stops.py).
+    `stop_token_ids`, `min_tokens` and `cache_salt` are vLLM's: a generated stop id ends the
+    request once it has `min_tokens` tokens out (engined/core/stops.py), and the salt enters
+    the first block's hash, so only requests with the same salt share cached blocks.
     """
 
     token_ids: list[int]
@@ -95,6 +96,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
+    cache_salt: str | None = None
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -373,7 +375,9 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     `block_hashes` are sequence hashes (the router's block identity), `local_hashes` the
     per-block content hashes, `token_ids` the blocks' tokens flattened
     (`len(block_hashes) * block_size` ids). `parent_hash` is the sequence hash of the block
-    before the first one, None at the root.
+    before the first one, None at the root. `extra_keys`, when set, has one entry per block
+    as vLLM publishes them (a salted request's first block: `(cache_salt,)`); None means no
+    block has any.
     """
 
     event_id: int
@@ -384,6 +388,7 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     token_ids: list[int]
     block_size: int
     medium: Medium = Medium.GPU
+    extra_keys: list[tuple[str, ...] | None] | None = None
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
