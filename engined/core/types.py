@@ -46,7 +46,6 @@ class FinishReason(enum.StrEnum):
     """Why a request ended, spelled as the control protocol spells `finish_reason`.
 
     `LENGTH`: it produced its `max_tokens` (or reached `max_model_len`), vLLM's "length".
-    `STOP`: it generated one of its `stop_token_ids` once it had `min_tokens`, vLLM's "stop".
     `REJECTED`: admission refused it (it could never run here). `CANCELLED`: a command
     dropped it (cancel, cancel_source of a pending source, cancel_destination).
     """
@@ -54,7 +53,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     REJECTED = "rejected"
     CANCELLED = "cancelled"
-    STOP = "stop"
+    STOP = "stop"  # one of its stop_token_ids came out past min_tokens: vLLM's "stop"
 
 
 class OffloadWait(NamedTuple):
@@ -80,10 +79,6 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     keyed by `stream_name`, or the request id when that is None. The daemon sets it so that
     neither the alias it runs a request under nor the UUID it names an unnamed one with
     changes the tokens: the client's own name, or the count of unnamed requests before it.
-
-    `stop_token_ids`, `min_tokens` and `cache_salt` are vLLM's: a generated stop id ends the
-    request once it has `min_tokens` tokens out (engined/core/stops.py), and the salt enters
-    the first block's hash, so only requests with the same salt share cached blocks.
     """
 
     token_ids: list[int]
@@ -94,6 +89,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     stream_name: str | int | None = None
     # vLLM's request priority: lower runs first under `scheduling_policy = priority`.
     priority: int = 0
+    # vLLM's `stop_token_ids`, `min_tokens` (engined/core/stops.py) and `cache_salt`.
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     cache_salt: str | None = None
@@ -302,8 +298,7 @@ class RequestOutput(msgspec.Struct, frozen=True, gc=False):
     end); `finish_reason` is set on the request's last output. `cached_tokens` rides only
     on a request's first output (prefix tokens found at its first admission);
     `handoff_delay_ms` only on the last output of a prefill worker's request (the modeled
-    transfer of its full prompt); `stop_reason` only on the last output of a request that
-    stopped, the stop id it generated (vLLM's `stop_reason`).
+    transfer of its full prompt).
     """
 
     request_id: RequestId
@@ -311,7 +306,7 @@ class RequestOutput(msgspec.Struct, frozen=True, gc=False):
     finish_reason: FinishReason | None = None
     cached_tokens: int | None = None
     handoff_delay_ms: float | None = None
-    stop_reason: int | None = None
+    stop_reason: int | None = None  # the stop id, on the last output of a stopped request
 
 
 class Decodes(msgspec.Struct, frozen=True, gc=False):
@@ -375,9 +370,7 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     `block_hashes` are sequence hashes (the router's block identity), `local_hashes` the
     per-block content hashes, `token_ids` the blocks' tokens flattened
     (`len(block_hashes) * block_size` ids). `parent_hash` is the sequence hash of the block
-    before the first one, None at the root. `extra_keys`, when set, has one entry per block
-    as vLLM publishes them (a salted request's first block: `(cache_salt,)`); None means no
-    block has any.
+    before the first one, None at the root.
     """
 
     event_id: int
@@ -388,7 +381,7 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     token_ids: list[int]
     block_size: int
     medium: Medium = Medium.GPU
-    extra_keys: list[tuple[str, ...] | None] | None = None
+    extra_keys: list[tuple[str, ...] | None] | None = None  # per block as vLLM's, None: none
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
