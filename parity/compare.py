@@ -22,6 +22,7 @@ FIELDS: tuple[str, ...] = (
     "cached",
     "preempted",
     "finished",
+    "stopped",
     "running",
     "waiting",
     "events",

@@ -30,6 +30,7 @@ from parity.trace import (
     Removed,
     Scheduled,
     Step,
+    StopReport,
     Stored,
     Trace,
 )
@@ -52,6 +53,7 @@ def engine_args(scenario: Scenario) -> EngineArgs:
         scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
         prefix_caching_hash_algo=HashAlgo(config.prefix_caching_hash_algo),
         async_scheduling=config.async_scheduling,
+        vocab_size=config.vocab_size,
     )
 
 
@@ -70,6 +72,7 @@ def trace_events(events: list[KvEvent]) -> list[TraceEvent]:
                     _hash_str(event.parent_hash),
                     list(event.token_ids),
                     event.block_size,
+                    _extra_keys(event),
                 )
             )
         elif isinstance(event, BlockRemoved):
@@ -77,6 +80,12 @@ def trace_events(events: list[KvEvent]) -> list[TraceEvent]:
         elif isinstance(event, AllBlocksCleared):
             out.append(Cleared())
     return out
+
+
+def _extra_keys(event: BlockStored) -> list[list[str] | None]:
+    """The event's extra keys as the wire carries them (one nil per block without any)."""
+    keys = event.extra_keys or [None] * len(event.block_hashes)
+    return [None if k is None else list(k) for k in keys]
 
 
 def _step(index: int, result: PassResult) -> Step:
@@ -91,6 +100,8 @@ def _step(index: int, result: PassResult) -> Step:
             step.cached.append(CachedReport(output.request_id, output.cached_tokens))
         if output.finish_reason is not None:
             step.finished.append(output.request_id)
+        if output.stop_reason is not None:
+            step.stopped.append(StopReport(output.request_id, output.stop_reason))
     step.running = result.metrics.running
     step.waiting = result.metrics.waiting
     step.events = trace_events(result.kv_events)
@@ -120,6 +131,10 @@ def run(scenario: Scenario) -> Trace:
                 max_tokens=request.max_tokens,
                 request_id=request.id,
                 priority=request.priority,
+                output_token_ids=request.output_token_ids,
+                stop_token_ids=request.stop_token_ids or None,
+                min_tokens=request.min_tokens,
+                cache_salt=request.cache_salt,
             )
             effects = engine.apply(Submit(submitted), now_ms=now_ms)
             arrived += trace_events(effects.kv_events)

@@ -30,6 +30,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     prefix_caching_hash_algo: str = "sha256"
     # vLLM's AsyncScheduler, driven as EngineCore drives it (`step_with_batch_queue`).
     async_scheduling: bool = False
+    # engined only: draw output tokens from [0, vocab_size), so stop ids come up (vLLM samples
+    # nothing: it is given engined's tokens).
+    vocab_size: int | None = None
 
 
 class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +44,13 @@ class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
     # vLLM's request priority (lower first under the priority policy).
     priority: int = 0
+    # vLLM's `SamplingParams.stop_token_ids` and `min_tokens`, and the request's `cache_salt`.
+    stop_token_ids: list[int] = []
+    min_tokens: int = 0
+    cache_salt: str | None = None
+    # engined's planned output (its length is `max_tokens`); vLLM is given it as engined's
+    # tokens, like any other.
+    output_token_ids: list[int] | None = None
 
 
 class Scenario(msgspec.Struct, frozen=True, kw_only=True):

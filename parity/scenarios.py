@@ -223,6 +223,108 @@ def no_chunked_prefill() -> Scenario:
     )
 
 
+def stop_pressure() -> Scenario:
+    """Stop ids and min_tokens under preemption: engined draws from 16 ids, 2 of them stop
+    ids (one token in 8 after min_tokens), so requests stop early, and never before their
+    min_tokens, while 24 blocks hold at most 5 of 12 requests. One planned output stops on
+    its 30th token (past its min_tokens of 20); two requests have no stop ids."""
+    rng = random.Random(14)
+    stops = [3, 11]
+    requests = []
+    for i in range(12):
+        min_tokens = [0, 4, 16, 40, 64, 80][i % 6]
+        requests.append(
+            ScenarioRequest(
+                id=f"t{i}",
+                arrival=i // 4,
+                prompt=_tokens(rng, 64),
+                max_tokens=80,
+                stop_token_ids=stops if i not in (5, 9) else [],
+                min_tokens=min_tokens if i not in (5, 9) else 0,
+            )
+        )
+    planned = [rng.choice([t for t in range(1, 16) if t not in stops]) for _ in range(60)]
+    planned[29] = stops[1]
+    requests.append(
+        ScenarioRequest(
+            id="t-planned",
+            arrival=1,
+            prompt=_tokens(rng, 64),
+            max_tokens=len(planned),
+            stop_token_ids=stops,
+            min_tokens=20,
+            output_token_ids=planned,
+        )
+    )
+    return Scenario(
+        name="stop-min-tokens-pressure",
+        description="13 x (64 prompt + up to 80 out) in 24 blocks, stop ids with min_tokens "
+        "0-80, engined drawing from 16 ids",
+        config=Config(
+            num_gpu_blocks=24, max_num_batched_tokens=8192, max_num_seqs=256, vocab_size=16
+        ),
+        requests=requests,
+    )
+
+
+def cache_salt(hash_algo: str = "sha256") -> Scenario:
+    """Salted requests over one shared 64-token prefix, every 2 steps, in a pool small enough
+    to evict: salts a, b, none and "" (no salt, as vLLM), so only equal salts hit. A 6-token
+    salted prompt fills its first block with its planned output; later prompts of those 16
+    tokens and more hit that block under its salt only."""
+    rng = random.Random(15)
+    prefix = _tokens(rng, 64)
+    salts: list[str | None] = ["a", "b", None, "a", "", "b", "a", None, "b", "a", "", "b"]
+    requests = [
+        ScenarioRequest(
+            id=f"c{i}",
+            arrival=2 * i,
+            prompt=prefix + _tokens(rng, rng.randrange(8, 49)),
+            max_tokens=8,
+            cache_salt=salt,
+        )
+        for i, salt in enumerate(salts)
+    ]
+    short = _tokens(rng, 6)
+    planned = _tokens(rng, 20)
+    requests.append(
+        ScenarioRequest(
+            id="c-short",
+            arrival=24,
+            prompt=short,
+            max_tokens=len(planned),
+            cache_salt="a",
+            output_token_ids=planned,
+        )
+    )
+    grown = short + planned[:10]
+    for i, salt in enumerate(["a", "b", "a"]):
+        requests.append(
+            ScenarioRequest(
+                id=f"c-grown{i}",
+                arrival=44 + 2 * i,
+                prompt=grown + _tokens(rng, 5),
+                max_tokens=4,
+                cache_salt=salt,
+            )
+        )
+    requests.sort(key=lambda r: r.arrival)
+    extra = "" if hash_algo == "sha256" else f"-{hash_algo}"
+    return Scenario(
+        name="cache-salt-shared-prefix" + extra,
+        description='12 requests sharing a 64-token prefix under salts a, b, none and "", '
+        "every 2 steps, in 20 blocks; a short salted prompt's generated first block"
+        + ("" if hash_algo == "sha256" else f"; {hash_algo}"),
+        config=Config(
+            num_gpu_blocks=20,
+            max_num_batched_tokens=256,
+            max_num_seqs=8,
+            prefix_caching_hash_algo=hash_algo,
+        ),
+        requests=requests,
+    )
+
+
 def asynchronous(scenario: Scenario) -> Scenario:
     """`scenario` under vLLM's AsyncScheduler (`<name>-async`)."""
     return msgspec.structs.replace(
@@ -255,6 +357,9 @@ def all_scenarios() -> list[Scenario]:
         random_mix(7, num_blocks=64, budget=256, full_isl=False),
         random_mix(8, num_blocks=80, budget=192, caching=False),
         random_mix(9, num_blocks=96, budget=256, hash_algo="sha256_cbor"),
+        stop_pressure(),
+        cache_salt(),
+        cache_salt("sha256_cbor"),
         *async_scenarios(),
     ]
 
@@ -276,5 +381,7 @@ def async_scenarios() -> list[Scenario]:
             random_mix(4, num_blocks=48, budget=512, block_size=32),
             priority_pressure(),
             random_mix(5, num_blocks=64, budget=256, policy="priority"),
+            stop_pressure(),
+            cache_salt(),
         )
     ]

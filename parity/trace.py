@@ -36,11 +36,20 @@ class CachedReport(msgspec.Struct, frozen=True, array_like=True):
     cached_tokens: int
 
 
+class StopReport(msgspec.Struct, frozen=True, array_like=True):
+    """A request that finished on a stop id, and that id (vLLM's `stop_reason`)."""
+
+    request_id: str
+    stop_reason: int
+
+
 class Stored(msgspec.Struct, frozen=True, tag="stored"):
     block_hashes: list[str]
     parent: str | None
     token_ids: list[int]
     block_size: int
+    # One entry per block as the event carries it (a salted first block: `[salt]`).
+    extra_keys: list[list[str] | None] | None = None
 
 
 class Removed(msgspec.Struct, frozen=True, tag="removed"):
@@ -63,6 +72,7 @@ class Step(msgspec.Struct, kw_only=True):
     cached: list[CachedReport] = []
     preempted: list[str] = []
     finished: list[str] = []
+    stopped: list[StopReport] = []
     running: int = 0
     waiting: int = 0
     events: list[KvEvent] = []
@@ -86,47 +96,54 @@ class CanonicalBlock(msgspec.Struct, frozen=True, array_like=True):
     parent: str | None = None
 
 
-def prefix_identity(tokens: list[int]) -> str:
-    """`len:digest` of a token prefix: equal prefixes, equal identities."""
-    digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8).hexdigest()
-    return f"{len(tokens)}:{digest}"
+def prefix_identity(tokens: list[int], salt: str | None = None) -> str:
+    """`len:digest` of a token prefix (and the cache salt its first block was stored under):
+    equal prefixes under equal salts, equal identities."""
+    digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8)
+    if salt is not None:
+        digest.update(b"\x00salt\x00" + salt.encode())
+    return f"{len(tokens)}:{digest.hexdigest()}"
 
 
 class Canonicalizer:
     """Follows one side's events in order, mapping each raw hash to the token prefix it
-    closes. A removal or parent of a hash never stored is named `unknown:<hash>`."""
+    closes (and the salt of that prefix's first block, from its `extra_keys`). A removal or
+    parent of a hash never stored is named `unknown:<hash>`."""
 
     __slots__ = ("_prefixes",)
 
     def __init__(self) -> None:
-        self._prefixes: dict[str, list[int]] = {}
+        self._prefixes: dict[str, tuple[list[int], str | None]] = {}
 
     def step(self, events: list[KvEvent]) -> list[CanonicalBlock]:
         blocks: list[CanonicalBlock] = []
         prefixes = self._prefixes
         for event in events:
             if isinstance(event, Stored):
-                parent_prefix: list[int] | None = []
+                parent: tuple[list[int], str | None] | None = ([], None)
                 parent_id: str | None = None
                 if event.parent is not None:
-                    parent_prefix = prefixes.get(event.parent)
+                    parent = prefixes.get(event.parent)
                     parent_id = (
-                        prefix_identity(parent_prefix)
-                        if parent_prefix is not None
+                        prefix_identity(*parent)
+                        if parent is not None
                         else f"unknown:{event.parent}"
                     )
-                prefix = list(parent_prefix or [])
+                prefix, salt = (list(parent[0]), parent[1]) if parent is not None else ([], None)
                 size = event.block_size
                 for i, block_hash in enumerate(event.block_hashes):
+                    keys = event.extra_keys[i] if event.extra_keys else None
+                    if not prefix and keys:
+                        salt = keys[0]
                     prefix = prefix + event.token_ids[i * size : (i + 1) * size]
-                    prefixes[block_hash] = prefix
-                    identity = prefix_identity(prefix)
+                    prefixes[block_hash] = (prefix, salt)
+                    identity = prefix_identity(prefix, salt)
                     blocks.append(CanonicalBlock("stored", identity, parent_id))
                     parent_id = identity
             elif isinstance(event, Removed):
                 known = prefixes.get(event.block_hash)
                 identity = (
-                    prefix_identity(known) if known is not None else f"unknown:{event.block_hash}"
+                    prefix_identity(*known) if known is not None else f"unknown:{event.block_hash}"
                 )
                 blocks.append(CanonicalBlock("removed", identity))
             else:

@@ -51,6 +51,7 @@ from parity.trace import (
     Removed,
     Scheduled,
     Step,
+    StopReport,
     Stored,
     Trace,
 )
@@ -91,6 +92,9 @@ class _Recorder:
                         None if parent is None else _hash_str(parent),
                         list(event.token_ids),
                         event.block_size,
+                        None
+                        if event.extra_keys is None
+                        else [None if k is None else list(k) for k in event.extra_keys],
                     )
                 )
             elif kind == "BlockRemoved":
@@ -198,7 +202,12 @@ class VllmRun:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            ignore_eos=True,
+            stop_token_ids=list(request.stop_token_ids),
+            min_tokens=request.min_tokens,
+        )
         # Arrival times increase as the frontend's clock would: the priority policy's
         # tie-break between equal priorities.
         self.arrivals += 1
@@ -210,6 +219,7 @@ class VllmRun:
             arrival_time=float(self.arrivals),
             block_hasher=self.hasher,
             priority=request.priority,
+            cache_salt=request.cache_salt,
         )
 
     def _token(self, request_id: str, position: int) -> int:
@@ -310,6 +320,8 @@ class VllmRun:
                     )
                 if out.finish_reason is not None:
                     step.finished.append(out.request_id)
+                if isinstance(out.stop_reason, int):
+                    step.stopped.append(StopReport(out.request_id, out.stop_reason))
 
     def _close(self, step: Step) -> Step:
         """The counts after the step, and the KV events it published."""

@@ -61,6 +61,8 @@ class Generation:
     handoff_delay_ms: float | None
     # How many `output` entries carried the tokens (a speculative burst is one entry).
     num_outputs: int
+    # The stop id that ended it, when `finish_reason` is "stop".
+    stop_reason: int | None = None
 
 
 class EngineClient(Connection):
@@ -86,6 +88,9 @@ class EngineClient(Connection):
         dp_rank: int | None = None,
         seed: int | None = None,
         priority: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        min_tokens: int = 0,
+        cache_salt: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Submitted:
         """Submit a request; read its outputs with `outputs(reply.request_id)`.
@@ -95,7 +100,16 @@ class EngineClient(Connection):
         `submitted` reply are kept for `outputs()` all the same.
         """
         request = _request(
-            token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed, priority
+            token_ids,
+            max_tokens,
+            request_id,
+            output_token_ids,
+            dp_rank,
+            seed,
+            priority,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
+            cache_salt=cache_salt,
         )
         msg = Submit(request=request, id=self._next_id())
         return await self._call_with_stream(msg, Submitted, request_id, timeout)
@@ -137,6 +151,9 @@ class EngineClient(Connection):
         dp_rank: int | None = None,
         seed: int | None = None,
         priority: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        min_tokens: int = 0,
+        cache_salt: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> AsyncIterator[OutputEntry]:
         """`submit` then `outputs`: the request's entries until its finished one."""
@@ -148,6 +165,9 @@ class EngineClient(Connection):
             dp_rank=dp_rank,
             seed=seed,
             priority=priority,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
+            cache_salt=cache_salt,
             timeout=timeout,
         )
         async for entry in self.outputs(submitted.request_id, timeout=timeout):
@@ -163,6 +183,9 @@ class EngineClient(Connection):
         dp_rank: int | None = None,
         seed: int | None = None,
         priority: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        min_tokens: int = 0,
+        cache_salt: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Generation:
         """Submit and collect every output of the request."""
@@ -174,6 +197,9 @@ class EngineClient(Connection):
             dp_rank=dp_rank,
             seed=seed,
             priority=priority,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
+            cache_salt=cache_salt,
             timeout=timeout,
         )
         return await self.collect(submitted, timeout=timeout)
@@ -190,6 +216,7 @@ class EngineClient(Connection):
         finish_reason: FinishReason | None = None
         cached_tokens: int | None = None
         handoff_delay_ms: float | None = None
+        stop_reason: int | None = None
         count = 0
         async for entry in self.outputs(submitted.request_id, timeout=timeout):
             count += 1
@@ -199,6 +226,7 @@ class EngineClient(Connection):
             if entry.handoff_delay_ms is not None:
                 handoff_delay_ms = entry.handoff_delay_ms
             finish_reason = entry.finish_reason
+            stop_reason = entry.stop_reason
         return Generation(
             request_id=submitted.request_id,
             dp_rank=submitted.dp_rank,
@@ -207,6 +235,7 @@ class EngineClient(Connection):
             cached_tokens=cached_tokens,
             handoff_delay_ms=handoff_delay_ms,
             num_outputs=count,
+            stop_reason=stop_reason,
         )
 
     async def cancel(
@@ -268,12 +297,24 @@ class EngineClient(Connection):
         dp_rank: int | None = None,
         seed: int | None = None,
         priority: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        min_tokens: int = 0,
+        cache_salt: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> DestinationAccepted:
         """Reserve KV on this (destination) worker; `destination_reserved` follows as a
         lifecycle event, and the request's outputs stream after `activate_destination`."""
         request = _request(
-            token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed, priority
+            token_ids,
+            max_tokens,
+            request_id,
+            output_token_ids,
+            dp_rank,
+            seed,
+            priority,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
+            cache_salt=cache_salt,
         )
         msg = ReserveDestination(handoff_id=handoff_id, request=request, id=self._next_id())
         return await self._call_with_stream(msg, DestinationAccepted, request_id, timeout)
@@ -406,6 +447,10 @@ def _request(
     dp_rank: int | None,
     seed: int | None,
     priority: int = 0,
+    *,
+    stop_token_ids: Sequence[int] | None = None,
+    min_tokens: int = 0,
+    cache_salt: str | None = None,
 ) -> WireRequest:
     # NOTE: no validation here: the daemon is the one judge of a request, and tests send
     # invalid ones through these methods on purpose.
@@ -417,4 +462,7 @@ def _request(
         dp_rank=dp_rank,
         seed=seed,
         priority=priority,
+        stop_token_ids=None if stop_token_ids is None else list(stop_token_ids),
+        min_tokens=min_tokens,
+        cache_salt=cache_salt,
     )

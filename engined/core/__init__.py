@@ -44,6 +44,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.sequence",
     "engined.core.speculative",
     "engined.core.state",
+    "engined.core.stops",
     "engined.core.paged.async_batches",
     "engined.core.paged.block_pool",
     "engined.core.paged.kv_cache_manager",

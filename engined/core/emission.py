@@ -6,7 +6,9 @@ full that preempts the newest running request, possibly the sampling one, and th
 is retried, or kept for when the request runs again (`Sequence.popped`). A request with
 nothing left to generate (max_tokens 0) completes here with a token-less last output, after its
 prefill: upstream 1.3.0 never completed such requests, a defect fixed later, and we follow the
-fix.
+fix. A token that is one of the request's stop ids ends it too, as vLLM's `check_stop` does
+(engined/core/stops.py): the token is emitted, the request freed in the same pass, and an MTP
+burst ends at it, the rest of the burst dropped as vLLM drops the draft tokens after a stop.
 
 Each request that emitted or finished gets exactly one output per pass (all of an MTP
 burst's tokens in one `RequestOutput`), as vLLM's engine core reports a step; a plain decode
@@ -40,6 +42,7 @@ from engined.core.types import (
 from engined.core.vocab import Vocabulary
 
 _LENGTH = FinishReason.LENGTH
+_STOP = FinishReason.STOP
 # A request preempted earlier in the same emission is no longer RUNNING.
 _RUNNING = RequestStatus.RUNNING
 
@@ -140,16 +143,19 @@ class TokenEmitter:
     ) -> None:
         """`req` produced its last tokens: its last output, then its KV freed or held."""
         request_id = req.request_id
+        stop_reason = req.seq.stop_reason
+        reason = _LENGTH if stop_reason is None else _STOP
         ctx.add_output(
             RequestOutput(
                 request_id,
                 tokens,
-                _LENGTH,
+                reason,
                 req.take_cached_tokens(),
                 self.handoff_delay_ms(req.seq.num_input_tokens),
+                stop_reason,
             )
         )
-        ctx.ended.append(EndedRequest(request_id, _LENGTH))
+        ctx.ended.append(EndedRequest(request_id, reason))
         held = self._finisher.complete(req, cleanup)
         if held is not None:
             ctx.lifecycle.append(held)
@@ -204,6 +210,7 @@ class TokenEmitter:
             if (
                 fast
                 and seq.planned is None
+                and seq.stops is None
                 # The mocker's pool allocates the block a token opens; vLLM's hashes the block
                 # a token fills (`push_paged`). Either way the general path does that.
                 and (
@@ -231,6 +238,7 @@ class TokenEmitter:
                 and fast
                 and not offload
                 and seq.planned is None
+                and seq.stops is None
                 and len(tokens) % bs == 0
                 and seq.popped is None
                 and seq.generated + 1 < seq.max_output_tokens
@@ -261,7 +269,7 @@ class TokenEmitter:
                 if offload and req.offload_wait_live(refresh):
                     break
                 token, moves = seq.generate_token()
-                completed = seq.generated >= seq.max_output_tokens
+                completed = seq.finished()
                 if completed:
                     cleanup = [m for m in moves if type(m) is Deref or type(m) is Release]
                     moves = [m for m in moves if type(m) is not Deref and type(m) is not Release]
@@ -354,7 +362,7 @@ class TokenEmitter:
             tokens: list[int] = []
             for _ in range(burst):
                 token, moves = seq.generate_token()
-                done = seq.generated >= seq.max_output_tokens
+                done = seq.finished()
                 for move in moves:
                     if type(move) is Deref and done:
                         cleanup.append(move)

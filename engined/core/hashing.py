@@ -69,8 +69,9 @@ class BlockHashes(NamedTuple):
     sequence: list[int]
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> BlockHashes:
-    """Local and sequence hashes of every full block of `tokens`."""
+def block_hashes(tokens: Sequence[int], block_size: int, root: int | None = None) -> BlockHashes:
+    """Local and sequence hashes of every full block of `tokens`; with a `root` (a cache
+    salt's, `salt_root`) the first block chains to it as to a parent."""
     data = token_bytes(tokens)
     step = block_size * 4
     n = len(tokens) // block_size
@@ -78,11 +79,20 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> BlockHashes:
     pack_pair = _pack_pair
     local = [xxh3(data[i * step : (i + 1) * step], HASH_SEED) for i in range(n)]
     seq: list[int] = []
-    parent = 0
-    for i, h in enumerate(local):
-        parent = h if i == 0 else xxh3(pack_pair(parent, h), HASH_SEED)
+    parent = root
+    for h in local:
+        parent = h if parent is None else xxh3(pack_pair(parent, h), HASH_SEED)
         seq.append(parent)
     return BlockHashes(local, seq)
+
+
+_SALT_TAG: Final = b"engined/cache-salt\x00"
+
+
+def salt_root(salt: str) -> int:
+    """The parent a salted request's first block chains to: requests with other salts (or
+    none) then share no block key, as vLLM's salted block hashes share nothing."""
+    return _xxh3(_SALT_TAG + salt.encode("utf-8", "surrogatepass"), HASH_SEED)
 
 
 # `position << 64` for the positions of prompts up to 64k tokens of 16: a lookup instead of

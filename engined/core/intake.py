@@ -14,10 +14,11 @@ import itertools
 import random
 from collections.abc import Callable
 
-from engined.core.errors import InvalidRequestError
+from engined.core.errors import InvalidRequestError, UnsupportedError
 from engined.core.policy import AdmissionPolicy
 from engined.core.sequence import Sequence
 from engined.core.state import RequestState
+from engined.core.stops import StopRule
 from engined.core.token_stream import SEED_MAX, SEED_MIN, token_bits
 from engined.core.types import Request, RequestStatus
 from engined.core.vocab import Vocabulary
@@ -82,6 +83,25 @@ class RequestIntake:
             )
         planned = request.output_token_ids
         max_out = len(planned) if planned is not None else request.max_tokens
+        # vLLM's `SamplingParams` words, with the field's path.
+        if request.min_tokens < 0:
+            raise InvalidRequestError(
+                f"request.min_tokens must be greater than or equal to 0, got {request.min_tokens}."
+            )
+        if request.min_tokens > max_out:
+            raise InvalidRequestError(
+                "request.min_tokens must be less than or equal to "
+                f"max_tokens={max_out}, got {request.min_tokens}."
+            )
+        # vLLM salts only with a non-empty salt (`if request.cache_salt`).
+        salt = request.cache_salt or None
+        if salt is not None and not self._paged:
+            raise UnsupportedError(
+                "request.cache_salt needs vLLM semantics: this engine keeps Dynamo mocker "
+                "1.3.0's KV cache (semantics, prefix_hit_rule, MTP, TRT-LLM or offload tiers), "
+                "whose block hashes are the router's and take no salt"
+            )
+        stop_ids = request.stop_token_ids
         max_out = self._policy.clamp_max_output(len(request.token_ids), max_out)
         seq = Sequence(
             request.token_ids,
@@ -99,6 +119,8 @@ class RequestIntake:
             planned=planned,
             vocab=self._vocab,
             paged=self._paged,
+            stops=StopRule(stop_ids, request.min_tokens) if stop_ids else None,
+            cache_salt=salt,
         )
         state = RequestState(request_id, seq, status)
         state.priority = request.priority

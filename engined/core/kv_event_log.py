@@ -78,6 +78,7 @@ class KvEventLog:
         local: list[int],
         token_ids: list[int],
         medium: Medium = Medium.GPU,
+        extra_keys: list[tuple[str, ...] | None] | None = None,
     ) -> None:
         """Publish blocks registered in `medium` together, as one Stored (the vLLM pool's
         cached blocks, a lower tier's registration)."""
@@ -92,6 +93,7 @@ class KvEventLog:
                     token_ids,
                     self.block_size,
                     medium,
+                    extra_keys,
                 )
             )
 

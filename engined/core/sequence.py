@@ -24,7 +24,9 @@ from engined.core.hashing import (
     chain_hash,
     lineage_key,
     parent_lineage_key,
+    salt_root,
 )
+from engined.core.stops import StopRule
 from engined.core.token_stream import TokenBits
 from engined.core.vocab import Vocabulary
 
@@ -146,7 +148,9 @@ class Sequence:
 
     Unplanned tokens come from `token_bits`, the request's own stream
     (engined/core/token_stream.py); `popped` is a token taken back by `pop`, the next one
-    generated, so a failed allocation does not shift the stream.
+    generated, so a failed allocation does not shift the stream. `stops` (None without stop
+    ids) ends the request early, and `stop_reason` is then the stop id it generated; a
+    `cache_salt` roots its block hashes (vLLM semantics only).
     """
 
     __slots__ = (
@@ -154,6 +158,7 @@ class Sequence:
         "_rng",
         "_vocab",
         "block_size",
+        "cache_salt",
         "caching",
         "emit_token_ids",
         "generated",
@@ -167,6 +172,8 @@ class Sequence:
         "partial",
         "planned",
         "popped",
+        "stop_reason",
+        "stops",
         "token_bits",
         "tokens",
     )
@@ -185,6 +192,8 @@ class Sequence:
         emit_token_ids: bool = True,
         vocab: Vocabulary | None = None,
         paged: bool = False,
+        stops: StopRule | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         assert block_size >= 2, "invalid ActiveSequence"
         # vLLM semantics (engined/core/paged/): blocks are allocated by the scheduler, so a
@@ -202,6 +211,9 @@ class Sequence:
         self._rng = rng
         self.token_bits = token_bits
         self.popped: int | None = None
+        self.stops = stops
+        self.stop_reason: int | None = None
+        self.cache_salt = cache_salt
         # The core's shared range, so a vocabulary change reaches running requests.
         self._vocab = vocab
         self._next_partial_id = next_partial_id
@@ -209,7 +221,8 @@ class Sequence:
         self.hashes: list[int]
         self.keys: list[int]
         if caching:
-            self.local, self.hashes = block_hashes(self.tokens, block_size)
+            root = None if cache_salt is None else salt_root(cache_salt)
+            self.local, self.hashes = block_hashes(self.tokens, block_size, root)
             self.keys = self.hashes
         else:
             getrandbits = rng.getrandbits
@@ -263,10 +276,15 @@ class Sequence:
             self.tokens if self.emit_token_ids else None,
         )
 
+    def finished(self) -> bool:
+        """It generated its last token: its `max_output_tokens`, or a stop id."""
+        return self.generated >= self.max_output_tokens or self.stop_reason is not None
+
     def generate_token(self) -> SampledToken:
         """Sample the next token; returns it with the block moves it requires.
 
-        On the terminal token the moves end with the Deref that frees the whole sequence.
+        On the terminal token (the last allowed, or a stop id) the moves end with the Deref
+        or Release that frees the whole sequence.
         """
         assert self.generated < self.max_output_tokens, (
             "Cannot generate more tokens: reached max_output_tokens limit"
@@ -274,23 +292,27 @@ class Sequence:
         planned = self.planned
         popped = self.popped
         vocab = self._vocab
+        stops = self.stops
         if planned is not None:
             token = planned[self.generated]
         elif popped is not None and (vocab is None or vocab.allows(popped)):
             token = popped
+        elif stops is not None and self.generated < stops.min_tokens:
+            token = stops.draw(vocab, self.token_bits)
         elif vocab is None:
             token = self.token_bits(32)
         else:
             token = vocab.next_token(self.token_bits)
         self.popped = None
+        stopped = stops is not None and stops.stops_at(token, self.generated + 1)
+        if stopped:
+            self.stop_reason = token
         if self.paged:
             self.push_paged(token)
-            return _new(
-                SampledToken,
-                (token, [Release(self)] if self.generated == self.max_output_tokens else []),
-            )
+            last = stopped or self.generated == self.max_output_tokens
+            return _new(SampledToken, (token, [Release(self)] if last else []))
         moves = self._push(token)
-        if self.generated == self.max_output_tokens:
+        if stopped or self.generated == self.max_output_tokens:
             moves.append(self._free_for_tokens(len(self.tokens)))
         return _new(SampledToken, (token, moves))
 
@@ -306,7 +328,9 @@ class Sequence:
         pos = len(self.hashes)
         lh = array_block_hash(tokens[pos * bs : (pos + 1) * bs])
         self.local.append(lh)
-        self.hashes.append(lh if pos == 0 else chain_hash(self.hashes[-1], lh))
+        salt = self.cache_salt
+        parent = self.hashes[-1] if pos else None if salt is None else salt_root(salt)
+        self.hashes.append(lh if parent is None else chain_hash(parent, lh))
 
     def _push(self, token: int) -> list[BlockMove]:
         tokens = self.tokens
@@ -371,6 +395,7 @@ class Sequence:
         """
         self.popped = self.tokens.pop()
         self.generated = max(self.generated - 1, 0)
+        self.stop_reason = None
         if len(self.tokens) % self.block_size == 0:
             self.partial = None
 

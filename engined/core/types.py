@@ -53,6 +53,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     REJECTED = "rejected"
     CANCELLED = "cancelled"
+    STOP = "stop"  # one of its stop_token_ids came out past min_tokens: vLLM's "stop"
 
 
 class OffloadWait(NamedTuple):
@@ -88,6 +89,10 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     stream_name: str | int | None = None
     # vLLM's request priority: lower runs first under `scheduling_policy = priority`.
     priority: int = 0
+    # vLLM's `stop_token_ids`, `min_tokens` (engined/core/stops.py) and `cache_salt`.
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    cache_salt: str | None = None
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -301,6 +306,7 @@ class RequestOutput(msgspec.Struct, frozen=True, gc=False):
     finish_reason: FinishReason | None = None
     cached_tokens: int | None = None
     handoff_delay_ms: float | None = None
+    stop_reason: int | None = None  # the stop id, on the last output of a stopped request
 
 
 class Decodes(msgspec.Struct, frozen=True, gc=False):
@@ -375,6 +381,7 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     token_ids: list[int]
     block_size: int
     medium: Medium = Medium.GPU
+    extra_keys: list[tuple[str, ...] | None] | None = None  # per block as vLLM's, None: none
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):

@@ -10,7 +10,9 @@ xxhash ones, so their hashes are reproducible only with `PYTHONHASHSEED` set. KV
 a hash as the low 64 bits of its big-endian value unless `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`
 is 0, when they carry the bytes.
 
-Extra keys (LoRA, multimodal, cache salt) are always None here: engined has none of them.
+Extra keys: engined has no LoRA or multimodal input, so only a request's `cache_salt` gives
+any, and only to its first block: `(("cache_salt", salt),)`, as vLLM's
+`generate_block_hash_extra_keys` makes them (KV events carry them untagged, `(salt,)`).
 Pickle is pinned at protocol 5, what `pickle.HIGHEST_PROTOCOL` is on every Python vLLM 0.33
 runs on; the CBOR encoder covers the types a block key holds (bytes, str, ints, None, tuples)
 in RFC 8949's canonical form, as `cbor2.dumps(canonical=True)` writes them.
@@ -123,7 +125,7 @@ def none_hash(algo: HashAlgo, python_hash_seed: str | None) -> bytes:
 
 
 class BlockHasher:
-    """`hash_block_tokens` of vLLM 0.33 for one algorithm and NONE_HASH (no extra keys)."""
+    """`hash_block_tokens` of vLLM 0.33 for one algorithm and NONE_HASH."""
 
     __slots__ = ("_digest", "_serialise", "algo", "none_hash")
 
@@ -133,11 +135,21 @@ class BlockHasher:
         self.algo = algo
         self.none_hash = none_hash
 
-    def block_hash(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    def block_hash(
+        self,
+        parent: bytes | None,
+        tokens: Sequence[int],
+        extra_keys: tuple[tuple[str, str], ...] | None = None,
+    ) -> bytes:
         """The hash of a full block of `tokens` whose previous block hashed to `parent`."""
         # vLLM tests `not parent_block_hash`: an empty parent is a first block too.
-        key = (parent or self.none_hash, tuple(tokens), None)
+        key = (parent or self.none_hash, tuple(tokens), extra_keys)
         return self._digest(self._serialise(key))
+
+
+def salt_extra_keys(salt: str) -> tuple[tuple[str, str], ...]:
+    """The extra keys vLLM hashes a salted request's first block with."""
+    return (("cache_salt", salt),)
 
 
 def event_block_hash(h: bytes, *, int_hashes: bool = True) -> int | bytes:

@@ -108,6 +108,11 @@ class Vocabulary:
         draw = self.draw
         return getrandbits(32) if draw is None else draw(getrandbits)
 
+    def num_drawable(self) -> int:
+        """How many ids an unplanned draw may yield."""
+        size = VOCAB_SIZE_MAX if self.vocab_size is None else self.vocab_size
+        return size - len(self.excluded_token_ids)
+
     def allows(self, token: int) -> bool:
         """Whether the range in force may yield `token` (one drawn before a change may not)."""
         size = self.vocab_size

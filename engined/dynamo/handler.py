@@ -184,6 +184,7 @@ class RequestHandler:
 
     async def _aggregated(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
         token_ids, max_tokens, dp_rank, seed = self._parse(request)
+        stop_token_ids, min_tokens = _stops(request)
         request_id = _request_id(context)
         submitted = await _refusing(
             self._client.submit(
@@ -192,6 +193,8 @@ class RequestHandler:
                 request_id=request_id,
                 dp_rank=dp_rank,
                 seed=seed,
+                stop_token_ids=stop_token_ids,
+                min_tokens=min_tokens,
                 timeout=CALL_TIMEOUT_S,
             )
         )
@@ -248,6 +251,7 @@ class RequestHandler:
 
     async def _decode(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
         token_ids, max_tokens, dp_rank, seed = self._parse(request)
+        stop_token_ids, min_tokens = _stops(request)
         prefill_result = request["prefill_result"]
         params = _handoff_params(prefill_result)
         handoff_id = params["handoff_id"]
@@ -263,6 +267,8 @@ class RequestHandler:
                     request_id=request_id,
                     dp_rank=dp_rank,
                     seed=seed,
+                    stop_token_ids=stop_token_ids,
+                    min_tokens=min_tokens,
                     timeout=CALL_TIMEOUT_S,
                 )
             )
@@ -386,6 +392,25 @@ class RequestHandler:
                 400, f"sampling_options.seed: expected an int64 or null, got {seed!r}"
             )
         return token_ids, max_tokens, dp_rank, seed
+
+
+def _stops(request: dict[str, Any]) -> tuple[list[int] | None, int]:
+    """`stop_conditions.stop_token_ids_hidden` and `min_tokens`, as dynamo.vllm hands them to
+    vLLM's `SamplingParams` (the daemon judges the values, `_parse` the min/max order)."""
+    stop = request.get("stop_conditions") or {}
+    ids = stop.get("stop_token_ids_hidden")
+    if ids is not None and (
+        not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids)
+    ):
+        raise RequestFailed(
+            400, f"stop_conditions.stop_token_ids_hidden: expected token ids, got {ids!r}"[:200]
+        )
+    min_tokens = stop.get("min_tokens") or 0
+    if not isinstance(min_tokens, int) or min_tokens < 0:
+        raise RequestFailed(
+            400, f"stop_conditions.min_tokens: expected an int >= 0, got {min_tokens!r}"
+        )
+    return ids or None, min_tokens
 
 
 async def _refusing(call: Awaitable[T]) -> T:

@@ -25,10 +25,12 @@ MESSAGE_MARGIN_BYTES: Final = 1024 * 1024
 # What the core keeps of a request in flight, measured with tracemalloc on the pure-Python
 # core: about 900 bytes of state with a short prompt; 4 bytes a prompt token in its array
 # plus its share of the block hashes (~10 in all at block size 16, less above); 40 bytes a
-# planned output token, which stays a list of Python ints.
+# planned output token, which stays a list of Python ints; 64 a stop id, an int in a
+# frozenset (33 bytes of set slots an id, measured, plus the int); and a cache salt's bytes.
 REQUEST_BYTES: Final = 1024
 PROMPT_TOKEN_BYTES: Final = 10
 PLANNED_TOKEN_BYTES: Final = 40
+STOP_TOKEN_BYTES: Final = 64
 
 
 def control_max_message_bytes(engine: EngineArgs) -> int:
@@ -45,9 +47,17 @@ def control_max_message_bytes(engine: EngineArgs) -> int:
     return max(request, vocabulary) + MESSAGE_MARGIN_BYTES
 
 
-def request_bytes(prompt_tokens: int, planned_tokens: int) -> int:
+def request_bytes(
+    prompt_tokens: int, planned_tokens: int, stop_tokens: int = 0, salt_bytes: int = 0
+) -> int:
     """What a request in flight is charged against its client's `control_inflight_bytes`."""
-    return REQUEST_BYTES + PROMPT_TOKEN_BYTES * prompt_tokens + PLANNED_TOKEN_BYTES * planned_tokens
+    return (
+        REQUEST_BYTES
+        + PROMPT_TOKEN_BYTES * prompt_tokens
+        + PLANNED_TOKEN_BYTES * planned_tokens
+        + STOP_TOKEN_BYTES * stop_tokens
+        + salt_bytes
+    )
 
 
 def over_budget(held: int, cost: int, budget: int) -> str:

@@ -381,7 +381,12 @@ class ControlServer:
                 f"rank {rank} has {self._max_queued} queued requests",
             )
             return
-        cost = request_bytes(len(request.token_ids), len(request.output_token_ids or ()))
+        cost = request_bytes(
+            len(request.token_ids),
+            len(request.output_token_ids or ()),
+            len(request.stop_token_ids or ()),
+            len(request.cache_salt.encode()) if request.cache_salt else 0,
+        )
         held = self._ownership.inflight_bytes(identity)
         if held + cost > self._inflight_bytes:
             self._error(

@@ -90,7 +90,8 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 # vLLM's v1 `FinishReason` values, each exposed from the start (at 0) as vLLM pre-creates them.
-# Ours map onto them: "length" is "length"; "rejected" and "cancelled" are vLLM's "abort".
+# Ours map onto them: "stop" and "length" are themselves; "rejected" and "cancelled" are
+# vLLM's "abort".
 FINISHED_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 
 LABELS: tuple[str, str] = ("model_name", "engine")
@@ -218,11 +219,12 @@ class RankMetrics:
                 self._emitted(emitters, end_ms)
         for ended in result.ended:
             request_id = ended.request_id
-            finished = ended.reason is FinishReason.LENGTH
+            reason = ended.reason
+            finished = reason is FinishReason.LENGTH or reason is FinishReason.STOP
             record = requests.get(request_id)
             if record is not None and record.first_ms is None and finished:
                 self.prompt_tokens += record.prompt_len  # prefilled, finished tokenless
-            self._finish(request_id, end_ms, "length" if finished else "abort")
+            self._finish(request_id, end_ms, reason.value if finished else "abort")
 
     def _emitted(self, emitters: set[str], end_ms: float) -> None:
         """Latencies of the requests that emitted tokens in a pass ending at `end_ms`."""

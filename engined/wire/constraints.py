@@ -11,8 +11,12 @@ from typing import Annotated
 
 from msgspec import Meta
 
+from engined.core.stops import STOP_TOKEN_IDS_MAX
+
 U32_LIMIT = 1 << 32
 U64_LIMIT = 1 << 64
+# A cache salt is an opaque tenant key (vLLM bounds none): 1 KiB holds any id or digest.
+CACHE_SALT_MAX_BYTES = 1024
 
 # Token ids are u32 on every peer (Dynamo `Vec<u32>`, llm-d `[]uint32`).
 TokenId = Annotated[int, Meta(ge=0, lt=U32_LIMIT, description="Token id, an unsigned 32-bit int.")]
@@ -21,6 +25,21 @@ TokenId = Annotated[int, Meta(ge=0, lt=U32_LIMIT, description="Token id, an unsi
 PromptTokenIds = Annotated[list[TokenId], Meta(min_length=1)]
 
 NonNegativeInt = Annotated[int, Meta(ge=0)]
+
+# A request's stop ids (vLLM's `stop_token_ids`), at most STOP_TOKEN_IDS_MAX of them.
+StopTokenIds = Annotated[
+    list[TokenId],
+    Meta(
+        max_length=STOP_TOKEN_IDS_MAX,
+        description=f"At most {STOP_TOKEN_IDS_MAX} ids; generating one ends the request.",
+    ),
+]
+
+# vLLM's `cache_salt`: at most CACHE_SALT_MAX_BYTES UTF-8 bytes, by a named check.
+CacheSalt = Annotated[
+    str,
+    Meta(description=f"At most {CACHE_SALT_MAX_BYTES} bytes of UTF-8; salts the prefix cache."),
+]
 
 # A data-parallel rank; the upper bound (dp_size) is the daemon's to check.
 DpRank = Annotated[int, Meta(ge=0, description="Data-parallel rank, in [0, dp_size).")]

@@ -13,6 +13,8 @@ from typing import Final, TypeAlias
 
 import msgspec
 
+from engined.wire.constraints import CACHE_SALT_MAX_BYTES
+
 # Re-exported: callers of ControlDecoder catch WireError from here.
 from engined.wire.errors import ErrorCode as ErrorCode
 from engined.wire.errors import WireError as WireError
@@ -214,6 +216,10 @@ def _check_fields(msg: ClientMessage) -> None:
 def _check_request(request: WireRequest) -> None:
     if request.request_id is not None:
         check_request_id(request.request_id)
+    if request.cache_salt is not None:
+        _check_utf8_max(
+            request.cache_salt, CACHE_SALT_MAX_BYTES, "cache_salt", "$.request.cache_salt"
+        )
 
 
 # --- codecs ---------------------------------------------------------------------------------

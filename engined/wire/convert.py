@@ -47,6 +47,9 @@ def to_core_request(
         seed=request.seed,
         stream_name=stream_name,
         priority=request.priority,
+        stop_token_ids=request.stop_token_ids,
+        min_tokens=request.min_tokens,
+        cache_salt=request.cache_salt,
     )
 
 
@@ -89,6 +92,7 @@ _FINISH_REASONS: Final[dict[core.FinishReason, FinishReason]] = {
     core.FinishReason.LENGTH: "length",
     core.FinishReason.REJECTED: "rejected",
     core.FinishReason.CANCELLED: "cancelled",
+    core.FinishReason.STOP: "stop",
 }
 
 
@@ -105,6 +109,7 @@ def to_output_entry(output: core.RequestOutput) -> OutputEntry:
         finish_reason=reason,
         cached_tokens=output.cached_tokens,
         handoff_delay_ms=output.handoff_delay_ms,
+        stop_reason=output.stop_reason,
     )
 
 

@@ -73,6 +73,16 @@ SUBMIT: Final = control.Submit(
         request_id="req-1", token_ids=[1, 2, 3, 4, 5], max_tokens=8, dp_rank=0
     ),
 )
+SUBMIT_STOPS: Final = control.Submit(
+    id=2,
+    request=control.WireRequest(
+        token_ids=[1, 2, 3, 4, 5],
+        max_tokens=16,
+        stop_token_ids=[2, 128009],
+        min_tokens=4,
+        cache_salt="tenant-a",
+    ),
+)
 RESERVE_DESTINATION: Final = control.ReserveDestination(
     id="c-7",
     handoff_id="h-1",
@@ -113,6 +123,18 @@ OUTPUT: Final = control.Output(
         ),
     ],
 )
+OUTPUT_STOP: Final = control.Output(
+    dp_rank=0,
+    outputs=[
+        control.OutputEntry(
+            request_id="req-5",
+            token_ids=[7, 128009],
+            finished=True,
+            finish_reason="stop",
+            stop_reason=128009,
+        ),
+    ],
+)
 LIFECYCLE: Final = control.Lifecycle(
     dp_rank=1,
     events=[
@@ -148,9 +170,11 @@ def golden_frames() -> dict[str, bytes]:
         ),
         "engined_fpm_heartbeat.bin": fpm.heartbeat(worker_id="worker-a", dp_rank=1, counter_id=42),
         "engined_control_submit.bin": control.encode_message(SUBMIT),
+        "engined_control_submit_stops.bin": control.encode_message(SUBMIT_STOPS),
         "engined_control_reserve_destination.bin": control.encode_message(RESERVE_DESTINATION),
         "engined_control_welcome.bin": control.encode_reply(WELCOME),
         "engined_control_output.bin": control.encode_reply(OUTPUT),
+        "engined_control_output_stop.bin": control.encode_reply(OUTPUT_STOP),
         "engined_control_lifecycle.bin": control.encode_reply(LIFECYCLE),
         "engined_control_error.bin": control.encode_reply(ERROR),
     }

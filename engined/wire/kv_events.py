@@ -213,9 +213,14 @@ def _parent(h: int | None) -> int | None:
     return None if h is None else wire_hash(h)
 
 
+def _extra_keys(ev: core.BlockStored) -> list[tuple[Any, ...] | None]:
+    # NOTE: one None per block, as vLLM 0.33's KVCacheManager sends it for plain text
+    # requests, and a salted request's first block `(salt,)`: our bytes stay vLLM's.
+    keys = ev.extra_keys
+    return [None] * len(ev.block_hashes) if keys is None else list(keys)
+
+
 def _map_stored(ev: core.BlockStored) -> BlockStored:
-    # NOTE: `extra_keys` is one None per block, as vLLM 0.33's KVCacheManager sends it for
-    # plain text requests; this keeps our bytes equal to vLLM's for the same blocks.
     return BlockStored(
         block_hashes=[wire_hash(h) for h in ev.block_hashes],
         parent_block_hash=_parent(ev.parent_hash),
@@ -224,7 +229,7 @@ def _map_stored(ev: core.BlockStored) -> BlockStored:
         lora_id=None,
         medium=_MEDIUM[ev.medium],
         lora_name=None,
-        extra_keys=[None] * len(ev.block_hashes),
+        extra_keys=_extra_keys(ev),
         group_idx=_GROUP_IDX,
         kv_cache_spec_kind=_SPEC_KIND,
     )
@@ -251,7 +256,7 @@ def _array_stored(ev: core.BlockStored) -> ArrayBlockStored:
         lora_id=None,
         medium=_MEDIUM[ev.medium],
         lora_name=None,
-        extra_keys=[None] * len(ev.block_hashes),
+        extra_keys=_extra_keys(ev),
         group_idx=_GROUP_IDX,
         kv_cache_spec_kind=_SPEC_KIND,
         kv_cache_spec_sliding_window=None,

@@ -16,6 +16,7 @@ import msgspec
 
 from engined.core.args import EngineType, WorkerType
 from engined.wire.constraints import (
+    CacheSalt,
     DpRank,
     HandoffIdStr,
     MessageId,
@@ -24,6 +25,7 @@ from engined.wire.constraints import (
     RequestIdStr,
     RequestPriority,
     RequestSeed,
+    StopTokenIds,
     TokenId,
     VocabSize,
     WorkerIdStr,
@@ -36,7 +38,7 @@ HANDOFF_ID_MAX_BYTES: Final = 256
 MESSAGE_ID_MAX_BYTES: Final = 128
 WORKER_ID_MAX_BYTES: Final = 256
 
-FinishReason: TypeAlias = Literal["length", "rejected", "cancelled"]
+FinishReason: TypeAlias = Literal["length", "rejected", "cancelled", "stop"]
 
 # --- client -> daemon -----------------------------------------------------------------------
 
@@ -51,6 +53,8 @@ class WireRequest(
     the rank, else the daemon picks one round-robin; `seed` keys the generated tokens as
     vLLM's `SamplingParams.seed` does (engined/core/token_stream.py); `priority` orders it
     under `scheduling_policy = priority` as vLLM's request priority does (lower first).
+    `stop_token_ids`, `min_tokens` (at most the output's length) and `cache_salt` are vLLM's
+    `SamplingParams` fields and request salt, with vLLM's semantics (PROTOCOL.md §1.1).
     """
 
     request_id: RequestIdStr | None = None
@@ -60,6 +64,9 @@ class WireRequest(
     dp_rank: DpRank | None = None
     seed: RequestSeed | None = None
     priority: RequestPriority = 0
+    stop_token_ids: StopTokenIds | None = None
+    min_tokens: NonNegativeInt = 0
+    cache_salt: CacheSalt | None = None
 
 
 class ClientMessageBase(
@@ -306,7 +313,9 @@ class OutputEntry(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True,
     """What one request emitted in one pass (all tokens of a speculative burst together).
 
     `finish_reason` is null until the request's last entry; `cached_tokens` rides only on a
-    request's first entry, `handoff_delay_ms` only on a prefill worker's last one.
+    request's first entry, `handoff_delay_ms` only on a prefill worker's last one, and
+    `stop_reason` (the stop id it generated, vLLM's `stop_reason`) only on the last entry of
+    a request that finished `"stop"`.
     """
 
     # NOTE: `finish_reason` has no default so omit_defaults still sends it as null.
@@ -317,6 +326,7 @@ class OutputEntry(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True,
     finish_reason: FinishReason | None
     cached_tokens: int | None = None
     handoff_delay_ms: float | None = None
+    stop_reason: int | None = None
 
 
 class Output(DaemonMessageBase, tag="output", gc=False):

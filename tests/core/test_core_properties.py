@@ -103,8 +103,9 @@ def test_every_workload_drains_with_clean_events(
             submit(core, request)
             requests[request.request_id or ""] = request
             max_tokens = request.max_tokens
-            # Generation stops at the pool's capacity, vLLM's ceiling for max_model_len.
-            cap = args.num_gpu_blocks * args.block_size
+            # Generation stops at the pool's capacity, vLLM's ceiling for max_model_len (its
+            # null block holds no tokens).
+            cap = core.usable_blocks * args.block_size
             if len(request.token_ids) < cap:
                 max_tokens = min(max_tokens, cap - len(request.token_ids))
             expected_tokens[request.request_id or ""] = max_tokens

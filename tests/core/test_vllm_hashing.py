@@ -2,8 +2,9 @@
 
 The oracle (`vllm_hash_oracle.py`) runs vLLM's hashing code under the vLLM venv's interpreter
 (`PARITY_VLLM_PYTHON`, default `/work/main/.venv-vllm/bin/python`; missing, the test fails)
-over random token blocks, chains and parents; exact vectors of the default algorithm are pinned
-here too, so they hold without the venv.
+over random token blocks, chains and parents, and salted prompts through vLLM's own request
+block hasher (an engine's Stored events must carry those hashes and vLLM's extra keys); exact
+vectors of the default algorithm are pinned here too, so they hold without the venv.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 
 import pytest
 
+from engined.core.args import EngineArgs
+from engined.core.engine import Engine
+from engined.core.types import BlockStored, Request, Submit
 from engined.core.vllm_hashing import (
     DEFAULT_HASH_ALGO,
     BlockHasher,
@@ -47,6 +51,14 @@ def random_cases() -> list[dict[str, Any]]:
                     (rng.randbytes(rng.choice((16, 32))).hex(), [rng.randrange(2**32)] * 16)
                     for _ in range(4)
                 ]
+                salted = [
+                    {
+                        "tokens": [rng.randrange(2**32) for _ in range(3 * size)],
+                        "block_size": size,
+                        "salt": salt,
+                    }
+                    for size, salt in ((16, "tenant-a"), (4, "ü" * 40))
+                ]
                 cases.append(
                     {
                         "algo": algo.value,
@@ -54,6 +66,7 @@ def random_cases() -> list[dict[str, Any]]:
                         "int_hashes": int_hashes,
                         "chains": chains,
                         "parented": parented,
+                        "salted": salted,
                     }
                 )
     return cases
@@ -94,6 +107,34 @@ def test_every_algorithm_matches_vllm() -> None:
             hasher.block_hash(bytes.fromhex(parent_hex), tokens).hex()
             for parent_hex, tokens in case["parented"]
         ] == want["parented"]
+        for prompt, want_salted in zip(case["salted"], want["salted"], strict=True):
+            assert len(want_salted["hashes"]) == 3
+            assert want_salted["extra_keys"] == [[prompt["salt"]], None, None]
+            stored = salted_stored(algo, case["python_hash_seed"], prompt)
+            assert stored.block_hashes == [int(h[-16:], 16) for h in want_salted["hashes"]]
+            assert [None if k is None else list(k) for k in stored.extra_keys or []] == (
+                want_salted["extra_keys"]
+            )
+
+
+def salted_stored(algo: HashAlgo, python_hash_seed: str | None, prompt: Any) -> BlockStored:
+    """The one Stored of a salted prompt of three whole blocks run through an engine."""
+    size = prompt["block_size"]
+    args = EngineArgs(
+        block_size=size,
+        num_gpu_blocks=16,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo=algo,
+    )
+    core = Engine(args, python_hash_seed=python_hash_seed)
+    request = Request(
+        token_ids=prompt["tokens"], max_tokens=1, request_id="salted", cache_salt=prompt["salt"]
+    )
+    core.apply(Submit(request), now_ms=0.0)
+    (stored,) = core.execute_pass(0.0).kv_events
+    assert isinstance(stored, BlockStored)
+    return stored
 
 
 # --- pinned vectors of the default (no vLLM needed) -------------------------------------------

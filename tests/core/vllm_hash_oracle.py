@@ -2,10 +2,12 @@
 
 Importing `vllm` drags in torch and the whole engine, so this loads only the code that hashes:
 `vllm/utils/hashing.py` as it is, and from `vllm/v1/core/kv_cache_utils.py` the source of
-`resolve_none_hash_seed`, `init_none_hash`, `hash_block_tokens` and `maybe_convert_block_hash`
-with the constants they read, executed over stand-ins for `envs` and the logger. Stdin: a JSON
-list of cases `{algo, python_hash_seed, int_hashes, chains, parented}`; stdout: per case the
-NONE_HASH, each chain's hashes, each parented block's hash (hex) and their event forms.
+`resolve_none_hash_seed`, `init_none_hash`, `hash_block_tokens`, `maybe_convert_block_hash`,
+the request block hasher and the extra keys of block hashes and KV events (cache salts) with
+the constants they read, executed over stand-ins for `envs`, the logger and the request. Stdin:
+a JSON list of cases `{algo, python_hash_seed, int_hashes, chains, parented, salted}`; stdout:
+per case the NONE_HASH, each chain's hashes, each parented block's hash (hex) and their event
+forms, and for each salted prompt the request block hasher's hashes and the events' extra keys.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ _WANTED = {
     "DEFAULT_NONE_HASH_SEED",
     "_NON_CRYPTO_HASH_FUNCTIONS",
     "_NONE_HASH_SEED",
+    "get_request_block_hasher",
+    "generate_block_hash_extra_keys",
+    "_gen_mm_extra_hash_keys",
+    "_gen_lora_extra_hash_keys",
+    "_gen_prompt_embeds_extra_hash_keys",
+    "to_event_extra_keys",
 }
 
 
@@ -69,6 +77,32 @@ def load_vllm() -> dict[str, Any]:
     return namespace
 
 
+def salted_prompt(
+    vllm: dict[str, Any], hash_fn: Any, tokens: list[int], block_size: int, salt: str
+) -> dict[str, Any]:
+    """A salted request's block hashes by vLLM's request block hasher, and the extra keys a
+    `BlockStored` of all its blocks carries (`BlockPool.cache_full_blocks`' calls)."""
+    request = SimpleNamespace(
+        block_hashes=[],
+        num_tokens=len(tokens),
+        all_token_ids=tokens,
+        mm_features=[],
+        lora_request=None,
+        prompt_embeds=None,
+        cache_salt=salt,
+    )
+    hashes = vllm["get_request_block_hasher"](block_size, hash_fn)(request)
+    keys = [
+        vllm["generate_block_hash_extra_keys"](request, i * block_size, (i + 1) * block_size, 0)[0]
+        for i in range(len(hashes))
+    ]
+    events = vllm["to_event_extra_keys"](keys)
+    return {
+        "hashes": [h.hex() for h in hashes],
+        "extra_keys": [None if k is None else list(k) for k in events],
+    }
+
+
 def main() -> None:
     vllm = load_vllm()
     envs = vllm["envs"]
@@ -102,8 +136,14 @@ def main() -> None:
             hash_block_tokens(hash_fn, bytes.fromhex(parent), tokens).hex()
             for parent, tokens in case["parented"]
         ]
+        salted = [salted_prompt(vllm, hash_fn, **prompt) for prompt in case.get("salted", [])]
         results.append(
-            {"none_hash": vllm["NONE_HASH"].hex(), "chains": chains, "parented": parented}
+            {
+                "none_hash": vllm["NONE_HASH"].hex(),
+                "chains": chains,
+                "parented": parented,
+                "salted": salted,
+            }
         )
     json.dump(results, sys.stdout)
 

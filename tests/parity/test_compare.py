@@ -18,6 +18,7 @@ from parity.trace import (
     Removed,
     Scheduled,
     Step,
+    StopReport,
     Stored,
     Trace,
     canonical_events,
@@ -63,6 +64,7 @@ def test_equal_traces_are_equal_at_every_step() -> None:
         ("admitted", [Admitted("r0", 4)]),
         ("preempted", ["r0"]),
         ("finished", ["r0"]),
+        ("stopped", [StopReport("r0", 7)]),
         ("running", 2),
         ("waiting", 1),
     ],
@@ -126,6 +128,24 @@ def test_a_block_stored_under_a_parent_closes_the_parents_prefix_plus_its_tokens
     alone = Canonicalizer().step([Stored(["x", "y"], None, A + B, 4)])
     assert child[0].identity == alone[1].identity == prefix_identity(A + B)
     assert child[0].parent == alone[1].parent == prefix_identity(A)
+
+
+def test_a_salted_prefix_is_another_block_and_its_children_inherit_the_salt() -> None:
+    """Blocks closing the same tokens under different cache salts (the first block's
+    `extra_keys`) are different blocks; a child stored later keeps its root's salt."""
+    canon = Canonicalizer()
+    plain = canon.step([Stored(["p"], None, A, 4, [None])])
+    salted = canon.step([Stored(["s"], None, A, 4, [["a"]])])
+    other = canon.step([Stored(["o"], None, A, 4, [["b"]])])
+    child = canon.step([Stored(["c"], "s", B, 4, [None])])
+    assert plain[0].identity == prefix_identity(A)
+    assert salted[0].identity == prefix_identity(A, "a") != plain[0].identity
+    assert other[0].identity == prefix_identity(A, "b") != salted[0].identity
+    assert (child[0].identity, child[0].parent) == (
+        prefix_identity(A + B, "a"),
+        prefix_identity(A, "a"),
+    )
+    assert canon.step([Removed("c")])[0].identity == prefix_identity(A + B, "a")
 
 
 def test_blocks_never_stored_are_named_unknown() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from engined.core.engine import Engine
 from engined.core.types import Request, Submit
 from parity import engined_side
-from parity.scenarios import chunked_prompt, pressure
-from parity.trace import Scheduled, Stored
+from parity.scenarios import cache_salt, chunked_prompt, pressure, stop_pressure
+from parity.trace import Scheduled, StopReport, Stored
 
 
 def test_chunked_prefill_steps_and_stores() -> None:
@@ -38,6 +38,45 @@ def test_preemption_victims_in_order() -> None:
     assert all(not s.admitted for s in trace.steps if s.preempted)
     total = sum(len(s.preempted) for s in trace.steps)
     assert total == sum(1 for s in trace.steps for a in s.admitted) - 12
+
+
+def test_stops_are_reported_with_their_ids_never_before_min_tokens() -> None:
+    """Stop ids 3 and 11 under a 16-id vocabulary: every stopped request ends on one, after
+    its min_tokens; the planned output stops on its 30th token; t11 (min_tokens 80 =
+    max_tokens) and the two without stop ids run to their length."""
+    scenario = stop_pressure()
+    trace = engined_side.run(scenario)
+    stopped = {r.request_id: r.stop_reason for s in trace.steps for r in s.stopped}
+    assert sorted(stopped) == sorted(
+        ["t0", "t1", "t2", "t3", "t4", "t6", "t7", "t8", "t10", "t-planned"]
+    )
+    for request in scenario.requests:
+        tokens = trace.output_tokens[request.id]
+        early = [t for t in tokens[: request.min_tokens - 1] if t in request.stop_token_ids]
+        assert early == []
+        if request.id in stopped:
+            assert tokens[-1] == stopped[request.id]
+            assert len(tokens) >= max(request.min_tokens, 1)
+        else:
+            assert len(tokens) == request.max_tokens
+    assert len(trace.output_tokens["t-planned"]) == 30
+    assert StopReport("t0", 11) in [r for s in trace.steps for r in s.stopped]
+
+
+def test_salted_stores_carry_the_salt_and_hit_only_their_own() -> None:
+    trace = engined_side.run(cache_salt())
+    roots = [
+        (e.extra_keys or [None])[0]
+        for s in trace.steps
+        for e in s.events
+        if isinstance(e, Stored) and e.parent is None
+    ]
+    assert roots[:3] == [["a"], ["b"], None]
+    cached = {c.request_id: c.cached_tokens for s in trace.steps for c in s.cached}
+    # c2 and c4 have no salt ("" is none); c3 and c5 find their own salt's prefix; the
+    # short prompt's generated first block is hit under its salt only.
+    assert (cached["c2"], cached["c3"], cached["c4"]) == (0, 64, 64)
+    assert (cached["c-grown0"], cached["c-grown1"], cached["c-grown2"]) == (16, 0, 16)
 
 
 def test_an_engine_not_recording_gives_no_trace() -> None:

@@ -199,6 +199,67 @@ REFUSALS = [
         id="reset-rank-out-of-range",
     ),
     pytest.param(
+        submit_body(stop_token_ids=3),
+        "bad_message",
+        "Expected `array | null`, got `int` - at `$.request.stop_token_ids`",
+        id="stop-token-ids-int",
+    ),
+    pytest.param(
+        submit_body(stop_token_ids=[1, "2"]),
+        "bad_message",
+        "Expected `int`, got `str` - at `$.request.stop_token_ids[1]`",
+        id="stop-token-id-str",
+    ),
+    pytest.param(
+        submit_body(min_tokens="1"),
+        "bad_message",
+        "Expected `int`, got `str` - at `$.request.min_tokens`",
+        id="min-tokens-str",
+    ),
+    pytest.param(
+        submit_body(cache_salt=["a"]),
+        "bad_message",
+        "Expected `str | null`, got `array` - at `$.request.cache_salt`",
+        id="cache-salt-array",
+    ),
+    pytest.param(
+        submit_body(stop_token_ids=list(range(100_000))),
+        "invalid_request",
+        "Expected `array` of length <= 256 - at `$.request.stop_token_ids`",
+        id="too-many-stop-ids",
+    ),
+    pytest.param(
+        submit_body(stop_token_ids=[2**32]),
+        "invalid_request",
+        "at `$.request.stop_token_ids[0]`",
+        id="stop-token-id-over-u32",
+    ),
+    pytest.param(
+        submit_body(min_tokens=-3),
+        "invalid_request",
+        "Expected `int` >= 0 - at `$.request.min_tokens`",
+        id="negative-min-tokens",
+    ),
+    pytest.param(
+        submit_body(min_tokens=3),
+        "invalid_request",
+        "request.min_tokens must be less than or equal to max_tokens=2, got 3.",
+        id="min-tokens-over-max-tokens",
+    ),
+    pytest.param(
+        submit_body(max_tokens=9, output_token_ids=[5], min_tokens=2),
+        "invalid_request",
+        "request.min_tokens must be less than or equal to max_tokens=1, got 2.",
+        id="min-tokens-over-planned-output",
+    ),
+    pytest.param(
+        # 1 MB of salt: under the message limit, far over the salt's.
+        submit_body(cache_salt="s" * 1_000_000),
+        "invalid_request",
+        "`cache_salt` must be at most 1024 bytes of UTF-8, got 1000000 - at `$.request.cache_salt`",
+        id="huge-cache-salt",
+    ),
+    pytest.param(
         # 868 KB: under the message limit, over the pool.
         submit_body(token_ids=list(range(200_000))),
         "invalid_request",
@@ -501,6 +562,9 @@ FIELDS = [
     "max_tokens",
     "output_token_ids",
     "dp_rank",
+    "stop_token_ids",
+    "min_tokens",
+    "cache_salt",
 ]
 TEMPLATES: list[dict[str, Any]] = [
     {"type": "submit", "request": {"token_ids": [1, 2, 3], "max_tokens": 4}, "id": 1},
@@ -515,6 +579,16 @@ TEMPLATES: list[dict[str, Any]] = [
         },
     },
     {"type": "cancel", "request_id": "r"},
+    {
+        "type": "submit",
+        "request": {
+            "token_ids": [1, 2, 3],
+            "max_tokens": 4,
+            "stop_token_ids": [7],
+            "min_tokens": 1,
+            "cache_salt": "t",
+        },
+    },
     {
         "type": "submit_handoff_prefill",
         "handoff_id": "h",

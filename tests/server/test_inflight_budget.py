@@ -2,10 +2,11 @@
 
 A real daemon with `--control-inflight-bytes 40000`, paced at 1 ms a decode pass so a request
 with a large `max_tokens` stays in flight. A request is charged 1,024 bytes, 10 a prompt
-token and 40 a planned output id (`engined.server.budgets`): a 1,000-token prompt costs
-11,024, with 500 planned ids 31,024. A `submit` that would take its client past the budget
-is answered `overloaded` naming the budget and the figures, changes nothing, and costs no
-other client anything; a cancel or a finish gives the bytes back.
+token, 40 a planned output id, 64 a stop id and a cache salt's bytes
+(`engined.server.budgets`): a 1,000-token prompt costs 11,024, with 500 planned ids 31,024,
+with 256 stop ids and a 1,024-byte salt 28,432. A `submit` that would take its client past
+the budget is answered `overloaded` naming the budget and the figures, changes nothing, and
+costs no other client anything; a cancel or a finish gives the bytes back.
 
 Waits are on replies and streamed outputs, never sleeps standing in for an event.
 """
@@ -45,6 +46,9 @@ PROMPT = list(range(1, 1001))
 PLANNED = [7] * 500
 LONG = 11_024  # PROMPT alone
 PLANNED_COST = 31_024  # PROMPT with PLANNED
+STOPS = list(range(256))
+SALT = "s" * 1024
+STOPS_COST = 28_432  # PROMPT with STOPS and SALT
 
 
 def refusal(held: int, cost: int) -> str:
@@ -57,7 +61,28 @@ def refusal(held: int, cost: int) -> str:
 def test_the_costs_are_what_the_budget_charges() -> None:
     assert request_bytes(len(PROMPT), 0) == LONG
     assert request_bytes(len(PROMPT), len(PLANNED)) == PLANNED_COST
+    assert request_bytes(len(PROMPT), 0, len(STOPS), len(SALT)) == STOPS_COST
     assert LONG + PLANNED_COST > BUDGET >= PLANNED_COST
+    assert LONG + STOPS_COST + request_bytes(1, 0) > BUDGET >= LONG + STOPS_COST
+
+
+def test_stop_ids_and_a_salt_are_charged(tmp_path: Path) -> None:
+    """The daemon charges what the core keeps of them: after a long request and one with
+    256 stop ids and a 1 KiB salt, a 1-token request no longer fits."""
+    with start_daemon(tmp_path, *FLAGS) as daemon:
+
+        async def scenario() -> None:
+            async with await EngineClient.connect(daemon.control) as client:
+                await client.submit(PROMPT, 1_000_000, timeout=TIMEOUT_S)
+                await client.submit(
+                    PROMPT, 1_000_000, stop_token_ids=STOPS, cache_salt=SALT, timeout=TIMEOUT_S
+                )
+                with pytest.raises(EngineError) as refused:
+                    await client.submit([1], 1, timeout=TIMEOUT_S)
+                assert refused.value.code == "overloaded"
+                assert refused.value.message == refusal(LONG + STOPS_COST, request_bytes(1, 0))
+
+        run(scenario())
 
 
 def test_a_client_past_its_budget_is_refused_alone_until_it_frees_some(tmp_path: Path) -> None:

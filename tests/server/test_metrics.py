@@ -314,6 +314,16 @@ def test_rejected_and_tokenless_requests() -> None:
     assert metrics.queue.count == 1  # the rejected one was never scheduled
 
 
+def test_a_stop_is_counted_as_vllms_stop() -> None:
+    core = make_core()
+    metrics = tally(core)
+    submit(core, metrics, "s", 10, 5, at=0.0)
+    stopped = RequestOutput("s", [7], FinishReason.STOP, None, None, 7)
+    metrics.on_pass(0, 0.0, hand_pass(core, 8.0, [stopped], ("s",)))
+    assert metrics.finished == {"stop": 1, "length": 0, "abort": 0}
+    assert metrics.ttft.count == 1
+
+
 def test_every_command_that_ends_a_request_ends_it_as_abort() -> None:
     """Every early end is a command the loop applies and observes (a client's cancel, a
     vanished client's, shutdown's, a handoff cancel): its `ended` ends the record."""

@@ -8,7 +8,9 @@ import msgspec
 import pytest
 
 from engined.core.args import EngineType, WorkerType
+from engined.core.stops import STOP_TOKEN_IDS_MAX
 from engined.wire import control
+from engined.wire.constraints import CACHE_SALT_MAX_BYTES
 from engined.wire.control import ControlDecoder, ReplyDecoder, WireError
 
 encode = msgspec.msgpack.encode
@@ -29,6 +31,15 @@ CLIENT_MESSAGES: list[control.ClientMessage] = [
     control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1, seed=2**63 - 1)),
     control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1, priority=-(2**63))),
     control.Submit(request=control.WireRequest(token_ids=[9], max_tokens=1, priority=7)),
+    control.Submit(
+        request=control.WireRequest(
+            token_ids=[9],
+            max_tokens=4,
+            stop_token_ids=[0, 2**32 - 1] * (STOP_TOKEN_IDS_MAX // 2),
+            min_tokens=4,
+            cache_salt="é" * (CACHE_SALT_MAX_BYTES // 2),
+        )
+    ),
     control.Cancel(id=-3, request_id="r-1"),
     control.SubmitHandoffPrefill(handoff_id="h-1", request=REQUEST),
     control.ReleaseSource(handoff_id="h-1"),
@@ -100,6 +111,13 @@ DAEMON_MESSAGES: list[control.DaemonMessage] = [
                 finished=True,
                 finish_reason="rejected",
                 handoff_delay_ms=2.5,
+            ),
+            control.OutputEntry(
+                request_id="r-3",
+                token_ids=[4, 2],
+                finished=True,
+                finish_reason="stop",
+                stop_reason=2,
             ),
         ],
     ),
@@ -244,6 +262,36 @@ BAD_MESSAGE_CASES = [
         r"Expected `int`, got `None` - at `\$\.request\.priority`",
         id="priority-null",
     ),
+    pytest.param(
+        _submit(stop_token_ids=7),
+        r"Expected `array \| null`, got `int` - at `\$\.request\.stop_token_ids`",
+        id="stop-token-ids-int",
+    ),
+    pytest.param(
+        _submit(stop_token_ids=["7"]),
+        r"Expected `int`, got `str` - at `\$\.request\.stop_token_ids\[0\]`",
+        id="stop-token-id-str",
+    ),
+    pytest.param(
+        _submit(min_tokens=None),
+        r"Expected `int`, got `None` - at `\$\.request\.min_tokens`",
+        id="min-tokens-null",
+    ),
+    pytest.param(
+        _submit(min_tokens=1.0),
+        r"Expected `int`, got `float` - at `\$\.request\.min_tokens`",
+        id="min-tokens-float",
+    ),
+    pytest.param(
+        _submit(cache_salt=7),
+        r"Expected `str \| null`, got `int` - at `\$\.request\.cache_salt`",
+        id="cache-salt-int",
+    ),
+    pytest.param(
+        _submit(cache_salt=b"salt"),
+        r"Expected `str \| null`, got `bytes` - at `\$\.request\.cache_salt`",
+        id="cache-salt-bytes",
+    ),
     pytest.param(b"\xc1\x00", "Not a MessagePack message", id="random-bytes"),
     pytest.param(b"\x82\xa4type", "Not a MessagePack message.*truncated", id="truncated"),
     pytest.param(encode({"type": "ping"}) + b"\x00", "trailing characters", id="trailing-bytes"),
@@ -375,6 +423,43 @@ INVALID_REQUEST_CASES = [
         _submit(seed=2**64 - 1),
         r"Expected `int` <= 9223372036854775807 - at `\$\.request\.seed`",
         id="seed-u64-max",
+    ),
+    pytest.param(
+        _submit(stop_token_ids=list(range(STOP_TOKEN_IDS_MAX + 1))),
+        r"Expected `array` of length <= 256 - at `\$\.request\.stop_token_ids`",
+        id="stop-token-ids-257",
+    ),
+    pytest.param(
+        _submit(stop_token_ids=[1, 2**32]),
+        r"Expected `int` <= 4294967295 - at `\$\.request\.stop_token_ids\[1\]`",
+        id="stop-token-id-over-u32",
+    ),
+    pytest.param(
+        _submit(stop_token_ids=[-1]),
+        r"Expected `int` >= 0 - at `\$\.request\.stop_token_ids\[0\]`",
+        id="stop-token-id-negative",
+    ),
+    pytest.param(
+        _submit(min_tokens=-1),
+        r"Expected `int` >= 0 - at `\$\.request\.min_tokens`",
+        id="negative-min-tokens",
+    ),
+    pytest.param(
+        _submit(cache_salt="s" * (CACHE_SALT_MAX_BYTES + 1)),
+        r"`cache_salt` must be at most 1024 bytes of UTF-8, got 1025 - at "
+        r"`\$\.request\.cache_salt`",
+        id="cache-salt-1025",
+    ),
+    pytest.param(
+        _submit(cache_salt="😀" * 256 + "a"),  # 257 characters, 1025 bytes
+        r"`cache_salt` must be at most 1024 bytes of UTF-8, got 1025 - at "
+        r"`\$\.request\.cache_salt`",
+        id="cache-salt-1025-bytes-4-byte-chars",
+    ),
+    pytest.param(
+        _submit(cache_salt="s" * 10_000_000),
+        r"`cache_salt` must be at most 1024 bytes of UTF-8, got 10000000 - at",
+        id="cache-salt-10MB",
     ),
     pytest.param(
         encode({"type": "reset_prefix_cache", "dp_rank": -2}),

@@ -21,6 +21,15 @@ def test_to_core_request_drops_only_the_routing_rank() -> None:
     assert convert.to_core_request(minimal) == core.Request(token_ids=[4], max_tokens=0)
 
 
+def test_to_core_request_carries_the_stops_and_the_salt() -> None:
+    wire = control.WireRequest(
+        token_ids=[4], max_tokens=8, stop_token_ids=[2, 9], min_tokens=3, cache_salt="t"
+    )
+    assert convert.to_core_request(wire) == core.Request(
+        token_ids=[4], max_tokens=8, stop_token_ids=[2, 9], min_tokens=3, cache_salt="t"
+    )
+
+
 @pytest.mark.parametrize(
     ("msg", "command"),
     [
@@ -102,6 +111,14 @@ class TestToOutputEntry:
         assert entry.handoff_delay_ms == 3.25
         assert entry.cached_tokens == 0
         assert entry.finish_reason == "length"
+
+    def test_a_stop_carries_its_stop_id(self) -> None:
+        entry = convert.to_output_entry(
+            core.RequestOutput("s", [4, 2], core.FinishReason.STOP, None, None, 2)
+        )
+        assert entry == control.OutputEntry(
+            request_id="s", token_ids=[4, 2], finished=True, finish_reason="stop", stop_reason=2
+        )
 
     def test_every_core_reason_has_a_wire_spelling(self) -> None:
         for reason in core.FinishReason:

@@ -70,10 +70,12 @@ def test_fpm_golden_decodes_to_its_inputs() -> None:
 def test_control_golden_decodes_to_its_inputs() -> None:
     decoder, replies = control.ControlDecoder(), control.ReplyDecoder()
     assert decoder.decode(FRAMES["engined_control_submit.bin"]) == golden.SUBMIT
+    assert decoder.decode(FRAMES["engined_control_submit_stops.bin"]) == golden.SUBMIT_STOPS
     reserve = FRAMES["engined_control_reserve_destination.bin"]
     assert decoder.decode(reserve) == golden.RESERVE_DESTINATION
     assert replies.decode(FRAMES["engined_control_welcome.bin"]) == golden.WELCOME
     assert replies.decode(FRAMES["engined_control_output.bin"]) == golden.OUTPUT
+    assert replies.decode(FRAMES["engined_control_output_stop.bin"]) == golden.OUTPUT_STOP
     assert replies.decode(FRAMES["engined_control_lifecycle.bin"]) == golden.LIFECYCLE
     assert replies.decode(FRAMES["engined_control_error.bin"]) == golden.ERROR
 
@@ -86,6 +88,7 @@ def test_reference_files_are_vllms_bytes_as_documented() -> None:
         "vllm033_reference_block_removed.bin": 59,
         "vllm033_reference_all_blocks_cleared.bin": 35,
         "vllm033_reference_block_stored_parent.bin": 198,
+        "vllm033_reference_block_stored_salted.bin": 221,
         "vllm024_032_reference_block_stored.bin": 210,
         "vllm024_032_reference_removed_cleared.bin": 99,
         "vllm023_reference_block_stored.bin": 89,

@@ -22,6 +22,7 @@ def stored(
     *,
     block_size: int = 4,
     medium: core.Medium = core.Medium.GPU,
+    extra_keys: list[tuple[str, ...] | None] | None = None,
 ) -> core.BlockStored:
     return core.BlockStored(
         event_id=0,
@@ -32,6 +33,7 @@ def stored(
         token_ids=tokens,
         block_size=block_size,
         medium=medium,
+        extra_keys=extra_keys,
     )
 
 
@@ -157,6 +159,21 @@ class TestEncoderMatchesVllm:
         )
         assert payload == read_golden("vllm033_reference_block_stored_parent.bin")
 
+    def test_vllm033_salted_block_stored(self) -> None:
+        """A salted request's first two blocks: the untagged salt on block 0, None on 1."""
+        event = stored(
+            [H1, H2], None, [128000, 9125, 271, 1, 2, 3, 4, 5], extra_keys=[("tenant-a",), None]
+        )
+        payload = kv.KvEventEncoder("vllm").encode_batch(TS, [event], 0)
+        assert payload == read_golden("vllm033_reference_block_stored_salted.bin")
+
+    def test_vllm023_positional_salted_block_stored(self) -> None:
+        event = stored([H1], None, [1, 2, 3, 4], extra_keys=[("tenant-a",)])
+        batch = kv.decode_batch(kv.KvEventEncoder("vllm-array").encode_batch(TS, [event], 0))
+        (wire,) = batch.events
+        assert isinstance(wire, kv.ArrayBlockStored)
+        assert wire.extra_keys == [("tenant-a",)]
+
     def test_vllm033_all_blocks_cleared(self) -> None:
         payload = kv.KvEventEncoder("vllm").encode_batch(1700000002.0, [CLEARED], 0)
         assert payload == read_golden("vllm033_reference_all_blocks_cleared.bin")
@@ -272,6 +289,7 @@ REFERENCES_REENCODED_EXACTLY = [
     "vllm033_reference_block_removed.bin",
     "vllm033_reference_all_blocks_cleared.bin",
     "vllm033_reference_block_stored_parent.bin",
+    "vllm033_reference_block_stored_salted.bin",
     "vllm024_032_reference_removed_cleared.bin",
     "vllm023_reference_block_stored.bin",
     "vllm023_reference_removed_cleared.bin",

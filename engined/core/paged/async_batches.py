@@ -147,7 +147,7 @@ class AsyncBatches:
                 req.num_output_placeholders -= 1
                 if was_running:
                     kv.cache_computed(seq, req.num_computed_tokens - req.num_in_flight_tokens)
-            if seq.generated >= seq.max_output_tokens:
+            if seq.finished():
                 emitter.finish(ctx, req, [token], moves)
                 continue
             cached = req.take_cached_tokens()

@@ -32,7 +32,7 @@ from engined.core.paged.block_pool import PagedBlockPool
 from engined.core.policy import context_length
 from engined.core.sequence import BlockMove, Release, Sequence
 from engined.core.types import KvEvent, OffloadWait
-from engined.core.vllm_hashing import BlockHasher, HashAlgo
+from engined.core.vllm_hashing import BlockHasher, HashAlgo, salt_extra_keys
 
 # NOTE: compiled, a Final name is a C static; a module attribute is a lookup per call.
 _sha256: Final = hashlib.sha256
@@ -165,7 +165,8 @@ class PagedKvManager:
 
     def _cache_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         """Cache the blocks whose every token is scheduled: vLLM hashes each (chained to the
-        previous block's hash) and publishes them as one Stored."""
+        previous block's hash; a salted request's first block with its salt as extra keys)
+        and publishes them as one Stored."""
         bs = self.block_size
         done = self._num_cached.get(seq, 0)
         full = min(num_tokens, len(seq.hashes) * bs) // bs
@@ -178,26 +179,32 @@ class PagedKvManager:
         tokens = seq.tokens
         keys = seq.keys
         parent = vllm_hash_of[table[done - 1]] if done else self._none_hash
+        # Only the first block has extra keys (a salt).
+        salt = None if done else seq.cache_salt
+        extra = None if salt is None else salt_extra_keys(salt)
         stored: list[int] = []
         for i in range(done, full):
             if self._sha256_pickle:
                 # vLLM's default `hash_block_tokens`, inlined: compiled, the generic
                 # `BlockHasher` path costs a third of the core's time in its calls alone.
                 h = _sha256(
-                    _dumps((parent, tuple(tokens[i * bs : (i + 1) * bs]), None), 5)
+                    _dumps((parent, tuple(tokens[i * bs : (i + 1) * bs]), extra), 5)
                 ).digest()
             else:
-                h = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+                h = block_hash(parent, tokens[i * bs : (i + 1) * bs], extra)
             ext = int.from_bytes(h[-8:], "big")
             pool.cache(table[i], keys[i], h, ext)
             stored.append(ext)
             parent = h
+            extra = None
         self._num_cached[seq] = full
         self.log.stored_blocks(
             event_hash_of[table[done - 1]] if done else None,
             stored,
             seq.local[done:full],
             tokens[done * bs : full * bs].tolist(),
+            # Untagged in events, as vLLM's `to_event_extra_keys` publishes them.
+            extra_keys=None if salt is None else [(salt,), *[None] * (full - 1)],
         )
 
     def cache_computed(self, seq: Sequence, num_tokens: int) -> None:
