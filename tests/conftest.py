@@ -26,3 +26,6 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"ENGINED_EXPECT_COMPILED={expect} but the core is {engined.core.build()}"
         )
+    # Every daemon a test starts runs without the OpenAI API server (its default port, 8000,
+    # would be shared by every test at once); tests of the API server pass `--port`.
+    os.environ["ENGINED_API_PORT"] = ""

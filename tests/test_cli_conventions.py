@@ -165,7 +165,7 @@ def test_serve_help_names_every_option_in_full(serve_help: str) -> None:
 def test_serve_help_shows_defaults(serve_help: str) -> None:
     text = " ".join(serve_help.split())  # help lines wrap anywhere
     for option, default in (
-        ("--num-gpu-blocks INT", "16384"),
+        ("--num-gpu-blocks, --num-gpu-blocks-override INT", "16384"),
         ("--block-size INT", "64"),
         ("--speedup-ratio FLOAT", "1.0"),
         ("--preemption-mode [lifo|fifo]", "lifo"),

@@ -181,7 +181,7 @@ def test_every_flag_is_an_option_of_serve() -> None:
     options: dict[str, Any] = {param.name: param for param in serve.params}
     for flag in FLAGS:
         option = options[flag.dest]
-        assert option.opts == [flag.name]
+        assert option.opts == [flag.name, *flag.aliases]
         assert option.default is None
         if flag.is_switch:
             assert option.secondary_opts == [flag.negation]
@@ -190,3 +190,137 @@ def test_every_flag_is_an_option_of_serve() -> None:
 def test_bare_engined_shows_help() -> None:
     result = CliRunner().invoke(app, [])
     assert "serve" in result.output
+
+
+# --- `vllm serve` command lines (issue 22) ---------------------------------------------------
+
+
+def test_vllm_serve_command_line_runs_unchanged() -> None:
+    """MODEL positional, vLLM's spellings, and vLLM options engined does not model: ignored
+    with one warning that names them, their values skipped (`-1` too), never read as MODEL."""
+    result = invoke(
+        "--print-config",
+        "--gpu-memory-utilization",
+        "0.9",
+        "Qwen/Qwen3-0.6B",
+        "--tensor-parallel-size=1",
+        "--enforce-eager",
+        "--max_model_len",
+        "4096",
+        "--served-model-name",
+        "qwen",
+        "--num-gpu-blocks-override",
+        "512",
+        "--lora-modules",
+        "a=b",
+        "c=d",
+        "--rank-processes",
+        "-1",
+        "--port",
+        "8200",
+    )
+    assert result.exit_code == 0, result.output
+    config = tomllib.loads(result.stdout)
+    assert (config["model"], config["model_name"], config["api_port"]) == (
+        "Qwen/Qwen3-0.6B",
+        "qwen",
+        8200,
+    )
+    assert (config["engine"]["max_model_len"], config["engine"]["num_gpu_blocks"]) == (4096, 512)
+    assert config["rank_processes"] == -1
+    assert result.stderr == (
+        "engined serve: ignoring vLLM options engined does not model: "
+        "--gpu-memory-utilization, --tensor-parallel-size, --enforce-eager, --lora-modules\n"
+    )
+
+
+def test_model_is_the_served_name_unless_one_is_given() -> None:
+    assert printed("./models/tiny")["model_name"] == "./models/tiny"
+    assert printed("--model", "./models/tiny")["model_name"] == "./models/tiny"
+    assert printed()["model_name"] == "engined"
+
+
+def test_model_given_twice_differently_is_refused() -> None:
+    result = invoke("--print-config", "a", "--model", "b")
+    assert result.exit_code == CONFIG_ERROR
+    assert result.stderr == "error: model: given twice, as 'a' and as --model 'b'\n"
+
+
+def test_unknown_option_is_still_refused() -> None:
+    result = invoke("--print-config", "--gpu-memory-utilisation", "0.9")
+    assert result.exit_code == CONFIG_ERROR
+    assert "No such option: --gpu-memory-utilisation" in result.stderr
+
+
+def test_kv_events_config_maps_onto_the_kv_events_keys() -> None:
+    """llm-d's flag: a non-wildcard endpoint is connected to, as vLLM's publisher does."""
+    llm_d = (
+        '{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://epp.llm-d.svc:5557", "topic": "kv@10.0.0.7@Qwen/Qwen3-0.6B", '
+        '"buffer_steps": 500, "hwm": 1000}'
+    )
+    config = printed("--kv-events-config", llm_d)
+    assert (
+        config["kv_events_endpoint"],
+        config["kv_events_connect"],
+        config["kv_events_topic"],
+        config["kv_replay_buffer"],
+    ) == ("tcp://epp.llm-d.svc:5557", True, "kv@10.0.0.7@Qwen/Qwen3-0.6B", 500)
+    bound = printed(
+        "--kv-events-config",
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5600", '
+        '"replay_endpoint": "tcp://*:5601"}',
+    )
+    assert (
+        bound["kv_events_endpoint"],
+        bound["kv_events_connect"],
+        bound["kv_replay_endpoint"],
+        bound["kv_events_topic"],
+    ) == ("tcp://*:5600", False, "tcp://*:5601", "")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"enable_kv_cache_events": false}',
+            "error: --kv-events-config: engined always publishes KV events "
+            'over ZeroMQ; give "enable_kv_cache_events": true (or "publisher": "zmq")\n',
+        ),
+        (
+            '{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}',
+            "error: --kv-events-config: Object contains unknown field "
+            "`endpont`\n",
+        ),
+        (
+            '{"enable_kv_cache_events": true, "buffer_steps": "many"}',
+            "error: --kv-events-config: Expected `int`, got `str` - at "
+            "`$.buffer_steps`\n",
+        ),
+        ("not json", "error: --kv-events-config: JSON is malformed: "),
+        (
+            '{"enable_kv_cache_events": true, "buffer_steps": 0}',
+            "error: --kv-events-config: buffer_steps and max_queue_size must "
+            "be >= 1 and hwm >= 0\n",
+        ),
+    ],
+)
+def test_bad_kv_events_config_is_refused_by_name(text: str, message: str) -> None:
+    result = invoke("--print-config", "--kv-events-config", text)
+    assert result.exit_code == CONFIG_ERROR
+    assert result.stderr.startswith(message)
+
+
+def test_kv_events_config_and_its_own_flag_conflict() -> None:
+    result = invoke(
+        "--print-config",
+        "--kv-events-config",
+        '{"enable_kv_cache_events": true, "topic": "a"}',
+        "--kv-events-topic",
+        "b",
+    )
+    assert result.exit_code == CONFIG_ERROR
+    assert result.stderr == (
+        "error: --kv-events-config: also given by flag as kv_events_topic; "
+        "set each once\n"
+    )

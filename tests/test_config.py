@@ -550,6 +550,14 @@ ISSUE_FLAGS = {
     "--api-key": "api_key",
     "--api-key-file": "api_key_file",
     "--api-key-metrics": "api_key_metrics",
+    # Issue 22: `vllm serve`'s own spellings.
+    "--model": "model",
+    "--tokenizer": "tokenizer",
+    "--host": "api_host",
+    "--port": "api_port",
+    "--api-server-count": "api_server_count",
+    "--enable-prompt-tokens-details": "enable_prompt_tokens_details",
+    "--max-logprobs": "max_logprobs",
 }
 
 
@@ -602,6 +610,7 @@ def test_switches_and_metavars() -> None:
         "--api-key-metrics",
         "--scheduler-reserve-full-isl",
         "--async-scheduling",
+        "--enable-prompt-tokens-details",
     }
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"
     assert by_name["--async-scheduling"].negation == "--no-async-scheduling"

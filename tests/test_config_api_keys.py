@@ -265,9 +265,16 @@ def test_cli_refuses_a_world_readable_key_file_with_exit_2(tmp_path: Path) -> No
 
 
 def test_cli_api_key_takes_one_key() -> None:
-    """vLLM's `--api-key K1 K2` is a usage error here: several keys go in TOML or the file."""
+    """`--api-key` takes one key (several go in TOML or the file): in vLLM's `--api-key K1 K2`
+    the second word is the positional MODEL, and a third is a usage error."""
     ok = CliRunner().invoke(app, ["serve", "--print-config", "--api-key", SECRET])
     assert (ok.exit_code, tomllib.loads(ok.stdout)["api_key"]) == (0, [SECRET])
     two = CliRunner().invoke(app, ["serve", "--print-config", "--api-key", "k1", "k2"])
-    assert two.exit_code == CONFIG_ERROR
-    assert "Got unexpected extra argument(s) (k2)" in two.stderr
+    assert two.exit_code == 0
+    assert (tomllib.loads(two.stdout)["api_key"], tomllib.loads(two.stdout)["model"]) == (
+        ["k1"],
+        "k2",
+    )
+    three = CliRunner().invoke(app, ["serve", "--print-config", "--api-key", "k1", "k2", "k3"])
+    assert three.exit_code == CONFIG_ERROR
+    assert "Got unexpected extra argument(s) (k3)" in three.stderr

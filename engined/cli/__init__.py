@@ -16,7 +16,7 @@ import typer
 
 from engined import __version__
 from engined.cli import dynamo_worker, tool_commands
-from engined.cli.serve import CONFIG_ERROR, STARTUP_FAILURE, PlainHelpCommand, serve_command
+from engined.cli.serve import CONFIG_ERROR, STARTUP_FAILURE, ServeCommand, serve_command
 from engined.core import build as core_build
 
 __all__ = ["CONFIG_ERROR", "STARTUP_FAILURE", "app", "main"]
@@ -56,7 +56,7 @@ def _root(
     # callback typer would run it for a bare `engined`.
 
 
-app.command("serve", cls=PlainHelpCommand)(serve_command)
+app.command("serve", cls=ServeCommand)(serve_command)
 app.command("submit")(tool_commands.submit)
 app.command("events")(tool_commands.events)
 app.command("fpm")(tool_commands.fpm)

@@ -11,12 +11,14 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
+from engined.cli.vllm_flags import MANY_VALUES, ONE_VALUE, OPTIONAL_VALUE, SWITCHES
 from engined.config import (
     FLAGS,
     ConfigError,
     DaemonConfig,
     Flag,
     dump_config,
+    kv_events_flags,
     load_config,
 )
 
@@ -27,10 +29,25 @@ CONFIG_ERROR = 2
 STARTUP_FAILURE = 3
 
 
-def serve(config: Path | None, print_config: bool, **options: Any) -> None:
+def serve(
+    config: Path | None,
+    print_config: bool,
+    model_tag: str | None,
+    kv_events_config: str | None,
+    **options: Any,
+) -> None:
     """Run the daemon. Settings: defaults < --config TOML < ENGINED_* environment < flags."""
     flags = {flag.key: options[flag.dest] for flag in FLAGS if options[flag.dest] is not None}
     try:
+        if model_tag is not None:
+            if flags.get("model", model_tag) != model_tag:
+                raise ConfigError(
+                    f"model: given twice, as {model_tag!r} and as --model {flags['model']!r}",
+                    key="model",
+                )
+            flags["model"] = model_tag
+        if kv_events_config is not None:
+            flags = {**kv_events_flags(kv_events_config, given=flags), **flags}
         effective = load_config(config_path=config, env=os.environ, flags=flags)
     except ConfigError as error:
         typer.echo(f"error: {error}", err=True)
@@ -38,6 +55,18 @@ def serve(config: Path | None, print_config: bool, **options: Any) -> None:
     if print_config:
         typer.echo(dump_config(effective), nl=False)
         return
+    # NOTE: imported here: the tokenizer stack is not needed to print the configuration.
+    from engined.openai.launch import with_model
+
+    try:
+        effective = with_model(
+            effective,
+            vocab_given=effective.engine.vocab_size is not None,
+            max_model_len_given=effective.engine.max_model_len is not None,
+        )
+    except ConfigError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(CONFIG_ERROR) from None
     # NOTE: imported here so `--print-config` and `--help` never load the server stack.
     from engined.server.daemon import run
 
@@ -71,6 +100,7 @@ def _flag_option(flag: Flag, defaults: DaemonConfig) -> inspect.Parameter:
             bool | None,
             typer.Option(
                 f"{flag.name}/{flag.negation}",
+                *flag.aliases,
                 help=help_text,
                 rich_help_panel=flag.section.capitalize(),
                 show_default=False,
@@ -81,6 +111,7 @@ def _flag_option(flag: Flag, defaults: DaemonConfig) -> inspect.Parameter:
             str | None,
             typer.Option(
                 flag.name,
+                *flag.aliases,
                 help=help_text,
                 metavar=flag.metavar,
                 rich_help_panel=flag.section.capitalize(),
@@ -99,6 +130,20 @@ def _with_flag_options(command: Callable[..., None]) -> Callable[..., None]:
     once (in `engined.config`) instead of once there and once as a parameter here.
     """
     fixed = [
+        inspect.Parameter(
+            "model_tag",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[
+                str | None,
+                typer.Argument(
+                    metavar="MODEL",
+                    help="vLLM's MODEL: a local model directory or a name in the Hugging Face "
+                    "cache (the `model` key; default: engined's embedded model).",
+                    show_default=False,
+                ),
+            ],
+        ),
         inspect.Parameter(
             "config",
             inspect.Parameter.KEYWORD_ONLY,
@@ -122,9 +167,25 @@ def _with_flag_options(command: Callable[..., None]) -> Callable[..., None]:
             ],
         ),
     ]
+    kv_events = inspect.Parameter(
+        "kv_events_config",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[
+            str | None,
+            typer.Option(
+                "--kv-events-config",
+                metavar="JSON",
+                help="vLLM's KVEventsConfig JSON (endpoint, replay_endpoint, topic, "
+                "buffer_steps, ...), mapped onto the kv_events_* keys.",
+                rich_help_panel="Daemon",
+                show_default=False,
+            ),
+        ],
+    )
     defaults = load_config(config_path=None, env={}, flags={})
     command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [*fixed, *(_flag_option(flag, defaults) for flag in FLAGS)]
+        [*fixed, *(_flag_option(flag, defaults) for flag in FLAGS), kv_events]
     )
     return command
 
@@ -154,3 +215,78 @@ class PlainHelpCommand(TyperCommand):
 
 
 serve_command = _with_flag_options(serve)
+
+
+class ServeCommand(PlainHelpCommand):
+    """`engined serve`, which also takes a `vllm serve` command line unchanged.
+
+    vLLM's options that engined does not model are dropped with their values before click
+    parses (one warning names them); `--snake_case` spellings are read as vLLM's parser
+    reads them. Options in neither set still fail as unknown, so typos surface.
+    """
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        kept, ignored = split_vllm_only(args, self._own_options(ctx))
+        if ignored:
+            typer.echo(
+                "engined serve: ignoring vLLM options engined does not model: "
+                + ", ".join(ignored),
+                err=True,
+            )
+        return super().parse_args(ctx, kept)
+
+    def _own_options(self, ctx: Any) -> dict[str, bool]:
+        """engined's option names, each with whether it takes a value."""
+        names: dict[str, bool] = {}
+        for param in self.get_params(ctx):
+            takes_value = not getattr(param, "is_flag", False)
+            for name in (*param.opts, *getattr(param, "secondary_opts", ())):
+                if name.startswith("-"):
+                    names[name] = takes_value
+        return names
+
+
+def split_vllm_only(args: list[str], own: dict[str, bool]) -> tuple[list[str], list[str]]:
+    """`args` without vLLM's options that engined does not have, and those options' names.
+
+    `own` maps engined's option names to whether they take a value, so that a value such as
+    `--rank-processes -1` is never read as an option.
+    """
+    kept: list[str] = []
+    ignored: list[str] = []
+    index = 0
+    while index < len(args):
+        token = args[index]
+        index += 1
+        if token == "--":
+            kept.extend(args[index - 1 :])
+            break
+        if not token.startswith("-") or token == "-":
+            kept.append(token)
+            continue
+        name, equals, value = token.partition("=")
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+        token = name + equals + value
+        if name in own:
+            kept.append(token)
+            if own[name] and not equals and index < len(args):
+                kept.append(args[index])
+                index += 1
+            continue
+        if name in SWITCHES:
+            ignored.append(name)
+        elif name in ONE_VALUE:
+            ignored.append(name)
+            if not equals:
+                index += 1
+        elif name in MANY_VALUES or name in OPTIONAL_VALUE:
+            ignored.append(name)
+            if not equals:
+                while index < len(args) and not args[index].startswith("-"):
+                    index += 1
+                    if name in OPTIONAL_VALUE:
+                        break
+        else:
+            kept.append(token)
+    return kept, ignored

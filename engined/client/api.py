@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from engined.client.connection import DEFAULT_TIMEOUT, Connection
@@ -116,7 +116,7 @@ class EngineClient(Connection):
 
     async def outputs(
         self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
-    ) -> AsyncIterator[OutputEntry]:
+    ) -> AsyncGenerator[OutputEntry, None]:
         """Yield the request's output entries until its finished one.
 
         Whoever cancels the request (this client, another one, the daemon), the last entry
@@ -130,7 +130,7 @@ class EngineClient(Connection):
 
     async def output_batches(
         self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
-    ) -> AsyncIterator[list[OutputEntry]]:
+    ) -> AsyncGenerator[list[OutputEntry], None]:
         """Like `outputs`, but each item is every entry that had arrived by then, in order.
 
         A consumer slower than the engine (a relay such as the Dynamo worker) then pays its
@@ -155,7 +155,7 @@ class EngineClient(Connection):
         min_tokens: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
-    ) -> AsyncIterator[OutputEntry]:
+    ) -> AsyncGenerator[OutputEntry, None]:
         """`submit` then `outputs`: the request's entries until its finished one."""
         submitted = await self.submit(
             token_ids,

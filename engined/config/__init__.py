@@ -16,13 +16,15 @@ forward-pass metrics off and `ENGINED_MAX_NUM_SEQS=` lifts the running-request l
 
 The package has one module per job: `schema` (the struct), `fields` (reflection over its
 fields, environment names), `flags` (command-line spellings), `endpoints` (endpoint grammar),
-`api_keys` (what an HTTP API key may be, the key file), `loading` (the layers), `validation`
+`api_keys` (what an HTTP API key may be, the key file), `kv_events_config` (vLLM's
+`--kv-events-config` JSON onto the kv_events_* keys), `loading` (the layers), `validation`
 (the single pass), `toml_writer` (`--print-config`).
 """
 
 from engined.config.endpoints import endpoint_for_rank
 from engined.config.fields import ENV_ALLOWLIST, ENV_PREFIX, env_name
 from engined.config.flags import FLAGS, Flag
+from engined.config.kv_events_config import kv_events_flags
 from engined.config.loading import load_config
 from engined.config.schema import (
     ConfigError,
@@ -48,5 +50,6 @@ __all__ = [
     "dump_config",
     "endpoint_for_rank",
     "env_name",
+    "kv_events_flags",
     "load_config",
 ]

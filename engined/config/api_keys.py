@@ -14,6 +14,8 @@ nor a device can stall or flood start-up.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import stat
 
@@ -93,3 +95,45 @@ def read_private(path: str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+# vLLM's guarded paths (`vllm/entrypoints/serve/middleware/authenticate.py` in 0.33): plain
+# string prefixes of the decoded path, so `/v1x` is one too.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+class BearerKeys:
+    """vLLM's API key rule, for every HTTP server engined runs (/metrics, the OpenAI API).
+
+    A guarded path needs `Authorization: Bearer KEY` with one of the keys, whatever the
+    method but OPTIONS (CORS preflights); `/metrics` only with `guard_metrics` (an engined
+    extension: vLLM leaves it open). Keys are kept as digests and every one is compared in
+    constant time, so the time taken tells neither which key nor how much of one matched.
+    """
+
+    def __init__(self, keys: tuple[str, ...] | list[str], *, guard_metrics: bool = False):
+        self._digests = tuple(hashlib.sha256(key.encode()).digest() for key in keys)
+        self.guard_metrics = guard_metrics and bool(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def authorized(self, method: str, path: str, authorization: str) -> bool:
+        """Whether a request may proceed; `path` percent-decoded, without its query."""
+        if not self._digests or method == "OPTIONS":
+            return True
+        guarded = path.startswith(GUARDED_PREFIXES) or (
+            self.guard_metrics and path == "/metrics"
+        )
+        return not guarded or self._matches(authorization)
+
+    def _matches(self, authorization: str) -> bool:
+        """`Bearer KEY`: the scheme in any case, one space, the rest verbatim."""
+        scheme, _, credentials = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(credentials.encode()).digest()
+        matched = False
+        for known in self._digests:
+            matched |= hmac.compare_digest(digest, known)
+        return matched

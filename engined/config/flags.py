@@ -19,6 +19,9 @@ class Flag:
     name: str
     key: str
     metavar_override: str | None = None
+    # Other spellings of the same option: vLLM's names where engined had its own first
+    # (`--served-model-name` for `--model-name`), so a `vllm serve` command line runs unchanged.
+    aliases: tuple[str, ...] = ()
 
     @property
     def help(self) -> str:
@@ -60,7 +63,7 @@ FLAGS: tuple[Flag, ...] = (
     # NOTE: sglang is an EngineType (mocker configs name it) but no core simulates it.
     Flag("--engine-type", "engine.engine_type", metavar_override="[vllm|trtllm]"),
     Flag("--worker-type", "engine.worker_type"),
-    Flag("--num-gpu-blocks", "engine.num_gpu_blocks"),
+    Flag("--num-gpu-blocks", "engine.num_gpu_blocks", aliases=("--num-gpu-blocks-override",)),
     Flag("--block-size", "engine.block_size"),
     Flag("--max-num-seqs", "engine.max_num_seqs"),
     Flag("--max-num-batched-tokens", "engine.max_num_batched_tokens"),
@@ -98,7 +101,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--bandwidth-g2-to-g1-gbps", "engine.bandwidth_g2_to_g1_gbps"),
     Flag("--bandwidth-g2-to-g3-gbps", "engine.bandwidth_g2_to_g3_gbps"),
     Flag("--bandwidth-g3-to-g2-gbps", "engine.bandwidth_g3_to_g2_gbps"),
-    Flag("--model-name", "model_name"),
+    Flag("--model-name", "model_name", aliases=("--served-model-name",)),
     Flag("--control-endpoint", "control_endpoint", metavar_override=_ENDPOINT),
     Flag("--operator-endpoint", "operator_endpoint", metavar_override=_ENDPOINT),
     Flag("--max-connections", "max_connections"),
@@ -128,6 +131,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--api-key", "api_key", metavar_override="KEY"),
     Flag("--api-key-file", "api_key_file", metavar_override="PATH"),
     Flag("--api-key-metrics", "api_key_metrics"),
+    Flag("--model", "model", metavar_override="MODEL"),
+    Flag("--tokenizer", "tokenizer"),
+    Flag("--host", "api_host"),
+    Flag("--port", "api_port"),
+    Flag("--api-server-count", "api_server_count"),
+    Flag("--enable-prompt-tokens-details", "enable_prompt_tokens_details"),
+    Flag("--max-logprobs", "max_logprobs"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

@@ -181,6 +181,36 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     api_key_metrics: Annotated[
         bool, _help("Require the API key on /metrics too (vLLM leaves it open).")
     ] = False
+    # --- The OpenAI-compatible API server: `engined serve` as `vllm serve` (engined.openai). ---
+    # vLLM's MODEL: a local model directory, or a Hugging Face name found in the local cache;
+    # the tokenizer, the chat template and the vocabulary the ranks draw from come from it, and
+    # it is the served name unless model_name is set.
+    model: Annotated[
+        str, _help('Local model directory or a name in the HF cache ("" = the embedded model).')
+    ] = ""
+    tokenizer: Annotated[
+        str, _help('Tokenizer, when not the model\'s ("builtin" = the embedded one).')
+    ] = ""
+    # vLLM binds every interface by default ("" here), which a pod's readiness probe needs.
+    api_host: Annotated[
+        str, _help('Address the OpenAI API listens on ("" = every interface, as vLLM).')
+    ] = ""
+    api_port: (
+        Annotated[
+            int, msgspec.Meta(ge=0, le=65535), _help('Port of the OpenAI API ("" = no API server).')
+        ]
+        | None
+    ) = 8000
+    # Each is its own process and control client of the daemon; none runs on the ranks' loop.
+    api_server_count: Annotated[
+        int, msgspec.Meta(ge=1, le=64), _help("OpenAI API server processes.")
+    ] = 1
+    enable_prompt_tokens_details: Annotated[
+        bool, _help("Usage carries prompt_tokens_details (cached_tokens), as vLLM's flag.")
+    ] = False
+    max_logprobs: Annotated[
+        int, msgspec.Meta(ge=-1), _help("Most logprobs a request may ask for (-1 = vocabulary).")
+    ] = 20
     # The simulation (engined.core.args); TOML table `[engine]`.
     engine: EngineArgs = _DEFAULT_ENGINE
 

@@ -83,6 +83,9 @@ def validate(layers: Layers) -> DaemonConfig:
         raise layers.error("drain_timeout", f"must be finite, got {config.drain_timeout}")
     _check_endpoints(config, layers)
     _check_access(config, layers)
+    if config.model and "model_name" not in layers.sources:
+        # vLLM serves MODEL under its own name unless --served-model-name says otherwise.
+        config = msgspec.structs.replace(config, model_name=config.model)
     return _with_api_keys(config, layers)
 
 

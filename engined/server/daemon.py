@@ -61,6 +61,7 @@ from engined.wire import control as wire
 from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
+    from engined.server.api_servers import ApiServers
     from engined.server.http import HealthState, HttpServer
     from engined.server.metrics import VllmMetrics
     from engined.server.rank_proxy import RankProxy
@@ -135,6 +136,8 @@ class Daemon:
         # Prometheus /metrics and /health (engined.server.http), when `http_port` is set.
         self.metrics: VllmMetrics | None = None
         self.http: HttpServer | None = None
+        # The OpenAI API server processes (engined.server.api_servers), unless api_port is "".
+        self.api: ApiServers | None = None
         # What paced in-process ranks share: deadlines, garbage collection between passes.
         self.pacing: Pacing | None = None
         self._collection: Collector | YoungGeneration | None = None
@@ -311,6 +314,12 @@ class Daemon:
         else:
             for loop in self.loops:
                 self._tasks.append(asyncio.create_task(loop.run(), name=f"rank-{loop.rank}"))
+        if cfg.api_port is not None:
+            from engined.server.api_servers import ApiServers
+
+            self.api = ApiServers(cfg)
+            await self.api.start()
+            self._tasks.append(asyncio.create_task(self.api.watch(), name="api-servers"))
         self.started = True
         self._collection = start_collection(cfg, self.pacing)
         log.info(
@@ -326,6 +335,7 @@ class Daemon:
             engine=engine_summary(cfg),
             limits=limits(cfg, hwms, batch_bytes, max_message_bytes),
             rank_processes=[worker.pid for worker in self.workers],
+            api_port=None if self.api is None else self.api.port,
         )
         self._notifier.ready(status=self._status_line())
         if self._notifier.enabled:
@@ -445,6 +455,9 @@ class Daemon:
         followed by its terminal: intake closes before the ranks stop, and what is queued
         at the socket is answered before it closes."""
         control = self.control
+        if self.api is not None:
+            # First, so that they stop accepting and finish their streams while we drain.
+            self.api.stop()
         if control is not None:
             control.shutting_down = True
             self._notifier.stopping(status=self._status_line())
@@ -499,6 +512,8 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self.api is not None:
+            await self.api.close()
         if self.http is not None:
             await self.http.close()
         for kv in self._publishers:

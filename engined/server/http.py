@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import string
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
@@ -36,6 +34,8 @@ from urllib.parse import unquote
 import structlog
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+
+from engined.config.api_keys import BearerKeys
 
 log = structlog.get_logger(__name__)
 
@@ -48,8 +48,6 @@ IO_TIMEOUT_S = 10.0
 # A scrape waits this long for `before_scrape`, then renders what the daemon has.
 SCRAPE_REFRESH_S = 1.0
 
-# vLLM's guarded paths: plain string prefixes of the decoded path, so `/v1x` is one too.
-GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 _REASONS = {
     200: "OK",
@@ -104,9 +102,7 @@ class HttpServer:
         self._registry = registry
         self._health = health
         self._before_scrape = before_scrape
-        # NOTE: digests, so that comparing costs the same whatever the key's length or content.
-        self._key_digests = tuple(hashlib.sha256(key.encode()).digest() for key in api_keys)
-        self._guard_metrics = guard_metrics
+        self._keys = BearerKeys(tuple(api_keys), guard_metrics=guard_metrics)
         self._stale_scrapes = 0
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -127,8 +123,8 @@ class HttpServer:
             host=host,
             port=self.port,
             routes=["/metrics", "/health"],
-            api_keys=len(self._key_digests),
-            metrics_need_key=self._guard_metrics and bool(self._key_digests),
+            api_keys=len(self._keys),
+            metrics_need_key=self._keys.guard_metrics,
         )
 
     async def close(self) -> None:
@@ -239,28 +235,7 @@ class HttpServer:
         return method, target.partition("?")[0], headers
 
     def _authorized(self, method: str, path: str, headers: dict[str, str]) -> bool:
-        """vLLM's rule: a guarded path needs a key, except for OPTIONS (CORS preflights)."""
-        if not self._key_digests or method == "OPTIONS":
-            return True
-        guarded = unquote(path).startswith(GUARDED_PREFIXES) or (
-            self._guard_metrics and path == "/metrics"
-        )
-        return not guarded or self._bearer_matches(headers.get("authorization", ""))
-
-    def _bearer_matches(self, authorization: str) -> bool:
-        """`Bearer KEY` (the scheme in any case, one space, the rest verbatim) with a known key.
-
-        Every key is compared, in constant time, so the time taken tells neither which key
-        nor how much of one matched.
-        """
-        scheme, _, credentials = authorization.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        digest = hashlib.sha256(credentials.encode()).digest()
-        matched = False
-        for known in self._key_digests:
-            matched |= hmac.compare_digest(digest, known)
-        return matched
+        return self._keys.authorized(method, unquote(path), headers.get("authorization", ""))
 
     def _route(
         self, method: str, path: str, headers: dict[str, str]

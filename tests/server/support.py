@@ -35,6 +35,7 @@ def ipc_config(tmp_path: Path, speedup: float, **flags: object) -> DaemonConfig:
             "control_endpoint": f"ipc://{tmp_path}/control",
             "kv_events_endpoint": f"ipc://{tmp_path}/kv",
             "fpm_endpoint": "",
+            "api_port": None,
             "engine.speedup_ratio": speedup,
             **flags,
         },

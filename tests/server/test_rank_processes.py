@@ -63,6 +63,7 @@ def config(tmp_path: Path, dp_size: int, **flags: Any) -> DaemonConfig:
             "engine.block_size": BLOCK_SIZE,
             "engine.speedup_ratio": 0,
             "drain_timeout": 10,
+            "api_port": None,
             **flags,
         },
     )

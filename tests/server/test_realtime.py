@@ -82,6 +82,7 @@ def test_a_daemon_that_may_not_run_realtime_does_not_start(
             "fpm_endpoint": None,
             "realtime_priority": 1,
             "engine.speedup_ratio": 1,
+            "api_port": None,
         },
     )
     code = asyncio.run(asyncio.wait_for(Daemon(cfg, rank_processes=0).serve(), 30))

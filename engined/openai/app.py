@@ -1,0 +1,102 @@
+"""The routes of vLLM 0.33's OpenAI-compatible server, over one daemon connection.
+
+`ApiApp.handle` is the HTTP server's handler: it checks the API key where vLLM does, routes,
+and turns every `ApiError` into vLLM's JSON error body and status; anything else a handler
+raises is a 500 with the same shape (logged once), so no request can end the process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from urllib.parse import unquote
+
+import structlog
+
+from engined.client import EngineClient, EngineError
+from engined.config import DaemonConfig
+from engined.config.api_keys import BearerKeys
+from engined.openai.errors import (
+    ApiError,
+    engine_dead,
+    http_error,
+    method_not_allowed,
+    route_not_found,
+)
+from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
+from engined.openai.serving import ServingContext, engine_refusal
+from engined.openai.serving_chat import ChatServer
+from engined.openai.serving_completion import CompletionServer
+from engined.openai.serving_misc import MiscServer
+from engined.openai.tokenizer import Tokenizer
+from engined.wire.control import Welcome
+
+log = structlog.get_logger(__name__)
+
+Reply = HttpResponse | StreamingResponse
+Route = Callable[[HttpRequest], Awaitable[Reply]]
+
+_NOT_FOUND = route_not_found()
+_NOT_ALLOWED = method_not_allowed()
+# vLLM's refusal, byte for byte (engined.server.http sends the same).
+_UNAUTHORIZED = HttpResponse(401, b'{"error":"Unauthorized"}')
+
+
+class ApiApp:
+    def __init__(
+        self,
+        *,
+        config: DaemonConfig,
+        client: EngineClient,
+        welcome: Welcome,
+        tokenizer: Tokenizer,
+    ) -> None:
+        context = ServingContext.build(
+            config=config, client=client, welcome=welcome, tokenizer=tokenizer
+        )
+        self.model_names = context.model_names
+        self._keys = BearerKeys(tuple(config.api_key or ()), guard_metrics=config.api_key_metrics)
+        completions = CompletionServer(context)
+        chat = ChatServer(context)
+        misc = MiscServer(context, config=config, welcome=welcome)
+        self._routes: dict[str, dict[str, Route]] = {
+            "/v1/completions": {"POST": completions.create},
+            "/v1/chat/completions": {"POST": chat.create},
+            "/v1/models": {"GET": misc.models},
+            "/health": {"GET": misc.health},
+            "/ping": {"GET": misc.health, "POST": misc.health},
+            "/version": {"GET": misc.version},
+            "/tokenize": {"POST": misc.tokenize},
+            "/detokenize": {"POST": misc.detokenize},
+            "/metrics": {"GET": misc.metrics},
+            "/kv_event_sources": {"GET": misc.kv_event_sources},
+        }
+
+    async def handle(self, request: HttpRequest) -> Reply:
+        path = unquote(request.path)
+        if not self._keys.authorized(
+            request.method, path, request.headers.get("authorization", "")
+        ):
+            return _UNAUTHORIZED
+        methods = self._routes.get(path)
+        if methods is None:
+            return _answer(_NOT_FOUND)
+        route = methods.get(request.method)
+        if route is None:
+            return _answer(_NOT_ALLOWED)
+        try:
+            return await route(request)
+        except ApiError as error:
+            return _answer(error)
+        except EngineError as error:
+            return _answer(engine_refusal(error))
+        except (TimeoutError, ConnectionError):
+            log.warning("daemon did not answer", path=path)
+            return _answer(engine_dead())
+
+    def error_response(self, status: int, message: str) -> HttpResponse:
+        """vLLM's error body for `status`: the HTTP server's own refusals (its ErrorFactory)."""
+        return _answer(http_error(status, message))
+
+
+def _answer(error: ApiError) -> HttpResponse:
+    return HttpResponse(error.status, error.body())

@@ -1,0 +1,183 @@
+"""The engine side of one OpenAI request: its engine requests, their outputs, their end.
+
+An OpenAI request becomes one engine request per prompt and sample (`n`), as vLLM's
+ParentRequest fans out: sample j of a seeded request gets seed + j, and each is its own
+request in the scheduler, so the samples share the prompt's KV through prefix caching
+exactly as vLLM's do. Outputs are read as the daemon sends them, one `output` message per
+pass, and whatever arrived for a choice while the HTTP side was busy is merged into one
+delta, as vLLM's RequestOutputCollector merges for a consumer that falls behind; a client
+that keeps up sees every pass.
+
+Whoever ends the HTTP side first (the client disconnects, the server shuts down, a stop
+string matches), the engine requests that have not finished are cancelled, once, so their
+KV is freed on the next pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+from engined.client import EngineClient, EngineError
+from engined.wire.control import OutputEntry
+
+# Bounds every control call of the API server; the daemon answers within a pass or two.
+CALL_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One engine request: choice `choice_index` of an OpenAI request."""
+
+    request_id: str
+    choice_index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    seed: int | None = None
+    priority: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one choice produced since its previous delta."""
+
+    choice_index: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    cached_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    sample: Sample
+    finished: bool = False
+    cached_tokens: int | None = None
+    generated: int = 0
+
+
+def _merge(choice: _Choice, entries: Sequence[OutputEntry]) -> Delta:
+    tokens: list[int] = []
+    for entry in entries:
+        tokens.extend(entry.token_ids)
+        if entry.cached_tokens is not None and choice.cached_tokens is None:
+            choice.cached_tokens = entry.cached_tokens
+    last = entries[-1]
+    choice.generated += len(tokens)
+    if last.finished:
+        choice.finished = True
+    return Delta(
+        choice_index=choice.sample.choice_index,
+        token_ids=tokens,
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        cached_tokens=choice.cached_tokens,
+    )
+
+
+@dataclass(slots=True)
+class Generation:
+    """The engine requests of one OpenAI request; `start`, then `deltas`, then `close`."""
+
+    client: EngineClient
+    samples: Sequence[Sample]
+    _choices: list[_Choice] = field(default_factory=list)
+    _closed: bool = False
+
+    async def start(self) -> None:
+        """Submit every sample; on a refusal, cancel those already submitted and re-raise.
+
+        Raises:
+            EngineError: the daemon refused a sample (its code says why).
+            TimeoutError, ConnectionError: the daemon did not answer.
+        """
+        # NOTE: all at once: the samples of one request reach the same pass, as in vLLM.
+        results = await asyncio.gather(
+            *(
+                self.client.submit(
+                    sample.prompt_ids,
+                    sample.max_tokens,
+                    request_id=sample.request_id,
+                    seed=sample.seed,
+                    priority=sample.priority,
+                    stop_token_ids=sample.stop_token_ids or None,
+                    min_tokens=sample.min_tokens,
+                    cache_salt=sample.cache_salt,
+                    timeout=CALL_TIMEOUT_S,
+                )
+                for sample in self.samples
+            ),
+            return_exceptions=True,
+        )
+        for sample, result in zip(self.samples, results, strict=True):
+            if not isinstance(result, BaseException):
+                self._choices.append(_Choice(sample))
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            await self.close()
+            raise failure
+
+    @property
+    def cached_tokens(self) -> list[int | None]:
+        """Per choice, what its prompt found in the prefix cache (None until known)."""
+        return [choice.cached_tokens for choice in self._choices]
+
+    @property
+    def generated(self) -> int:
+        return sum(choice.generated for choice in self._choices)
+
+    async def deltas(self) -> AsyncGenerator[list[Delta], None]:
+        """Lists of deltas, at most one per choice each, until every choice finished."""
+        if len(self._choices) == 1:
+            choice = self._choices[0]
+            batches = self.client.output_batches(choice.sample.request_id, timeout=None)
+            async with contextlib.aclosing(batches):
+                async for entries in batches:
+                    yield [_merge(choice, entries)]
+            return
+        queue: asyncio.Queue[tuple[_Choice, list[OutputEntry]] | BaseException] = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                batches = self.client.output_batches(choice.sample.request_id, timeout=None)
+                async with contextlib.aclosing(batches):
+                    async for entries in batches:
+                        queue.put_nowait((choice, entries))
+            except Exception as exc:
+                queue.put_nowait(exc)
+
+        pumps = [asyncio.create_task(pump(choice)) for choice in self._choices]
+        try:
+            while not all(choice.finished for choice in self._choices):
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                merged: dict[int, list[OutputEntry]] = {}
+                owners: dict[int, _Choice] = {}
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    choice, entries = item
+                    merged.setdefault(choice.sample.choice_index, []).extend(entries)
+                    owners[choice.sample.choice_index] = choice
+                yield [_merge(owners[index], entries) for index, entries in merged.items()]
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    async def close(self) -> None:
+        """Cancel every engine request that has not finished (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for choice in self._choices:
+            if not choice.finished:
+                with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
+                    await self.client.cancel(choice.sample.request_id, timeout=CALL_TIMEOUT_S)

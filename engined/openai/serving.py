@@ -1,0 +1,183 @@
+"""What every OpenAI endpoint shares: the served model, the tokenizer, vLLM's checks, the ids.
+
+One `ServingContext` per API server process, built from the daemon's `welcome` and the
+configuration; the endpoints get it at construction and never reach past it. The checks run
+in vLLM 0.33's order (engined/openai/protocol_sampling.py says which): the model, the prompt,
+the context, the sampling parameters, then what vLLM's engine refuses as it adds a request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from engined.client import EngineClient, EngineError
+from engined.config import DaemonConfig
+from engined.openai.errors import (
+    ApiError,
+    context_length_error,
+    engine_overloaded,
+    http_error,
+    model_not_found,
+    validation_error,
+)
+from engined.openai.generation import Sample
+from engined.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engined.openai.protocol_sampling import (
+    check_engine,
+    check_sampling,
+    effective_max_tokens,
+    requested_max_tokens,
+)
+from engined.openai.tokenizer import Tokenizer
+from engined.wire.control import Welcome
+
+Request = CompletionRequest | ChatCompletionRequest
+
+# vLLM's refusal of a request that brings its own chat template (`--trust-request-chat-
+# template` is off by default): a template is code, run on the server.
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+# vLLM names finish reasons as the OpenAI API does; a request the daemon cancelled (its drain
+# ran out) is vLLM's aborted one.
+FINISH_REASONS: Mapping[str, str] = {"length": "length", "stop": "stop", "cancelled": "abort"}
+
+
+def engine_refusal(error: EngineError) -> ApiError:
+    """A refusal by the daemon, as the error a vLLM client meets for the same condition."""
+    if error.code in ("overloaded", "shutting_down"):
+        return engine_overloaded()
+    if error.code in ("invalid_request", "capacity", "duplicate_request", "unsupported"):
+        return validation_error(error.message)
+    return http_error(500, error.message)
+
+
+@dataclass(frozen=True, slots=True)
+class ServingContext:
+    client: EngineClient
+    tokenizer: Tokenizer
+    # The first is the name responses carry; any may be asked for.
+    model_names: tuple[str, ...]
+    # What `/v1/models` gives as `root`: the model as the server was started with it.
+    root: str
+    max_model_len: int
+    block_size: int
+    prefix_caching: bool
+    prompt_tokens_details: bool
+    max_logprobs: int
+    speculative: bool
+
+    @classmethod
+    def build(
+        cls, *, config: DaemonConfig, client: EngineClient, welcome: Welcome, tokenizer: Tokenizer
+    ) -> ServingContext:
+        return cls(
+            client=client,
+            tokenizer=tokenizer,
+            model_names=(config.model_name,),
+            root=config.model or tokenizer.name,
+            max_model_len=welcome.max_model_len or config.engine.max_model_len or 0,
+            block_size=welcome.block_size,
+            prefix_caching=bool(welcome.enable_prefix_caching),
+            prompt_tokens_details=config.enable_prompt_tokens_details,
+            max_logprobs=config.max_logprobs,
+            speculative=config.engine.aic_nextn is not None,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, requested: str | None) -> str:
+        """The name to answer with; vLLM's 404 for a model this server does not serve."""
+        if not requested or requested in self.model_names:
+            return self.model_name
+        raise model_not_found(requested, self.model_names)
+
+    def check_prompt(self, request: Request, ids: Sequence[int], *, from_text: bool) -> int:
+        """vLLM's checks of one tokenized prompt; returns the max_tokens it runs with."""
+        requested, field = requested_max_tokens(request)
+        error = context_length_error(
+            self.max_model_len, len(ids), requested, max_tokens_param=field, from_text=from_text
+        )
+        if error is not None:
+            raise error
+        max_tokens = effective_max_tokens(self.max_model_len, len(ids), request)
+        check_sampling(request, max_tokens)
+        check_engine(
+            request,
+            ids,
+            max_model_len=self.max_model_len,
+            vocab_size=self.tokenizer.vocab_size,
+            max_logprobs=self.max_logprobs,
+            speculative=self.speculative,
+        )
+        return max_tokens
+
+    def created_cache_tokens(self, prompt_tokens: int, cached: int | None) -> int | None:
+        """vLLM's `num_cache_creation_tokens`: the prompt's full blocks it cached itself."""
+        if cached is None:
+            return None
+        if not self.prefix_caching:
+            return 0
+        full = prompt_tokens // self.block_size * self.block_size
+        return max(0, min(full, prompt_tokens) - cached)
+
+
+def check_template_trust(request: ChatCompletionRequest) -> None:
+    kwargs = request.chat_template_kwargs or {}
+    if request.chat_template is not None or kwargs.get("chat_template") is not None:
+        raise validation_error(UNTRUSTED_TEMPLATE)
+
+
+def base_request_id(headers: Mapping[str, str], given: str | None) -> str:
+    """vLLM's: the `X-Request-Id` header, else the body's `request_id`, else a fresh uuid."""
+    header = headers.get("x-request-id")
+    if header:
+        return header
+    return given or uuid.uuid4().hex
+
+
+def samples(
+    request: Request,
+    request_id: str,
+    *,
+    prompt_index: int | None,
+    ids: list[int],
+    max_tokens: int,
+    first_choice: int,
+) -> list[Sample]:
+    """The engine requests of one prompt: vLLM's `{request}-{prompt}` id for completions, its
+    ParentRequest's `{j}_{...}` child ids when n > 1, and seed + j for sample j."""
+    n = request.n or 1
+    item = request_id if prompt_index is None else f"{request_id}-{prompt_index}"
+    stop_ids = tuple(dict.fromkeys(request.stop_token_ids or ()))
+    return [
+        Sample(
+            request_id=item if n == 1 else f"{j}_{item}",
+            choice_index=first_choice + j,
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            seed=None if request.seed is None else request.seed + j,
+            priority=request.priority,
+            stop_token_ids=stop_ids,
+            min_tokens=request.min_tokens,
+            cache_salt=request.cache_salt,
+        )
+        for j in range(n)
+    ]
+
+
+def stop_strings(request: Request) -> tuple[str, ...]:
+    stop = request.stop
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(stop or ())
+
+
+def created_now() -> int:
+    return int(time.time())

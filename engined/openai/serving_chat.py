@@ -1,0 +1,317 @@
+"""`POST /v1/chat/completions`, streaming and not, as vLLM 0.33 serves it.
+
+The messages become one prompt through the model's chat template (rendered as transformers
+renders it), tokenized without special tokens since the template writes them; then one
+engine request per sample. A stream opens each choice with a `role` delta, as vLLM does,
+`echo` repeats the last message when it has the answering role, and each choice closes
+with its finish reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from engined.client import EngineError
+from engined.openai.errors import ApiError, generation_error
+from engined.openai.generation import Delta, Generation
+from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
+from engined.openai.logprobs import chat_logprobs
+from engined.openai.protocol import ChatCompletionRequest, decode_chat_request
+from engined.openai.protocol_responses import (
+    ENCODE,
+    SSE_DONE,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    chat_echo_chunk,
+    chat_finish_choice,
+    chat_role_chunk,
+    chat_usage_chunk,
+    continuous_usage,
+    final_stream_usage,
+    sse,
+    usage,
+)
+from engined.openai.protocol_sampling import sample_logprobs
+from engined.openai.serving import (
+    FINISH_REASONS,
+    ServingContext,
+    base_request_id,
+    check_template_trust,
+    created_now,
+    engine_refusal,
+    samples,
+    stop_strings,
+)
+from engined.openai.text import ChoiceText
+from engined.openai.tokenizer import ChatTemplateError
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    text: ChoiceText
+    tokens: int = 0
+    done: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    all_text: list[str] = field(default_factory=list)
+    all_ids: list[int] = field(default_factory=list)
+    logprobs: list[ChatCompletionLogProbsContent] = field(default_factory=list)
+
+
+class ChatServer:
+    def __init__(self, context: ServingContext) -> None:
+        self._context = context
+
+    async def create(self, http: HttpRequest) -> HttpResponse | StreamingResponse:
+        context = self._context
+        request = decode_chat_request(http.body, http.headers.get("content-type"))
+        model = context.check_model(request.model)
+        check_template_trust(request)
+        messages = [msgspec.to_builtins(message) for message in request.messages]
+        tools = None if request.tools is None else msgspec.to_builtins(request.tools)
+        try:
+            prompt = context.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tools=tools,
+                documents=request.documents,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
+        except ChatTemplateError as error:
+            raise ApiError(400, str(error), "BadRequestError") from None
+        ids = context.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+        max_tokens = context.check_prompt(request, ids, from_text=True)
+        request_id = f"chatcmpl-{base_request_id(http.headers, request.request_id)}"
+        runs = samples(
+            request, request_id, prompt_index=None, ids=ids, max_tokens=max_tokens, first_choice=0
+        )
+        generation = Generation(context.client, runs)
+        try:
+            await generation.start()
+        except EngineError as error:
+            raise engine_refusal(error) from None
+        stop = stop_strings(request)
+        choices = [
+            _Choice(
+                index=sample.choice_index,
+                text=ChoiceText(
+                    context.tokenizer.detokenizer(ids),
+                    stop=stop,
+                    include_stop=request.include_stop_str_in_output,
+                ),
+            )
+            for sample in runs
+        ]
+        role = "assistant" if request.add_generation_prompt else messages[-1]["role"]
+        echo = ""
+        if request.echo and messages and messages[-1].get("role") == role:
+            echo = _content_text(messages[-1].get("content"))
+        run = _Run(context, request, request_id, created_now(), model, ids, choices, role, echo)
+        if request.stream:
+            return StreamingResponse(200, run.stream(generation))
+        return await run.collect(generation)
+
+
+def _content_text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            part if isinstance(part, str) else str(part.get("text", ""))
+            for part in content
+            if isinstance(part, str | dict)
+        )
+    return ""
+
+
+@dataclass(slots=True)
+class _Run:
+    context: ServingContext
+    request: ChatCompletionRequest
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    choices: list[_Choice]
+    role: str
+    echo: str
+
+    def _step(self, delta: Delta) -> tuple[_Choice, str, list[int], int] | None:
+        """(choice, text, counted ids, first position) of a delta; None once it is done."""
+        choice = self.choices[delta.choice_index]
+        if choice.done:
+            return None
+        text, counted = choice.text.push(delta.token_ids, final=delta.finished)
+        ids = delta.token_ids if counted == len(delta.token_ids) else delta.token_ids[:counted]
+        first = choice.tokens
+        choice.tokens += counted
+        if choice.text.stopped is not None:
+            choice.done = True
+            choice.finish_reason, choice.stop_reason = "stop", choice.text.stopped
+        elif delta.finished:
+            choice.done = True
+            if delta.finish_reason == "rejected":
+                raise generation_error()
+            choice.finish_reason = FINISH_REASONS.get(delta.finish_reason or "", "length")
+            choice.stop_reason = delta.stop_reason
+        return choice, text, ids, first
+
+    def _logprobs(
+        self, choice: _Choice, ids: list[int], first: int
+    ) -> ChatCompletionLogProbs | None:
+        k = sample_logprobs(self.request)
+        if k is None:
+            return None
+        tokenizer = self.context.tokenizer
+        return chat_logprobs(
+            ids,
+            first,
+            k,
+            key=choice.index,
+            vocab_size=tokenizer.vocab_size,
+            decode=tokenizer.logprob_tokens,
+        )
+
+    def _cached(self, generation: Generation) -> tuple[int | None, int | None]:
+        if not self.context.prompt_tokens_details:
+            return None, None
+        cached = generation.cached_tokens[0] if generation.cached_tokens else None
+        return cached, self.context.created_cache_tokens(len(self.prompt_ids), cached)
+
+    async def stream(self, generation: Generation) -> AsyncIterator[bytes]:
+        options = self.request.stream_options
+        include_usage = options is not None and bool(options.include_usage)
+        continuous = include_usage and options is not None and bool(options.continuous_usage_stats)
+        token_ids = bool(self.request.return_token_ids)
+        prompt_tokens = len(self.prompt_ids)
+        try:
+            for choice in self.choices:
+                opening = chat_role_chunk(
+                    self.request_id,
+                    self.created,
+                    self.model,
+                    choice.index,
+                    self.role,
+                    prompt_token_ids=self.prompt_ids if token_ids else None,
+                )
+                if continuous:
+                    opening.usage = continuous_usage(prompt_tokens, 0, chat=True)
+                yield sse(ENCODE(opening))
+            if self.echo:
+                for choice in self.choices:
+                    echoed = chat_echo_chunk(
+                        self.request_id, self.created, self.model, choice.index, self.echo
+                    )
+                    if continuous:
+                        echoed.usage = continuous_usage(prompt_tokens, 0, chat=True)
+                    yield sse(ENCODE(echoed))
+            deltas = generation.deltas()
+            async with contextlib.aclosing(deltas):
+                async for batch in deltas:
+                    for delta in batch:
+                        step = self._step(delta)
+                        if step is None:
+                            continue
+                        choice, text, ids, first = step
+                        logprobs = self._logprobs(choice, ids, first)
+                        message = DeltaMessage(content=text) if text else DeltaMessage()
+                        if choice.finish_reason is not None:
+                            streamed = chat_finish_choice(
+                                choice.index,
+                                message,
+                                choice.finish_reason,
+                                logprobs=logprobs,
+                                stop_reason=choice.stop_reason,
+                                token_ids=ids if token_ids else None,
+                            )
+                        elif not text and logprobs is None and not token_ids:
+                            continue
+                        else:
+                            streamed = ChatCompletionResponseStreamChoice(
+                                index=choice.index,
+                                delta=message,
+                                logprobs=logprobs,
+                                token_ids=ids if token_ids else None,
+                            )
+                        chunk = ChatCompletionStreamResponse(
+                            id=self.request_id,
+                            created=self.created,
+                            model=self.model,
+                            choices=[streamed],
+                        )
+                        if continuous:
+                            chunk.usage = continuous_usage(prompt_tokens, choice.tokens, chat=True)
+                        yield sse(ENCODE(chunk))
+                    if all(choice.done for choice in self.choices):
+                        break
+            if include_usage:
+                completion = sum(choice.tokens for choice in self.choices)
+                cached, created = self._cached(generation)
+                final = final_stream_usage(prompt_tokens, completion, cached, created)
+                yield sse(
+                    ENCODE(chat_usage_chunk(self.request_id, self.created, self.model, final, None))
+                )
+        except ApiError as error:
+            yield error.stream_event(chat=True)
+        finally:
+            await generation.close()
+        yield SSE_DONE
+
+    async def collect(self, generation: Generation) -> HttpResponse:
+        try:
+            deltas = generation.deltas()
+            async with contextlib.aclosing(deltas):
+                async for batch in deltas:
+                    for delta in batch:
+                        step = self._step(delta)
+                        if step is None:
+                            continue
+                        choice, text, ids, first = step
+                        choice.all_text.append(text)
+                        choice.all_ids.extend(ids)
+                        logprobs = self._logprobs(choice, ids, first)
+                        if logprobs is not None and logprobs.content:
+                            choice.logprobs.extend(logprobs.content)
+                    if all(choice.done for choice in self.choices):
+                        break
+        finally:
+            await generation.close()
+        completion = sum(choice.tokens for choice in self.choices)
+        cached, created = self._cached(generation)
+        token_ids = bool(self.request.return_token_ids)
+        wants_logprobs = sample_logprobs(self.request) is not None
+        response = ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                ChatCompletionResponseChoice(
+                    index=choice.index,
+                    message=ChatMessage(
+                        role=self.role, content=self.echo + "".join(choice.all_text)
+                    ),
+                    logprobs=ChatCompletionLogProbs(content=choice.logprobs)
+                    if wants_logprobs
+                    else None,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                    token_ids=choice.all_ids if token_ids else None,
+                )
+                for choice in self.choices
+            ],
+            usage=usage(len(self.prompt_ids), completion, cached, created),
+            prompt_token_ids=self.prompt_ids if token_ids else None,
+        )
+        return HttpResponse(200, ENCODE(response))

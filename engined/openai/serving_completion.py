@@ -1,0 +1,317 @@
+"""`POST /v1/completions`, streaming and not, as vLLM 0.33 serves it.
+
+Each prompt (a string, token ids, or a list of either) runs as its own engine request, n
+times; choice `i * n + j` is sample j of prompt i. Text comes from the model's incremental
+detokenizer, `stop` strings finish a choice as vLLM's output processor does, and usage
+counts each prompt once and every sample's tokens. A streamed request that fails after its
+200 ends with vLLM's error event, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engined.client import EngineError
+from engined.openai.errors import ApiError, generation_error
+from engined.openai.generation import Delta, Generation
+from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
+from engined.openai.logprobs import completion_logprobs
+from engined.openai.protocol import CompletionRequest, decode_completion_request
+from engined.openai.protocol_responses import (
+    ENCODE,
+    SSE_DONE,
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    completion_usage_chunk,
+    continuous_usage,
+    final_stream_usage,
+    sse,
+    usage,
+)
+from engined.openai.protocol_sampling import check_completion_prompt, echo_only, sample_logprobs
+from engined.openai.serving import (
+    FINISH_REASONS,
+    ServingContext,
+    base_request_id,
+    created_now,
+    engine_refusal,
+    samples,
+    stop_strings,
+)
+from engined.openai.text import ChoiceText
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    prompt: int
+    text: ChoiceText
+    tokens: int = 0
+    text_offset: int = 0
+    echoed: bool = False
+    done: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    all_text: list[str] = field(default_factory=list)
+    all_ids: list[int] = field(default_factory=list)
+
+
+class CompletionServer:
+    def __init__(self, context: ServingContext) -> None:
+        self._context = context
+
+    async def create(self, http: HttpRequest) -> HttpResponse | StreamingResponse:
+        context = self._context
+        request = decode_completion_request(http.body, http.headers.get("content-type"))
+        model = context.check_model(request.model)
+        check_completion_prompt(request)
+        tokenizer = context.tokenizer
+        prompts: list[tuple[str | None, list[int]]] = []
+        for prompt in _prompt_list(request):
+            if isinstance(prompt, str):
+                ids = tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+                prompts.append((prompt, ids))
+            else:
+                prompts.append((None, list(prompt)))
+        request_id = f"cmpl-{base_request_id(http.headers, request.request_id)}"
+        n = request.n
+        runs = []
+        for i, (text, ids) in enumerate(prompts):
+            max_tokens = context.check_prompt(request, ids, from_text=text is not None)
+            runs.extend(
+                samples(
+                    request,
+                    request_id,
+                    prompt_index=i,
+                    ids=ids,
+                    max_tokens=1 if echo_only(request) else max_tokens,
+                    first_choice=i * n,
+                )
+            )
+        generation = Generation(context.client, runs)
+        try:
+            await generation.start()
+        except EngineError as error:
+            raise engine_refusal(error) from None
+        stop = stop_strings(request)
+        choices = [
+            _Choice(
+                index=sample.choice_index,
+                prompt=sample.choice_index // n,
+                text=ChoiceText(
+                    tokenizer.detokenizer(sample.prompt_ids),
+                    stop=stop,
+                    include_stop=request.include_stop_str_in_output,
+                ),
+            )
+            for sample in runs
+        ]
+        run = _Run(context, request, request_id, created_now(), model, prompts, choices)
+        if request.stream:
+            return StreamingResponse(200, run.stream(generation))
+        return await run.collect(generation)
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request's choices on their way to the client."""
+
+    context: ServingContext
+    request: CompletionRequest
+    request_id: str
+    created: int
+    model: str
+    prompts: list[tuple[str | None, list[int]]]
+    choices: list[_Choice]
+
+    def _prompt_text(self, index: int) -> str:
+        text, ids = self.prompts[index]
+        return text if text is not None else self.context.tokenizer.decode(ids)
+
+    def _step(
+        self, delta: Delta
+    ) -> tuple[_Choice, str, list[int], CompletionLogProbs | None] | None:
+        """What a delta adds to its choice: text, token ids (with the echoed prompt first) and
+        their logprobs; None when it adds nothing (vLLM sends no empty chunk)."""
+        choice = self.choices[delta.choice_index]
+        if choice.done:
+            return None
+        text, counted = choice.text.push(delta.token_ids, final=delta.finished)
+        ids = delta.token_ids if counted == len(delta.token_ids) else delta.token_ids[:counted]
+        first = choice.tokens
+        choice.tokens += counted
+        self._finish(choice, delta)
+        if echo_only(self.request):
+            text, ids = "", []
+        echoed: list[int] = []
+        if self.request.echo and not choice.echoed:
+            choice.echoed = True
+            echoed = self.prompts[choice.prompt][1]
+            text = self._prompt_text(choice.prompt) + text
+        elif not text and not ids and choice.finish_reason is None:
+            return None
+        return choice, text, [*echoed, *ids], self._logprobs(choice, echoed, ids, first)
+
+    def _finish(self, choice: _Choice, delta: Delta) -> None:
+        if choice.text.stopped is not None:
+            choice.done = True
+            choice.finish_reason, choice.stop_reason = "stop", choice.text.stopped
+        elif delta.finished:
+            choice.done = True
+            if delta.finish_reason == "rejected":
+                raise generation_error()
+            choice.finish_reason = FINISH_REASONS.get(delta.finish_reason or "", "length")
+            choice.stop_reason = delta.stop_reason
+
+    def _logprobs(
+        self, choice: _Choice, echoed: list[int], ids: list[int], first: int
+    ) -> CompletionLogProbs | None:
+        k = sample_logprobs(self.request)
+        if k is None:
+            return None
+        tokenizer = self.context.tokenizer
+        logprobs = completion_logprobs(
+            [*echoed, *ids],
+            first - len(echoed),
+            k,
+            key=choice.index,
+            vocab_size=tokenizer.vocab_size,
+            decode=tokenizer.logprob_tokens,
+            text_offset=choice.text_offset,
+            first_is_none=bool(echoed),
+        )
+        if logprobs.tokens:
+            choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        return logprobs
+
+    def _counts(self) -> tuple[int, int]:
+        return sum(len(ids) for _, ids in self.prompts), sum(c.tokens for c in self.choices)
+
+    def _cached(self, generation: Generation) -> int | None:
+        """vLLM reports the first result's cached tokens, with --enable-prompt-tokens-details."""
+        if not self.context.prompt_tokens_details:
+            return None
+        cached = generation.cached_tokens
+        return cached[0] if cached else None
+
+    async def stream(self, generation: Generation) -> AsyncIterator[bytes]:
+        options = self.request.stream_options
+        include_usage = options is not None and bool(options.include_usage)
+        continuous = include_usage and options is not None and bool(options.continuous_usage_stats)
+        token_ids = bool(self.request.return_token_ids)
+        try:
+            deltas = generation.deltas()
+            async with contextlib.aclosing(deltas):
+                async for batch in deltas:
+                    for delta in batch:
+                        step = self._step(delta)
+                        if step is None:
+                            continue
+                        choice, text, ids, logprobs = step
+                        chunk = CompletionStreamResponse(
+                            id=self.request_id,
+                            created=self.created,
+                            model=self.model,
+                            choices=[
+                                CompletionResponseStreamChoice(
+                                    index=choice.index,
+                                    text=text,
+                                    logprobs=logprobs,
+                                    finish_reason=choice.finish_reason,
+                                    stop_reason=choice.stop_reason,
+                                    token_ids=ids if token_ids else None,
+                                )
+                            ],
+                        )
+                        if continuous:
+                            chunk.usage = continuous_usage(
+                                len(self.prompts[choice.prompt][1]), choice.tokens, chat=False
+                            )
+                        yield sse(ENCODE(chunk))
+                    if all(choice.done for choice in self.choices):
+                        break
+            if include_usage:
+                prompt_tokens, completion_tokens = self._counts()
+                final = final_stream_usage(
+                    prompt_tokens, completion_tokens, self._cached(generation)
+                )
+                yield sse(
+                    ENCODE(
+                        completion_usage_chunk(
+                            self.request_id, self.created, self.model, final, None
+                        )
+                    )
+                )
+        except ApiError as error:
+            yield error.stream_event(chat=False)
+        finally:
+            await generation.close()
+        yield SSE_DONE
+
+    async def collect(self, generation: Generation) -> HttpResponse:
+        logprobs: list[list[CompletionLogProbs]] = [[] for _ in self.choices]
+        try:
+            deltas = generation.deltas()
+            async with contextlib.aclosing(deltas):
+                async for batch in deltas:
+                    for delta in batch:
+                        step = self._step(delta)
+                        if step is None:
+                            continue
+                        choice, text, ids, chunk_logprobs = step
+                        choice.all_text.append(text)
+                        choice.all_ids.extend(ids)
+                        if chunk_logprobs is not None:
+                            logprobs[choice.index].append(chunk_logprobs)
+                    if all(choice.done for choice in self.choices):
+                        break
+        finally:
+            await generation.close()
+        prompt_tokens, completion_tokens = self._counts()
+        token_ids = bool(self.request.return_token_ids)
+        response = CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                CompletionResponseChoice(
+                    index=choice.index,
+                    text="".join(choice.all_text),
+                    logprobs=_joined(logprobs[choice.index])
+                    if sample_logprobs(self.request) is not None
+                    else None,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                    token_ids=choice.all_ids if token_ids else None,
+                )
+                for choice in self.choices
+            ],
+            usage=usage(prompt_tokens, completion_tokens, self._cached(generation)),
+        )
+        return HttpResponse(200, ENCODE(response))
+
+
+def _joined(parts: list[CompletionLogProbs]) -> CompletionLogProbs:
+    return CompletionLogProbs(
+        text_offset=[o for part in parts for o in part.text_offset],
+        token_logprobs=[lp for part in parts for lp in part.token_logprobs],
+        tokens=[t for part in parts for t in part.tokens],
+        top_logprobs=[t for part in parts for t in part.top_logprobs],
+    )
+
+
+def _prompt_list(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a request: one string or id list, or a list of either."""
+    prompt = request.prompt
+    if prompt is None:
+        return []
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(item, int) for item in prompt):
+        return [[item for item in prompt if isinstance(item, int)]]
+    return [item if isinstance(item, str) else list(item) for item in prompt]  # type: ignore[arg-type]
