@@ -289,13 +289,11 @@ def test_kv_events_config_maps_onto_the_kv_events_keys() -> None:
         ),
         (
             '{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}',
-            "error: --kv-events-config: Object contains unknown field "
-            "`endpont`\n",
+            "error: --kv-events-config: Object contains unknown field `endpont`\n",
         ),
         (
             '{"enable_kv_cache_events": true, "buffer_steps": "many"}',
-            "error: --kv-events-config: Expected `int`, got `str` - at "
-            "`$.buffer_steps`\n",
+            "error: --kv-events-config: Expected `int`, got `str` - at `$.buffer_steps`\n",
         ),
         ("not json", "error: --kv-events-config: JSON is malformed: "),
         (
@@ -321,6 +319,5 @@ def test_kv_events_config_and_its_own_flag_conflict() -> None:
     )
     assert result.exit_code == CONFIG_ERROR
     assert result.stderr == (
-        "error: --kv-events-config: also given by flag as kv_events_topic; "
-        "set each once\n"
+        "error: --kv-events-config: also given by flag as kv_events_topic; set each once\n"
     )

@@ -122,9 +122,7 @@ class BearerKeys:
         """Whether a request may proceed; `path` percent-decoded, without its query."""
         if not self._digests or method == "OPTIONS":
             return True
-        guarded = path.startswith(GUARDED_PREFIXES) or (
-            self.guard_metrics and path == "/metrics"
-        )
+        guarded = path.startswith(GUARDED_PREFIXES) or (self.guard_metrics and path == "/metrics")
         return not guarded or self._matches(authorization)
 
     def _matches(self, authorization: str) -> bool:

@@ -139,7 +139,7 @@ class ApiServers:
         """Return never while serving; raise ApiServerDied when a child ends unasked."""
         waits = [asyncio.ensure_future(child.wait()) for child in self._children]
         try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:
                 wait.cancel()
