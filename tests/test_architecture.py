@@ -43,7 +43,18 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "dynamo": frozenset({"engined", "neutral", "core", "wire", "config", "client", "tools"}),
     "openai": frozenset({"engined", "neutral", "core", "wire", "config", "client"}),
     "cli": frozenset(
-        {"engined", "neutral", "core", "wire", "config", "server", "client", "tools", "dynamo"}
+        {
+            "engined",
+            "neutral",
+            "core",
+            "wire",
+            "config",
+            "server",
+            "client",
+            "tools",
+            "dynamo",
+            "openai",
+        }
     ),
 }
 
