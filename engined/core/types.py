@@ -435,6 +435,20 @@ class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
     g3_active_blocks: int = 0
     g3_inactive_blocks: int = 0
     g3_total_blocks: int = 0
+    # Of `waiting`, those blocked on a KV load rather than on capacity: reserved destinations
+    # awaiting their transfer and requests parked on an onboard (vLLM's deferred waiting).
+    waiting_deferred: int = 0
+
+
+class KvBlockEviction(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """One sampled KV block's residency, reported when its slot was taken again (vLLM's
+    `KVCacheEvictionEvent` under `--kv-cache-metrics`), in core milliseconds: from its
+    allocation, from its last prefix hit (its allocation when none), and between its last
+    (up to four) prefix hits."""
+
+    lifetime_ms: float
+    idle_ms: float
+    reuse_gaps_ms: tuple[float, ...]
 
 
 class TierAdvance(msgspec.Struct, frozen=True):
@@ -485,6 +499,8 @@ class PassResult(msgspec.Struct, frozen=True):
     accept_length_decode_forwards: int = 0
     # Set only by an engine built with `record=True` (engined/core/pass_trace.py).
     trace: PassTrace | None = None
+    # Sampled blocks whose slots were reused since the last pass (`kv_cache_metrics` only).
+    kv_block_evictions: list[KvBlockEviction] = []
 
     def request_outputs(self) -> list[RequestOutput]:
         """Every request's output of this pass, `outputs` and `decodes` in emission order.

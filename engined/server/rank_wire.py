@@ -127,6 +127,7 @@ class Pass(msgspec.Struct, frozen=True, tag="pass", array_like=True, gc=False):
     accept_length_output_tokens: int
     accept_length_decode_forwards: int
     decodes: core.Decodes
+    kv_block_evictions: list[core.KvBlockEviction]
 
 
 class Outputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True, gc=False):
