@@ -133,6 +133,8 @@ class ControlServer:
         self._decoder = wire.ControlDecoder()
         self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
+        # Submits refused for a full queue (`max_queued_requests`): vLLM's admission rejections.
+        self.queue_refusals = 0
         # Shutdown (close_intake): every message but hello and ping is refused, and the
         # reader reads only what is queued.
         self._closing = False
@@ -374,6 +376,7 @@ class ControlServer:
             )
             return
         if self._max_queued and engine.num_waiting() + loop.queued >= self._max_queued:
+            self.queue_refusals += 1
             self._error(
                 identity,
                 msg.id,

@@ -169,7 +169,7 @@ class Daemon:
             # Bound first, so that /health answers 503 while the rest starts.
             self.metrics = VllmMetrics.from_config(cfg)
             info = BuildInfo(cfg.model_name, engined.__version__, running_core())
-            self.metrics.registry.register(info)
+            self.metrics.register(info)
             self.http = HttpServer(
                 self.metrics.registry,
                 health=self.health,
@@ -204,7 +204,7 @@ class Daemon:
         fpm_endpoints: list[str] = []
         fpm_sinks: list[WorkerIdSink] = []
         controls: list[ControlServer] = []
-        delivery = _LateDelivery(controls)
+        delivery = _LateDelivery(controls, self.metrics)
         if self.rank_processes:
             batch_bytes, hwms = await self._start_workers(delivery)
             for worker in self.workers:
@@ -296,6 +296,9 @@ class Daemon:
             unread_bytes=cfg.control_unread_bytes,
         )
         controls.append(self.control)
+        if self.metrics is not None:
+            control = self.control
+            self.metrics.watch_queue_refusals(lambda: control.queue_refusals)
         for kv in self._publishers:
             kv.start()
         self._tasks.append(asyncio.create_task(self.control.serve(), name="control"))
@@ -535,15 +538,19 @@ class Daemon:
 
 
 class _LateDelivery:
-    """Forwards to the control server, which is built after the loops it routes for."""
+    """Forwards to the control server, which is built after the loops it routes for; the
+    metrics read handoff events on the way (a destination's transferred prompt tokens)."""
 
-    def __init__(self, controls: list[ControlServer]) -> None:
+    def __init__(self, controls: list[ControlServer], metrics: VllmMetrics | None) -> None:
         self._controls = controls
+        self._metrics = metrics
 
     def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
         self._controls[0].deliver_outputs(rank, outputs, decodes)
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
+        if self._metrics is not None:
+            self._metrics.on_lifecycle(rank, events)
         self._controls[0].deliver_lifecycle(rank, events)
 
 
