@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from engined.core.kv_residency import KvBlockEviction
 from engined.core.pass_trace import PassTrace
 
 RequestId = str
@@ -438,17 +439,6 @@ class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
     # Of `waiting`, those blocked on a KV load rather than on capacity: reserved destinations
     # awaiting their transfer and requests parked on an onboard (vLLM's deferred waiting).
     waiting_deferred: int = 0
-
-
-class KvBlockEviction(msgspec.Struct, frozen=True, gc=False, array_like=True):
-    """One sampled KV block's residency, reported when its slot was taken again (vLLM's
-    `KVCacheEvictionEvent` under `--kv-cache-metrics`), in core milliseconds: from its
-    allocation, from its last prefix hit (its allocation when none), and between its last
-    (up to four) prefix hits."""
-
-    lifetime_ms: float
-    idle_ms: float
-    reuse_gaps_ms: tuple[float, ...]
 
 
 class TierAdvance(msgspec.Struct, frozen=True):

@@ -15,9 +15,10 @@ from engined.core.args import PerfModelKind, Semantics
 from engined.core.engine import Engine
 from engined.core.errors import InvalidArgsError
 from engined.core.kv_event_log import KvEventLog
+from engined.core.kv_residency import KvBlockEviction
 from engined.core.paged.block_pool import PagedBlockPool
 from engined.core.paged.residency import BlockResidency
-from engined.core.types import KvBlockEviction, Request, Submit
+from engined.core.types import Request, Submit
 from tests.core.factories import make_args
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from engined.core.types import KvBlockEviction
+from engined.core.kv_residency import KvBlockEviction
 
 # vLLM keeps a block's last four hits (`deque(maxlen=4)`): at most three gaps.
 HISTORY = 4
