@@ -61,6 +61,7 @@ from engined.wire import control as wire
 from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
+    from engined.server.exposition import Exposition, MetricsRequests
     from engined.server.http import HealthState, HttpServer
     from engined.server.metrics import VllmMetrics
     from engined.server.rank_proxy import RankProxy
@@ -134,6 +135,8 @@ class Daemon:
         self.started = False
         # Prometheus /metrics and /health (engined.server.http), when `http_port` is set.
         self.metrics: VllmMetrics | None = None
+        self.exposition: Exposition | None = None
+        self._metrics_requests: MetricsRequests | None = None
         self.http: HttpServer | None = None
         # What paced in-process ranks share: deadlines, garbage collection between passes.
         self.pacing: Pacing | None = None
@@ -163,6 +166,7 @@ class Daemon:
             # Imported here: prometheus_client adds ~20 ms to start-up, which a daemon without
             # metrics (the default) should not pay.
             from engined.server.build_info import BuildInfo
+            from engined.server.exposition import Exposition, MetricsRequests
             from engined.server.http import HttpServer
             from engined.server.metrics import VllmMetrics
 
@@ -170,10 +174,14 @@ class Daemon:
             self.metrics = VllmMetrics.from_config(cfg)
             info = BuildInfo(cfg.model_name, engined.__version__, running_core())
             self.metrics.register(info)
+            # One exposition for /metrics and the control protocol's `metrics` command.
+            self.exposition = Exposition(
+                self.metrics.registry, Refresh(self.loops), rendered=self.metrics
+            )
+            self._metrics_requests = MetricsRequests(self.exposition)
             self.http = HttpServer(
-                self.metrics.registry,
+                self.exposition,
                 health=self.health,
-                before_scrape=Refresh(self.loops),
                 api_keys=cfg.api_key or (),
                 guard_metrics=cfg.api_key_metrics,
             )
@@ -294,6 +302,7 @@ class Daemon:
             inflight_bytes=cfg.control_inflight_bytes,
             unread_messages=CONTROL_HWM,
             unread_bytes=cfg.control_unread_bytes,
+            metrics=self._metrics_requests,
         )
         controls.append(self.control)
         if self.metrics is not None:

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Final, TypeAlias
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from engined.core.args import WorkerType
 from engined.core.policy import context_length
 from engined.core.types import EngineMetrics, LifecycleEvent
 from engined.server import metrics_spec as spec
@@ -174,7 +173,7 @@ class VllmMetrics(Collector):
             block_size=engine.block_size,
             # A prefill worker's bursts are one token: it drafts nothing (as vLLM's prefill).
             spec_tokens=0 if engine.is_prefill else engine.aic_nextn or 0,
-            kv_fetch=engine.worker_type is WorkerType.DECODE,
+            kv_fetch=engine.is_decode,
             kv_residency=engine.kv_cache_metrics,
         )
 
