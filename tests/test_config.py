@@ -504,6 +504,8 @@ ISSUE_FLAGS = {
     "--scheduler-reserve-full-isl": "engine.scheduler_reserve_full_isl",
     "--async-scheduling": "engine.async_scheduling",
     "--prefix-caching-hash-algo": "engine.prefix_caching_hash_algo",
+    "--kv-cache-metrics": "engine.kv_cache_metrics",
+    "--kv-cache-metrics-sample": "engine.kv_cache_metrics_sample",
     "--decode-speedup-ratio": "engine.decode_speedup_ratio",
     "--kv-transfer-timing-mode": "engine.kv_transfer_timing_mode",
     "--max-model-len": "engine.max_model_len",
@@ -611,7 +613,9 @@ def test_switches_and_metavars() -> None:
         "--scheduler-reserve-full-isl",
         "--async-scheduling",
         "--enable-prompt-tokens-details",
+        "--kv-cache-metrics",
     }
+    assert by_name["--kv-cache-metrics-sample"].metavar == "FLOAT"
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"
     assert by_name["--async-scheduling"].negation == "--no-async-scheduling"
     assert by_name["--enable-prefix-caching"].negation == "--no-enable-prefix-caching"

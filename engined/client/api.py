@@ -25,6 +25,8 @@ from engined.wire.control import (
     FinishReason,
     Hello,
     Load,
+    Metrics,
+    MetricsReply,
     Noop,
     OutputEntry,
     Ping,
@@ -334,6 +336,13 @@ class EngineClient(Connection):
 
     async def stats(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> StatsReply:
         return await self._call(Stats(id=self._next_id()), StatsReply, timeout)
+
+    async def metrics(
+        self, accept: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> MetricsReply:
+        """The daemon's Prometheus exposition, as its `/metrics` serves it to a scraper that
+        sent `accept` as its Accept header (None: the text format)."""
+        return await self._call(Metrics(accept=accept, id=self._next_id()), MetricsReply, timeout)
 
     async def ping(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> Pong:
         return await self._call(Ping(id=self._next_id()), Pong, timeout)

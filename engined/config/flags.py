@@ -89,6 +89,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--scheduler-reserve-full-isl", "engine.scheduler_reserve_full_isl"),
     Flag("--async-scheduling", "engine.async_scheduling"),
     Flag("--prefix-caching-hash-algo", "engine.prefix_caching_hash_algo"),
+    Flag("--kv-cache-metrics", "engine.kv_cache_metrics"),
+    Flag("--kv-cache-metrics-sample", "engine.kv_cache_metrics_sample"),
     Flag("--perf-model", "engine.perf_model"),
     Flag("--fixed-prefill-ms-per-token", "engine.fixed_prefill_ms_per_token"),
     Flag("--fixed-pass-overhead-ms", "engine.fixed_pass_overhead_ms"),

@@ -48,6 +48,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.paged.async_batches",
     "engined.core.paged.block_pool",
     "engined.core.paged.kv_cache_manager",
+    "engined.core.paged.residency",
     "engined.core.paged.scheduler",
     "engined.core.offload.g1_glue",
     "engined.core.offload.lanes",

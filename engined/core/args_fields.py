@@ -272,6 +272,20 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "mocker 1.3.0 (also implied by prefix_hit_rule = mocker-1.3.0)."
         ),
     ] = Semantics.VLLM
+    kv_cache_metrics: Annotated[
+        bool,
+        Meta(
+            description="vLLM semantics: vLLM's --kv-cache-metrics, KV block residency "
+            "histograms (lifetime, idle time before eviction, reuse gaps) on /metrics."
+        ),
+    ] = False
+    kv_cache_metrics_sample: Annotated[
+        float,
+        Meta(
+            description="vLLM's --kv-cache-metrics-sample: the fraction of allocated blocks "
+            "kv_cache_metrics follows, in (0, 1]."
+        ),
+    ] = 0.01
     prefix_caching_hash_algo: Annotated[
         HashAlgo,
         Meta(

@@ -221,6 +221,10 @@ def schema_problem(args: EngineFields) -> tuple[str, str] | None:
         )
     if args.aic_nextn is None and args.aic_nextn_accept_rates is not None:
         return "aic_nextn_accept_rates", "aic_nextn_accept_rates requires aic_nextn"
+    if not 0.0 < args.kv_cache_metrics_sample <= 1.0:
+        return "kv_cache_metrics_sample", (
+            f"kv_cache_metrics_sample must be in (0, 1], got {_fmt(args.kv_cache_metrics_sample)}"
+        )
     # NOTE: upstream checks the trtllm table whatever the engine_type; so do we.
     policy = args.trtllm.capacity_scheduler_policy if args.trtllm is not None else None
     if policy is not None and policy != "guaranteed_no_evict":

@@ -26,6 +26,7 @@ from engined.core.offload.parking import OnboardParking
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.paged.async_batches import AsyncBatches
 from engined.core.paged.kv_cache_manager import PagedKvManager
+from engined.core.paged.residency import BlockResidency
 from engined.core.paged.scheduler import PagedScheduler
 from engined.core.perf_model import make_perf_model
 from engined.core.policy import AdmissionPolicy, TrtllmNoEvictPolicy
@@ -75,6 +76,7 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
     for key, value, on in (
         ("scheduling_policy", "=priority", args.scheduling_policy is SchedulingPolicy.PRIORITY),
         ("async_scheduling", "", args.async_scheduling),
+        ("kv_cache_metrics", "", args.kv_cache_metrics),
     ):
         if on:
             raise InvalidArgsError(
@@ -114,6 +116,10 @@ def assemble(
             caching=args.enable_prefix_caching,
             max_model_len=args.max_model_len,
             hasher=BlockHasher(algo, none_hash(algo, python_hash_seed)),
+            # vLLM's collector only sees evictions with caching on (`get_new_blocks`).
+            residency=BlockResidency(args.kv_cache_metrics_sample, args.seed * 1_000_003 + dp_rank)
+            if args.kv_cache_metrics and args.enable_prefix_caching
+            else None,
         )
     else:
         kv = KvManager(

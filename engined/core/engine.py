@@ -69,6 +69,7 @@ class Engine:
         "_parking",
         "_parts",
         "_queued",
+        "_residency",
         "_scheduler",
         "_state",
         "args",
@@ -121,6 +122,7 @@ class Engine:
             python_hash_seed=python_hash_seed,
         )
         self.paged = isinstance(parts.kv, PagedKvManager)
+        self._residency = parts.kv.pool.residency if isinstance(parts.kv, PagedKvManager) else None
         self.usable_blocks = parts.kv.usable_blocks
         self._state = parts.state
         self._kv = parts.kv
@@ -142,6 +144,8 @@ class Engine:
 
     def apply(self, command: Command, *, now_ms: float) -> CommandEffects:
         """Apply one command at `now_ms`; raises its `CoreError` having changed nothing."""
+        if self._residency is not None:
+            self._residency.now_ms = now_ms
         outcome = self._commands.apply(command, now_ms)
         kv_events = self._kv.take_events()
         progressed = outcome.result is not NOOP or bool(outcome.lifecycle_events or kv_events)
@@ -157,6 +161,9 @@ class Engine:
         destination. The result's `end_ms` is the step's modeled end (`now_ms` when it did
         nothing that takes time, or the next tier deadline when it could only wait)."""
         before = self.metrics()
+        residency = self._residency
+        if residency is not None:
+            residency.now_ms = now_ms
         ctx = PassContext(now_ms, self._scheduler.max_batched_tokens, self._parts.preempter.victims)
         tiers = self._kv.offload
         if tiers is not None:
@@ -225,6 +232,7 @@ class Engine:
             ctx.output_tokens,
             ctx.decode_forwards,
             ctx.trace(),
+            residency.take() if residency is not None else [],
         )
 
     # --- offload tiers ------------------------------------------------------------------
@@ -271,6 +279,7 @@ class Engine:
         state = self._state
         active = kv.num_active_blocks()
         waiting = self.num_waiting()
+        deferred = len(self._book.held) + len(self._parking)
         num_blocks = self.num_blocks
         tiers = kv.offload
         if tiers is None:
@@ -285,6 +294,7 @@ class Engine:
                 len(state.running_members),
                 waiting,
                 state.preemptions_total,
+                waiting_deferred=deferred,
             )
         g2 = tiers.engine.g2.pool
         g3 = tiers.engine.g3.pool if tiers.engine.g3 is not None else None
@@ -303,6 +313,7 @@ class Engine:
             g3.num_active if g3 is not None else 0,
             g3.num_inactive if g3 is not None else 0,
             g3.num_blocks if g3 is not None else 0,
+            deferred,
         )
 
     # --- inspection ---------------------------------------------------------------------

@@ -19,7 +19,13 @@ from typing import NamedTuple
 
 import msgspec
 
+from engined.core.kv_residency import KvBlockEviction
 from engined.core.pass_trace import PassTrace
+
+# NOTE: re-exported: the transfer timing model is part of the lifecycle events below.
+from engined.core.transfer_timing import KvTransferTimingMode as KvTransferTimingMode
+from engined.core.transfer_timing import TransferTiming
+from engined.core.transfer_timing import kv_transfer_ms as kv_transfer_ms
 
 RequestId = str
 HandoffId = str
@@ -206,49 +212,6 @@ NOOP = Noop()
 
 
 # --- lifecycle events -----------------------------------------------------------------------
-
-
-class KvTransferTimingMode(enum.StrEnum):
-    FULL_PROMPT = "full_prompt"
-    DESTINATION_MISSING = "destination_missing"
-
-
-class TransferTiming(msgspec.Struct, frozen=True):
-    """What a coordinator needs to model the KV transfer of a held source."""
-
-    mode: KvTransferTimingMode
-    full_prompt_tokens: int
-    kv_bytes_per_token: int | None
-    bandwidth_gb_s: float | None
-
-    def delay_ms(self, destination_missing_tokens: int) -> float | None:
-        """Transfer time for the tokens the mode says must move, or None when unmodelled.
-
-        Upstream's `HandoffTransferTiming::delay_ms`: `full_prompt` moves the whole prompt,
-        `destination_missing` the tokens the destination lacks (its reservation's
-        `transferable_prompt_tokens`). The coordinator of a handoff calls it once it has
-        both the source's `SourceHeld` and the destination's `DestinationReserved`.
-        """
-        tokens = (
-            self.full_prompt_tokens
-            if self.mode is KvTransferTimingMode.FULL_PROMPT
-            else destination_missing_tokens
-        )
-        return kv_transfer_ms(tokens, self.kv_bytes_per_token, self.bandwidth_gb_s)
-
-
-def kv_transfer_ms(
-    tokens: int, kv_bytes_per_token: int | None, bandwidth_gb_s: float | None
-) -> float | None:
-    """The modeled time to move `tokens` of KV, or None when the transfer is unmodelled.
-
-    The one formula of every KV transfer delay (upstream `compute_kv_transfer_delay`):
-    `tokens * bytes_per_token / (GB/s * 1e9)`, in ms; None without `kv_bytes_per_token` or
-    with a bandwidth unset or <= 0.
-    """
-    if kv_bytes_per_token is None or not bandwidth_gb_s or bandwidth_gb_s <= 0:
-        return None
-    return tokens * kv_bytes_per_token / (bandwidth_gb_s * 1e9) * 1000.0
 
 
 class SourceHeld(msgspec.Struct, frozen=True, tag="source_held", tag_field="kind"):
@@ -442,6 +405,9 @@ class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
     g3_active_blocks: int = 0
     g3_inactive_blocks: int = 0
     g3_total_blocks: int = 0
+    # Of `waiting`, those blocked on a KV load rather than on capacity: reserved destinations
+    # awaiting their transfer and requests parked on an onboard (vLLM's deferred waiting).
+    waiting_deferred: int = 0
 
 
 class TierAdvance(msgspec.Struct, frozen=True):
@@ -492,6 +458,8 @@ class PassResult(msgspec.Struct, frozen=True):
     accept_length_decode_forwards: int = 0
     # Set only by an engine built with `record=True` (engined/core/pass_trace.py).
     trace: PassTrace | None = None
+    # Sampled blocks whose slots were reused since the last pass (`kv_cache_metrics` only).
+    kv_block_evictions: list[KvBlockEviction] = []
 
     def request_outputs(self) -> list[RequestOutput]:
         """Every request's output of this pass, `outputs` and `decodes` in emission order.

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq
@@ -41,6 +42,9 @@ from engined.wire import control as wire
 from engined.wire.convert import route_outputs, to_core_command, to_wire_lifecycle
 from engined.wire.errors import WireError, bound_message
 
+if TYPE_CHECKING:
+    from engined.server.exposition import MetricsRequests
+
 log = structlog.get_logger(__name__)
 
 # A turn of ControlServer.serve: the most messages it reads, and the most time it spends
@@ -54,6 +58,7 @@ CLOSE_QUIET_S = 0.05
 CLOSE_READ_MESSAGES = 100_000
 CLOSE_READ_S = 1.0
 SHUTTING_DOWN = "the daemon is shutting down"
+NO_METRICS = "this daemon keeps no metrics: they are collected with http_port or api_port set"
 
 
 def is_operator(frame: zmq.Frame) -> bool:
@@ -98,11 +103,13 @@ class ControlServer:
         inflight_bytes: int = CONTROL_INFLIGHT_BYTES,
         unread_messages: int | None = None,
         unread_bytes: int = CONTROL_UNREAD_BYTES,
+        metrics: MetricsRequests | None = None,
     ) -> None:
         """`deadlines` (on `clock`, the ranks' clock) are those of paced ranks in this
         event loop: a reading turn ends early once one of them is due. `inflight_bytes` is
         what one client's requests in flight may be charged (`engined.server.budgets`);
-        `unread_messages` and `unread_bytes` what it may leave unread (`ClientTable`)."""
+        `unread_messages` and `unread_bytes` what it may leave unread (`ClientTable`).
+        `metrics` answers `metrics` (None: the daemon keeps no metrics)."""
         self._sock = sock
         self._deadlines = deadlines
         self._clock = clock
@@ -133,6 +140,8 @@ class ControlServer:
         self._decoder = wire.ControlDecoder()
         self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
+        # Submits refused for a full queue (`max_queued_requests`): vLLM's admission rejections.
+        self.queue_refusals = 0
         # Shutdown (close_intake): every message but hello and ping is refused, and the
         # reader reads only what is queued.
         self._closing = False
@@ -143,6 +152,7 @@ class ControlServer:
         self._retry: asyncio.Task[None] | None = None
         self._receiving: Awaitable[list[zmq.Frame]] | None = None
         self._reports = Reports(loops)
+        self._metrics = metrics
         self._tasks: set[asyncio.Task[None]] = set()
         # Set when a handler fails unexpectedly: a bug, which must end the daemon non-zero.
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -310,6 +320,8 @@ class ControlServer:
             case wire.WatchLoad():
                 self._reply(identity, wire.Applied(id=msg.id))
                 self._load.watch(identity)
+            case wire.Metrics():
+                self._metrics_request(identity, msg)
 
     def _command(self, identity: bytes, coro: Coroutine[object, object, None]) -> None:
         """Run a handler that awaits a rank; the client's state is kept until it replies."""
@@ -374,6 +386,7 @@ class ControlServer:
             )
             return
         if self._max_queued and engine.num_waiting() + loop.queued >= self._max_queued:
+            self.queue_refusals += 1
             self._error(
                 identity,
                 msg.id,
@@ -522,6 +535,17 @@ class ControlServer:
             )
         else:
             self._reply(identity, wire.Applied(id=msg.id))
+
+    def _metrics_request(self, identity: bytes, msg: wire.Metrics) -> None:
+        requests = self._metrics
+        if requests is None:
+            self._error(identity, msg.id, "unsupported", NO_METRICS)
+            return
+        refusal = requests.admit(identity)
+        if refusal is not None:
+            self._error(identity, msg.id, "overloaded", refusal)
+            return
+        self._command(identity, self._answer(identity, requests.answer(msg, identity)))
 
     async def _answer(
         self, identity: bytes, reply: Coroutine[object, object, wire.DaemonMessage]

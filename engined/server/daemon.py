@@ -62,6 +62,7 @@ from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
     from engined.server.api_servers import ApiServers
+    from engined.server.exposition import Exposition, MetricsRequests
     from engined.server.http import HealthState, HttpServer
     from engined.server.metrics import VllmMetrics
     from engined.server.rank_proxy import RankProxy
@@ -135,6 +136,8 @@ class Daemon:
         self.started = False
         # Prometheus /metrics and /health (engined.server.http), when `http_port` is set.
         self.metrics: VllmMetrics | None = None
+        self.exposition: Exposition | None = None
+        self._metrics_requests: MetricsRequests | None = None
         self.http: HttpServer | None = None
         # The OpenAI API server processes (engined.server.api_servers), unless api_port is "".
         self.api: ApiServers | None = None
@@ -162,21 +165,28 @@ class Daemon:
         if cfg.realtime_priority:
             # First: every thread and process started from here on inherits it.
             enter_realtime(cfg.realtime_priority)
-        if cfg.http_port is not None:
+        if cfg.http_port is not None or cfg.api_port is not None:
             # Imported here: prometheus_client adds ~20 ms to start-up, which a daemon without
-            # metrics (the default) should not pay.
+            # metrics (no /metrics, no API server) should not pay.
             from engined.server.build_info import BuildInfo
+            from engined.server.exposition import Exposition, MetricsRequests
             from engined.server.http import HttpServer
             from engined.server.metrics import VllmMetrics
 
             # Bound first, so that /health answers 503 while the rest starts.
             self.metrics = VllmMetrics.from_config(cfg)
             info = BuildInfo(cfg.model_name, engined.__version__, running_core())
-            self.metrics.registry.register(info)
+            self.metrics.register(info)
+            # One exposition for /metrics and the control protocol's `metrics` command.
+            self.exposition = Exposition(
+                self.metrics.registry, Refresh(self.loops), rendered=self.metrics
+            )
+            self._metrics_requests = MetricsRequests(self.exposition)
+        if cfg.http_port is not None:
+            assert self.exposition is not None
             self.http = HttpServer(
-                self.metrics.registry,
+                self.exposition,
                 health=self.health,
-                before_scrape=Refresh(self.loops),
                 api_keys=cfg.api_key or (),
                 guard_metrics=cfg.api_key_metrics,
             )
@@ -207,7 +217,7 @@ class Daemon:
         fpm_endpoints: list[str] = []
         fpm_sinks: list[WorkerIdSink] = []
         controls: list[ControlServer] = []
-        delivery = _LateDelivery(controls)
+        delivery = _LateDelivery(controls, self.metrics)
         if self.rank_processes:
             batch_bytes, hwms = await self._start_workers(delivery)
             for worker in self.workers:
@@ -297,8 +307,12 @@ class Daemon:
             inflight_bytes=cfg.control_inflight_bytes,
             unread_messages=CONTROL_HWM,
             unread_bytes=cfg.control_unread_bytes,
+            metrics=self._metrics_requests,
         )
         controls.append(self.control)
+        if self.metrics is not None:
+            control = self.control
+            self.metrics.watch_queue_refusals(lambda: control.queue_refusals)
         for kv in self._publishers:
             kv.start()
         self._tasks.append(asyncio.create_task(self.control.serve(), name="control"))
@@ -550,15 +564,19 @@ class Daemon:
 
 
 class _LateDelivery:
-    """Forwards to the control server, which is built after the loops it routes for."""
+    """Forwards to the control server, which is built after the loops it routes for; the
+    metrics read handoff events on the way (a destination's transferred prompt tokens)."""
 
-    def __init__(self, controls: list[ControlServer]) -> None:
+    def __init__(self, controls: list[ControlServer], metrics: VllmMetrics | None) -> None:
         self._controls = controls
+        self._metrics = metrics
 
     def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
         self._controls[0].deliver_outputs(rank, outputs, decodes)
 
     def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
+        if self._metrics is not None:
+            self._metrics.on_lifecycle(rank, events)
         self._controls[0].deliver_lifecycle(rank, events)
 
 

@@ -7,8 +7,9 @@ and two GET routes do not justify a dependency. A scrape renders synchronously o
 response) awaits, so a slow or hostile client never stalls an engine pass.
 
 Ranks in worker processes keep some figures in their own process (the replay and overflow
-counters); `before_scrape` fetches them first, bounded by `SCRAPE_REFRESH_S` so that a worker
-that does not answer delays a scrape but never fails it.
+counters); the exposition (engined.server.exposition, shared with the control protocol's
+`metrics` command) fetches them first, within a bound, so that a worker that does not answer
+delays a scrape but never fails it.
 
 One request per connection (`Connection: close`), which Prometheus and every probe handle.
 Anything that is not a well-formed request gets a 400 (or 431 for oversized headers, 408 when
@@ -32,10 +33,10 @@ from typing import Literal
 from urllib.parse import unquote
 
 import structlog
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from engined.config.api_keys import BearerKeys
+from engined.server.exposition import Exposition
 
 log = structlog.get_logger(__name__)
 
@@ -45,8 +46,6 @@ HealthState = Literal["starting", "serving", "draining"]
 MAX_HEAD_BYTES = 16 * 1024
 # A client gets this long to send its request and to take the response.
 IO_TIMEOUT_S = 10.0
-# A scrape waits this long for `before_scrape`, then renders what the daemon has.
-SCRAPE_REFRESH_S = 1.0
 
 
 _REASONS = {
@@ -82,24 +81,27 @@ class HttpServer:
     """`GET /metrics` renders `registry`; `GET /health` answers 200 only while serving.
 
     Args:
-        registry: what `/metrics` exposes (the daemon's dedicated CollectorRegistry).
+        registry: what `/metrics` exposes: the daemon's `Exposition`, or a registry (the
+            daemon's dedicated CollectorRegistry) to expose after `before_scrape`.
         health: the daemon's state; "serving" is 200, "starting" and "draining" are 503 so
             routers stop sending before the daemon refuses requests.
-        before_scrape: awaited before `/metrics` renders (up to `SCRAPE_REFRESH_S`).
+        before_scrape: with a registry, awaited before `/metrics` renders (within a bound).
         api_keys: the bearer keys a guarded path needs one of; none guards nothing.
         guard_metrics: `/metrics` needs a key too.
     """
 
     def __init__(
         self,
-        registry: Collector,
+        registry: Exposition | Collector,
         *,
         health: Callable[[], HealthState],
         before_scrape: Callable[[], Awaitable[None]] | None = None,
         api_keys: Sequence[str] = (),
         guard_metrics: bool = False,
     ) -> None:
-        self._registry = registry
+        self._exposition = (
+            registry if isinstance(registry, Exposition) else Exposition(registry, before_scrape)
+        )
         self._health = health
         self._before_scrape = before_scrape
         self._keys = BearerKeys(tuple(api_keys), guard_metrics=guard_metrics)
@@ -167,7 +169,7 @@ class HttpServer:
                 status, content_type, body, extra = _UNAUTHORIZED
             else:
                 if path == "/metrics" and method in ("GET", "HEAD"):
-                    await self._refresh()
+                    await self._exposition.refresh()
                 status, content_type, body, extra = self._route(method, path, headers)
         except _BadRequest as exc:
             status, content_type, body, extra = exc.status, _TEXT, f"{exc}\n".encode(), {}
@@ -185,21 +187,6 @@ class HttpServer:
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         writer.write(head if head_only else head + body)
         await asyncio.wait_for(writer.drain(), IO_TIMEOUT_S)
-
-    async def _refresh(self) -> None:
-        if self._before_scrape is None:
-            return
-        try:
-            await asyncio.wait_for(self._before_scrape(), SCRAPE_REFRESH_S)
-        except TimeoutError:
-            self._stale_scrapes += 1
-            # NOTE: one line per power of two, so that a flood of scrapes cannot flood the log.
-            if self._stale_scrapes & (self._stale_scrapes - 1) == 0:
-                log.warning(
-                    "metrics scraped without fresh worker figures",
-                    waited_s=SCRAPE_REFRESH_S,
-                    total=self._stale_scrapes,
-                )
 
     @staticmethod
     async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
@@ -250,7 +237,5 @@ class HttpServer:
             if state == "serving":
                 return 200, _TEXT, b"ok\n", {}
             return 503, _TEXT, f"{state}\n".encode(), {}
-        # As prometheus_client's own handlers (and so vLLM's /metrics) do: the text format by
-        # default, OpenMetrics when the scraper's Accept header asks for it.
-        encoder, content_type = choose_encoder(headers.get("accept", ""))
-        return 200, content_type, encoder(self._registry), {}
+        content_type, body = self._exposition.render(headers.get("accept", ""))
+        return 200, content_type, body, {}

@@ -1,69 +1,57 @@
 """Prometheus metrics under vLLM's names: dashboards and routers built for vLLM read us unchanged.
 
 Every series carries the labels vLLM gives it: `model_name` (the served model name) and `engine`
-(the data-parallel rank, as vLLM labels its engine cores), plus `finished_reason` on
-`vllm:request_success_total`. Names, label names, help texts and histogram buckets follow
-vLLM's `vllm/v1/metrics/loggers.py` (`PrometheusStatLogger`).
+(the data-parallel rank, as vLLM labels its engine cores), plus each family's own
+(`finished_reason`, `source`, `reason`, ...). Names, label names, help texts and buckets are
+vLLM 0.33's `PrometheusStatLogger` (engined.server.metrics_spec), for every family that means
+something for a simulated engine; README.md's metrics section lists which and why.
 
 Cost is the design constraint: a daemon at speedup 0 emits ~300k tokens/s, so nothing here runs
-per token in Python. Each rank's `RankMetrics` is fed once per engine pass (an `EngineLoop` pass
-observer) and once per command (a command observer, for arrival times and cancels):
+per token in Python. Each rank's `RankMetrics` (engined.server.metrics_rank) is fed once per
+engine pass (an `EngineLoop` pass observer), once per command (a command observer, for arrival
+times, cancels and handoff commands) and once per handoff event (`on_lifecycle`, which the
+daemon calls for every rank's events):
 
 * counters are plain ints bumped by per-pass totals (`PassResult.accept_length_output_tokens`,
-  `prefix_cache_queries/hits`);
+  `prefix_cache_queries/hits`, MTP's decode forwards);
 * inter-token latency: a request that emitted in the previous emitting pass and emits again
   has waited exactly `end_ms - previous end_ms`, the same value for all of them, so the whole
-  cohort is one `add(value, count)`. Membership is found with C-level set operations; only
-  requests new to the cohort (first token, resumed after preemption) get Python-level work;
+  cohort is one `add(value, count)`;
 * histograms are bucket counts in plain lists (`LatencyHistogram`), because prometheus_client's
   `Histogram` has no observe-with-count. The collector turns them into `HistogramMetricFamily`
-  at scrape time;
+  at scrape time, with the `le` spellings and label values computed once;
 * gauges and `vllm:num_preemptions_total` are read from the engines' `metrics()` at scrape
   time, so scraping adds no work to passes;
 * a request's record ends when a result says it ended: `PassResult.ended` (finished,
   rejected) or `CommandEffects.ended` (cancelled by any path, since every path that ends a
-  request early is a command the loop applies and observes).
+  request early is a command the loop applies and observes). Its per-request histograms are
+  recorded then.
 
 Latencies are modeled time. The core's millisecond clock is modeled time at speedup 0
 (virtual clock); at speedup ratio r > 0 the core's times are wall time (modeled durations
 divided by r), so they are multiplied back by r: the histograms show what the modeled engine
 would have shown, whatever the pacing.
-
-Like vLLM's `IterationStats` / `FinishedRequestStats`: TTFT is arrival to first token, ITL one
-sample per request per step that emitted tokens (an MTP burst is one step, so one sample, as in
-vLLM with speculative decoding), prompt tokens are counted when the first token is emitted,
-and queue time (arrival to first scheduling), e2e latency (arrival to finish) and
-`request_success_total` are recorded when the request finishes. Arrival is when the rank
-received the request.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import accumulate
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Final, TypeAlias
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
-from prometheus_client.utils import floatToGoString
 
-from engined.core.types import (
-    Command,
-    CommandEffects,
-    DestinationAccepted,
-    EngineMetrics,
-    FinishReason,
-    PassResult,
-    ReserveDestination,
-    Submit,
-    SubmitHandoffPrefill,
-    Submitted,
+from engined.core.policy import context_length
+from engined.core.types import EngineMetrics, LifecycleEvent
+from engined.server import metrics_spec as spec
+from engined.server.metrics_rank import RankMetrics
+from engined.server.metrics_render import HistogramRows, Row, Rows, TextRenderer, to_metric
+from engined.server.metrics_spec import (
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    Family,
+    LatencyHistogram,
 )
 from engined.server.publisher_metrics import PublisherMetrics, WatchedPublisher
 
@@ -71,223 +59,16 @@ if TYPE_CHECKING:
     from engined.config import DaemonConfig
     from engined.server.rank_handle import RankHandle
 
-# Bucket boundaries (seconds) of vLLM's PrometheusStatLogger, vllm/v1/metrics/loggers.py:
-# `vllm:time_to_first_token_seconds` (22 boundaries),
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-# `vllm:inter_token_latency_seconds` (the buckets of `time_per_output_token_seconds`, 19),
-ITL_BUCKETS: tuple[float, ...] = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-# and `request_latency_buckets`, shared by `vllm:e2e_request_latency_seconds` and
-# `vllm:request_queue_time_seconds` (21).
-REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-
-# vLLM's v1 `FinishReason` values, each exposed from the start (at 0) as vLLM pre-creates them.
-# Ours map onto them: "stop" and "length" are themselves; "rejected" and "cancelled" are
-# vLLM's "abort".
-FINISHED_REASONS: tuple[str, ...] = ("stop", "length", "abort")
-
-LABELS: tuple[str, str] = ("model_name", "engine")
-
-# How prometheus_client's own Histogram spells `le` ("0.001", "1.0"); typed here, untyped there.
-_go_float: Callable[[float], str] = floatToGoString
-
-
-class LatencyHistogram:
-    """A Prometheus histogram as plain bucket counts, filled with `add(value, count)`.
-
-    Exists because `prometheus_client.Histogram.observe` takes one sample per call (under a
-    lock), and a pass wants to add "N requests waited X seconds" in one step.
-    """
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Iterable[float]) -> None:
-        self.bounds: tuple[float, ...] = tuple(bounds)
-        # counts[i]: samples in (bounds[i-1], bounds[i]]; the last slot is (bounds[-1], +Inf).
-        self.counts: list[int] = [0] * (len(self.bounds) + 1)
-        self.count = 0
-        self.sum = 0.0
-
-    def add(self, value: float, count: int = 1) -> None:
-        """Record `count` samples equal to `value` (le semantics: value <= bound)."""
-        self.counts[bisect_left(self.bounds, value)] += count
-        self.count += count
-        self.sum += value * count
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """Buckets as the exposition wants them: (le, cumulative count), ending with +Inf."""
-        les = [_go_float(b) for b in self.bounds] + ["+Inf"]
-        return list(zip(les, map(float, accumulate(self.counts)), strict=True))
-
-
-class _Request:
-    """What latencies need of one live request; times are core milliseconds."""
-
-    __slots__ = ("admitted_ms", "arrival_ms", "first_ms", "last_ms", "prompt_len")
-
-    def __init__(self, arrival_ms: float, prompt_len: int) -> None:
-        self.arrival_ms = arrival_ms
-        self.prompt_len = prompt_len
-        self.admitted_ms: float | None = None
-        self.first_ms: float | None = None
-        # End of the pass of its latest token; only kept up to date once the request leaves
-        # the emitting cohort (while in it, its latest token is at the cohort's end).
-        self.last_ms = 0.0
-
-
-class RankMetrics:
-    """Tallies of one rank, fed by its EngineLoop's observers, read by the collector.
-
-    Args:
-        rank: the data-parallel rank (the `engine` label).
-        gauges: the rank's engine gauges now (`Engine.metrics`), read at scrape time.
-        now_ms: the rank's clock (`EngineLoop.now_ms`), for requests a command ended.
-        seconds_per_ms: modeled seconds per core millisecond (`modeled_seconds_per_ms`).
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        *,
-        gauges: Callable[[], EngineMetrics],
-        now_ms: Callable[[], float],
-        seconds_per_ms: float,
-    ) -> None:
-        self.rank = rank
-        self.gauges = gauges
-        self._now_ms = now_ms
-        self._scale = seconds_per_ms
-        self.requests: dict[str, _Request] = {}
-        # Requests that emitted a token in the latest pass that emitted any, and its end;
-        # a request leaves it when it finishes (so a reused id starts afresh).
-        self._cohort: set[str] = set()
-        self._cohort_end_ms = 0.0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.finished: dict[str, int] = dict.fromkeys(FINISHED_REASONS, 0)
-        self.ttft = LatencyHistogram(TTFT_BUCKETS)
-        self.itl = LatencyHistogram(ITL_BUCKETS)
-        self.e2e = LatencyHistogram(REQUEST_LATENCY_BUCKETS)
-        self.queue = LatencyHistogram(REQUEST_LATENCY_BUCKETS)
-
-    # --- observers ----------------------------------------------------------------------
-
-    def on_command(
-        self, rank: int, arrival_ms: float, command: Command, effects: CommandEffects
-    ) -> None:
-        """A command was applied: a new request starts its clock; a dropped one ends."""
-        result = effects.result
-        if isinstance(result, Submitted | DestinationAccepted) and isinstance(
-            command, Submit | SubmitHandoffPrefill | ReserveDestination
-        ):
-            self.requests[result.request_id] = _Request(arrival_ms, len(command.request.token_ids))
-        if effects.ended:
-            now_ms = self._now_ms()
-            for ended in effects.ended:
-                self._finish(ended.request_id, now_ms, "abort")
-
-    def on_pass(self, rank: int, now_ms: float, result: PassResult) -> None:
-        """Fold one pass in: per-pass totals, and per-request work only where it is unavoidable."""
-        self.generation_tokens += result.accept_length_output_tokens
-        self.prefix_cache_queries += result.prefix_cache_queries
-        self.prefix_cache_hits += result.prefix_cache_hits
-        requests = self.requests
-        for admission in result.admissions:
-            record = requests.get(admission.request_id)
-            if record is not None and record.admitted_ms is None:
-                record.admitted_ms = now_ms  # vLLM's scheduled_ts: the step that scheduled it
-        end_ms = result.end_ms
-        outputs = result.outputs
-        decoded = result.decodes.request_ids
-        if outputs or decoded:
-            # NOTE: a comprehension, not map(attrgetter): twice as fast on 3.11 for msgspec
-            # Structs (specialised attribute loads). A token-less output (rejected, or
-            # max_tokens 0) has no latency.
-            emitters = {out.request_id for out in outputs if out.new_token_ids}
-            emitters.update(decoded)
-            if emitters:
-                self._emitted(emitters, end_ms)
-        for ended in result.ended:
-            request_id = ended.request_id
-            reason = ended.reason
-            finished = reason is FinishReason.LENGTH or reason is FinishReason.STOP
-            record = requests.get(request_id)
-            if record is not None and record.first_ms is None and finished:
-                self.prompt_tokens += record.prompt_len  # prefilled, finished tokenless
-            self._finish(request_id, end_ms, reason.value if finished else "abort")
-
-    def _emitted(self, emitters: set[str], end_ms: float) -> None:
-        """Latencies of the requests that emitted tokens in a pass ending at `end_ms`."""
-        scale = self._scale
-        cohort = self._cohort
-        previous_end = self._cohort_end_ms
-        joined = emitters - cohort if cohort else emitters
-        continuing = len(emitters) - len(joined)
-        if continuing:
-            self.itl.add((end_ms - previous_end) * scale, continuing)
-        requests = self.requests
-        if continuing < len(cohort):
-            # Someone paused (preempted, or out of budget): remember when it last emitted.
-            for request_id in cohort - emitters:
-                record = requests.get(request_id)
-                if record is not None:
-                    record.last_ms = previous_end
-        for request_id in joined:
-            record = requests.get(request_id)
-            if record is None:
-                continue
-            if record.first_ms is None:
-                record.first_ms = end_ms
-                self.ttft.add((end_ms - record.arrival_ms) * scale)
-                self.prompt_tokens += record.prompt_len
-            else:
-                self.itl.add((end_ms - record.last_ms) * scale)
-        self._cohort = emitters
-        self._cohort_end_ms = end_ms
-
-    def _finish(self, request_id: str, end_ms: float, reason: str) -> None:
-        self._cohort.discard(request_id)
-        record = self.requests.pop(request_id, None)
-        if record is None:
-            return
-        self.finished[reason] += 1
-        scale = self._scale
-        self.e2e.add((end_ms - record.arrival_ms) * scale)
-        if record.admitted_ms is not None:
-            self.queue.add((record.admitted_ms - record.arrival_ms) * scale)
-
-
-def _tier_blocks(
-    labels: list[tuple[RankMetrics, list[str]]], gauges: Mapping[int, EngineMetrics]
-) -> GaugeMetricFamily:
-    """`engined:kv_tier_blocks{tier, state}`: blocks of the offload tiers (engined's own name;
-    vLLM has no such series). `vllm:kv_cache_usage_perc` stays the GPU pool's."""
-    family = GaugeMetricFamily(
-        "engined:kv_tier_blocks",
-        "KV blocks of the offload tiers (g2: host memory, g3: disk) by state.",
-        labels=(*LABELS, "tier", "state"),
-    )
-    for rank, values in labels:
-        g = gauges[rank.rank]
-        for tier, active, inactive, total in (
-            ("g2", g.g2_active_blocks, g.g2_inactive_blocks, g.g2_total_blocks),
-            ("g3", g.g3_active_blocks, g.g3_inactive_blocks, g.g3_total_blocks),
-        ):
-            if total:
-                family.add_metric([*values, tier, "active"], active)
-                family.add_metric([*values, tier, "inactive"], inactive)
-                family.add_metric([*values, tier, "free"], total - active - inactive)
-    return family
+__all__ = [
+    "ITL_BUCKETS",
+    "REQUEST_LATENCY_BUCKETS",
+    "TTFT_BUCKETS",
+    "LatencyHistogram",
+    "RankMetrics",
+    "VllmMetrics",
+    "cache_config_info",
+    "modeled_seconds_per_ms",
+]
 
 
 def modeled_seconds_per_ms(speedup_ratio: float) -> float:
@@ -313,27 +94,87 @@ def cache_config_info(config: DaemonConfig) -> dict[str, str]:
     }
 
 
+class _Rank:
+    """A rank's tallies with its label values, spelled once."""
+
+    __slots__ = ("labels", "tallies")
+
+    def __init__(self, tallies: RankMetrics, model_name: str) -> None:
+        self.tallies = tallies
+        self.labels: tuple[str, ...] = (model_name, str(tallies.rank))
+
+
 class VllmMetrics(Collector):
     """The collector behind `/metrics`: one `RankMetrics` per attached rank.
 
     It has its own `CollectorRegistry` (`registry`) rather than the process-global one, so
     nothing else in the process (or another daemon in a test process) leaks into the scrape.
+    The registry holds this collector, then `others` (the build info, the KV publishers'
+    counters: `register`), so that `render` plus the registry encoder's text of `others` is
+    the registry's whole exposition.
+
+    Args:
+        model_name: the `model_name` label.
+        speedup_ratio: the engines' pacing, which latencies undo (`modeled_seconds_per_ms`).
+        cache_info: the labels of `vllm:cache_config_info`.
+        max_model_len: the longest prompt + output (the last token-count bucket).
+        block_size: KV block size (a destination's transferred prompt tokens).
+        spec_tokens: MTP draft tokens per step when the ranks draft (0: no `spec_decode_*`).
+        kv_fetch: the ranks are P/D destinations (`num_requests_kv_fetch_by_stage`).
+        kv_residency: `kv_cache_metrics` is on (the `kv_block_*` histograms).
     """
 
-    def __init__(self, *, model_name: str, speedup_ratio: float, cache_info: Mapping[str, str]):
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        speedup_ratio: float,
+        cache_info: Mapping[str, str],
+        max_model_len: int = 1 << 16,
+        block_size: int = 16,
+        spec_tokens: int = 0,
+        kv_fetch: bool = False,
+        kv_residency: bool = False,
+    ) -> None:
         self.model_name = model_name
         self.seconds_per_ms = modeled_seconds_per_ms(speedup_ratio)
         self.cache_info = dict(cache_info)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.spec_tokens = spec_tokens
+        self.kv_fetch = kv_fetch
+        self.kv_residency = kv_residency
         self.ranks: list[RankMetrics] = []
+        self._ranks: list[_Rank] = []
+        self._queue_refusals: Callable[[], int] = lambda: 0
+        self._renderer = TextRenderer()
+        self._info = Family(
+            spec.CACHE_CONFIG_INFO_NAME,
+            "gauge",
+            spec.CACHE_CONFIG_INFO_HELP,
+            (*self.cache_info, "engine"),
+        )
+        self._info_values = tuple(self.cache_info.values())
+        self.others = CollectorRegistry(auto_describe=False)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        self.registry.register(self.others)
 
     @classmethod
     def from_config(cls, config: DaemonConfig) -> VllmMetrics:
+        engine = config.engine
         return cls(
             model_name=config.model_name,
-            speedup_ratio=config.engine.speedup_ratio,
+            speedup_ratio=engine.speedup_ratio,
             cache_info=cache_config_info(config),
+            max_model_len=context_length(
+                engine.num_gpu_blocks, engine.block_size, engine.max_model_len
+            ),
+            block_size=engine.block_size,
+            # A prefill worker's bursts are one token: it drafts nothing (as vLLM's prefill).
+            spec_tokens=0 if engine.is_prefill else engine.aic_nextn or 0,
+            kv_fetch=engine.is_decode,
+            kv_residency=engine.kv_cache_metrics,
         )
 
     def attach(self, loop: RankHandle) -> RankMetrics:
@@ -343,15 +184,33 @@ class VllmMetrics(Collector):
             gauges=loop.engine.metrics,
             now_ms=loop.now_ms,
             seconds_per_ms=self.seconds_per_ms,
+            max_model_len=self.max_model_len,
+            spec_tokens=self.spec_tokens,
         )
         loop.command_observers.append(rank.on_command)
         loop.pass_observers.append(rank.on_pass)
         self.ranks.append(rank)
+        self._ranks.append(_Rank(rank, self.model_name))
         return rank
+
+    def on_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
+        """Handoff events of `rank`, as the daemon delivers them to their owners."""
+        for tallies in self.ranks:
+            if tallies.rank == rank:
+                tallies.on_lifecycle(events, self.block_size)
+
+    def watch_queue_refusals(self, read: Callable[[], int]) -> None:
+        """Count `submit`s refused for a full queue (`max_queued_requests`) as vLLM counts
+        `--max-num-queued-reqs` refusals: `vllm:admission_rejections_total`."""
+        self._queue_refusals = read
 
     def watch_publishers(self, publishers: Sequence[WatchedPublisher]) -> None:
         """Expose the KV publishers' slow-reader counters (engined.server.publisher_metrics)."""
-        self.registry.register(PublisherMetrics(self.model_name, publishers))
+        self.register(PublisherMetrics(self.model_name, publishers))
+
+    def register(self, collector: Collector) -> None:
+        """Expose `collector`'s families after the vLLM ones."""
+        self.others.register(collector)
 
     def describe(self) -> list[Metric]:
         # NOTE: registering calls describe(); an empty list skips a collect() at start-up.
@@ -359,115 +218,115 @@ class VllmMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Every family, read from the tallies and the engines as they are now."""
-        model = self.model_name
-        ranks = self.ranks
-        labels = [(rank, [model, str(rank.rank)]) for rank in ranks]
-        gauges = {rank.rank: rank.gauges() for rank in ranks}
+        for family, rows in self.families():
+            yield to_metric(family, rows)
 
-        running = GaugeMetricFamily(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            labels=LABELS,
-        )
-        waiting = GaugeMetricFamily(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            labels=LABELS,
-        )
-        usage = GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            labels=LABELS,
-        )
-        for rank, values in labels:
-            snapshot = gauges[rank.rank]
-            running.add_metric(values, snapshot.running)
-            waiting.add_metric(values, snapshot.waiting)
-            usage.add_metric(values, snapshot.kv_cache_usage)
-        yield running
-        yield waiting
-        yield usage
-        if any(snapshot.g2_total_blocks for snapshot in gauges.values()):
-            yield _tier_blocks(labels, gauges)
+    def render(self, openmetrics: bool, underscored: bool) -> str:
+        """The same families as text (`TextRenderer`): what the registry's encoder for that
+        format (and escaping) gives for this collector."""
+        return self._renderer.render(self.families(), openmetrics, underscored)
 
-        counters: tuple[tuple[str, str, Callable[[RankMetrics], int]], ...] = (
-            (
-                "vllm:prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                lambda r: r.prefix_cache_queries,
-            ),
-            (
-                "vllm:prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                lambda r: r.prefix_cache_hits,
-            ),
-            (
-                "vllm:num_preemptions",
-                "Cumulative number of preemption from the engine.",
-                lambda r: gauges[r.rank].preemptions_total,
-            ),
-            (
-                "vllm:prompt_tokens",
-                "Number of prefill tokens processed.",
-                lambda r: r.prompt_tokens,
-            ),
-            (
-                "vllm:generation_tokens",
-                "Number of generation tokens processed.",
-                lambda r: r.generation_tokens,
-            ),
-        )
-        for name, documentation, read in counters:
-            counter = CounterMetricFamily(name, documentation, labels=LABELS)
-            for rank, values in labels:
-                counter.add_metric(values, read(rank))
-            yield counter
+    def families(self) -> list[tuple[Family, Rows | HistogramRows]]:
+        """Every family with its rows, read from the tallies and the engines as they are now."""
+        ranks = self._ranks
+        gauges = {rank.tallies.rank: rank.tallies.gauges() for rank in ranks}
+        families: list[tuple[Family, Rows | HistogramRows]] = []
+        add = families.append
+        snapshots = [(rank.labels, rank.tallies, gauges[rank.tallies.rank]) for rank in ranks]
+        add((spec.RUNNING, [(labels, g.running) for labels, _, g in snapshots]))
+        add((spec.WAITING, [(labels, g.waiting) for labels, _, g in snapshots]))
+        by_reason: list[Row] = []
+        for labels, _, g in snapshots:
+            deferred = g.waiting_deferred
+            by_reason += (
+                ((*labels, "capacity"), g.waiting - deferred),
+                ((*labels, "deferred"), deferred),
+            )
+        add((spec.WAITING_BY_REASON, by_reason))
+        if self.kv_fetch:
+            fetch: list[Row] = []
+            for labels, t, g in snapshots:
+                counts = (0, g.waiting_deferred, len(t.fetched))
+                stages = zip(spec.KV_FETCH_STAGES, counts, strict=True)
+                fetch += [((*labels, stage), n) for stage, n in stages]
+            add((spec.KV_FETCH_BY_STAGE, fetch))
+        # engined has no sleep mode: always awake, as vLLM reports an engine never put to sleep.
+        sleep = [((*labels, state), awake) for labels, _, _ in snapshots for state, awake in _SLEEP]
+        add((spec.SLEEP_STATE, sleep))
+        add((spec.KV_CACHE_USAGE, [(labels, g.kv_cache_usage) for labels, _, g in snapshots]))
+        if any(g.g2_total_blocks for _, _, g in snapshots):
+            add((spec.TIER_BLOCKS, _tier_blocks(snapshots)))
+        for family, read in _COUNTERS:
+            add((family, [(labels, read(t, g)) for labels, t, g in snapshots]))
+        for family, label_values, read_all in _LABELLED_COUNTERS:
+            rows: list[Row] = []
+            for labels, t, _ in snapshots:
+                tallied = read_all(t)
+                rows += [
+                    ((*labels, v), count) for v, count in zip(label_values, tallied, strict=True)
+                ]
+            add((family, rows))
+        refusals = self._queue_refusals()
+        rejections: list[Row] = [((self.model_name, spec.ADMISSION_REASONS[0]), refusals)]
+        rejections.append(((self.model_name, spec.ADMISSION_REASONS[1]), 0))
+        add((spec.ADMISSION_REJECTIONS, rejections))
+        if self.spec_tokens:
+            for family, attribute in _SPEC_DECODE:
+                add((family, [(labels, getattr(t, attribute)) for labels, t, _ in snapshots]))
+            per_pos: list[Row] = []
+            for labels, t, _ in snapshots:
+                per_pos += [((*labels, str(i)), n) for i, n in enumerate(t.accepted_per_pos)]
+            add((spec.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, per_pos))
+        histograms = spec.HISTOGRAMS
+        if self.kv_residency:
+            histograms += spec.RESIDENCY_HISTOGRAMS
+        for family, attribute in histograms:
+            add((family, [(labels, getattr(t, attribute)) for labels, t, _ in snapshots]))
+        info = self._info_values
+        add((self._info, [((*info, labels[1]), 1.0) for labels, _, _ in snapshots]))
+        return families
 
-        success = CounterMetricFamily(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            labels=(*LABELS, "finished_reason"),
-        )
-        for rank, values in labels:
-            for reason, count in rank.finished.items():
-                success.add_metric([*values, reason], count)
-        yield success
 
-        histograms: tuple[tuple[str, str, Callable[[RankMetrics], LatencyHistogram]], ...] = (
-            (
-                "vllm:time_to_first_token_seconds",
-                "Histogram of time to first token in seconds.",
-                lambda r: r.ttft,
-            ),
-            (
-                "vllm:inter_token_latency_seconds",
-                "Histogram of inter-token latency in seconds.",
-                lambda r: r.itl,
-            ),
-            (
-                "vllm:e2e_request_latency_seconds",
-                "Histogram of e2e request latency in seconds.",
-                lambda r: r.e2e,
-            ),
-            (
-                "vllm:request_queue_time_seconds",
-                "Histogram of time spent in WAITING phase for request.",
-                lambda r: r.queue,
-            ),
-        )
-        for name, documentation, pick in histograms:
-            family = HistogramMetricFamily(name, documentation, labels=LABELS)
-            for rank, values in labels:
-                histogram = pick(rank)
-                family.add_metric(values, histogram.cumulative(), histogram.sum)
-            yield family
+_SLEEP: Final = tuple(zip(spec.SLEEP_STATES, (1, 0, 0), strict=True))
+_Snapshot: TypeAlias = tuple[tuple[str, ...], RankMetrics, EngineMetrics]
+_COUNTERS: Final[tuple[tuple[Family, Callable[[RankMetrics, EngineMetrics], int]], ...]] = (
+    (spec.PREFIX_CACHE_QUERIES, lambda t, g: t.prefix_cache_queries),
+    (spec.PREFIX_CACHE_HITS, lambda t, g: t.prefix_cache_hits),
+    (spec.EXTERNAL_PREFIX_CACHE_QUERIES, lambda t, g: t.external_queries),
+    (spec.EXTERNAL_PREFIX_CACHE_HITS, lambda t, g: t.external_hits),
+    (spec.NUM_PREEMPTIONS, lambda t, g: g.preemptions_total),
+    (spec.PROMPT_TOKENS, lambda t, g: t.prompt_tokens),
+    (spec.PROMPT_TOKENS_CACHED, lambda t, g: t.prompt_by_source[1] + t.prompt_by_source[2]),
+    (spec.GENERATION_TOKENS, lambda t, g: t.generation_tokens),
+)
+_LABELLED_COUNTERS: Final[
+    tuple[tuple[Family, tuple[str, ...], Callable[[RankMetrics], Sequence[int]]], ...]
+] = (
+    (spec.PROMPT_TOKENS_BY_SOURCE, spec.PROMPT_SOURCES, lambda t: t.prompt_by_source),
+    (spec.PROMPT_TOKENS_CACHED_BY_SOURCE, spec.CACHE_HIT_SOURCES, lambda t: t.cached_by_source),
+    (
+        spec.REQUEST_SUCCESS,
+        spec.FINISHED_REASONS,
+        lambda t: [t.finished.get(reason, 0) for reason in spec.FINISHED_REASONS],
+    ),
+)
+_SPEC_DECODE: Final = (
+    (spec.SPEC_DECODE_NUM_DRAFTS, "drafts"),
+    (spec.SPEC_DECODE_NUM_DRAFT_TOKENS, "draft_tokens"),
+    (spec.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "accepted"),
+)
 
-        info_labels = [*self.cache_info, "engine"]
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            labels=info_labels,
-        )
-        for rank in ranks:
-            info.add_metric([*self.cache_info.values(), str(rank.rank)], 1.0)
-        yield info
+
+def _tier_blocks(snapshots: list[_Snapshot]) -> Rows:
+    """The offload tiers' blocks by state, for the ranks that have the tier."""
+    rows: list[Row] = []
+    for labels, _, g in snapshots:
+        for tier, active, inactive, total in (
+            ("g2", g.g2_active_blocks, g.g2_inactive_blocks, g.g2_total_blocks),
+            ("g3", g.g3_active_blocks, g.g3_inactive_blocks, g.g3_total_blocks),
+        ):
+            if total:
+                rows.append(((*labels, tier, "active"), active))
+                rows.append(((*labels, tier, "inactive"), inactive))
+                rows.append(((*labels, tier, "free"), total - active - inactive))
+    return rows

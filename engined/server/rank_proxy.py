@@ -195,6 +195,7 @@ class RankProxy:
             accept_length_output_tokens=item.accept_length_output_tokens,
             accept_length_decode_forwards=item.accept_length_decode_forwards,
             decodes=item.decodes,
+            kv_block_evictions=item.kv_block_evictions,
         )
         for observer in self.pass_observers:
             observer(self.rank, item.start_ms, result)

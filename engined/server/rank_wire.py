@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from engined.core import errors
 from engined.core import types as core
+from engined.core.kv_residency import KvBlockEviction
 
 COMMAND_TYPES: Final[tuple[type[Any], ...]] = (
     core.Submit,
@@ -127,6 +128,7 @@ class Pass(msgspec.Struct, frozen=True, tag="pass", array_like=True, gc=False):
     accept_length_output_tokens: int
     accept_length_decode_forwards: int
     decodes: core.Decodes
+    kv_block_evictions: list[KvBlockEviction]
 
 
 class Outputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True, gc=False):

@@ -260,6 +260,7 @@ class RankWorker:
                 result.accept_length_output_tokens,
                 result.accept_length_decode_forwards,
                 result.decodes,
+                result.kv_block_evictions,
             ),
             rank,
         )

@@ -83,3 +83,14 @@ VocabSize = Annotated[
 
 # An FPM worker id (Dynamo stamps the decimal connection id): at most 256 UTF-8 bytes.
 WorkerIdStr = Annotated[str, Meta(min_length=1, description="1 to 256 bytes of UTF-8.")]
+
+# The `accept` of a `metrics` request: an HTTP `Accept` header, as a scraper sent it to an API
+# server. Real ones are tens of characters; the bound keeps its parsing (per scrape) cheap.
+ACCEPT_MAX_LENGTH = 4096
+AcceptStr = Annotated[
+    str,
+    Meta(
+        max_length=ACCEPT_MAX_LENGTH,
+        description="An HTTP Accept header, at most 4096 characters.",
+    ),
+]

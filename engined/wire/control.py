@@ -91,6 +91,12 @@ from engined.wire.messages import (
     Load as Load,
 )
 from engined.wire.messages import (
+    Metrics as Metrics,
+)
+from engined.wire.messages import (
+    MetricsReply as MetricsReply,
+)
+from engined.wire.messages import (
     Noop as Noop,
 )
 from engined.wire.messages import (

@@ -153,6 +153,14 @@ LIFECYCLE: Final = control.Lifecycle(
         ),
     ],
 )
+METRICS: Final = control.Metrics(id=5, accept="application/openmetrics-text; version=1.0.0")
+METRICS_REPLY: Final = control.MetricsReply(
+    id=5,
+    content_type="text/plain; version=0.0.4; charset=utf-8",
+    text="# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{engine="0",model_name="engined"} 0.0\n',
+)
 ERROR: Final = control.ErrorReply(
     id=3,
     code="invalid_request",
@@ -177,6 +185,8 @@ def golden_frames() -> dict[str, bytes]:
         "engined_control_output_stop.bin": control.encode_reply(OUTPUT_STOP),
         "engined_control_lifecycle.bin": control.encode_reply(LIFECYCLE),
         "engined_control_error.bin": control.encode_reply(ERROR),
+        "engined_control_metrics.bin": control.encode_message(METRICS),
+        "engined_control_metrics_reply.bin": control.encode_reply(METRICS_REPLY),
     }
 
 

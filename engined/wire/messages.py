@@ -16,6 +16,7 @@ import msgspec
 
 from engined.core.args import EngineType, WorkerType
 from engined.wire.constraints import (
+    AcceptStr,
     CacheSalt,
     DpRank,
     HandoffIdStr,
@@ -175,6 +176,13 @@ class WatchLoad(ClientMessageBase, tag="watch_load"):
     """
 
 
+class Metrics(ClientMessageBase, tag="metrics"):
+    """The daemon's Prometheus exposition, as its `/metrics` serves it for this `Accept` header
+    (absent: the text format), so that an API server serves `/metrics` on its own port."""
+
+    accept: AcceptStr | None = None
+
+
 ClientMessage: TypeAlias = (
     Hello
     | Submit
@@ -192,6 +200,7 @@ ClientMessage: TypeAlias = (
     | SetVocabulary
     | SetFpmWorkerId
     | WatchLoad
+    | Metrics
 )
 
 # The `type` tags of every client message, in declaration order (fuzzers, docs and tests).
@@ -383,6 +392,13 @@ class Load(DaemonMessageBase, tag="load", gc=False):
     waiting: int
 
 
+class MetricsReply(DirectReply, tag="metrics"):
+    """The exposition `/metrics` would answer now: its Content-Type and its body."""
+
+    content_type: str
+    text: str
+
+
 class Lifecycle(DaemonMessageBase, tag="lifecycle"):
     dp_rank: int
     events: list[WireLifecycleEvent]
@@ -400,4 +416,5 @@ DaemonMessage: TypeAlias = (
     | Output
     | Lifecycle
     | Load
+    | MetricsReply
 )

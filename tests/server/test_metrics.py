@@ -80,6 +80,27 @@ VLLM_NAMES = {
     "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
     "vllm:cache_config_info",
+    # vLLM 0.33's families beyond the first fourteen (test_metrics_families.py).
+    "vllm:num_requests_waiting_by_reason",
+    "vllm:engine_sleep_state",
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+    "vllm:prompt_tokens_by_source",
+    "vllm:prompt_tokens_cached",
+    "vllm:prompt_tokens_cached_by_source",
+    "vllm:admission_rejections",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:iteration_tokens_total",
+    "vllm:request_max_num_generation_tokens",
+    "vllm:request_params_n",
+    "vllm:request_params_max_tokens",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_num_preemptions",
+    "vllm:request_prefill_kv_computed_tokens",
 }
 
 
@@ -528,6 +549,9 @@ def test_collector_exposes_vllm_names_and_labels_per_rank() -> None:
     assert set(families) == VLLM_NAMES
     for name, samples in families.items():
         for sample in samples:
+            if name == "vllm:admission_rejections":  # the API server's, per model (as vLLM)
+                assert set(sample.labels) == {"model_name", "reason"}
+                continue
             assert sample.labels["engine"] in ("0", "1"), name
             if name != "vllm:cache_config_info":
                 assert sample.labels["model_name"] == "m"

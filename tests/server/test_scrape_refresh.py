@@ -17,7 +17,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from engined.server import daemon as daemon_module
-from engined.server import http as http_module
+from engined.server import exposition as exposition_module
 from engined.server.http import HttpServer
 from engined.server.reports import Refresh
 from engined.wire.kv_events import seq_bytes
@@ -84,7 +84,7 @@ def test_only_metrics_waits_for_the_refresh_and_never_longer_than_the_bound(
 ) -> None:
     """A refresh that never ends (a worker that does not answer) delays a scrape by the
     bound and no more; `/health` never waits for it."""
-    monkeypatch.setattr(http_module, "SCRAPE_REFRESH_S", 0.05)
+    monkeypatch.setattr(exposition_module, "SCRAPE_REFRESH_S", 0.05)
     calls: list[str] = []
     hung = asyncio.Event()
 

@@ -113,4 +113,5 @@ def test_client_message_tags_cover_the_protocol() -> None:
         "set_vocabulary",
         "set_fpm_worker_id",
         "watch_load",
+        "metrics",
     )

@@ -78,6 +78,8 @@ def test_control_golden_decodes_to_its_inputs() -> None:
     assert replies.decode(FRAMES["engined_control_output_stop.bin"]) == golden.OUTPUT_STOP
     assert replies.decode(FRAMES["engined_control_lifecycle.bin"]) == golden.LIFECYCLE
     assert replies.decode(FRAMES["engined_control_error.bin"]) == golden.ERROR
+    assert decoder.decode(FRAMES["engined_control_metrics.bin"]) == golden.METRICS
+    assert replies.decode(FRAMES["engined_control_metrics_reply.bin"]) == golden.METRICS_REPLY
 
 
 def test_reference_files_are_vllms_bytes_as_documented() -> None:

@@ -15,7 +15,8 @@ The observable rules (vllm/v1/core/block_pool.py), which routers and the parity 
 
 Blocks are ints; the free queue is a dict used as an ordered set (O(1) removal from the
 middle and insertion at either end), and a block's cache key is its lineage key
-(engined/core/hashing.py), -1 when it caches nothing.
+(engined/core/hashing.py), -1 when it caches nothing. With `kv_cache_metrics`, `residency`
+samples blocks as vLLM's metrics collector does (engined/core/paged/residency.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import itertools
 from collections.abc import Iterable
 
 from engined.core.kv_event_log import KvEventLog
+from engined.core.paged.residency import BlockResidency
 
 NULL_BLOCK = 0
 
@@ -44,10 +46,18 @@ class PagedBlockPool:
         "num_cached_free",
         "num_free",
         "refs",
+        "residency",
         "vllm_hash_of",
     )
 
-    def __init__(self, num_blocks: int, *, caching: bool, log: KvEventLog) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        caching: bool,
+        log: KvEventLog,
+        residency: BlockResidency | None = None,
+    ) -> None:
         assert num_blocks >= 2, "the pool needs a null block and one usable block"
         self.num_blocks = num_blocks
         self.caching = caching
@@ -74,6 +84,7 @@ class PagedBlockPool:
         # Lineage key -> the first block cached under it; later twins in `_twins`, in order.
         self.cached: dict[int, int] = {}
         self._twins: dict[int, list[int]] = {}
+        self.residency = residency
 
     @property
     def num_used(self) -> int:
@@ -111,11 +122,14 @@ class PagedBlockPool:
         key_of = self.key_of
         nxt = self._next
         head = self._head
+        residency = self.residency
         for _ in range(count):
             block = nxt[head]
             self._unlink(block)
             if key_of[block] >= 0:
                 self._evict(block)
+            if residency is not None:
+                residency.allocated(block)
             refs[block] = 1
             taken.append(block)
         return taken
@@ -151,10 +165,13 @@ class PagedBlockPool:
     def touch(self, blocks: list[int]) -> None:
         """Take a handle on hit blocks, out of the free queue if they were free."""
         refs = self.refs
+        residency = self.residency
         for block in blocks:
             if refs[block] == 0:
                 self._unlink(block)
             refs[block] += 1
+            if residency is not None:
+                residency.touched(block)
 
     def free_blocks(self, ordered: Iterable[int]) -> None:
         """Drop a handle on each block; of those it frees, the first is evicted first."""
@@ -182,5 +199,7 @@ class PagedBlockPool:
         self._twins.clear()
         self.key_of = [-1] * self.num_blocks
         self.num_cached_free = 0
+        if self.residency is not None:
+            self.residency.reset()
         self.log.cleared()
         return True

@@ -29,6 +29,7 @@ from engined.core.kv_event_log import KvEventLog
 from engined.core.kv_manager import DestinationReservation
 from engined.core.offload.g1_glue import G1Glue
 from engined.core.paged.block_pool import PagedBlockPool
+from engined.core.paged.residency import BlockResidency
 from engined.core.policy import context_length
 from engined.core.sequence import BlockMove, Release, Sequence
 from engined.core.types import KvEvent, OffloadWait
@@ -63,15 +64,17 @@ class PagedKvManager:
         caching: bool,
         max_model_len: int | None,
         hasher: BlockHasher,
+        residency: BlockResidency | None = None,
     ) -> None:
-        """`max_model_len` is the configured one (None: unset); the pool caps it."""
+        """`max_model_len` is the configured one (None: unset); the pool caps it. `residency`
+        samples the pool's blocks (`kv_cache_metrics`)."""
         self.block_size = block_size
         self.caching = caching
         self._hasher = hasher
         self._none_hash = hasher.none_hash
         self._sha256_pickle = hasher.algo is HashAlgo.SHA256
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=caching)
-        self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log)
+        self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log, residency=residency)
         self.max_model_len = context_length(self.usable_blocks, block_size, max_model_len)
         # Each request's block table, and how many of its leading blocks are cached.
         self._tables: dict[Sequence, list[int]] = {}
