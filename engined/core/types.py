@@ -24,7 +24,7 @@ from engined.core.pass_trace import PassTrace
 
 # NOTE: re-exported: the transfer timing model is part of the lifecycle events below.
 from engined.core.transfer_timing import KvTransferTimingMode as KvTransferTimingMode
-from engined.core.transfer_timing import TransferTiming
+from engined.core.transfer_timing import TransferTiming as TransferTiming
 from engined.core.transfer_timing import kv_transfer_ms as kv_transfer_ms
 
 RequestId = str
