@@ -321,3 +321,27 @@ def test_kv_events_config_and_its_own_flag_conflict() -> None:
     assert result.stderr == (
         "error: --kv-events-config: also given by flag as kv_events_topic; set each once\n"
     )
+
+
+def test_api_server_and_curve_are_refused_together(tmp_path: Path) -> None:
+    keys = tmp_path / "k"
+    result = invoke(
+        "--print-config",
+        "--curve-secret-key-file",
+        str(keys),
+        "--curve-authorized-keys-file",
+        str(keys),
+    )
+    assert result.exit_code == CONFIG_ERROR
+    assert result.stderr.startswith(
+        "error: api_port: the OpenAI API servers cannot yet connect to a daemon under CURVE"
+    )
+    without_api = printed(
+        "--port",
+        "",
+        "--curve-secret-key-file",
+        str(keys),
+        "--curve-authorized-keys-file",
+        str(keys),
+    )
+    assert (without_api["curve_secret_key_file"], without_api["api_port"]) == (str(keys), "")

@@ -83,6 +83,12 @@ def validate(layers: Layers) -> DaemonConfig:
         raise layers.error("drain_timeout", f"must be finite, got {config.drain_timeout}")
     _check_endpoints(config, layers)
     _check_access(config, layers)
+    if config.curve_secret_key_file and config.api_port is not None:
+        raise layers.error(
+            "api_port",
+            'the OpenAI API servers cannot yet connect to a daemon under CURVE; set api_port = "" '
+            '(--port "") and put the API behind a gateway, or run without CURVE',
+        )
     if config.model and "model_name" not in layers.sources:
         # vLLM serves MODEL under its own name unless --served-model-name says otherwise.
         config = msgspec.structs.replace(config, model_name=config.model)
