@@ -90,6 +90,7 @@ class Generation:
     samples: Sequence[Sample]
     _choices: list[_Choice] = field(default_factory=list)
     _closed: bool = False
+    _stopping: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def start(self) -> None:
         """Submit every sample; on a refusal, cancel those already submitted and re-raise.
@@ -172,6 +173,20 @@ class Generation:
             for task in pumps:
                 task.cancel()
 
+    def stop(self, choice_index: int) -> None:
+        """End one choice's engine request now (a stop string matched), as vLLM's output
+        processor aborts it, without waiting for the daemon's answer."""
+        for choice in self._choices:
+            if choice.sample.choice_index == choice_index and not choice.finished:
+                choice.finished = True
+                task = asyncio.create_task(self._cancel(choice.sample.request_id))
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+
+    async def _cancel(self, request_id: str) -> None:
+        with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
+            await self.client.cancel(request_id, timeout=CALL_TIMEOUT_S)
+
     async def close(self) -> None:
         """Cancel every engine request that has not finished (idempotent)."""
         if self._closed:
@@ -179,5 +194,4 @@ class Generation:
         self._closed = True
         for choice in self._choices:
             if not choice.finished:
-                with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
-                    await self.client.cancel(choice.sample.request_id, timeout=CALL_TIMEOUT_S)
+                await self._cancel(choice.sample.request_id)

@@ -225,6 +225,8 @@ class _Run:
                         if step is None:
                             continue
                         choice, text, ids, first = step
+                        if choice.text.stopped is not None:
+                            generation.stop(choice.index)
                         logprobs = self._logprobs(choice, ids, first)
                         message = DeltaMessage(content=text) if text else DeltaMessage()
                         if choice.finish_reason is not None:
@@ -279,6 +281,8 @@ class _Run:
                         if step is None:
                             continue
                         choice, text, ids, first = step
+                        if choice.text.stopped is not None:
+                            generation.stop(choice.index)
                         choice.all_text.append(text)
                         choice.all_ids.extend(ids)
                         logprobs = self._logprobs(choice, ids, first)

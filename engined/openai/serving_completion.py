@@ -213,6 +213,8 @@ class _Run:
                         if step is None:
                             continue
                         choice, text, ids, logprobs = step
+                        if choice.text.stopped is not None:
+                            generation.stop(choice.index)
                         chunk = CompletionStreamResponse(
                             id=self.request_id,
                             created=self.created,
@@ -264,6 +266,8 @@ class _Run:
                         if step is None:
                             continue
                         choice, text, ids, chunk_logprobs = step
+                        if choice.text.stopped is not None:
+                            generation.stop(choice.index)
                         choice.all_text.append(text)
                         choice.all_ids.extend(ids)
                         if chunk_logprobs is not None:
