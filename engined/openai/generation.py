@@ -162,7 +162,7 @@ class Generation:
             self._choices.append(_Choice(sample))
             return
         # NOTE: under the prefill's request id, so an unseeded decode draws the tokens the
-        # prefill started (a seeded one does whatever its id).
+        # prefill started (a seeded one draws its seed's, whatever the id).
         sample = replace(sample, request_id=role.request_id or sample.request_id)
         destination = DestinationRequest(
             sample.prompt_ids,
