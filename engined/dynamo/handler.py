@@ -28,15 +28,17 @@ import msgspec
 import structlog
 
 from engined.client import ClientClosedError, EngineClient, EngineError
+from engined.client.handoff import (
+    CALL_TIMEOUT_S,
+    Coordinator,
+    DestinationRequest,
+    HandoffFailed,
+    held_source,
+    transfer_wait_s,
+)
 from engined.core.token_stream import SEED_MAX, SEED_MIN
 from engined.dynamo.args import DisaggregationMode
-from engined.wire.control import (
-    DestinationReservedEvent,
-    OutputEntry,
-    SourceHeldEvent,
-    TransferTiming,
-)
-from engined.wire.convert import to_core_timing
+from engined.wire.control import DestinationReservedEvent, OutputEntry, TransferTiming
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -44,9 +46,6 @@ T = TypeVar("T")
 # The key under `disaggregated_params` that carries engined's handoff (other engines' keys
 # never collide with it).
 PARAMS_KEY: Final = "engined"
-# Bounds each control call; the daemon answers commands within one pass.
-CALL_TIMEOUT_S: Final = 30.0
-
 # engined error code -> HTTP status the frontend returns (vLLM's choices: a bad request is
 # 400, an engine that cannot take more work right now is 503).
 _HTTP_STATUS: Final = {
@@ -149,17 +148,11 @@ class RequestHandler:
         self._client = client
         self._mode = mode
         self._limits = limits
-        self._connect = connect
-        self._peers: dict[str, EngineClient] = {}
-        self._cleanups: set[asyncio.Task[None]] = set()
+        self._handoffs = Coordinator(client, connect)
         self.in_flight = 0
 
     async def close(self) -> None:
-        if self._cleanups:
-            await asyncio.gather(*self._cleanups, return_exceptions=True)
-        for peer in self._peers.values():
-            await peer.close()
-        self._peers.clear()
+        await self._handoffs.close()
 
     async def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
         """Dynamo's handler: an async generator of `LLMEngineOutput` chunks."""
@@ -225,18 +218,15 @@ class RequestHandler:
             last = chunk
         if last is None or last.get("finish_reason") != "length":
             # Cancelled before the prompt was done: nothing is held, nothing to release.
-            self._spawn_cleanup(self._cancel_source(handoff_id))
+            self._handoffs.abandon_source(handoff_id)
             if last is not None:
                 yield last
             return
-        # The source is held from the pass that finished the prompt; taking the event also
-        # forgets the client's queue for this handoff.
+        # The source is held from the pass that finished the prompt.
         try:
-            held = await self._client.next_lifecycle(handoff_id, timeout=CALL_TIMEOUT_S)
-        except TimeoutError:
-            raise RequestFailed(
-                500, f"engined never held the source of handoff {handoff_id}"
-            ) from None
+            held = await held_source(self._client, handoff_id)
+        except HandoffFailed as exc:
+            raise RequestFailed(500, str(exc)) from None
         params: dict[str, Any] = {
             "handoff_id": handoff_id,
             "control_endpoint": self._limits.control_endpoint,
@@ -244,7 +234,7 @@ class RequestHandler:
             "handoff_delay_ms": delay_ms,
             "speedup_ratio": self._limits.speedup_ratio,
         }
-        if isinstance(held, SourceHeldEvent) and held.transfer_timing is not None:
+        if held is not None and held.transfer_timing is not None:
             params["transfer_timing"] = msgspec.to_builtins(held.transfer_timing)
         last["disaggregated_params"] = {PARAMS_KEY: params}
         yield last
@@ -255,40 +245,27 @@ class RequestHandler:
         prefill_result = request["prefill_result"]
         params = _handoff_params(prefill_result)
         handoff_id = params["handoff_id"]
-        peer = await self._peer(params["control_endpoint"])
-        request_id = _request_id(context)
-        activated = False
-        try:
-            accepted = await _refusing(
-                self._client.reserve_destination(
-                    handoff_id,
-                    token_ids,
-                    max_tokens,
-                    request_id=request_id,
-                    dp_rank=dp_rank,
-                    seed=seed,
-                    stop_token_ids=stop_token_ids,
-                    min_tokens=min_tokens,
-                    timeout=CALL_TIMEOUT_S,
-                )
+        peer = await self._handoffs.peer(params["control_endpoint"])
+        destination = DestinationRequest(
+            token_ids,
+            max_tokens,
+            request_id=_request_id(context),
+            dp_rank=dp_rank,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
+        )
+        accepted = await _refusing(
+            self._handoffs.pull(
+                handoff_id,
+                peer,
+                destination,
+                lambda reserved: _transfer_wait_s(params, reserved),
+                stopped=context.async_killed_or_stopped,
             )
-            reserved = await self._until_stopped(
-                self._client.next_lifecycle(handoff_id, timeout=None), context
-            )
-            if not isinstance(reserved, DestinationReservedEvent):
-                return
-            wait_s = _transfer_wait_s(params, reserved)
-            if (
-                wait_s > 0
-                and await self._until_stopped(asyncio.sleep(wait_s, True), context) is None
-            ):
-                return
-            await self._client.activate_destination(handoff_id, timeout=CALL_TIMEOUT_S)
-            activated = True
-            await peer.release_source(handoff_id, timeout=CALL_TIMEOUT_S)
-        finally:
-            if not activated:
-                self._spawn_cleanup(self._abandon_handoff(handoff_id, peer))
+        )
+        if accepted is None:
+            return
         usage = _Usage(len(token_ids))
         usage.cached_tokens = _prefill_cached_tokens(prefill_result)
         async for chunk, _ in self._entries(accepted.request_id, usage, context):
@@ -312,7 +289,7 @@ class RequestHandler:
             watcher.cancel()
             if not finished:
                 # The consumer went away (the stream was dropped) or the context stopped.
-                self._spawn_cleanup(self._cancel(request_id))
+                self._handoffs.spawn(self._cancel(request_id))
 
     async def _cancel_when_stopped(self, request_id: str, context: Context) -> None:
         await context.async_killed_or_stopped()
@@ -321,41 +298,6 @@ class RequestHandler:
     async def _cancel(self, request_id: str) -> None:
         with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
             await self._client.cancel(request_id, timeout=CALL_TIMEOUT_S)
-
-    async def _cancel_source(self, handoff_id: str) -> None:
-        with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
-            await self._client.cancel_source(handoff_id, timeout=CALL_TIMEOUT_S)
-
-    async def _abandon_handoff(self, handoff_id: str, peer: EngineClient) -> None:
-        """Before activation: both sides of the handoff are cancelled, each once."""
-        with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
-            await self._client.cancel_destination(handoff_id, timeout=CALL_TIMEOUT_S)
-        with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
-            await peer.cancel_source(handoff_id, timeout=CALL_TIMEOUT_S)
-
-    async def _until_stopped(self, awaitable: Awaitable[Any], context: Context) -> Any:
-        """`awaitable`'s result, or None if the context stops first."""
-        work = asyncio.ensure_future(awaitable)
-        stop = asyncio.ensure_future(context.async_killed_or_stopped())
-        try:
-            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if work.done():
-                return work.result()
-            return None
-        finally:
-            work.cancel()
-            stop.cancel()
-
-    def _spawn_cleanup(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
-
-    async def _peer(self, endpoint: str) -> EngineClient:
-        peer = self._peers.get(endpoint)
-        if peer is None:
-            peer = self._peers[endpoint] = await self._connect(endpoint)
-        return peer
 
     # --- request fields ---------------------------------------------------------------------
 
@@ -447,18 +389,15 @@ def _handoff_params(prefill_result: Any) -> dict[str, Any]:
 
 
 def _transfer_wait_s(params: dict[str, Any], reserved: DestinationReservedEvent) -> float:
-    """The modeled KV transfer time in wall seconds (none at speedup 0).
-
-    With the source's `transfer_timing` (its `kv_transfer_timing_mode`), the delay is the
-    coordinator's: `destination_missing` moves only what this destination's reservation
-    lacks. Without it (an older prefill worker) the prefill output's full-prompt delay.
-    """
+    """The modeled KV transfer time (engined.client.handoff) from the prefill worker's
+    params; a malformed `transfer_timing` is a 400 naming it."""
     speedup = params.get("speedup_ratio") or 0.0
     if not isinstance(speedup, int | float) or speedup <= 0:
         return 0.0
     timing = params.get("transfer_timing")
+    wire_timing: TransferTiming | None = None
+    delay_ms = params.get("handoff_delay_ms") or 0.0
     if timing is None:
-        delay_ms = params.get("handoff_delay_ms") or 0.0
         if not isinstance(delay_ms, int | float):
             return 0.0
     else:
@@ -468,8 +407,12 @@ def _transfer_wait_s(params: dict[str, Any], reserved: DestinationReservedEvent)
             raise RequestFailed(
                 400, f"prefill_result.disaggregated_params.engined.transfer_timing: {exc}"
             ) from None
-        delay_ms = to_core_timing(wire_timing).delay_ms(reserved.transferable_prompt_tokens) or 0.0
-    return max(float(delay_ms), 0.0) / 1000.0 / float(speedup)
+    return transfer_wait_s(
+        wire_timing,
+        float(delay_ms) if isinstance(delay_ms, int | float) else 0.0,
+        float(speedup),
+        reserved,
+    )
 
 
 def _prefill_cached_tokens(prefill_result: Any) -> int:

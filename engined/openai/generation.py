@@ -11,6 +11,10 @@ that keeps up sees every pass.
 Whoever ends the HTTP side first (the client disconnects, the server shuts down, a stop
 string matches), the engine requests that have not finished are cancelled, once, so their
 KV is freed on the next pass.
+
+A request with `kv_transfer_params` (one prompt, n = 1) is one side of a handoff
+(engined.openai.disagg): its prefill runs as a handoff source and its final delta waits for
+the params the response carries; its decode pulls the source's KV before it streams.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from engined.client import EngineClient, EngineError
-from engined.wire.control import OutputEntry
+from engined.client.handoff import DestinationRequest
+from engined.openai.disagg import DecodeRole, Disaggregation, PrefillRole, Role
+from engined.wire.control import OutputEntry, Submitted
 
 # Bounds every control call of the API server; the daemon answers within a pass or two.
 CALL_TIMEOUT_S = 30.0
@@ -82,15 +89,27 @@ def _merge(choice: _Choice, entries: Sequence[OutputEntry]) -> Delta:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """A request's part in a handoff, and the process's means for it."""
+
+    disagg: Disaggregation
+    role: Role
+
+
 @dataclass(slots=True)
 class Generation:
     """The engine requests of one OpenAI request; `start`, then `deltas`, then `close`."""
 
     client: EngineClient
     samples: Sequence[Sample]
+    transfer: Transfer | None = None
+    # A prefill's params for the decode side, set before its final delta is yielded.
+    kv_transfer_params: dict[str, Any] | None = None
     _choices: list[_Choice] = field(default_factory=list)
     _closed: bool = False
     _stopping: set[asyncio.Task[None]] = field(default_factory=set)
+    _source: Submitted | None = None
 
     async def start(self) -> None:
         """Submit every sample; on a refusal, cancel those already submitted and re-raise.
@@ -98,7 +117,11 @@ class Generation:
         Raises:
             EngineError: the daemon refused a sample (its code says why).
             TimeoutError, ConnectionError: the daemon did not answer.
+            ApiError: a handoff's KV could not be pulled.
         """
+        if self.transfer is not None:
+            await self._start_transfer(self.transfer)
+            return
         # NOTE: all at once: the samples of one request reach the same pass, as in vLLM.
         results = await asyncio.gather(
             *(
@@ -125,9 +148,58 @@ class Generation:
             await self.close()
             raise failure
 
+    async def _start_transfer(self, transfer: Transfer) -> None:
+        (sample,) = self.samples
+        disagg, role = transfer.disagg, transfer.role
+        if isinstance(role, PrefillRole):
+            self._source = await disagg.start_prefill(
+                self.client,
+                role,
+                sample.prompt_ids,
+                request_id=sample.request_id,
+                seed=sample.seed,
+                priority=sample.priority,
+            )
+            self._choices.append(_Choice(sample))
+            return
+        # NOTE: under the prefill's request id, so an unseeded decode draws the tokens the
+        # prefill started (a seeded one draws its seed's, whatever the id).
+        sample = replace(sample, request_id=role.request_id or sample.request_id)
+        destination = DestinationRequest(
+            sample.prompt_ids,
+            sample.max_tokens,
+            request_id=sample.request_id,
+            seed=sample.seed,
+            priority=sample.priority,
+            stop_token_ids=sample.stop_token_ids or None,
+            min_tokens=sample.min_tokens,
+            cache_salt=sample.cache_salt,
+        )
+        await disagg.pull(role, destination)
+        self._choices.append(_Choice(sample))
+
+    async def _finish_transfer(self, choice: _Choice, delta: Delta) -> None:
+        """A prefill's final delta: the params once its source is held."""
+        transfer, source = self.transfer, self._source
+        if transfer is None or source is None or not isinstance(transfer.role, PrefillRole):
+            return
+        if delta.finish_reason != "length":
+            return
+        self.kv_transfer_params = await transfer.disagg.finish_prefill(
+            self.client,
+            transfer.role,
+            source,
+            len(choice.sample.prompt_ids),
+            choice.cached_tokens,
+        )
+
     @property
     def cached_tokens(self) -> list[int | None]:
-        """Per choice, what its prompt found in the prefix cache (None until known)."""
+        """Per choice, what its prompt found in the prefix cache (None until known); for a
+        decode, the prefill's when its params say (as vLLM reports a remote prefill)."""
+        role = None if self.transfer is None else self.transfer.role
+        if isinstance(role, DecodeRole) and role.cached_tokens is not None:
+            return [role.cached_tokens for _ in self._choices]
         return [choice.cached_tokens for choice in self._choices]
 
     @property
@@ -141,7 +213,10 @@ class Generation:
             batches = self.client.output_batches(choice.sample.request_id, timeout=None)
             async with contextlib.aclosing(batches):
                 async for entries in batches:
-                    yield [_merge(choice, entries)]
+                    delta = _merge(choice, entries)
+                    if delta.finished:
+                        await self._finish_transfer(choice, delta)
+                    yield [delta]
             return
         queue: asyncio.Queue[tuple[_Choice, list[OutputEntry]] | BaseException] = asyncio.Queue()
 
@@ -192,6 +267,15 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        transfer = self.transfer
+        if (
+            transfer is not None
+            and isinstance(transfer.role, PrefillRole)
+            and self._source is not None
+            and self.kv_transfer_params is None
+        ):
+            # Nothing was handed to a decode side: whatever the source holds is freed.
+            transfer.disagg.abandon_prefill(transfer.role)
         for choice in self._choices:
             if not choice.finished:
                 await self._cancel(choice.sample.request_id)

@@ -14,7 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engined.client import EngineClient, EngineError
+from engined.client.handoff import Coordinator
 from engined.config import DaemonConfig
+from engined.openai.disagg import Disaggregation, advertised, parse_role
 from engined.openai.errors import (
     ApiError,
     context_length_error,
@@ -23,7 +25,7 @@ from engined.openai.errors import (
     model_not_found,
     validation_error,
 )
-from engined.openai.generation import Sample
+from engined.openai.generation import Sample, Transfer
 from engined.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engined.openai.protocol_sampling import (
     check_engine,
@@ -70,6 +72,7 @@ class ServingContext:
     prompt_tokens_details: bool
     max_logprobs: int
     speculative: bool
+    disagg: Disaggregation
 
     @classmethod
     def build(
@@ -86,6 +89,12 @@ class ServingContext:
             prompt_tokens_details=config.enable_prompt_tokens_details,
             max_logprobs=config.max_logprobs,
             speculative=config.engine.aic_nextn is not None,
+            disagg=Disaggregation(
+                handoffs=Coordinator(client, EngineClient.connect),
+                advertised=advertised(config.control_endpoint),
+                block_size=welcome.block_size,
+                speedup_ratio=welcome.speedup_ratio or config.engine.speedup_ratio,
+            ),
         )
 
     @property
@@ -117,6 +126,22 @@ class ServingContext:
             speculative=self.speculative,
         )
         return max_tokens
+
+    def transfer(self, request: Request, prompts: int) -> Transfer | None:
+        """The request's part in a handoff (`kv_transfer_params`), if any: one prompt, one
+        sample, as a handoff moves one sequence."""
+        role = parse_role(request.kv_transfer_params)
+        if role is None:
+            return None
+        if (request.n or 1) != 1:
+            raise validation_error(
+                "n must be 1 for a request with kv_transfer_params", param="n", value=request.n
+            )
+        if prompts != 1:
+            raise validation_error(
+                "a request with kv_transfer_params takes exactly one prompt", param="prompt"
+            )
+        return Transfer(self.disagg, role)
 
     def created_cache_tokens(self, prompt_tokens: int, cached: int | None) -> int | None:
         """vLLM's `num_cache_creation_tokens`: the prompt's full blocks it cached itself."""

@@ -97,7 +97,8 @@ class ChatServer:
         runs = samples(
             request, request_id, prompt_index=None, ids=ids, max_tokens=max_tokens, first_choice=0
         )
-        generation = Generation(context.client, runs)
+        transfer = context.transfer(request, 1)
+        generation = Generation(context.client, runs, transfer)
         try:
             await generation.start()
         except EngineError as error:
@@ -252,6 +253,9 @@ class _Run:
                             created=self.created,
                             model=self.model,
                             choices=[streamed],
+                            kv_transfer_params=generation.kv_transfer_params
+                            if choice.finish_reason is not None
+                            else None,
                         )
                         if continuous:
                             chunk.usage = continuous_usage(prompt_tokens, choice.tokens, chat=True)
@@ -317,5 +321,6 @@ class _Run:
             ],
             usage=usage(len(self.prompt_ids), completion, cached, created),
             prompt_token_ids=self.prompt_ids if token_ids else None,
+            kv_transfer_params=generation.kv_transfer_params,
         )
         return HttpResponse(200, ENCODE(response))

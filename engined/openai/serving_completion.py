@@ -93,7 +93,8 @@ class CompletionServer:
                     first_choice=i * n,
                 )
             )
-        generation = Generation(context.client, runs)
+        transfer = context.transfer(request, len(prompts))
+        generation = Generation(context.client, runs, transfer)
         try:
             await generation.start()
         except EngineError as error:
@@ -229,6 +230,9 @@ class _Run:
                                     token_ids=ids if token_ids else None,
                                 )
                             ],
+                            kv_transfer_params=generation.kv_transfer_params
+                            if choice.finish_reason is not None
+                            else None,
                         )
                         if continuous:
                             chunk.usage = continuous_usage(
@@ -296,6 +300,7 @@ class _Run:
                 for choice in self.choices
             ],
             usage=usage(prompt_tokens, completion_tokens, self._cached(generation)),
+            kv_transfer_params=generation.kv_transfer_params,
         )
         return HttpResponse(200, ENCODE(response))
 

@@ -53,11 +53,15 @@ def start_api(
     servers: int = 1,
     env: dict[str, str] | None = None,
     expect_exit: int | None = 0,
+    control: str | None = None,
 ) -> Iterator[ApiDaemon]:
-    """`engined serve --port P --host 127.0.0.1 --api-server-count N ARGS...`, ready."""
+    """`engined serve --port P --host 127.0.0.1 --api-server-count N ARGS...`, ready;
+    `control` replaces the ipc control endpoint (a tcp one, say)."""
     port = free_tcp_port()
     flags = ("--port", str(port), "--host", "127.0.0.1", "--api-server-count", str(servers))
-    with start_daemon(tmp_path, *flags, *args, env=env, expect_exit=expect_exit) as daemon:
+    with start_daemon(
+        tmp_path, *flags, *args, env=env, expect_exit=expect_exit, control=control
+    ) as daemon:
         deadline = time.monotonic() + READY_TIMEOUT_S
         # NOTE: a readiness probe, as a load balancer's: the API processes start after the
         # daemon answers, and nothing else says when they accept.
