@@ -54,6 +54,7 @@ class ApiApp:
             config=config, client=client, welcome=welcome, tokenizer=tokenizer
         )
         self.model_names = context.model_names
+        self._context = context
         self._keys = BearerKeys(tuple(config.api_key or ()), guard_metrics=config.api_key_metrics)
         completions = CompletionServer(context)
         chat = ChatServer(context)
@@ -92,6 +93,10 @@ class ApiApp:
         except (TimeoutError, ConnectionError):
             log.warning("daemon did not answer", path=path)
             return _answer(engine_dead())
+
+    async def close(self) -> None:
+        """Close the connections to prefill daemons this server pulled KV from."""
+        await self._context.disagg.handoffs.close()
 
     def error_response(self, status: int, message: str) -> HttpResponse:
         """vLLM's error body for `status`: the HTTP server's own refusals (its ErrorFactory)."""

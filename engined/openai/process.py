@@ -81,9 +81,12 @@ async def serve(config: DaemonConfig, listen_fd: int, index: int) -> int:
         # listens, so connections made meanwhile wait in its backlog.
         sys.stdout.buffer.write(b"ready\n")
         sys.stdout.buffer.flush()
-        await server.serve(sock)
-        for task in stopping:
-            await task
+        try:
+            await server.serve(sock)
+            for task in stopping:
+                await task
+        finally:
+            await app.close()
     finally:
         await client.close()
         sock.close()
