@@ -14,6 +14,7 @@ import asyncio
 import json
 import resource
 import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -232,9 +233,8 @@ def test_a_client_that_never_reads_its_stream(api: ApiDaemon) -> None:
                     await served(api, client, first)
                 assert (await client.stats()).ranks[0].running == 1
             finally:
-                sock.setsockopt(
-                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
-                )
+                # Linger 0: an RST, as from a client killed with unread data.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 sock.close()
             await idle(client)
 
