@@ -111,7 +111,12 @@ class ServingContext:
         """vLLM's checks of one tokenized prompt; returns the max_tokens it runs with."""
         requested, field = requested_max_tokens(request)
         error = context_length_error(
-            self.max_model_len, len(ids), requested, max_tokens_param=field, from_text=from_text
+            self.max_model_len,
+            len(ids),
+            requested,
+            max_tokens_param=field,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+            from_text=from_text,
         )
         if error is not None:
             raise error

@@ -154,7 +154,11 @@ class _Run:
         choice = self.choices[delta.choice_index]
         if choice.done:
             return None
-        text, counted = choice.text.push(delta.token_ids, final=delta.finished)
+        text, counted = choice.text.push(
+            delta.token_ids,
+            final=delta.finished,
+            stop_terminated=delta.finished and delta.finish_reason == "stop",
+        )
         ids = delta.token_ids if counted == len(delta.token_ids) else delta.token_ids[:counted]
         first = choice.tokens
         choice.tokens += counted

@@ -32,19 +32,26 @@ class ChoiceText:
     def __post_init__(self) -> None:
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
-    def push(self, token_ids: Sequence[int], *, final: bool) -> tuple[str, int]:
+    def push(
+        self, token_ids: Sequence[int], *, final: bool, stop_terminated: bool = False
+    ) -> tuple[str, int]:
         """The text that may be sent now for `token_ids`, and how many of them count.
 
         Without stop strings every token counts. With them tokens are read one at a time,
         as vLLM's detokenizer does, and those after the one that completed a stop string
-        are dropped: the request finished there.
+        are dropped: the request finished there. A request the engine ended on a stop token
+        (`stop_terminated`) counts that token but, as vLLM's detokenizer, leaves its text out
+        unless the stop is to be included.
         """
+        shown = token_ids
+        if stop_terminated and not self.include_stop and token_ids:
+            shown = token_ids[:-1]
         if not self.stop:
-            return (self.detokenizer.push(token_ids) if token_ids else ""), len(token_ids)
+            return (self.detokenizer.push(shown) if shown else ""), len(token_ids)
         if self.stopped is not None:
             return "", 0
         sent: list[str] = []
-        for count, token in enumerate(token_ids, 1):
+        for count, token in enumerate(shown, 1):
             pending = self._held + self.detokenizer.push((token,))
             cut = self._find_stop(pending)
             if cut is not None:
