@@ -107,6 +107,19 @@ class ServingContext:
             return self.model_name
         raise model_not_found(requested, self.model_names)
 
+    def truncate(self, request: Request, ids: list[int]) -> list[int]:
+        """`truncate_prompt_tokens` as vLLM applies it: the first or last N tokens
+        (`truncation_side`, else the tokenizer's side), -1 for the context less one token."""
+        keep = request.truncate_prompt_tokens
+        if keep is None or keep > self.max_model_len:
+            return ids  # the second one is refused by check_prompt, with vLLM's message
+        if keep < 0:
+            keep = self.max_model_len - 1
+        if keep >= len(ids):
+            return ids
+        side = request.truncation_side or self.tokenizer.truncation_side
+        return ids[len(ids) - keep :] if side == "left" else ids[:keep]
+
     def check_prompt(self, request: Request, ids: Sequence[int], *, from_text: bool) -> int:
         """vLLM's checks of one tokenized prompt; returns the max_tokens it runs with."""
         requested, field = requested_max_tokens(request)

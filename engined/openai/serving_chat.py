@@ -92,6 +92,7 @@ class ChatServer:
         except ChatTemplateError as error:
             raise ApiError(400, str(error), "BadRequestError") from None
         ids = context.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+        ids = context.truncate(request, ids)
         max_tokens = context.check_prompt(request, ids, from_text=True)
         request_id = f"chatcmpl-{base_request_id(http.headers, request.request_id)}"
         runs = samples(

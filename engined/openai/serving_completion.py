@@ -81,7 +81,9 @@ class CompletionServer:
         request_id = f"cmpl-{base_request_id(http.headers, request.request_id)}"
         n = request.n
         runs = []
-        for i, (text, ids) in enumerate(prompts):
+        for i, (text, whole) in enumerate(prompts):
+            ids = context.truncate(request, whole)
+            prompts[i] = (text if ids is whole else None, ids)
             max_tokens = context.check_prompt(request, ids, from_text=text is not None)
             runs.extend(
                 samples(

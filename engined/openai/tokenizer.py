@@ -123,6 +123,9 @@ class Tokenizer:
         except ModelDirError as exc:
             raise TokenizerError(f"{exc}; {_WHAT_TO_PASS}") from None
         self._chat_template = _chat_templates(path, config)
+        # transformers' default side for `truncate_prompt_tokens` without `truncation_side`.
+        side = config.get("truncation_side")
+        self.truncation_side: str = side if side in ("left", "right") else "right"
         self.vocab_size = info.vocab_size
         self.max_position_embeddings = info.max_position_embeddings
         self.excluded_token_ids = info.excluded_token_ids
