@@ -105,7 +105,7 @@ def process_table(cluster: Any) -> dict[str, int]:
     return table
 
 
-def _wait_health(url: str, daemon: Any) -> None:
+def wait_health(url: str, daemon: Any) -> None:
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     while time.monotonic() < deadline:
         daemon.check_alive()
@@ -165,7 +165,7 @@ def run_backend(
                 api = ["--host", "127.0.0.1", "--port", str(port), "--api-server-count", count]
                 daemon = cluster.engined_daemon(*engine, *api, env=env)
                 url = f"http://127.0.0.1:{port}"
-                _wait_health(url, daemon)
+                wait_health(url, daemon)
                 ids = "token_ids"
             print(f"{tag} up in {time.perf_counter() - started:.1f} s (logs: {workdir / backend})")
         except AssertionError as exc:
