@@ -55,7 +55,7 @@ HEALTH_TIMEOUT_S = 60.0
 # server (`python -m engined.openai`) and dumps on a normal exit (SIGTERM drains, then exits).
 _SITECUSTOMIZE = """\
 import atexit, cProfile, os
-_out = os.environ.get("ENGINED_BENCH_PROFILE_DIR")
+_out = os.environ.get("OPENAI_E2E_PROFILE_DIR")
 try:
     _cmd = open("/proc/self/cmdline", "rb").read()
 except OSError:
@@ -119,6 +119,18 @@ def wait_health(url: str, daemon: Any) -> None:
     raise AssertionError(f"no /health within {HEALTH_TIMEOUT_S:.0f} s\n{daemon.describe()}")
 
 
+def engined_version() -> str:
+    """`engined --version`, one line: the release and whether the core is compiled or pure."""
+    # NOTE: the core's build ("core: compiled (mypyc)" or pure) goes to stderr.
+    text = subprocess.run(
+        [sys.executable, "-m", "engined.cli", "--version"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ).stdout
+    return ", ".join(line for line in text.splitlines() if line)
+
+
 def run_backend(
     backend: str, args: argparse.Namespace, python: Path, model: Path, workdir: Path
 ) -> dict[str, Any] | None:
@@ -149,7 +161,7 @@ def run_backend(
         args.profile.mkdir(parents=True, exist_ok=True)
         env = {
             "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-            "ENGINED_BENCH_PROFILE_DIR": str(args.profile.absolute()),
+            "OPENAI_E2E_PROFILE_DIR": str(args.profile.absolute()),
         }
     with DynamoCluster(python, workdir / backend, model_path=model, model_name=MODEL) as cluster:
         try:
@@ -307,14 +319,7 @@ def main() -> None:
         max_position_embeddings=max(4096, args.isl + args.osl),
         python=python,
     )
-    version = (
-        subprocess.run(
-            [sys.executable, "-m", "engined.cli", "--version"], capture_output=True, text=True
-        )
-        .stdout.strip()
-        .replace("\n", ", ")
-    )
-    print(f"{version}; load average {os.getloadavg()[0]:.2f} at start")
+    print(f"{engined_version()}; load average {os.getloadavg()[0]:.2f} at start")
     runs: dict[str, list[dict[str, Any]]] = {backend: [] for backend in args.backends}
     for round_ in range(args.rounds):
         for backend in args.backends:

@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from dynamo_e2e import LOADGEN_TIMEOUT_S, MODEL, VOCAB_WORDS  # noqa: E402
-from openai_e2e import wait_health  # noqa: E402
+from openai_e2e import engined_version, wait_health  # noqa: E402
 
 TARGET = 0.10
 
@@ -94,7 +94,8 @@ def main() -> None:
         str(args.overhead_ms),
     ]
     url = f"http://127.0.0.1:{port}"
-    print(f"load average {os.getloadavg()[0]:.2f} at start; engined serve {' '.join(flags[1:])}")
+    print(f"{engined_version()}; load average {os.getloadavg()[0]:.2f} at start")
+    print(f"engined serve MODEL {' '.join(flags[1:])}")
     with DynamoCluster(python, workdir, model_path=model, model_name=MODEL) as cluster:
         wait_health(url, cluster.engined_daemon(*flags))
         command = [str(python), str(REPO_ROOT / "benchmarks" / "dynamo_e2e.py"), "loadgen"]
