@@ -250,6 +250,7 @@ def loadgen_main(argv: list[str]) -> None:
         ttft_p99_ms=percentile(ttft, 99),
         itl_p50_ms=percentile(itl, 50),
         itl_p99_ms=percentile(itl, 99),
+        itl_mean_ms=sum(itl) / len(itl) if itl else float("nan"),
         itl_samples=len(itl),
     )
     print(json.dumps(result))

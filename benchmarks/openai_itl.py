@@ -13,10 +13,13 @@ exactly `--decode-ms` (`--fixed-decode-ms-per-pass`) and one that also prefills 
 
 Printed: the client-observed ITL p50 and p99 against the modelled decode pass, their ratio
 (target within 10%), TTFT, and how many streams had fewer chunks than half their tokens
-(target: none; such a stream got tokens of several passes in one chunk).
+(target: none; such a stream got tokens of several passes in one chunk). Also the mean ITL
+as the client sees it beside the daemon's own (`vllm:inter_token_latency_seconds` from
+the daemon's `--http-port`, pass end to pass end): what lies between the two is the API server's.
 
     .venv/bin/python benchmarks/openai_itl.py [--concurrency 64] [--requests 256]
         [--isl 128] [--osl 256] [--decode-ms 10] [--api-server-count 1]
+        [--realtime-priority 0]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +40,19 @@ from dynamo_e2e import LOADGEN_TIMEOUT_S, MODEL, VOCAB_WORDS  # noqa: E402
 from openai_e2e import engined_version, wait_health  # noqa: E402
 
 TARGET = 0.10
+
+
+def daemon_itl(url: str) -> tuple[float, float]:
+    """`vllm:inter_token_latency_seconds` sum and count, as the daemon measures its passes."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10.0) as reply:
+        text = reply.read().decode()
+    totals = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for suffix in totals:
+            if name.startswith(f"vllm:inter_token_latency_seconds{suffix}"):
+                totals[suffix] += float(value.split()[0])
+    return totals["_sum"], totals["_count"]
 
 
 def main() -> None:
@@ -51,6 +68,12 @@ def main() -> None:
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.02)
     parser.add_argument("--overhead-ms", type=float, default=1.0)
     parser.add_argument("--api-server-count", type=int, default=1)
+    parser.add_argument(
+        "--realtime-priority",
+        type=int,
+        default=0,
+        help="the daemon's --realtime-priority (SCHED_FIFO ranks; needs CAP_SYS_NICE)",
+    )
     parser.add_argument(
         "--peers-python",
         type=Path,
@@ -71,7 +94,7 @@ def main() -> None:
         max_position_embeddings=max(4096, args.isl + args.osl),
         python=python,
     )
-    port = free_tcp_port()
+    port, metrics_port = free_tcp_port(), free_tcp_port()
     flags = [
         str(model),
         "--served-model-name",
@@ -82,6 +105,8 @@ def main() -> None:
         str(port),
         "--api-server-count",
         str(args.api_server_count),
+        "--http-port",
+        str(metrics_port),
         "--speedup-ratio",
         "1",
         "--perf-model",
@@ -92,12 +117,17 @@ def main() -> None:
         str(args.prefill_ms_per_token),
         "--fixed-pass-overhead-ms",
         str(args.overhead_ms),
+        "--realtime-priority",
+        str(args.realtime_priority),
     ]
     url = f"http://127.0.0.1:{port}"
+    # NOTE: the daemon's own Prometheus port: /metrics on the API port is part d's, to come.
+    metrics = f"http://127.0.0.1:{metrics_port}"
     print(f"{engined_version()}; load average {os.getloadavg()[0]:.2f} at start")
     print(f"engined serve MODEL {' '.join(flags[1:])}")
     with DynamoCluster(python, workdir, model_path=model, model_name=MODEL) as cluster:
         wait_health(url, cluster.engined_daemon(*flags))
+        before = daemon_itl(metrics)
         command = [str(python), str(REPO_ROOT / "benchmarks" / "dynamo_e2e.py"), "loadgen"]
         command += ["--url", url, "--ids", "token_ids", "--requests", str(args.requests)]
         command += ["--concurrency", str(args.concurrency), "--warmup", str(args.warmup)]
@@ -106,6 +136,7 @@ def main() -> None:
         run = subprocess.run(
             command, capture_output=True, text=True, timeout=LOADGEN_TIMEOUT_S, env=env
         )
+        after = daemon_itl(metrics)
     if run.returncode != 0:
         sys.exit(f"load generator failed:\n{run.stderr[-3000:]}")
     r = json.loads(run.stdout.strip().splitlines()[-1])
@@ -120,6 +151,13 @@ def main() -> None:
     print(f"modelled decode pass      {args.decode_ms:.2f} ms")
     print(f"client ITL p50            {r['itl_p50_ms']:.2f} ms  ({ratio:.3f} of the pass)")
     print(f"client ITL p99            {r['itl_p99_ms']:.2f} ms")
+    itl_sum, itl_count = after[0] - before[0], after[1] - before[1]
+    if itl_count:
+        print(
+            f"ITL mean: client {r['itl_mean_ms']:.2f} ms, the daemon's own "
+            f"{itl_sum / itl_count * 1000:.2f} ms (vllm:inter_token_latency_seconds, "
+            "warm-up included)"
+        )
     print(f"client TTFT p50 / p99     {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} ms")
     print(
         f"streams with fewer chunks than half their tokens: {r['short_streams']} "
