@@ -62,12 +62,18 @@ def percentile(values: list[float], q: float) -> float:
 # --- the load generator (peers venv: stdlib + aiohttp) ----------------------------------------
 
 
-def _count_ids(payload: bytes) -> int:
-    """Token ids in a chunk's `nvext.completion_token_ids`, without parsing the JSON."""
-    start = payload.find(b'"completion_token_ids":[')
+# Where a chunk carries its token ids: Dynamo's `nvext.completion_token_ids`, or vLLM's
+# `choices[].token_ids` (`return_token_ids: true`, engined's own API server). Either way the
+# ids of the chunk's one choice are counted, never the usage.
+ID_KEYS = {"nvext": b'"completion_token_ids":[', "token_ids": b'"token_ids":['}
+
+
+def _count_ids(payload: bytes, key: bytes = ID_KEYS["nvext"]) -> int:
+    """Token ids in a chunk's id list named by `key`, without parsing the JSON."""
+    start = payload.find(key)
     if start < 0:
         return 0
-    start += len(b'"completion_token_ids":[')
+    start += len(key)
     end = payload.find(b"]", start)
     return 0 if end == start else payload.count(b",", start, end) + 1
 
@@ -76,12 +82,15 @@ def _prompt(rng: random.Random, isl: int) -> str:
     return " ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(isl))
 
 
-async def _one(session: Any, url: str, body: bytes, isl: int, osl: int) -> dict[str, Any]:
-    """One streamed request: {"ok", "ttft", "itl": [...], "tokens", "end", "error"}."""
+async def _one(
+    session: Any, url: str, body: bytes, isl: int, osl: int, key: bytes
+) -> dict[str, Any]:
+    """One streamed request: {"ok", "ttft", "itl": [...], "tokens", "chunks", "end", "error"}
+    (`chunks`: those that carried tokens)."""
     sent = time.perf_counter()
     first = last = None
     itl: list[float] = []
-    tokens = 0
+    tokens = chunks = 0
     usage: dict[str, Any] | None = None
     done = False
     error = ""
@@ -109,8 +118,9 @@ async def _one(session: Any, url: str, body: bytes, isl: int, osl: int) -> dict[
                 if event == b"error" or payload.startswith(b'{"error"'):
                     error = f"stream error: {payload[:200]!r}"
                     break
-                n = _count_ids(payload)
+                n = _count_ids(payload, key)
                 if n:
+                    chunks += 1
                     now = time.perf_counter()
                     if first is None:
                         first = now
@@ -134,13 +144,28 @@ async def _one(session: Any, url: str, body: bytes, isl: int, osl: int) -> dict[
         elif usage.get("completion_tokens") != osl or tokens != osl:
             error = f"{tokens} ids, completion_tokens {usage.get('completion_tokens')} != {osl}"
     ttft = None if first is None else first - sent
-    return {"ok": not error, "error": error, "ttft": ttft, "itl": itl, "tokens": tokens, "end": end}
+    return {
+        "ok": not error,
+        "error": error,
+        "ttft": ttft,
+        "itl": itl,
+        "tokens": tokens,
+        "chunks": chunks,
+        "end": end,
+    }
 
 
 async def _loadgen(args: argparse.Namespace) -> dict[str, Any]:
     import aiohttp  # type: ignore[import-not-found, unused-ignore]  # the peers venv's
 
     url = f"{args.url.rstrip('/')}/v1/completions"
+
+    key = ID_KEYS[args.ids]
+    ids: dict[str, Any] = (
+        {"nvext": {"extra_fields": ["completion_token_ids"]}}
+        if args.ids == "nvext"
+        else {"return_token_ids": True}
+    )
 
     def body(rng: random.Random) -> bytes:
         return json.dumps(
@@ -152,7 +177,7 @@ async def _loadgen(args: argparse.Namespace) -> dict[str, Any]:
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
-                "nvext": {"extra_fields": ["completion_token_ids"]},
+                **ids,
             }
         ).encode()
 
@@ -163,7 +188,7 @@ async def _loadgen(args: argparse.Namespace) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=args.request_timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         warm_results = await asyncio.gather(
-            *(_one(session, url, b, args.isl, args.osl) for b in warm)
+            *(_one(session, url, b, args.isl, args.osl, key) for b in warm)
         )
         warm_failed = [r["error"] for r in warm_results if not r["ok"]]
         queue = list(reversed(bodies))
@@ -171,7 +196,7 @@ async def _loadgen(args: argparse.Namespace) -> dict[str, Any]:
 
         async def client() -> None:
             while queue:
-                results.append(await _one(session, url, queue.pop(), args.isl, args.osl))
+                results.append(await _one(session, url, queue.pop(), args.isl, args.osl, key))
 
         cpu0 = time.process_time()
         start = time.perf_counter()
@@ -190,6 +215,10 @@ async def _loadgen(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_failed": warm_failed[:3],
         "wall_s": wall,
         "output_tokens": sum(r["tokens"] for r in ok),
+        # A request whose tokens came in fewer chunks than half their number was batched up
+        # on its way: its tokens did not leave on the pass that made them.
+        "short_streams": sum(1 for r in ok if 2 * r["chunks"] < r["tokens"]),
+        "min_chunks_per_token": min((r["chunks"] / r["tokens"] for r in ok), default=0.0),
         "ttft_ms": [r["ttft"] * 1000 for r in ok if r["ttft"] is not None],
         "itl_ms": [d * 1000 for r in ok for d in r["itl"]],
         "cpu_s": cpu,
@@ -207,6 +236,7 @@ def loadgen_main(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--ids", choices=sorted(ID_KEYS), default="nvext")
     args = parser.parse_args(argv)
     try:
         import uvloop
@@ -220,6 +250,7 @@ def loadgen_main(argv: list[str]) -> None:
         ttft_p99_ms=percentile(ttft, 99),
         itl_p50_ms=percentile(itl, 50),
         itl_p99_ms=percentile(itl, 99),
+        itl_mean_ms=sum(itl) / len(itl) if itl else float("nan"),
         itl_samples=len(itl),
     )
     print(json.dumps(result))
@@ -261,7 +292,14 @@ def run_backend(
             frontend = cluster.frontend(router_mode=args.router_mode)
             if backend == "engined":
                 daemon = cluster.engined_daemon(
-                    "--speedup-ratio", "0", "--model-name", MODEL, *engine
+                    # No OpenAI API server of its own: Dynamo's frontend is the API here.
+                    "--speedup-ratio",
+                    "0",
+                    "--model-name",
+                    MODEL,
+                    "--port",
+                    "",
+                    *engine,
                 )
                 cluster.engined_worker(daemon)
             else:
