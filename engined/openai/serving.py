@@ -44,9 +44,6 @@ UNTRUSTED_TEMPLATE = (
     "Chat template is passed with request, but --trust-request-chat-template is not set. "
     "Refused request with untrusted chat template."
 )
-# vLLM names finish reasons as the OpenAI API does; a request the daemon cancelled (its drain
-# ran out) is vLLM's aborted one.
-FINISH_REASONS: Mapping[str, str] = {"length": "length", "stop": "stop", "cancelled": "abort"}
 
 
 def engine_refusal(error: EngineError) -> ApiError:

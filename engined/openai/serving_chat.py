@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engined.client import EngineError
-from engined.openai.errors import ApiError, generation_error
-from engined.openai.generation import Delta, Generation
+from engined.openai.choices import Choice, steps
+from engined.openai.errors import ApiError
+from engined.openai.generation import Generation
 from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
 from engined.openai.logprobs import chat_logprobs
 from engined.openai.protocol import ChatCompletionRequest, decode_chat_request
@@ -43,7 +44,6 @@ from engined.openai.protocol_responses import (
 )
 from engined.openai.protocol_sampling import sample_logprobs
 from engined.openai.serving import (
-    FINISH_REASONS,
     ServingContext,
     base_request_id,
     check_template_trust,
@@ -57,15 +57,7 @@ from engined.openai.tokenizer import ChatTemplateError
 
 
 @dataclass(slots=True)
-class _Choice:
-    index: int
-    text: ChoiceText
-    tokens: int = 0
-    done: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    all_text: list[str] = field(default_factory=list)
-    all_ids: list[int] = field(default_factory=list)
+class _Choice(Choice):
     logprobs: list[ChatCompletionLogProbsContent] = field(default_factory=list)
 
 
@@ -150,30 +142,6 @@ class _Run:
     role: str
     echo: str
 
-    def _step(self, delta: Delta) -> tuple[_Choice, str, list[int], int] | None:
-        """(choice, text, counted ids, first position) of a delta; None once it is done."""
-        choice = self.choices[delta.choice_index]
-        if choice.done:
-            return None
-        text, counted = choice.text.push(
-            delta.token_ids,
-            final=delta.finished,
-            stop_terminated=delta.finished and delta.finish_reason == "stop",
-        )
-        ids = delta.token_ids if counted == len(delta.token_ids) else delta.token_ids[:counted]
-        first = choice.tokens
-        choice.tokens += counted
-        if choice.text.stopped is not None:
-            choice.done = True
-            choice.finish_reason, choice.stop_reason = "stop", choice.text.stopped
-        elif delta.finished:
-            choice.done = True
-            if delta.finish_reason == "rejected":
-                raise generation_error()
-            choice.finish_reason = FINISH_REASONS.get(delta.finish_reason or "", "length")
-            choice.stop_reason = delta.stop_reason
-        return choice, text, ids, first
-
     def _logprobs(
         self, choice: _Choice, ids: list[int], first: int
     ) -> ChatCompletionLogProbs | None:
@@ -223,50 +191,42 @@ class _Run:
                     if continuous:
                         echoed.usage = continuous_usage(prompt_tokens, 0, chat=True)
                     yield sse(ENCODE(echoed))
-            deltas = generation.deltas()
-            async with contextlib.aclosing(deltas):
-                async for batch in deltas:
-                    for delta in batch:
-                        step = self._step(delta)
-                        if step is None:
-                            continue
-                        choice, text, ids, first = step
-                        if choice.text.stopped is not None:
-                            generation.stop(choice.index)
-                        logprobs = self._logprobs(choice, ids, first)
-                        message = DeltaMessage(content=text) if text else DeltaMessage()
-                        if choice.finish_reason is not None:
-                            streamed = chat_finish_choice(
-                                choice.index,
-                                message,
-                                choice.finish_reason,
-                                logprobs=logprobs,
-                                stop_reason=choice.stop_reason,
-                                token_ids=ids if token_ids else None,
-                            )
-                        elif not text and logprobs is None and not token_ids:
-                            continue
-                        else:
-                            streamed = ChatCompletionResponseStreamChoice(
-                                index=choice.index,
-                                delta=message,
-                                logprobs=logprobs,
-                                token_ids=ids if token_ids else None,
-                            )
-                        chunk = ChatCompletionStreamResponse(
-                            id=self.request_id,
-                            created=self.created,
-                            model=self.model,
-                            choices=[streamed],
-                            kv_transfer_params=generation.kv_transfer_params
-                            if choice.finish_reason is not None
-                            else None,
+            progress = steps(generation, self.choices)
+            async with contextlib.aclosing(progress):
+                async for step in progress:
+                    choice, text, ids, first = step.choice, step.text, step.ids, step.first
+                    logprobs = self._logprobs(choice, ids, first)
+                    message = DeltaMessage(content=text) if text else DeltaMessage()
+                    if choice.finish_reason is not None:
+                        streamed = chat_finish_choice(
+                            choice.index,
+                            message,
+                            choice.finish_reason,
+                            logprobs=logprobs,
+                            stop_reason=choice.stop_reason,
+                            token_ids=ids if token_ids else None,
                         )
-                        if continuous:
-                            chunk.usage = continuous_usage(prompt_tokens, choice.tokens, chat=True)
-                        yield sse(ENCODE(chunk))
-                    if all(choice.done for choice in self.choices):
-                        break
+                    elif not text and logprobs is None and not token_ids:
+                        continue
+                    else:
+                        streamed = ChatCompletionResponseStreamChoice(
+                            index=choice.index,
+                            delta=message,
+                            logprobs=logprobs,
+                            token_ids=ids if token_ids else None,
+                        )
+                    chunk = ChatCompletionStreamResponse(
+                        id=self.request_id,
+                        created=self.created,
+                        model=self.model,
+                        choices=[streamed],
+                        kv_transfer_params=generation.kv_transfer_params
+                        if choice.finish_reason is not None
+                        else None,
+                    )
+                    if continuous:
+                        chunk.usage = continuous_usage(prompt_tokens, choice.tokens, chat=True)
+                    yield sse(ENCODE(chunk))
             if include_usage:
                 completion = sum(choice.tokens for choice in self.choices)
                 cached, created = self._cached(generation)
@@ -282,23 +242,15 @@ class _Run:
 
     async def collect(self, generation: Generation) -> HttpResponse:
         try:
-            deltas = generation.deltas()
-            async with contextlib.aclosing(deltas):
-                async for batch in deltas:
-                    for delta in batch:
-                        step = self._step(delta)
-                        if step is None:
-                            continue
-                        choice, text, ids, first = step
-                        if choice.text.stopped is not None:
-                            generation.stop(choice.index)
-                        choice.all_text.append(text)
-                        choice.all_ids.extend(ids)
-                        logprobs = self._logprobs(choice, ids, first)
-                        if logprobs is not None and logprobs.content:
-                            choice.logprobs.extend(logprobs.content)
-                    if all(choice.done for choice in self.choices):
-                        break
+            progress = steps(generation, self.choices)
+            async with contextlib.aclosing(progress):
+                async for step in progress:
+                    choice, text, ids, first = step.choice, step.text, step.ids, step.first
+                    choice.all_text.append(text)
+                    choice.all_ids.extend(ids)
+                    logprobs = self._logprobs(choice, ids, first)
+                    if logprobs is not None and logprobs.content:
+                        choice.logprobs.extend(logprobs.content)
         finally:
             await generation.close()
         completion = sum(choice.tokens for choice in self.choices)

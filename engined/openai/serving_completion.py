@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engined.client import EngineError
-from engined.openai.errors import ApiError, generation_error
-from engined.openai.generation import Delta, Generation
+from engined.openai.choices import Choice, Step, steps
+from engined.openai.errors import ApiError
+from engined.openai.generation import Generation
 from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
 from engined.openai.logprobs import completion_logprobs
 from engined.openai.protocol import CompletionRequest, decode_completion_request
@@ -35,7 +36,6 @@ from engined.openai.protocol_responses import (
 )
 from engined.openai.protocol_sampling import check_completion_prompt, echo_only, sample_logprobs
 from engined.openai.serving import (
-    FINISH_REASONS,
     ServingContext,
     base_request_id,
     created_now,
@@ -47,18 +47,10 @@ from engined.openai.text import ChoiceText
 
 
 @dataclass(slots=True)
-class _Choice:
-    index: int
-    prompt: int
-    text: ChoiceText
-    tokens: int = 0
+class _Choice(Choice):
+    prompt: int = 0
     text_offset: int = 0
     echoed: bool = False
-    done: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    all_text: list[str] = field(default_factory=list)
-    all_ids: list[int] = field(default_factory=list)
 
 
 class CompletionServer:
@@ -136,23 +128,12 @@ class _Run:
         text, ids = self.prompts[index]
         return text if text is not None else self.context.tokenizer.decode(ids)
 
-    def _step(
-        self, delta: Delta
-    ) -> tuple[_Choice, str, list[int], CompletionLogProbs | None] | None:
-        """What a delta adds to its choice: text, token ids (with the echoed prompt first) and
-        their logprobs; None when it adds nothing (vLLM sends no empty chunk)."""
-        choice = self.choices[delta.choice_index]
-        if choice.done:
-            return None
-        text, counted = choice.text.push(
-            delta.token_ids,
-            final=delta.finished,
-            stop_terminated=delta.finished and delta.finish_reason == "stop",
-        )
-        ids = delta.token_ids if counted == len(delta.token_ids) else delta.token_ids[:counted]
-        first = choice.tokens
-        choice.tokens += counted
-        self._finish(choice, delta)
+    def _chunk(
+        self, step: Step[_Choice]
+    ) -> tuple[str, list[int], CompletionLogProbs | None] | None:
+        """What a step sends: text, token ids (with the echoed prompt first) and their
+        logprobs; None when it adds nothing (vLLM sends no empty chunk)."""
+        choice, text, ids = step.choice, step.text, step.ids
         if echo_only(self.request):
             text, ids = "", []
         echoed: list[int] = []
@@ -162,18 +143,7 @@ class _Run:
             text = self._prompt_text(choice.prompt) + text
         elif not text and not ids and choice.finish_reason is None:
             return None
-        return choice, text, [*echoed, *ids], self._logprobs(choice, echoed, ids, first)
-
-    def _finish(self, choice: _Choice, delta: Delta) -> None:
-        if choice.text.stopped is not None:
-            choice.done = True
-            choice.finish_reason, choice.stop_reason = "stop", choice.text.stopped
-        elif delta.finished:
-            choice.done = True
-            if delta.finish_reason == "rejected":
-                raise generation_error()
-            choice.finish_reason = FINISH_REASONS.get(delta.finish_reason or "", "length")
-            choice.stop_reason = delta.stop_reason
+        return text, [*echoed, *ids], self._logprobs(choice, echoed, ids, step.first)
 
     def _logprobs(
         self, choice: _Choice, echoed: list[int], ids: list[int], first: int
@@ -212,41 +182,36 @@ class _Run:
         continuous = include_usage and options is not None and bool(options.continuous_usage_stats)
         token_ids = bool(self.request.return_token_ids)
         try:
-            deltas = generation.deltas()
-            async with contextlib.aclosing(deltas):
-                async for batch in deltas:
-                    for delta in batch:
-                        step = self._step(delta)
-                        if step is None:
-                            continue
-                        choice, text, ids, logprobs = step
-                        if choice.text.stopped is not None:
-                            generation.stop(choice.index)
-                        chunk = CompletionStreamResponse(
-                            id=self.request_id,
-                            created=self.created,
-                            model=self.model,
-                            choices=[
-                                CompletionResponseStreamChoice(
-                                    index=choice.index,
-                                    text=text,
-                                    logprobs=logprobs,
-                                    finish_reason=choice.finish_reason,
-                                    stop_reason=choice.stop_reason,
-                                    token_ids=ids if token_ids else None,
-                                )
-                            ],
-                            kv_transfer_params=generation.kv_transfer_params
-                            if choice.finish_reason is not None
-                            else None,
-                        )
-                        if continuous:
-                            chunk.usage = continuous_usage(
-                                len(self.prompts[choice.prompt][1]), choice.tokens, chat=False
+            progress = steps(generation, self.choices)
+            async with contextlib.aclosing(progress):
+                async for step in progress:
+                    sent = self._chunk(step)
+                    if sent is None:
+                        continue
+                    choice, (text, ids, logprobs) = step.choice, sent
+                    chunk = CompletionStreamResponse(
+                        id=self.request_id,
+                        created=self.created,
+                        model=self.model,
+                        choices=[
+                            CompletionResponseStreamChoice(
+                                index=choice.index,
+                                text=text,
+                                logprobs=logprobs,
+                                finish_reason=choice.finish_reason,
+                                stop_reason=choice.stop_reason,
+                                token_ids=ids if token_ids else None,
                             )
-                        yield sse(ENCODE(chunk))
-                    if all(choice.done for choice in self.choices):
-                        break
+                        ],
+                        kv_transfer_params=generation.kv_transfer_params
+                        if choice.finish_reason is not None
+                        else None,
+                    )
+                    if continuous:
+                        chunk.usage = continuous_usage(
+                            len(self.prompts[choice.prompt][1]), choice.tokens, chat=False
+                        )
+                    yield sse(ENCODE(chunk))
             if include_usage:
                 prompt_tokens, completion_tokens = self._counts()
                 final = final_stream_usage(
@@ -268,22 +233,17 @@ class _Run:
     async def collect(self, generation: Generation) -> HttpResponse:
         logprobs: list[list[CompletionLogProbs]] = [[] for _ in self.choices]
         try:
-            deltas = generation.deltas()
-            async with contextlib.aclosing(deltas):
-                async for batch in deltas:
-                    for delta in batch:
-                        step = self._step(delta)
-                        if step is None:
-                            continue
-                        choice, text, ids, chunk_logprobs = step
-                        if choice.text.stopped is not None:
-                            generation.stop(choice.index)
-                        choice.all_text.append(text)
-                        choice.all_ids.extend(ids)
-                        if chunk_logprobs is not None:
-                            logprobs[choice.index].append(chunk_logprobs)
-                    if all(choice.done for choice in self.choices):
-                        break
+            progress = steps(generation, self.choices)
+            async with contextlib.aclosing(progress):
+                async for step in progress:
+                    sent = self._chunk(step)
+                    if sent is None:
+                        continue
+                    text, ids, chunk_logprobs = sent
+                    step.choice.all_text.append(text)
+                    step.choice.all_ids.extend(ids)
+                    if chunk_logprobs is not None:
+                        logprobs[step.choice.index].append(chunk_logprobs)
         finally:
             await generation.close()
         prompt_tokens, completion_tokens = self._counts()
