@@ -345,3 +345,18 @@ def test_api_server_and_curve_are_refused_together(tmp_path: Path) -> None:
         str(keys),
     )
     assert (without_api["curve_secret_key_file"], without_api["api_port"]) == (str(keys), "")
+
+
+def test_served_model_name_takes_several_names_as_vllm() -> None:
+    """vLLM's `nargs="+"`: every word up to the next option is a name, the first the one
+    responses carry; MODEL then has to come before, as with vLLM."""
+    config = printed("./m", "--served-model-name", "a", "b", "c", "--port", "9")
+    assert (config["model"], config["model_name"], config["model_aliases"]) == (
+        "./m",
+        "a",
+        ["b", "c"],
+    )
+    assert printed("--model-aliases", "x", "--model-aliases", "y,z")["model_aliases"] == [
+        "x",
+        "y,z",
+    ]

@@ -554,6 +554,7 @@ ISSUE_FLAGS = {
     "--api-key-metrics": "api_key_metrics",
     # Issue 22: `vllm serve`'s own spellings.
     "--model": "model",
+    "--model-aliases": "model_aliases",
     "--tokenizer": "tokenizer",
     "--host": "api_host",
     "--port": "api_port",

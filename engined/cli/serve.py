@@ -37,7 +37,11 @@ def serve(
     **options: Any,
 ) -> None:
     """Run the daemon. Settings: defaults < --config TOML < ENGINED_* environment < flags."""
-    flags = {flag.key: options[flag.dest] for flag in FLAGS if options[flag.dest] is not None}
+    flags = {
+        flag.key: tuple(value) if isinstance(value, list) else value
+        for flag in FLAGS
+        if (value := options[flag.dest]) is not None and value != []
+    }
     try:
         if model_tag is not None:
             if flags.get("model", model_tag) != model_tag:
@@ -102,6 +106,18 @@ def _flag_option(flag: Flag, defaults: DaemonConfig) -> inspect.Parameter:
                 f"{flag.name}/{flag.negation}",
                 *flag.aliases,
                 help=help_text,
+                rich_help_panel=flag.section.capitalize(),
+                show_default=False,
+            ),
+        ]
+    elif flag.repeated:
+        annotation = Annotated[
+            list[str] | None,
+            typer.Option(
+                flag.name,
+                *flag.aliases,
+                help=help_text + " Repeat the option for several.",
+                metavar=flag.metavar,
                 rich_help_panel=flag.section.capitalize(),
                 show_default=False,
             ),
@@ -246,6 +262,9 @@ class ServeCommand(PlainHelpCommand):
         return names
 
 
+SERVED_MODEL_NAME = "--served-model-name"
+
+
 def split_vllm_only(args: list[str], own: dict[str, bool]) -> tuple[list[str], list[str]]:
     """`args` without vLLM's options that engined does not have, and those options' names.
 
@@ -268,6 +287,17 @@ def split_vllm_only(args: list[str], own: dict[str, bool]) -> tuple[list[str], l
         if name.startswith("--"):
             name = "--" + name[2:].replace("_", "-")
         token = name + equals + value
+        if name == SERVED_MODEL_NAME and not equals:
+            # vLLM's `nargs="+"`: every word up to the next option is a served name; the
+            # first is model_name, the others aliases (as argparse reads it, greedily).
+            names = []
+            while index < len(args) and not args[index].startswith("-"):
+                names.append(args[index])
+                index += 1
+            kept.extend((name, *names[:1]))
+            for alias in names[1:]:
+                kept.extend(("--model-aliases", alias))
+            continue
         if name in own:
             kept.append(token)
             if own[name] and not equals and index < len(args):

@@ -22,6 +22,9 @@ class Flag:
     # Other spellings of the same option: vLLM's names where engined had its own first
     # (`--served-model-name` for `--model-name`), so a `vllm serve` command line runs unchanged.
     aliases: tuple[str, ...] = ()
+    # Given once per value (`--model-aliases a --model-aliases b`) for a list of opaque
+    # strings, where no separator can be reserved.
+    repeated: bool = False
 
     @property
     def help(self) -> str:
@@ -134,6 +137,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--api-key-file", "api_key_file", metavar_override="PATH"),
     Flag("--api-key-metrics", "api_key_metrics"),
     Flag("--model", "model", metavar_override="MODEL"),
+    Flag("--model-aliases", "model_aliases", metavar_override="NAME", repeated=True),
     Flag("--tokenizer", "tokenizer"),
     Flag("--host", "api_host"),
     Flag("--port", "api_port"),

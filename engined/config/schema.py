@@ -188,6 +188,11 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model: Annotated[
         str, _help('Local model directory or a name in the HF cache ("" = the embedded model).')
     ] = ""
+    # vLLM's `--served-model-name A B C`: A is model_name (responses and /metrics carry it),
+    # B and C are further names requests may ask for. One per flag; TOML takes a list.
+    model_aliases: Annotated[
+        tuple[str, ...], _help("Further served names (vLLM's further --served-model-name values).")
+    ] = ()
     tokenizer: Annotated[
         str, _help('Tokenizer, when not the model\'s ("builtin" = the embedded one).')
     ] = ""

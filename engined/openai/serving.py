@@ -78,7 +78,7 @@ class ServingContext:
         return cls(
             client=client,
             tokenizer=tokenizer,
-            model_names=(config.model_name,),
+            model_names=(config.model_name, *config.model_aliases),
             root=config.model or tokenizer.name,
             max_model_len=welcome.max_model_len or config.engine.max_model_len or 0,
             block_size=welcome.block_size,

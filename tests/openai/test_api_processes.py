@@ -92,3 +92,29 @@ def test_sigterm_lets_a_stream_finish(tmp_path: Path) -> None:
         reasons = run(scenario(api.base_url, api.daemon))
         assert api.daemon.proc.wait(60) == 0
     assert [reason for reason in reasons if reason] == ["length"]
+
+
+def test_several_served_model_names(tmp_path: Path) -> None:
+    """vLLM's `--served-model-name main other`: both are listed and may be asked for; answers
+    carry the first; an unknown name's 404 lists them."""
+
+    async def scenario(base_url: str) -> None:
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0) as c:
+            listed = [model.id async for model in c.models.list()]
+            assert listed == ["main", "other"]
+            reply = await c.completions.create(model="other", prompt=[1, 2], max_tokens=2)
+            assert reply.model == "main"
+            try:
+                await c.completions.create(model="third", prompt=[1, 2], max_tokens=2)
+            except openai.NotFoundError as error:
+                assert error.body == {
+                    "message": "The model `third` does not exist. Valid aliases: main, other.",
+                    "type": "NotFoundError",
+                    "param": "model",
+                    "code": 404,
+                }
+            else:
+                raise AssertionError("an unknown model was served")
+
+    with start_api(tmp_path, *UNPACED, "--served-model-name", "main", "other") as api:
+        run(scenario(api.base_url))
