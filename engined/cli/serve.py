@@ -98,7 +98,8 @@ def _flag_option(flag: Flag, defaults: DaemonConfig) -> inspect.Parameter:
     same message, naming the key, whether it came from a flag, the environment or the file.
     The help shows the built-in default (the option's own default is None, so typer cannot).
     """
-    help_text = f"{flag.help}  [default: {_default_text(flag, defaults)}]"
+    repeat = " Repeat it for several." if flag.repeated else ""
+    help_text = f"{flag.help}{repeat}  [default: {_default_text(flag, defaults)}]"
     if flag.is_switch:
         annotation: Any = Annotated[
             bool | None,
@@ -116,7 +117,7 @@ def _flag_option(flag: Flag, defaults: DaemonConfig) -> inspect.Parameter:
             typer.Option(
                 flag.name,
                 *flag.aliases,
-                help=help_text + " Repeat the option for several.",
+                help=help_text,
                 metavar=flag.metavar,
                 rich_help_panel=flag.section.capitalize(),
                 show_default=False,
