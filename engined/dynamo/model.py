@@ -54,7 +54,8 @@ def reconcile_vocabulary(model: ModelInfo, welcome: Welcome) -> Vocabulary:
     hint = (
         f"start the daemon with --vocab-size {model.vocab_size} "
         f"--excluded-token-ids '{excluded_text(model.excluded_token_ids)}', "
-        "or without --vocab-size so that the worker sets it"
+        'or without --vocab-size (and with --port "": a daemon serving its own OpenAI API '
+        "draws from its own model's vocabulary) so that the worker sets it"
     )
     if welcome.vocab_size > model.vocab_size:
         raise SetupError(
