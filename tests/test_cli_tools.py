@@ -586,6 +586,7 @@ def test_bench_closed_loop_report(daemon: DaemonProcess) -> None:
     (report,) = records(result.stdout)
     assert set(report) >= REPORT_KEYS
     assert (report["mode"], report["concurrency"], report["rate"]) == ("closed", 4, None)
+    assert report["speedup_ratio"] == 2.0  # as given
     assert (report["requests"], report["failed"], report["errors"]) == (12, 0, {})
     assert report["output_tokens"] == 12 * 8
     assert report["prompt_tokens"] == 12 * 64
@@ -618,6 +619,7 @@ def test_bench_open_loop_and_text_report(daemon: DaemonProcess) -> None:
     assert result.exit_code == 0, result.output
     (report,) = records(result.stdout)
     assert (report["mode"], report["rate"], report["requests"]) == ("open", 400.0, 10)
+    assert report["speedup_ratio"] == 1.0  # the daemon runs at speedup 0: wall time
     assert 10 * 2 <= report["output_tokens"] <= 10 * 6
     assert 10 * 16 <= report["prompt_tokens"] <= 10 * 48
     text = invoke(
@@ -718,3 +720,21 @@ def test_stats_tier_rows_appear_only_with_tiers() -> None:
         [rank(0), rank(1, g2_active_blocks=2, g2_inactive_blocks=5, g2_total_blocks=64)]
     )
     assert rows == [["0", "0", "0", "0", "0", "0", "0"], ["1", "2", "5", "64", "0", "0", "0"]]
+
+
+def test_bench_takes_the_speedup_the_daemon_announces(tmp_path: Path) -> None:
+    """A daemon at speedup 10: latencies are wall x 10 without --speedup-ratio (issue 26)."""
+    with start_daemon(tmp_path, "--speedup-ratio", "10", "--block-size", "16") as paced:
+        result = invoke(
+            "bench",
+            "--requests",
+            "2",
+            "--output-len",
+            "fixed:2",
+            "--json",
+            "--control-endpoint",
+            paced.control,
+        )
+    assert result.exit_code == 0, result.output
+    (report,) = records(result.stdout)
+    assert (report["speedup_ratio"], report["requests"]) == (10.0, 2)

@@ -406,15 +406,15 @@ def bench(
     ] = 1,
     seed: Annotated[int, typer.Option("--seed", help="Seed of prompts, lengths and arrivals.")] = 0,
     speedup_ratio: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--speedup-ratio",
             parser=_seconds,
             metavar="RATIO",
-            help="The daemon's --speedup-ratio: latencies are reported as wall x RATIO "
-            "(modeled time).",
+            help="Latencies are reported as wall x RATIO (modeled time); default: the "
+            "speedup the daemon announces (1 at speedup 0).",
         ),
-    ] = 1.0,
+    ] = None,
     dp_rank: Annotated[
         int | None,
         typer.Option("--dp-rank", min=0, help="Send every request to this rank."),
@@ -434,7 +434,7 @@ def bench(
 ) -> None:
     """Generate load and report throughput, TTFT/ITL/e2e percentiles, prefix hits, preemptions.
 
-    Latencies are in modeled time (wall x --speedup-ratio); throughput
+    Latencies are in modeled time (wall x the daemon's speedup); throughput
     is wall time. Exit status 1 only when no request completed (failures
     are counted in the report).
     """

@@ -13,9 +13,9 @@ and `--shared-prefix-ratio` makes that fraction of every prompt the start of one
 system prompt would. The same seed and options give the same requests in the same order.
 
 Latencies are measured at the client in wall time and reported in **modeled** time:
-`modeled = wall x --speedup-ratio`, where the ratio must be the daemon's own
-`--speedup-ratio` (the protocol does not announce it). A daemon at speedup 0 has no modeled
-wall clock; bench it with `--speedup-ratio 1` to read its latencies as wall time. Throughput is
+`modeled = wall x ratio`, the ratio being the daemon's own speedup as its `welcome` announces
+it, unless `--speedup-ratio` says otherwise. A daemon at speedup 0 has no modeled clock: its
+latencies are reported as wall time (ratio 1). Throughput is
 wall time. Preemptions are the difference of the daemon's counters before and after the run,
 so other clients' load counts too.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
 import uuid
@@ -285,6 +286,9 @@ async def bench(options: BenchOptions, out: Output) -> int:
         # A daemon that does not answer this at once is not there: do not wait --timeout.
         probe_timeout = min(options.timeout, DEFAULT_TIMEOUT)
         before = await fetch_stats(client, options.control_endpoint, probe_timeout)
+        if options.speedup_ratio is None:
+            welcome = await client.hello(timeout=probe_timeout)
+            options = dataclasses.replace(options, speedup_ratio=welcome.speedup_ratio or 1.0)
         with _ProgressBar(out, limit) as progress:
 
             def done(result: RequestResult) -> None:

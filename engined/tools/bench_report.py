@@ -59,7 +59,7 @@ def make_report(
     """
     ok = [r for r in results if r.error is None]
     errors = Counter(r.error for r in results if r.error is not None)
-    to_ms = options.speedup_ratio * 1000.0
+    to_ms = (options.speedup_ratio or 1.0) * 1000.0
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     cached_tokens = sum(r.cached_tokens for r in ok)

@@ -24,7 +24,9 @@ class BenchOptions:
     shared_prefix_ratio: float = 0.0
     prefix_groups: int = 1
     seed: int = 0
-    speedup_ratio: float = 1.0
+    # None: the daemon's, as its `welcome` announces it (1 for one at speedup 0, which has no
+    # modeled clock, or one that does not say).
+    speedup_ratio: float | None = None
     dp_rank: int | None = None
     timeout: float = 60.0
 
