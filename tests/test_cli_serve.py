@@ -279,14 +279,63 @@ def test_kv_events_config_maps_onto_the_kv_events_keys() -> None:
     ) == ("tcp://*:5600", False, "tcp://*:5601", "")
 
 
+def test_kv_events_config_enabled_without_endpoint_binds_vllms_default() -> None:
+    config = printed("--kv-events-config", '{"enable_kv_cache_events": true}')
+    assert (config["kv_events_endpoint"], config["kv_events_connect"]) == ("tcp://*:5557", False)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"enable_kv_cache_events": false}',
+        "{}",
+        '{"enable_kv_cache_events": true, "publisher": "null"}',
+        # vLLM's scheduler emits no events without enable_kv_cache_events, whatever publishes.
+        '{"publisher": "zmq", "endpoint": "tcp://*:6000"}',
+        '{"enable_kv_cache_events": false, "topic": "t", "replay_endpoint": "tcp://*:6001"}',
+    ],
+)
+def test_kv_events_config_disabled_turns_kv_events_off(text: str) -> None:
+    config = printed("--kv-events-config", text)
+    assert (
+        config["kv_events_endpoint"],
+        config.get("kv_replay_endpoint"),
+        config["kv_events_topic"],
+    ) == ("", None, "")
+
+
+def test_kv_events_config_disabled_refuses_a_replay_endpoint_by_both_names() -> None:
+    result = invoke(
+        "--print-config",
+        "--kv-events-config",
+        '{"enable_kv_cache_events": false}',
+        "--kv-replay-endpoint",
+        "tcp://*:6001",
+    )
+    assert result.exit_code == CONFIG_ERROR
+    assert result.stderr == (
+        'error: kv_replay_endpoint: replays KV events, but kv_events_endpoint = "" publishes '
+        "none; unset one of them (from --kv-replay-endpoint)\n"
+    )
+
+
+def test_kv_events_config_disabled_and_an_endpoint_flag_conflict() -> None:
+    result = invoke(
+        "--print-config",
+        "--kv-events-config",
+        '{"enable_kv_cache_events": false}',
+        "--kv-events-endpoint",
+        "tcp://*:6000",
+    )
+    assert result.exit_code == CONFIG_ERROR
+    assert result.stderr == (
+        "error: --kv-events-config: also given by flag as kv_events_endpoint; set each once\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (
-            '{"enable_kv_cache_events": false}',
-            "error: --kv-events-config: engined always publishes KV events "
-            'over ZeroMQ; give "enable_kv_cache_events": true (or "publisher": "zmq")\n',
-        ),
         (
             '{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}',
             "error: --kv-events-config: Object contains unknown field `endpont`\n",

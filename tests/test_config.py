@@ -198,6 +198,31 @@ def test_toml_empty_string_is_none_for_optional_keys(tmp_path: Path) -> None:
     assert (config.fpm_endpoint, config.engine.max_num_seqs) == (None, None)
 
 
+def test_empty_kv_events_endpoint_turns_kv_events_off_in_every_layer(tmp_path: Path) -> None:
+    assert load('kv_events_endpoint = ""\n', tmp_path=tmp_path).kv_events_endpoint is None
+    assert load(env={"ENGINED_KV_EVENTS_ENDPOINT": ""}).kv_events_endpoint is None
+    assert load(flags={"kv_events_endpoint": ""}).kv_events_endpoint is None
+
+
+def test_kv_replay_without_kv_events_is_refused_naming_both_keys(tmp_path: Path) -> None:
+    message = (
+        'kv_replay_endpoint: replays KV events, but kv_events_endpoint = "" publishes none; '
+        "unset one of them"
+    )
+    with raises(f"{message} (from {tmp_path / 'engined.toml'})"):
+        load(
+            'kv_events_endpoint = ""\nkv_replay_endpoint = "tcp://127.0.0.1:7000"\n',
+            tmp_path=tmp_path,
+        )
+    with raises(f"{message} (from ENGINED_KV_REPLAY_ENDPOINT)"):
+        load(
+            env={
+                "ENGINED_KV_EVENTS_ENDPOINT": "",
+                "ENGINED_KV_REPLAY_ENDPOINT": "ipc:///tmp/replay",
+            }
+        )
+
+
 def test_choices_ignore_case() -> None:
     config = load(env={"ENGINED_LOG_LEVEL": "WARNING", "ENGINED_ENGINE_TYPE": "TRTLLM"})
     assert (config.log_level, config.engine.engine_type) == ("warning", EngineType.TRTLLM)

@@ -10,8 +10,10 @@ ZmqEventPublisher decides), `replay_endpoint` on `kv_replay_endpoint`, `topic` o
 `kv_events_topic`, `buffer_steps` on `kv_replay_buffer` (one message per pass, so steps and
 messages are the same count). `hwm` and `max_queue_size` count messages in vLLM; engined
 bounds a slow subscriber in bytes (`kv_events_buffer_bytes`), so they are read and checked
-but not used. engined always publishes: `enable_kv_cache_events: false` or the `null`
-publisher is refused rather than silently ignored.
+but not used. Events are off, as in vLLM (whose scheduler emits none unless
+`enable_kv_cache_events` is true, and whose `null` publisher sends none), when
+`enable_kv_cache_events` is false or `publisher` is `"null"`: that lands on
+`kv_events_endpoint = ""`, and the other fields, which only shape a publisher, are ignored.
 """
 
 from __future__ import annotations
@@ -48,19 +50,27 @@ def kv_events_flags(text: str, *, given: Mapping[str, Any]) -> dict[str, Any]:
     """The config keys `--kv-events-config TEXT` sets, by dotted key.
 
     Raises:
-        ConfigError: not vLLM's JSON, events disabled, or a key also given by its own flag.
+        ConfigError: not vLLM's JSON, or a key also given by its own flag.
     """
     try:
         config = msgspec.json.decode(text.encode(), type=_VllmKvEventsConfig)
     except msgspec.DecodeError as error:
         raise ConfigError(f"{FLAG}: {error}", key="kv_events_endpoint") from None
-    publisher = config.publisher or ("zmq" if config.enable_kv_cache_events else "null")
-    if publisher != "zmq":
+    keys: dict[str, Any]
+    if not config.enable_kv_cache_events or config.publisher == "null":
+        keys = {"kv_events_endpoint": ""}
+    else:
+        keys = _publishing_keys(config)
+    both = sorted(key for key in keys if key in given)
+    if both:
         raise ConfigError(
-            f"{FLAG}: engined always publishes KV events over ZeroMQ; give "
-            '"enable_kv_cache_events": true (or "publisher": "zmq")',
-            key="kv_events_endpoint",
+            f"{FLAG}: also given by flag as {', '.join(both)}; set each once",
+            key=both[0],
         )
+    return keys
+
+
+def _publishing_keys(config: _VllmKvEventsConfig) -> dict[str, Any]:
     if config.buffer_steps < 1 or config.hwm < 0 or config.max_queue_size < 1:
         raise ConfigError(
             f"{FLAG}: buffer_steps and max_queue_size must be >= 1 and hwm >= 0",
@@ -74,10 +84,4 @@ def kv_events_flags(text: str, *, given: Mapping[str, Any]) -> dict[str, Any]:
     }
     if config.replay_endpoint is not None:
         keys["kv_replay_endpoint"] = config.replay_endpoint
-    both = sorted(key for key in keys if key in given)
-    if both:
-        raise ConfigError(
-            f"{FLAG}: also given by flag as {', '.join(both)}; set each once",
-            key=both[0],
-        )
     return keys

@@ -66,10 +66,14 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # False leaves the KV event and FPM publishers without CURVE, for subscribers (Dynamo's
     # KV router, llm-d) that cannot present a key.
     curve_publishers: Annotated[bool, _help("CURVE on the KV event and FPM publishers too.")] = True
-    # Rank r uses `endpoint_for_rank(kv_events_endpoint, r)`.
-    kv_events_endpoint: Annotated[
-        str, _help("KV events PUB of rank 0 (rank r: port + r, or ipc path-r).")
-    ] = "tcp://127.0.0.1:5557"
+    # Rank r uses `endpoint_for_rank(kv_events_endpoint, r)`. "" publishes no KV events, as
+    # vLLM with `enable_kv_cache_events: false`: no PUB, no replay, nothing in `welcome`.
+    kv_events_endpoint: (
+        Annotated[
+            str, _help('KV events PUB of rank 0 (rank r: port + r, or ipc path-r; "" = off).')
+        ]
+        | None
+    ) = "tcp://127.0.0.1:5557"
     kv_events_connect: Annotated[
         bool, _help("KV event PUBs connect to a collector instead of binding.")
     ] = False

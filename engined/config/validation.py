@@ -81,6 +81,11 @@ def validate(layers: Layers) -> DaemonConfig:
         )
     if not math.isfinite(config.drain_timeout):
         raise layers.error("drain_timeout", f"must be finite, got {config.drain_timeout}")
+    if config.kv_events_endpoint is None and config.kv_replay_endpoint is not None:
+        raise layers.error(
+            "kv_replay_endpoint",
+            'replays KV events, but kv_events_endpoint = "" publishes none; unset one of them',
+        )
     _check_endpoints(config, layers)
     _check_access(config, layers)
     if config.curve_secret_key_file and config.api_port is not None:

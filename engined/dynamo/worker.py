@@ -153,7 +153,7 @@ def _runtime_config(welcome: Welcome, context: int) -> Any:
     config.data_parallel_start_rank = 0
     config.data_parallel_size = welcome.dp_size
     config.enable_local_indexer = False
-    config.kv_event_publishing_enabled = bool(welcome.enable_prefix_caching)
+    config.kv_event_publishing_enabled = publishes_kv_events(welcome)
     # The frontend refuses prompts (and prompt + max_tokens) past the context up front, as
     # dynamo.vllm asks it to (`dynamo/vllm/capacity.py`).
     budget = {
@@ -165,12 +165,28 @@ def _runtime_config(welcome: Welcome, context: int) -> Any:
     return config
 
 
+def publishes_kv_events(welcome: Welcome) -> bool:
+    """Whether the daemon's ranks publish KV events a router can index.
+
+    A daemon with `kv_events_endpoint = ""` (vLLM's `enable_kv_cache_events: false`) is
+    registered without them, as dynamo.vllm registers such an engine: Dynamo's KV router then
+    warns that the worker's publisher is disabled, or, with `--no-kv-events`, predicts cache
+    state from its own routing decisions.
+    """
+    return bool(welcome.enable_prefix_caching and welcome.kv_events_endpoints)
+
+
 def _publishers(endpoint: Any, welcome: Welcome) -> list[Any]:
     """One KV event publisher and one FPM relay per rank, subscribed to the daemon's PUBs."""
     from dynamo.llm import FpmEventRelay, KvEventPublisher
 
     made: list[Any] = []
-    if welcome.enable_prefix_caching:
+    if welcome.enable_prefix_caching and not welcome.kv_events_endpoints:
+        log.warning(
+            "the engined daemon publishes no KV events (its kv_events_endpoint is off); "
+            "registering without them, so a KV router cannot see this worker's cache"
+        )
+    if publishes_kv_events(welcome):
         for rank, kv_endpoint in enumerate(welcome.kv_events_endpoints):
             made.append(
                 KvEventPublisher(

@@ -96,7 +96,12 @@ class MiscServer:
 
 
 def _kv_event_sources(config: DaemonConfig, welcome: Any) -> bytes:
-    """vLLM's `GET /kv_event_sources`: each rank's KVEventsConfig, by dp rank."""
+    """vLLM's `GET /kv_event_sources`: each rank's KVEventsConfig, by dp rank.
+
+    vLLM lists only enabled ZMQ publishers, so a daemon whose KV events are off
+    (`kv_events_endpoint = ""`, no endpoint in `welcome`) answers `{}`, as vLLM does with
+    `enable_kv_cache_events: false`.
+    """
     replay = list(welcome.kv_replay_endpoints or [])
     sources = {
         str(rank): {

@@ -42,7 +42,7 @@ from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
 from engined.server.gatekeeper import Domain, Gatekeeper
 from engined.server.heap import trim_when_idle
-from engined.server.kv_publisher import KvPublisher, max_batch_bytes
+from engined.server.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.rank_handle import RankHandle
 from engined.server.rank_process import (
     RankWorkerDied,
@@ -124,7 +124,7 @@ class Daemon:
         # The ZAP handler of every socket bound here (engined.server.gatekeeper).
         self.gate: Gatekeeper | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._publishers: list[KvPublisher] = []
+        self._publishers: list[AnyKvPublisher] = []
         self._stop = asyncio.Event()
         self._force = False
         self._on_ready = on_ready
@@ -223,7 +223,8 @@ class Daemon:
             for worker in self.workers:
                 assert worker.ready is not None
                 for ready in worker.ready.ranks:
-                    kv_endpoints.append(ready.kv_endpoint)
+                    if ready.kv_endpoint:
+                        kv_endpoints.append(ready.kv_endpoint)
                     if ready.replay_endpoint:
                         replay_endpoints.append(ready.replay_endpoint)
                     if ready.fpm_endpoint:
@@ -247,7 +248,8 @@ class Daemon:
                     gate=gate,
                 )
                 self._publishers.append(parts.kv)
-                kv_endpoints.append(parts.kv.endpoint)
+                if parts.kv.endpoint:
+                    kv_endpoints.append(parts.kv.endpoint)
                 if parts.kv.replay_endpoint:
                     replay_endpoints.append(parts.kv.replay_endpoint)
                 if parts.fpm.endpoint:

@@ -263,12 +263,16 @@ def _log_task_failure(task: asyncio.Task[None]) -> None:
 
 
 class NullKvPublisher:
-    """The publisher when KV events are off: same interface, does nothing."""
+    """The publisher when KV events are off (`kv_events_endpoint = ""`): same interface, no
+    socket, and a pass's events are dropped without being encoded."""
 
     endpoint: str | None = None
     replay_endpoint: str | None = None
     replay: ReplayServer | None = None
     overflows = 0
+    # No queue of either kind, which the start-up log's limits report as 0.
+    hwm = 0
+    replay_hwm = 0
 
     @property
     def next_seq(self) -> int:
@@ -286,3 +290,6 @@ class NullKvPublisher:
 
     async def close(self) -> None:
         pass
+
+
+AnyKvPublisher = KvPublisher | NullKvPublisher

@@ -71,7 +71,7 @@ class RankInit(msgspec.Struct, frozen=True, kw_only=True):
 
 class RankReady(msgspec.Struct, frozen=True, array_like=True):
     rank: int
-    kv_endpoint: str
+    kv_endpoint: str | None  # None: KV events are off
     replay_endpoint: str | None
     fpm_endpoint: str | None
     # The blocks requests can hold (`Engine.usable_blocks`): the prompt capacity check's.

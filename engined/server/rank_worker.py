@@ -51,7 +51,7 @@ from engined.server.collector import Collector, YoungGeneration
 from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.gatekeeper import Gatekeeper
-from engined.server.kv_publisher import KvPublisher, max_batch_bytes
+from engined.server.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.ranks import build_rank, shared_pacing, start_collection
 from engined.server.realtime import enter_realtime
 from engined.zmq_sockets import SocketRegistry, make_socket
@@ -138,8 +138,8 @@ class RankWorker:
         # Set by _build: the ZAP handler of this process's sockets (engined.server.gatekeeper).
         self._gate: Gatekeeper | None = None
         self._loops: dict[int, EngineLoop] = {}
-        self._kvs: list[KvPublisher] = []
-        self._kv_of: dict[int, KvPublisher] = {}
+        self._kvs: list[AnyKvPublisher] = []
+        self._kv_of: dict[int, AnyKvPublisher] = {}
         self._fpms: list[FpmPublisher | NullFpmPublisher] = []
         # id(command) -> correlation id, from the command's arrival until it is applied.
         self._pending: dict[int, int] = {}

@@ -21,13 +21,13 @@ from engined.server.deadlines import Deadlines
 from engined.server.engine_loop import Delivery, EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.gatekeeper import Gatekeeper
-from engined.server.kv_publisher import KvPublisher
+from engined.server.kv_publisher import AnyKvPublisher, KvPublisher, NullKvPublisher
 from engined.zmq_sockets import SocketRegistry
 
 
 class RankParts(NamedTuple):
     loop: EngineLoop
-    kv: KvPublisher
+    kv: AnyKvPublisher
     fpm: FpmPublisher | NullFpmPublisher
 
 
@@ -43,28 +43,33 @@ def build_rank(
     pacing: Pacing | None = None,
     gate: Gatekeeper | None = None,
 ) -> RankParts:
-    """Bind rank `rank`'s KV PUB (+ replay ROUTER) and FPM PUB and build its core and loop.
+    """Bind rank `rank`'s KV PUB (+ replay ROUTER) and FPM PUB, each unless turned off, and
+    build its core and loop.
 
     Raises zmq.ZMQError or OSError when a socket cannot be bound (the caller reports a
     start-up failure).
     """
     engine = cfg.engine
     replay = endpoint_for_rank(cfg.kv_replay_endpoint, rank) if cfg.kv_replay_endpoint else None
-    kv = KvPublisher(
-        ctx,
-        registry,
-        endpoint=endpoint_for_rank(cfg.kv_events_endpoint, rank),
-        bind=not cfg.kv_events_connect,
-        topic=cfg.kv_events_topic,
-        fmt=cfg.kv_events_format,
-        dp_rank=rank,
-        replay_endpoint=replay,
-        replay_buffer=cfg.kv_replay_buffer,
-        buffer_bytes=cfg.kv_events_buffer_bytes,
-        replay_client_bytes=cfg.kv_replay_client_bytes,
-        batch_bytes=batch_bytes,
-        gate=gate,
-    )
+    kv: AnyKvPublisher
+    if cfg.kv_events_endpoint:
+        kv = KvPublisher(
+            ctx,
+            registry,
+            endpoint=endpoint_for_rank(cfg.kv_events_endpoint, rank),
+            bind=not cfg.kv_events_connect,
+            topic=cfg.kv_events_topic,
+            fmt=cfg.kv_events_format,
+            dp_rank=rank,
+            replay_endpoint=replay,
+            replay_buffer=cfg.kv_replay_buffer,
+            buffer_bytes=cfg.kv_events_buffer_bytes,
+            replay_client_bytes=cfg.kv_replay_client_bytes,
+            batch_bytes=batch_bytes,
+            gate=gate,
+        )
+    else:
+        kv = NullKvPublisher()
     fpm: FpmPublisher | NullFpmPublisher
     if cfg.fpm_endpoint:
         fpm = FpmPublisher(

@@ -299,6 +299,11 @@ async def _endpoints(ctx: zmq.asyncio.Context, options: EventsOptions) -> tuple[
         return options.kv_events_endpoint, options.kv_replay_endpoint
     async with control_client(ctx, options.control_endpoint) as client:
         welcome = await discover(client, options.control_endpoint, options.timeout)
+    if not welcome.kv_events_endpoints:
+        raise ToolError(
+            "the daemon publishes no KV events (its kv_events_endpoint is off); "
+            "there is nothing to subscribe to"
+        )
     events_endpoint = pick_rank(welcome.kv_events_endpoints, options.rank, "KV events")
     replay = options.kv_replay_endpoint
     if replay is None and welcome.kv_replay_endpoints:

@@ -16,6 +16,7 @@ from engined.dynamo.model import (
     read_model,
     reconcile_vocabulary,
 )
+from engined.dynamo.worker import publishes_kv_events
 from engined.wire.control import Welcome
 
 
@@ -171,3 +172,19 @@ def test_bad_worker_flags_exit_2_naming_the_flag(
         parse_args(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("prefix_caching", "endpoints", "expected"),
+    [
+        (True, ["tcp://127.0.0.1:5557"], True),
+        (True, [], False),  # kv_events_endpoint = "": registered without events
+        (False, ["tcp://127.0.0.1:5557"], False),
+        (None, ["tcp://127.0.0.1:5557"], False),
+    ],
+)
+def test_a_daemon_without_kv_events_is_registered_without_them(
+    prefix_caching: bool | None, endpoints: list[str], expected: bool
+) -> None:
+    daemon = welcome(enable_prefix_caching=prefix_caching, kv_events_endpoints=endpoints)
+    assert publishes_kv_events(daemon) is expected

@@ -13,6 +13,7 @@ import asyncio
 import http.client
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -338,6 +339,21 @@ def test_small_routes(api: ApiDaemon, client: openai.OpenAI, model: str) -> None
     status, sources = call(api.port, "GET", "/kv_event_sources")
     assert status == 200 and isinstance(sources, dict) and list(sources) == ["0"]
     assert sources["0"]["endpoint"] == api.daemon.kv_endpoint(0)
+
+
+def test_kv_event_sources_of_a_daemon_without_kv_events_is_empty(tmp_path: Path) -> None:
+    """vLLM with `enable_kv_cache_events: false` lists no publisher; neither does engined."""
+    off = ("--kv-events-endpoint", "", "--kv-replay-endpoint", "", "--speedup-ratio", "0")
+    with start_api(tmp_path, *off) as api:
+        assert call(api.port, "GET", "/kv_event_sources") == (200, {})
+        status, completion = call(
+            api.port,
+            "POST",
+            "/v1/completions",
+            {"model": "engined", "prompt": ids(700, 8), "max_tokens": 3},
+        )
+    assert status == 200 and isinstance(completion, dict), completion
+    assert completion["usage"]["completion_tokens"] == 3
 
 
 def test_api_key(api: ApiDaemon, model: str) -> None:
