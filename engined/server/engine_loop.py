@@ -513,7 +513,7 @@ class EngineLoop:
     def _offload_due_in(self) -> float | None:
         """Seconds until the core's next tier-transfer deadline (None: no transfer).
 
-        Measured with `now_ms`, as `_advance_tiers` is, so "due" means the same to both. At
+        Measured with `_core_ms`, as `_advance_tiers` is, so "due" means the same to both. At
         speedup 0 nothing waits for time: the virtual clock moves to the deadline.
         """
         deadline_ms = self.engine.next_deadline()
@@ -522,7 +522,7 @@ class EngineLoop:
         if not self._paced:
             self._virtual_ms = max(self._virtual_ms, deadline_ms)
             return 0.0
-        return (deadline_ms - self.now_ms()) / 1000.0
+        return (deadline_ms - self._core_ms()) / 1000.0
 
     def _advance_tiers(self) -> None:
         """Land the tier transfers due by now on an empty engine and publish their events."""
