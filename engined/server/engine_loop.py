@@ -5,11 +5,21 @@ applied between passes (or while a pass that has run is paced), so a command nev
 a pass and nothing needs a lock; the reply goes out when the command is applied. Each pass
 then runs in this order:
 
-1. `execute_pass(now_ms)`; the KV batch is published at once (vLLM publishes at pass start),
+1. `execute_pass(start_ms)`; the KV batch is published at once (vLLM publishes at pass start),
 2. wait until the pass's modeled end (an absolute deadline, so pacing never drifts; with
    `speedup_ratio == 0` there is no waiting and the clock is virtual); submissions that
    arrive meanwhile are applied as they come (`_pace`), not at the deadline,
 3. outputs (one message per client), the FPM snapshot, lifecycle events.
+
+Paced, passes keep their absolute schedule while requests run back to back: a pass starts,
+for the core, at the modeled end of the one before (`_core_ms`), not at the moment it
+actually ran, so a pass that started late is followed by a shorter wait, or none, until the
+schedule is met again, and a streaming client sees the modeled pass, not the pass plus its
+lateness. The schedule trails the clock by at most CATCH_UP_S: past that (a daemon stalled
+for seconds) the passes missed are given up rather than run in a burst. After idle the next
+pass starts at the actual time. The core's clock never runs backwards and never runs ahead
+of the loop's: commands are applied at the same schedule time, and a command applied before
+it arrived by that time counts as arriving when applied.
 
 Every pass yields to the event loop at least once, even when the rank runs late and its
 deadline has already passed: the control socket, the other ranks, the publishers, HTTP,
@@ -64,6 +74,12 @@ INBOX_TURN_S = 0.001
 # Paced: a submission that arrives while a pass is paced is applied at once, unless the
 # pass's deadline is nearer than this (seconds): a submission hashes its prompt, ~0.05 ms.
 EARLY_MARGIN_S = 0.0003
+# Paced: how far (seconds of the loop's clock) the schedule of back-to-back passes may trail
+# it. Lateness up to this is caught up by later passes waiting less; beyond it, it is given up.
+# 50 ms covers the run-queue waits of a loaded machine (README: tens of ms without real-time
+# priority) while a stall of seconds re-runs at most 50 ms of passes in a burst (5 passes of
+# 10 ms; at a high speedup ratio more, but such a loop already runs flat out).
+CATCH_UP_S = 0.05
 # Pass-start lateness percentiles are re-sorted at most this often (seconds of `clock`), so a
 # client polling `stats` costs a sort of the window per interval, not per message.
 LATENESS_SUMMARY_TTL_S = 0.1
@@ -101,7 +117,8 @@ _Entry = tuple[Command, float, "asyncio.Future[CommandEffects] | None"]
 # Before pacing, so no await separates the core's new state from what observers saw, and their
 # work fits in the pass's modeled time. Prometheus metrics (engined.server.metrics) are one.
 PassObserver = Callable[[int, float, PassResult], None]
-# Told of every command applied without error: (rank, ms when `call` was made, command, effects).
+# Told of every command applied without error: (rank, ms when `call` was made, or when it was
+# applied if that is earlier (`_core_ms`, catching up), command, effects).
 CommandObserver = Callable[[int, float, Command, CommandEffects], None]
 
 
@@ -148,10 +165,11 @@ class EngineLoop:
         self._stopped = False
         self.passes_total = 0
         self.tokens_total = 0
-        # How late each pass started against its planned start, in ms (paced mode only).
+        # How late each pass actually started against its planned start, in ms (paced only).
         self.lateness_ms: deque[float] = deque(maxlen=100_000)
         self._lateness_summary: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self._lateness_at: tuple[int, float] | None = None  # (passes_total, clock) of it
+        # Paced, back to back: the previous pass's modeled end (`now_ms`), the next one's start.
         self._next_start: float | None = None
         self._pacer: Pacer | None = None
         self._deadlines = deadlines if self._paced else None
@@ -257,6 +275,17 @@ class EngineLoop:
             return (self._clock() - self._start) * 1000.0
         return self._virtual_ms
 
+    def _core_ms(self) -> float:
+        """The time the core is given: `now_ms`, except while passes run back to back and the
+        previous one's modeled end has passed, when it is that end (the schedule), trailing
+        `now_ms` by at most CATCH_UP_S. Never more than `now_ms`, and never less than what
+        the core was last given (the schedule only moves forward while it holds)."""
+        now = self.now_ms()
+        planned = self._next_start
+        if planned is None or now <= planned:
+            return now
+        return max(planned, now - CATCH_UP_S * 1000.0)
+
     async def run(self) -> None:
         try:
             await self._run()
@@ -284,7 +313,7 @@ class EngineLoop:
             if engine.is_empty():
                 self._advance_tiers()
                 continue
-            start_ms = self.now_ms()
+            start_ms = self._core_ms()
             result = self._execute(start_ms)
             progressed = result.progressed
             if not progressed:
@@ -294,10 +323,10 @@ class EngineLoop:
             await self._pace(result.end_ms)
             self._publish(result)
 
-    def _execute(self, now_ms: float) -> PassResult:
+    def _execute(self, start_ms: float) -> PassResult:
         if self._next_start is not None:
-            self.lateness_ms.append(max(now_ms - self._next_start, 0.0))
-        result = self.engine.execute_pass(now_ms)
+            self.lateness_ms.append(max(self.now_ms() - self._next_start, 0.0))
+        result = self.engine.execute_pass(start_ms)
         self.passes_total += 1
         if result.kv_events:
             self._kv.publish(result.kv_events, self._wall_clock())
@@ -413,15 +442,17 @@ class EngineLoop:
     def _apply(self, entry: _Entry) -> list[KvEvent]:
         """Apply one queued command and answer its caller; returns its KV events."""
         command, arrived_ms, future = entry
+        applied_ms = self._core_ms()
         try:
             # An offload the command causes starts when the command is applied.
-            effects = self.engine.apply(command, now_ms=self.now_ms())
+            effects = self.engine.apply(command, now_ms=applied_ms)
         except CoreError as exc:
             if future is None:
                 log.warning("command refused", command=type(command).__name__, error=str(exc))
             elif not future.done():  # its caller may have given up waiting
                 future.set_exception(exc)
             return []
+        arrived_ms = min(arrived_ms, applied_ms)
         for observer in self.command_observers:
             observer(self.rank, arrived_ms, command, effects)
         if future is not None and not future.done():
@@ -482,7 +513,7 @@ class EngineLoop:
     def _offload_due_in(self) -> float | None:
         """Seconds until the core's next tier-transfer deadline (None: no transfer).
 
-        Measured with `now_ms`, as `_advance_tiers` is, so "due" means the same to both. At
+        Measured with `_core_ms`, as `_advance_tiers` is, so "due" means the same to both. At
         speedup 0 nothing waits for time: the virtual clock moves to the deadline.
         """
         deadline_ms = self.engine.next_deadline()
@@ -491,13 +522,13 @@ class EngineLoop:
         if not self._paced:
             self._virtual_ms = max(self._virtual_ms, deadline_ms)
             return 0.0
-        return (deadline_ms - self.now_ms()) / 1000.0
+        return (deadline_ms - self._core_ms()) / 1000.0
 
     def _advance_tiers(self) -> None:
         """Land the tier transfers due by now on an empty engine and publish their events."""
         engine = self.engine
         deadline_ms = engine.next_deadline()
-        now_ms = self.now_ms()
+        now_ms = self._core_ms()
         if deadline_ms is None or now_ms < deadline_ms:
             return
         advanced = engine.advance_tiers(now_ms)

@@ -10,8 +10,10 @@ ms; the third ends the 1 ms turn), and one when another rank of the loop is alre
 Submissions that arrive while a pass is paced are applied in the wait (`_pace`) up to
 EARLY_MARGIN_S before its deadline, so the counts below are of commands applied before
 each pass: the burst arrives during the first pass's short wait (3 fit before its deadline
-less the margin), then the 5 ms decode pass's wait takes 12 and its boundary turn 3, and the
-last 2 go in the next wait. With another rank due, nothing is applied early.
+less the margin). That turn ends 1.2 ms past the deadline, and the 5 ms decode pass keeps
+its schedule (it ends 5 ms after the deadline, not after its late start), so its wait takes
+9 and its boundary turn 3, and the last 5 go in the next wait. With another rank due,
+nothing is applied early.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def request(request_id: str, max_tokens: int) -> Submit:
 @pytest.mark.parametrize(
     ("speedup", "other_rank_due", "per_boundary"),
     [
-        (1.0, False, [3, 15, 2]),
+        (1.0, False, [3, 12, 5]),
         # Another rank of the loop already due: one command per boundary, its pass first.
         (1.0, True, [1] * BURST),
         (0.0, False, [20]),
