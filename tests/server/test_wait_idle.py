@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from engined.client import EngineClient, EngineError
+from engined.core.args import PerfModelKind
 from engined.server.reports import WAIT_IDLE_CLIENT_LIMIT, WAIT_IDLE_LIMIT
 from tests.server.inprocess import serve
 from tests.server.support import assert_idle
@@ -93,7 +94,16 @@ def test_waits_are_bounded_and_a_busy_rank_keeps_them_waiting(tmp_path: Path) ->
         await stuck.wait()
 
     async def scenario() -> None:
-        async with serve(tmp_path, sleep=never, speedup_ratio=1.0) as served:
+        # Passes of a modeled second: the first pass's end is ahead of the clock however
+        # late it ran, so its (never-ending) wait is reached; with short passes a loaded
+        # machine lets a late rank catch up its schedule without waiting (engine_loop).
+        async with serve(
+            tmp_path,
+            sleep=never,
+            speedup_ratio=1.0,
+            perf_model=PerfModelKind.FIXED,
+            fixed_pass_overhead_ms=1000.0,
+        ) as served:
             clients = [
                 await EngineClient.connect(served.endpoint, ctx=served.ctx)
                 for _ in range(WAIT_IDLE_LIMIT // WAIT_IDLE_CLIENT_LIMIT + 1)
