@@ -1,11 +1,13 @@
 """Real NVIDIA Dynamo 1.6.1 processes on the loopback: a frontend, mocker or engined workers.
 
-For tests and benchmarks alike. Everything runs without etcd or NATS
+For tests and benchmarks alike. By default everything runs without etcd or NATS
 (`docs/upstream/dynamo-1.6.1.md` §1): file discovery in a store directory of the
-cluster's work dir, the TCP request plane, the ZMQ event plane, and the `DYN_*_HOST` variables
-of `peers.peer_env` so that Dynamo binds and advertises 127.0.0.1 (except its event-plane PUB
-sockets, which bind 0.0.0.0 on random ports whatever the variables say). Every port is picked
-free on 127.0.0.1.
+cluster's work dir, the TCP request plane, the ZMQ event plane. A cluster given other
+`Planes` (`tests.interop.dynamo_planes`; etcd discovery and the nats planes with
+`tests.interop.etcd_nats`) hands the same planes to its frontend and every worker. The
+`DYN_*_HOST` variables of `peers.peer_env` make Dynamo bind and advertise 127.0.0.1 (except
+its event-plane PUB sockets, which bind 0.0.0.0 on random ports whatever the variables say).
+Every port is picked free on 127.0.0.1.
 
     with DynamoCluster(peers_python, tmp_path) as cluster:    # builds the tiny model
         frontend = cluster.frontend(router_mode="kv")          # waits for its HTTP API
@@ -18,9 +20,9 @@ start that fails or times out raises AssertionError with the log's tail. `stop()
 SIGTERM, then SIGKILL after a timeout. Processes die with the process that started them
 (`PR_SET_PDEATHSIG`), so start them from the main thread. Workers start one after the other:
 a worker is ready once a new `generate` instance of its namespace/component is in the
-discovery store (its id is `instance_id`, the `worker_id` of the frontend's route lines) and
-every running frontend lists it on `/health` (and, for workers that serve clients, the model
-on `/v1/models`).
+discovery backend (its id is `instance_id`, the `worker_id` of the frontend's route lines)
+and every running frontend of its namespace lists it on `/health` (and, for workers that
+serve clients, the model on `/v1/models`).
 
 The OpenAI helpers (`completions`, `chat`) use urllib only and return the parsed reply or the
 list of SSE chunks. Mocker workers emit token ids outside the tiny vocabulary, which the
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final, Literal, overload
 
+from tests.interop.dynamo_planes import Planes
 from tests.interop.peers import peer_env
 from tests.interop.tiny_model import build_tiny_model
 from tests.support import free_tcp_port
@@ -92,29 +95,29 @@ def free_system_port() -> int:
 
 
 def dynamo_env(
-    store: Path, *, system_port: int | None = None, extra: Mapping[str, str] | None = None
+    planes: Planes | Path,
+    *,
+    home: Path | None = None,
+    system_port: int | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """Environment of a Dynamo process of the cluster whose discovery store is `store`.
+    """Environment of a Dynamo process of the cluster of `planes` (or of the file store at
+    that path).
 
     No system server unless `system_port` (then `/health`, `/metrics` and the model files
     are served there, and the model card points the frontend at them; without it the card
     points at the model directory, and `DYN_SELF_HOST_METADATA=0` says so without a warning).
     The frontend copies model files to `$HOME/.cache/dynamo/mdc` (not XDG_CACHE_HOME): HOME
-    is a directory next to the store, so that nothing is left outside the work dir.
+    is `home` (by default a directory next to a file store), so that nothing is left outside
+    the work dir.
     """
+    if home is None:
+        assert isinstance(planes, Path), "a HOME is needed beside other planes than a file store"
+        home = planes.parent / "home"
     env = peer_env()
     for name in _SCRUBBED_ENV:
         env.pop(name, None)
-    env.update(
-        {
-            "DYN_DISCOVERY_BACKEND": "file",
-            "DYN_FILE_KV": str(store),
-            "DYN_REQUEST_PLANE": "tcp",
-            "DYN_EVENT_PLANE": "zmq",
-            "HOME": str(store.parent / "home"),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
+    env.update({**Planes.of(planes).env(), "HOME": str(home), "PYTHONUNBUFFERED": "1"})
     if system_port is None:
         env["DYN_SELF_HOST_METADATA"] = "0"
     else:
@@ -386,6 +389,8 @@ class RouteLine:
 class DynamoProcess:
     """One subprocess with its log in `<workdir>/<name>.log`; a context manager."""
 
+    stop_signal: signal.Signals = signal.SIGTERM  # the one its program shuts down cleanly on
+
     def __init__(self, name: str, workdir: Path, env: Mapping[str, str]) -> None:
         self.name = name
         self.workdir = workdir
@@ -439,11 +444,11 @@ class DynamoProcess:
             raise AssertionError(f"{self.name} exited with {code}\n{self.describe()}")
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGTERM, SIGKILL after `timeout` s; the exit status (None if never started)."""
+        """`stop_signal`, SIGKILL after `timeout` s; the exit status (None if never started)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(self.stop_signal)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -497,7 +502,7 @@ class Frontend(DynamoProcess):
         self,
         python: Path,
         workdir: Path,
-        store: Path,
+        planes: Planes | Path,
         *,
         router_mode: str = "kv",
         name: str = "frontend",
@@ -505,7 +510,9 @@ class Frontend(DynamoProcess):
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
     ) -> None:
-        super().__init__(name, workdir, dynamo_env(store, extra=env))
+        self.planes = Planes.of(planes)
+        home = workdir / "home"
+        super().__init__(name, workdir, dynamo_env(self.planes, home=home, extra=env))
         self.python = python
         self.router_mode = router_mode
         self.namespace = namespace
@@ -521,12 +528,7 @@ class Frontend(DynamoProcess):
             str(self.python),
             "-m",
             "dynamo.frontend",
-            "--discovery-backend",
-            "file",
-            "--request-plane",
-            "tcp",
-            "--event-plane",
-            "zmq",
+            *self.planes.args(),
             "--http-host",
             "127.0.0.1",
             "--http-port",
@@ -661,7 +663,7 @@ class Frontend(DynamoProcess):
 
 
 class Worker(DynamoProcess):
-    """A Dynamo worker: ready when its `generate` instance is in the discovery store."""
+    """A Dynamo worker: ready when its `generate` instance is in the discovery backend."""
 
     serves_clients = True
 
@@ -669,7 +671,7 @@ class Worker(DynamoProcess):
         self,
         name: str,
         workdir: Path,
-        store: Path,
+        planes: Planes | Path,
         *,
         python: Path,
         model_path: Path,
@@ -682,8 +684,11 @@ class Worker(DynamoProcess):
         extra_args: Sequence[str],
     ) -> None:
         self.system_port = free_system_port() if system_port else None
-        super().__init__(name, workdir, dynamo_env(store, system_port=self.system_port, extra=env))
-        self.store = store
+        self.planes = Planes.of(planes)
+        env = dynamo_env(
+            self.planes, home=workdir / "home", system_port=self.system_port, extra=env
+        )
+        super().__init__(name, workdir, env)
         self.python = python
         self.model_path = model_path
         self.model_name = model_name
@@ -694,23 +699,9 @@ class Worker(DynamoProcess):
         self.instance_id: int | None = None
 
     def store_instances(self) -> set[int]:
-        """Instance ids of this worker's namespace/component/endpoint in the store."""
-        found: set[int] = set()
-        directory = self.store / "v1" / "instances"
-        if not directory.is_dir():
-            return found
-        for path in directory.iterdir():
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue  # being written or removed
-            if (
-                record.get("namespace") == self.namespace
-                and record.get("component") == self.component
-                and record.get("endpoint") == self.endpoint
-            ):
-                found.add(int(record["instance_id"]))
-        return found
+        """Instance ids of this worker's namespace/component/endpoint in the discovery
+        backend (the name is the file store's, kept for its callers)."""
+        return self.planes.instances_of(self.namespace, self.component, self.endpoint)
 
     def _ready_signal(self, timeout: float) -> None:
         """A worker kind's own readiness (e.g. a log line), checked after registration."""
@@ -776,7 +767,7 @@ class MockerWorker(Worker):
         self,
         python: Path,
         workdir: Path,
-        store: Path,
+        planes: Planes | Path,
         model_path: Path,
         *,
         model_name: str = "tiny",
@@ -795,7 +786,7 @@ class MockerWorker(Worker):
         super().__init__(
             name,
             workdir,
-            store,
+            planes,
             python=python,
             model_path=model_path,
             model_name=model_name,
@@ -823,12 +814,7 @@ class MockerWorker(Worker):
             self.model_name,
             "--endpoint",
             f"dyn://{self.namespace}.{self.component}.{self.endpoint}",
-            "--discovery-backend",
-            "file",
-            "--request-plane",
-            "tcp",
-            "--event-plane",
-            "zmq",
+            *self.planes.args(),
             "--block-size",
             str(self.block_size),
             "--num-gpu-blocks-override",
@@ -927,7 +913,7 @@ class EnginedWorker(Worker):
         self,
         python: Path,
         workdir: Path,
-        store: Path,
+        planes: Planes | Path,
         model_path: Path,
         control_endpoint: str,
         *,
@@ -944,7 +930,7 @@ class EnginedWorker(Worker):
         super().__init__(
             name,
             workdir,
-            store,
+            planes,
             python=python,
             model_path=model_path,
             model_name=model_name,
@@ -978,12 +964,7 @@ class EnginedWorker(Worker):
             self.component,
             "--endpoint",
             self.endpoint,
-            "--discovery-backend",
-            "file",
-            "--request-plane",
-            "tcp",
-            "--event-plane",
-            "zmq",
+            *self.planes.args(),
             *self.extra_args,
         ]
 
@@ -992,11 +973,13 @@ class EnginedWorker(Worker):
 
 
 class DynamoCluster:
-    """Processes sharing one discovery store in `workdir`; `close()` (or leaving the `with`)
-    stops them all, newest first, and returns their exit statuses by name.
+    """Processes sharing one set of `planes` (by default: a file store in `workdir`, tcp
+    requests, zmq events); `close()` (or leaving the `with`) stops them all, newest first, and
+    returns their exit statuses by name.
 
     Start frontends before workers, or call `worker.wait_listed(frontend)` for a frontend
-    started later. Names must be unique (they name the log files)."""
+    started later. Names must be unique (they name the log files). Clusters may share an etcd:
+    give each its own namespaces, and its frontends `namespace=`."""
 
     def __init__(
         self,
@@ -1005,10 +988,11 @@ class DynamoCluster:
         *,
         model_path: Path | None = None,
         model_name: str = "tiny",
+        planes: Planes | None = None,
     ) -> None:
         self.python = python
         self.workdir = workdir
-        self.store = workdir / "dynamo_store_kv"
+        self.planes = planes or Planes.of(workdir / "dynamo_store_kv")
         self.model_name = model_name
         self._model_path = model_path
         self.processes: list[DynamoProcess] = []
@@ -1027,6 +1011,12 @@ class DynamoCluster:
             self._model_path = build_tiny_model(self.workdir / "tiny-model", python=self.python)
         return self._model_path
 
+    @property
+    def store(self) -> Planes:
+        """The planes, under the name of the file store they once were (what the process
+        classes take as their third argument)."""
+        return self.planes
+
     def frontends(self) -> list[Frontend]:
         return [p for p in self.processes if isinstance(p, Frontend) and p.alive()]
 
@@ -1041,22 +1031,26 @@ class DynamoCluster:
         process.start()
         if isinstance(process, Worker):
             for frontend in self.frontends():
-                process.wait_listed(frontend)
+                if frontend.namespace in (None, process.namespace):
+                    process.wait_listed(frontend)
 
     def frontend(
         self,
         *,
         router_mode: str = "kv",
         name: str = "frontend",
+        namespace: str | None = None,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
     ) -> Frontend:
+        """A started frontend; with `namespace`, it discovers that namespace's models only."""
         frontend = Frontend(
             self.python,
             self.workdir,
-            self.store,
+            self.planes,
             router_mode=router_mode,
             name=self._unique(name),
+            namespace=namespace,
             extra_args=extra_args,
             env=env,
         )
@@ -1068,7 +1062,7 @@ class DynamoCluster:
         worker = MockerWorker(
             self.python,
             self.workdir,
-            self.store,
+            self.planes,
             self.model_path,
             model_name=self.model_name,
             name=self._unique(name),
@@ -1093,7 +1087,7 @@ class DynamoCluster:
         worker = EnginedWorker(
             self.python,
             self.workdir,
-            self.store,
+            self.planes,
             self.model_path,
             control,
             model_name=self.model_name,
@@ -1121,10 +1115,17 @@ class DynamoCluster:
 
 @contextlib.contextmanager
 def dynamo_cluster(
-    python: Path, workdir: Path, *, model_path: Path | None = None, model_name: str = "tiny"
+    python: Path,
+    workdir: Path,
+    *,
+    model_path: Path | None = None,
+    model_name: str = "tiny",
+    planes: Planes | None = None,
 ) -> Iterator[DynamoCluster]:
     """A `DynamoCluster` stopped on exit (the form a pytest fixture yields from)."""
-    cluster = DynamoCluster(python, workdir, model_path=model_path, model_name=model_name)
+    cluster = DynamoCluster(
+        python, workdir, model_path=model_path, model_name=model_name, planes=planes
+    )
     try:
         yield cluster
     finally:

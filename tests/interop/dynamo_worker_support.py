@@ -19,7 +19,7 @@ import json
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -148,6 +148,7 @@ def add_worker(
     model: str,
     namespace: str,
     disaggregation_mode: str = "agg",
+    env: Mapping[str, str] | None = None,
 ) -> EnginedWorker:
     """A started worker for `daemon` serving `model` (its own name, not the cluster's), which
     every running frontend of its namespace (or of all namespaces) lists. A decode worker's
@@ -162,6 +163,7 @@ def add_worker(
         name=name,
         namespace=namespace,
         disaggregation_mode=disaggregation_mode,
+        env=env,
     )
     cluster.processes.append(worker)  # stopped (and its exit status kept) by cluster.close()
     worker.start()
