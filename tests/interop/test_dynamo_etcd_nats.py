@@ -49,7 +49,7 @@ from tests.interop.dynamo_worker_support import (
     wait_idle,
     wait_routable,
 )
-from tests.interop.etcd_nats import CLEAN_EXIT, EtcdNats
+from tests.interop.etcd_nats import CLEAN_EXIT, INSTALL_LINE, EtcdNats, MissingServer, find_binary
 from tests.interop.peers import require_peers
 from tests.interop.tiny_model import build_tiny_model, word, words
 
@@ -494,3 +494,10 @@ def test_a_killed_pair_s_streams_migrate_and_the_restarted_pair_serves(
         assert_full(answer, 8, 32, "round robin")
         served.add(frontend.wait_route(answer.request_id)[0].worker_id)
     assert served == {survivor_id, restarted_id}, served
+
+
+def test_a_missing_server_binary_fails_naming_the_apt_get_line() -> None:
+    with pytest.raises(MissingServer) as raised:
+        find_binary("nats-server-not-installed")
+    assert str(raised.value).startswith("nats-server-not-installed is not installed"), raised
+    assert str(raised.value).endswith(f": {INSTALL_LINE}"), raised
