@@ -152,7 +152,11 @@ def _runtime_config(welcome: Welcome, context: int) -> Any:
     config.max_num_batched_tokens = welcome.max_num_batched_tokens
     config.data_parallel_start_rank = 0
     config.data_parallel_size = welcome.dp_size
-    config.enable_local_indexer = False
+    # The worker-local indexer (kept by each rank's KvEventPublisher) is what a restarted
+    # frontend, or one started later, asks for this worker's cached blocks; without it a new
+    # router starts blind ("KV source is live-only"). dynamo.vllm turns it on for every worker
+    # that publishes KV events, decode workers included, and has no flag to turn it off.
+    config.enable_local_indexer = publishes_kv_events(welcome)
     config.kv_event_publishing_enabled = publishes_kv_events(welcome)
     # The frontend refuses prompts (and prompt + max_tokens) past the context up front, as
     # dynamo.vllm asks it to (`dynamo/vllm/capacity.py`).
@@ -193,6 +197,7 @@ def _publishers(endpoint: Any, welcome: Welcome) -> list[Any]:
                     endpoint=endpoint,
                     kv_block_size=welcome.block_size,
                     dp_rank=rank,
+                    enable_local_indexer=True,
                     zmq_endpoint=kv_endpoint,
                     zmq_topic=welcome.kv_events_topic or "",
                 )
