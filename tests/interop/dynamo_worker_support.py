@@ -19,7 +19,7 @@ import json
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -229,8 +229,10 @@ def run_failing_worker(
     timeout: float,
     disaggregation_mode: str = "agg",
     extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> WorkerExit:
-    """Run a worker that is expected to give up at start-up; its exit within `timeout` s."""
+    """Run a worker that is expected to give up at start-up; its exit within `timeout` s.
+    `env` adds to (or overrides) the cluster's Dynamo environment."""
     worker = EnginedWorker(
         cluster.python,
         cluster.workdir,
@@ -241,6 +243,7 @@ def run_failing_worker(
         name=name,
         namespace=namespace,
         disaggregation_mode=disaggregation_mode,
+        env=env,
         extra_args=extra_args,
     )
     try:
