@@ -409,3 +409,17 @@ def test_served_model_name_takes_several_names_as_vllm() -> None:
         "x",
         "y,z",
     ]
+
+
+def test_every_bad_setting_is_a_line_of_its_own() -> None:
+    result = invoke(
+        "--print-config", "--num-gpu-blocks", "0", "--block-size", "1", "--drain-timeout", "-1"
+    )
+    assert result.exit_code == CONFIG_ERROR
+    assert result.stderr.splitlines() == [
+        "error: drain_timeout: Expected `float` >= 0.0, got -1.0 (from --drain-timeout)",
+        "error: engine.num_gpu_blocks: num_gpu_blocks must be >= 1, got 0 (from --num-gpu-blocks)",
+        "error: engine.block_size: the vLLM/TRT-LLM scheduler requires block_size to be at "
+        "least 2 for engine_type=Vllm, got block_size=1 (from --block-size)",
+    ]
+    assert result.stdout == ""

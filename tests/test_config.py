@@ -311,8 +311,7 @@ def test_engine_not_a_table(tmp_path: Path) -> None:
     [
         (
             {"engine.num_gpu_blocks": 0},
-            "engine.num_gpu_blocks: Failed to validate MockEngineArgs: num_gpu_blocks must be "
-            ">= 1, got 0 (from --num-gpu-blocks)",
+            "engine.num_gpu_blocks: num_gpu_blocks must be >= 1, got 0 (from --num-gpu-blocks)",
         ),
         (
             {"engine.engine_type": "tpu"},
@@ -347,7 +346,7 @@ def test_engine_errors_name_the_key(flags: dict[str, Any], message: str) -> None
 
 def test_engine_error_names_toml_file_and_sub_table(tmp_path: Path) -> None:
     toml = '[engine]\nengine_type = "sglang"\n[engine.sglang]\npage_size = 0\n'
-    with raises("engine.sglang.page_size: Failed to validate MockEngineArgs") as info:
+    with raises("engine.sglang.page_size: sglang.page_size must be >= 1, got 0") as info:
         load(toml, tmp_path=tmp_path)
     assert str(tmp_path / "engined.toml") in str(info.value)
 
@@ -865,3 +864,68 @@ def test_async_scheduling_from_every_layer(tmp_path: Path) -> None:
         load("[engine]\nasync_scheduling = 3\n", tmp_path=tmp_path)
     with raises("engine.async_scheduling: expected a boolean"):
         load(env={"ENGINED_ASYNC_SCHEDULING": "maybe"})
+
+
+# --- one pass: every problem at once ---------------------------------------------------------
+
+
+def test_every_bad_key_is_reported_in_one_pass(tmp_path: Path) -> None:
+    toml = "drain_timeout = -1.0\nbogus = 1\n[engine]\nblock_size = 1\nnum_gpu_blocks = 0\n"
+    source = tmp_path / "engined.toml"
+    with pytest.raises(ConfigError) as info:
+        load(
+            toml,
+            tmp_path=tmp_path,
+            env={"ENGINED_MAX_NUM_SEQS": "many", "ENGINED_NOPE": "1"},
+            flags={"engine.seed": "-3", "realtime_priority": "5", "engine.speedup_ratio": "0"},
+        )
+    expected = [
+        f"bogus: unknown key in {source}",
+        "engine.max_num_seqs: expected an integer, got 'many' (from ENGINED_MAX_NUM_SEQS)",
+        "ENGINED_NOPE: unknown environment variable (did you mean ENGINED_MODEL?)",
+        f"drain_timeout: Expected `float` >= 0.0, got -1.0 (from {source})",
+        f"engine.num_gpu_blocks: num_gpu_blocks must be >= 1, got 0 (from {source})",
+        "engine.seed: seed must be >= 0, got -3 (from --seed)",
+        "engine.block_size: the vLLM/TRT-LLM scheduler requires block_size to be at least 2 "
+        f"for engine_type=Vllm, got block_size=1 (from {source})",
+        "realtime_priority: needs engine.speedup_ratio > 0: an unpaced daemon never sleeps, and "
+        "at real-time priority it would hold its cores against every other process "
+        "(from --realtime-priority)",
+    ]
+    assert str(info.value).splitlines() == expected
+    assert [str(p) for p in info.value.problems] == expected
+    assert [p.key for p in info.value.problems] == [
+        "bogus",
+        "engine.max_num_seqs",
+        None,
+        "drain_timeout",
+        "engine.num_gpu_blocks",
+        "engine.seed",
+        "engine.block_size",
+        "realtime_priority",
+    ]
+    assert info.value.key == "bogus"
+
+
+def test_one_problem_is_its_own_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(flags={"engine.num_gpu_blocks": 0})
+    assert info.value.problems == (info.value,)
+    assert str(info.value) == (
+        "engine.num_gpu_blocks: num_gpu_blocks must be >= 1, got 0 (from --num-gpu-blocks)"
+    )
+
+
+def test_a_refused_sub_table_key_is_reported_once_and_the_rest_still_judged(
+    tmp_path: Path,
+) -> None:
+    toml = '[engine]\nengine_type = "sglang"\n[engine.sglang]\npage_size = "x"\n'
+    with pytest.raises(ConfigError) as info:
+        load(toml, tmp_path=tmp_path)
+    source = tmp_path / "engined.toml"
+    assert str(info.value).splitlines() == [
+        "engine.sglang.page_size: Expected `int | null`, got `str` - at `$.sglang.page_size` "
+        f"(from {source})",
+        "engine.engine_type: sglang is not supported: engined simulates the vllm and trtllm "
+        f"schedulers only (from {source})",
+    ]

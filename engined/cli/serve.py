@@ -54,7 +54,8 @@ def serve(
             flags = {**kv_events_flags(kv_events_config, given=flags), **flags}
         effective = load_config(config_path=config, env=os.environ, flags=flags)
     except ConfigError as error:
-        typer.echo(f"error: {error}", err=True)
+        for problem in error.problems:
+            typer.echo(f"error: {problem}", err=True)
         raise typer.Exit(CONFIG_ERROR) from None
     if print_config:
         typer.echo(dump_config(effective), nl=False)

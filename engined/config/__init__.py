@@ -3,7 +3,8 @@
 Precedence is defaults < TOML file < `ENGINED_*` environment < command-line flags. The layers are
 merged into plain dicts first and validated in a single pass at the end, so each value is judged
 once, in its final form, and every message starts with the key it is about (`engine.block_size:`)
-and names the layer that set it (`(from ENGINED_BLOCK_SIZE)`). A bad setting is refused before
+and names the layer that set it (`(from ENGINED_BLOCK_SIZE)`). Every bad key is reported in the
+same pass (`ConfigError.problems`), not just the first. A bad setting is refused before
 any socket is bound, rather than surfacing later as a bind error or a failing rank.
 
 Each setting is declared once: the fields of `DaemonConfig` and `EngineArgs` give keys, types and

@@ -10,7 +10,8 @@ from __future__ import annotations
 import difflib
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,9 @@ def load_config(
         The validated configuration, with normalised engine arguments.
 
     Raises:
-        ConfigError: the first problem found, naming the key (or file, or variable).
+        ConfigError: every problem found, a line each naming the key (or variable) and the
+            layer that set it; an unreadable or malformed file alone, as nothing else can be
+            judged without it.
     """
     layers = Layers()
     if config_path is not None:
@@ -78,24 +81,38 @@ def _apply_toml(layers: Layers, data: Mapping[str, Any], *, source: str) -> None
     for name, value in data.items():
         if name == "engine":
             if not isinstance(value, dict):
-                raise layers.error("engine", "must be a table ([engine])")
+                layers.report("engine", "must be a table ([engine])")
+                continue
             for engine_name, engine_value in value.items():
                 key = f"engine.{engine_name}"
                 if engine_name not in ENGINE_TABLE_KEYS:
                     hint = _did_you_mean(engine_name, ENGINE_TABLE_KEYS)
-                    raise ConfigError(f"{key}: unknown key in {source}{hint}", key=key)
-                layers.set(key, _empty_is_none(key, engine_value, source), source)
+                    layers.problems.append(
+                        ConfigError(f"{key}: unknown key in {source}{hint}", key=key)
+                    )
+                    continue
+                _collect(layers, key, partial(_empty_is_none, key, engine_value, source), source)
         elif name in DAEMON_TABLE_KEYS:
-            layers.set(name, _empty_is_none(name, value, source), source)
+            _collect(layers, name, partial(_empty_is_none, name, value, source), source)
         elif name in ENGINE_TABLE_KEYS:
-            raise ConfigError(
-                f"{name}: unknown top-level key in {source}; engine keys belong in the [engine] "
-                f"table (engine.{name})",
-                key=name,
+            layers.problems.append(
+                ConfigError(
+                    f"{name}: unknown top-level key in {source}; engine keys belong in the "
+                    f"[engine] table (engine.{name})",
+                    key=name,
+                )
             )
         else:
             hint = _did_you_mean(name, DAEMON_TABLE_KEYS | {"engine"})
-            raise ConfigError(f"{name}: unknown key in {source}{hint}", key=name)
+            layers.problems.append(ConfigError(f"{name}: unknown key in {source}{hint}", key=name))
+
+
+def _collect(layers: Layers, key: str, value: Callable[[], Any], source: str) -> None:
+    """Set `key` to `value()`, or note why its raw value cannot even be read and go on."""
+    try:
+        layers.set(key, value(), source)
+    except ConfigError as error:
+        layers.problems.append(error)
 
 
 def _apply_env(layers: Layers, env: Mapping[str, str]) -> None:
@@ -105,26 +122,36 @@ def _apply_env(layers: Layers, env: Mapping[str, str]) -> None:
         key = ENV_KEYS.get(name)
         if key is None:
             hint = _did_you_mean(name, ENV_KEYS)
-            raise ConfigError(f"{name}: unknown environment variable{hint}")
-        layers.set(key, _parse_text(key, env[name], source=name), name)
+            layers.problems.append(ConfigError(f"{name}: unknown environment variable{hint}"))
+            continue
+        _collect(layers, key, partial(_parse_text, key, env[name], source=name), name)
 
 
 def _apply_vllm_api_key(layers: Layers, env: Mapping[str, str]) -> None:
     """vLLM reads VLLM_API_KEY only without `--api-key`; here, without any key or key file."""
     text = env.get(VLLM_API_KEY, "")
     if text and not layers.daemon.get("api_key") and layers.daemon.get("api_key_file") is None:
-        layers.set("api_key", _parse_text("api_key", text, source=VLLM_API_KEY), VLLM_API_KEY)
+        _collect(
+            layers,
+            "api_key",
+            lambda: _parse_text("api_key", text, source=VLLM_API_KEY),
+            VLLM_API_KEY,
+        )
 
 
 def _apply_flags(layers: Layers, flags: Mapping[str, Any]) -> None:
     for key, value in flags.items():
         if key not in KEYS:
-            raise ConfigError(f"{key}: not a setting a flag can set{_did_you_mean(key, KEYS)}")
+            layers.problems.append(
+                ConfigError(f"{key}: not a setting a flag can set{_did_you_mean(key, KEYS)}")
+            )
+            continue
         flag = FLAG_OF_KEY.get(key)
         source = flag.name if flag is not None else key
         if isinstance(value, str):
-            value = _parse_text(key, value, source=source)
-        layers.set(key, value, source)
+            _collect(layers, key, partial(_parse_text, key, value, source=source), source)
+        else:
+            layers.set(key, value, source)
 
 
 _TRUE = frozenset({"true", "1", "yes"})

@@ -227,11 +227,26 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class ConfigError(Exception):
     """A setting cannot be used. The message starts with the key (or file) it is about.
 
+    Loading reports every bad setting of a configuration at once: then the message has one
+    line per problem, in the order found, and `problems` holds each one's own error.
+
     Attributes:
-        key: dotted config key (`engine.block_size`, `control_endpoint`), or None when the
-            problem is not one setting (an unreadable file, an unknown environment variable).
+        key: dotted config key (`engine.block_size`, `control_endpoint`) of the first
+            problem, or None when it is not one setting (an unreadable file, an unknown
+            environment variable).
+        problems: the errors this one reports, itself alone when it is a single problem.
     """
 
     def __init__(self, message: str, *, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+        self.problems: tuple[ConfigError, ...] = (self,)
+
+    @classmethod
+    def of(cls, problems: list[ConfigError]) -> ConfigError:
+        """One error reporting every problem of `problems` (not empty), a line each."""
+        if len(problems) == 1:
+            return problems[0]
+        error = cls("\n".join(str(p) for p in problems), key=problems[0].key)
+        error.problems = tuple(problems)
+        return error

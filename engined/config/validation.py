@@ -1,4 +1,9 @@
-"""The single validation pass over the merged layers, and the rules across keys."""
+"""The single validation pass over the merged layers, and the rules across keys.
+
+Every problem is reported, not only the first: a key that is refused is left at its default
+(or out of the rules that need it) and the pass goes on, so one run of `engined serve` names
+every bad key of a configuration, each with the layer that set it.
+"""
 
 from __future__ import annotations
 
@@ -24,14 +29,20 @@ from engined.core.assembly import check_vllm_only
 from engined.core.errors import InvalidArgsError
 from engined.core.offload.config import OffloadConfig
 
+# The core keeps Dynamo mocker's text for a range it refuses (the seed twins assert it); the
+# key the config line starts with already says what was validated.
+_CORE_PREFIX = "Failed to validate MockEngineArgs: "
+
 
 @dataclass(slots=True)
 class Layers:
-    """The merged raw settings, and which layer set each key (for messages)."""
+    """The merged raw settings, which layer set each key (for messages), and the problems
+    found so far."""
 
     daemon: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    problems: list[ConfigError] = field(default_factory=list)
 
     def set(self, key: str, value: Any, source: str) -> None:
         if key.startswith("engine."):
@@ -48,48 +59,63 @@ class Layers:
         origin = f" (from {self.sources[path]})" if path else ""
         return ConfigError(f"{key}: {problem}{origin}", key=key)
 
+    def report(self, key: str, problem: str) -> None:
+        self.problems.append(self.error(key, problem))
+
+    def refused(self, key: str) -> bool:
+        return any(p.key == key for p in self.problems)
+
+    def check(self) -> None:
+        """Raise the problems found so far, all in one ConfigError."""
+        if self.problems:
+            raise ConfigError.of(self.problems)
+
 
 def validate(layers: Layers) -> DaemonConfig:
-    """The single validation pass: daemon keys, engine keys, then rules across them."""
-    config = DaemonConfig(
-        **{key: _daemon_value(layers, key, value) for key, value in layers.daemon.items()}
-    )
+    """The single validation pass: daemon keys, engine keys, then rules across them.
+
+    Raises:
+        ConfigError: every problem found, a line each (`ConfigError.problems`).
+    """
+    values = {}
+    for key, value in layers.daemon.items():
+        try:
+            values[key] = _daemon_value(layers, key, value)
+        except ConfigError as error:
+            layers.problems.append(error)
+    config = DaemonConfig(**values)
     _check_engine_types(layers)
-    try:
-        engine = EngineArgs.from_mapping(layers.engine)
-    except InvalidArgsError as error:
-        # NOTE: the upstream message is kept verbatim so it can be searched in Dynamo's issues.
-        raise layers.error(_engine_key(error), str(error)) from None
+    engine = _engine_args(layers)
     try:
         # Offload tiers are built per core; refuse an impossible shape before any is.
         tiers = OffloadConfig.from_args(engine)
         check_vllm_only(engine, paged=tiers is None and engine.runs_vllm_semantics())
     except InvalidArgsError as error:
-        raise layers.error(_engine_key(error), str(error)) from None
+        layers.report(_engine_key(error), _user_text(error))
     if engine.engine_type is EngineType.SGLANG:
         # The engine refuses it; refusing here makes it a bad setting (exit 2), not a crash.
-        raise layers.error(
+        layers.report(
             "engine.engine_type",
             "sglang is not supported: engined simulates the vllm and trtllm schedulers only",
         )
     config = msgspec.structs.replace(config, engine=engine)
     if config.realtime_priority and engine.speedup_ratio == 0:
-        raise layers.error(
+        layers.report(
             "realtime_priority",
             "needs engine.speedup_ratio > 0: an unpaced daemon never sleeps, and at real-time "
             "priority it would hold its cores against every other process",
         )
     if not math.isfinite(config.drain_timeout):
-        raise layers.error("drain_timeout", f"must be finite, got {config.drain_timeout}")
+        layers.report("drain_timeout", f"must be finite, got {config.drain_timeout}")
     if config.kv_events_endpoint is None and config.kv_replay_endpoint is not None:
-        raise layers.error(
+        layers.report(
             "kv_replay_endpoint",
             'replays KV events, but kv_events_endpoint = "" publishes none; unset one of them',
         )
     _check_endpoints(config, layers)
     _check_access(config, layers)
     if config.curve_secret_key_file and config.api_port is not None:
-        raise layers.error(
+        layers.report(
             "api_port",
             'the OpenAI API servers cannot yet connect to a daemon under CURVE; set api_port = "" '
             '(--port "") and put the API behind a gateway, or run without CURVE',
@@ -97,7 +123,51 @@ def validate(layers: Layers) -> DaemonConfig:
     if config.model and "model_name" not in layers.sources:
         # vLLM serves MODEL under its own name unless --served-model-name says otherwise.
         config = msgspec.structs.replace(config, model_name=config.model)
-    return _with_api_keys(config, layers)
+    config = _with_api_keys(config, layers)
+    layers.check()
+    return config
+
+
+def _engine_args(layers: Layers) -> EngineArgs:
+    """The engine keys as `EngineArgs`. The core stops at the first rule a mapping breaks, so
+    each key it refuses is reported, dropped (back to its default) and the rest tried again;
+    keys already refused by type are left out from the start."""
+    values: dict[str, Any] = {}
+    for name, value in layers.engine.items():
+        if layers.refused(f"engine.{name}"):
+            continue
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if not layers.refused(f"engine.{name}.{k}")}
+        values[name] = value
+    for _attempt in range(len(values) + 1):
+        try:
+            return EngineArgs.from_mapping(values)
+        except InvalidArgsError as error:
+            layers.report(_engine_key(error), _user_text(error))
+            if not _drop(values, error.key):
+                break
+    return EngineArgs.from_mapping({})
+
+
+def _drop(values: dict[str, Any], key: str | None) -> bool:
+    """Remove engine `key` (`block_size`, `sglang.page_size`) from `values`; False if absent."""
+    if key is None:
+        return False
+    table, _, sub = key.partition(".")
+    if not sub:
+        return values.pop(key, _ABSENT) is not _ABSENT
+    inner = values.get(table)
+    if not isinstance(inner, dict) or sub not in inner:
+        return False
+    values[table] = {name: value for name, value in inner.items() if name != sub}
+    return True
+
+
+_ABSENT = object()
+
+
+def _user_text(error: InvalidArgsError) -> str:
+    return str(error).removeprefix(_CORE_PREFIX)
 
 
 def _with_api_keys(config: DaemonConfig, layers: Layers) -> DaemonConfig:
@@ -108,23 +178,25 @@ def _with_api_keys(config: DaemonConfig, layers: Layers) -> DaemonConfig:
     """
     if config.api_key_file is not None:
         if config.api_key:
-            raise layers.error(
+            layers.report(
                 "api_key_file",
                 f"cannot be set with api_key (from {layers.sources['api_key']}); "
                 "give the keys one way",
             )
+            return config
         try:
             keys = read_key_file(config.api_key_file)
         except ValueError as error:
-            raise layers.error("api_key_file", str(error)) from None
+            layers.report("api_key_file", str(error))
+            return config
         config = msgspec.structs.replace(config, api_key=keys)
     keys = config.api_key or ()
     for number, key in enumerate(keys, 1):
         problem = key_problem(key)
         if problem is not None:
-            raise layers.error("api_key", f"key {number} of {len(keys)} {problem}")
+            layers.report("api_key", f"key {number} of {len(keys)} {problem}")
     if config.api_key_metrics and not keys:
-        raise layers.error(
+        layers.report(
             "api_key_metrics", "needs a key to require: api_key, api_key_file or VLLM_API_KEY"
         )
     return config
@@ -135,7 +207,7 @@ def _check_access(config: DaemonConfig, layers: Layers) -> None:
     uid); CURVE needs its client keys too. Key files are read at start-up."""
     operator = config.operator_endpoint
     if operator not in ("", "auto") and not operator.startswith("ipc://"):
-        raise layers.error(
+        layers.report(
             "operator_endpoint",
             f'must be "auto", "" or an ipc:// endpoint, got {operator!r}: operators are '
             "known by the uid the kernel reports for an ipc peer",
@@ -144,14 +216,14 @@ def _check_access(config: DaemonConfig, layers: Layers) -> None:
         try:
             parse_endpoint(operator)
         except ValueError as error:
-            raise layers.error("operator_endpoint", str(error)) from None
+            layers.report("operator_endpoint", str(error))
     if bool(config.curve_secret_key_file) != bool(config.curve_authorized_keys_file):
         missing = (
             "curve_authorized_keys_file"
             if config.curve_secret_key_file
             else "curve_secret_key_file"
         )
-        raise layers.error(missing, "CURVE needs both curve_secret_key_file and its client keys")
+        layers.report(missing, "CURVE needs both curve_secret_key_file and its client keys")
 
 
 def _daemon_value(layers: Layers, key: str, value: Any) -> Any:
@@ -201,7 +273,7 @@ def _check_engine_types(layers: Layers) -> None:
             continue
         problem = _conversion_problem(value, annotation)
         if problem is not None:
-            raise layers.error(key, f"{problem} - at `$.{name}`")
+            layers.report(key, f"{problem} - at `$.{name}`")
 
 
 def _check_table(
@@ -212,10 +284,11 @@ def _check_table(
     for sub_name, value in values.items():
         key = f"engine.{name}.{sub_name}"
         if sub_name not in fields:
-            raise layers.error(key, f"Object contains unknown field `{sub_name}` - at `$.{name}`")
+            layers.report(key, f"Object contains unknown field `{sub_name}` - at `$.{name}`")
+            continue
         problem = _conversion_problem(value, fields[sub_name])
         if problem is not None:
-            raise layers.error(key, f"{problem} - at `$.{name}.{sub_name}`")
+            layers.report(key, f"{problem} - at `$.{name}.{sub_name}`")
 
 
 def _conversion_problem(value: Any, annotation: Any) -> str | None:
@@ -258,13 +331,15 @@ def _check_endpoints(config: DaemonConfig, layers: Layers) -> None:
         try:
             base = parse_endpoint(text)
         except ValueError as error:
-            raise layers.error(key, str(error)) from None
+            layers.report(key, str(error))
+            continue
         if base.port + ranks - 1 > 65535:
-            raise layers.error(
+            layers.report(
                 key,
                 f"ranks 0..{ranks - 1} need ports {base.port}..{base.port + ranks - 1}, "
                 f"beyond 65535 (engine.dp_size = {dp_size})",
             )
+            continue
         if not binds:
             continue
         for rank in range(ranks):
@@ -282,7 +357,8 @@ def _check_endpoints(config: DaemonConfig, layers: Layers) -> None:
                     None,
                 )
             if clash is not None:
-                raise layers.error(key, f"{endpoint} ({owner}) is also used by {clash}")
+                layers.report(key, f"{endpoint} ({owner}) is also used by {clash}")
+                break
             claimed[(host, endpoint.port)] = owner
             if endpoint.scheme == "tcp":
                 tcp_ports.setdefault(endpoint.port, []).append((host, owner))

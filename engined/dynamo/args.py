@@ -129,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--connect-timeout",
         type=_positive,
         default=10.0,
-        help="seconds to wait for the daemon's welcome at start-up",
+        help=(
+            "seconds to wait at start-up for the daemon's welcome, and for etcd and NATS "
+            "(unless ETCD_/NATS_STARTUP_CONNECT_TIMEOUT_SECONDS say otherwise)"
+        ),
     )
     return parser
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -28,6 +29,12 @@ from engined.dynamo.model import (
     context_length,
     read_model,
     reconcile_vocabulary,
+)
+from engined.dynamo.startup import (
+    bound_connection_waits,
+    check_system_port,
+    dynamo_step,
+    runtime_failure,
 )
 from engined.logs import configure_logging
 from engined.wire.control import Load, Welcome
@@ -152,7 +159,11 @@ def _runtime_config(welcome: Welcome, context: int) -> Any:
     config.max_num_batched_tokens = welcome.max_num_batched_tokens
     config.data_parallel_start_rank = 0
     config.data_parallel_size = welcome.dp_size
-    config.enable_local_indexer = False
+    # The worker-local indexer (kept by each rank's KvEventPublisher) is what a restarted
+    # frontend, or one started later, asks for this worker's cached blocks; without it a new
+    # router starts blind ("KV source is live-only"). dynamo.vllm turns it on for every worker
+    # that publishes KV events, decode workers included, and has no flag to turn it off.
+    config.enable_local_indexer = publishes_kv_events(welcome)
     config.kv_event_publishing_enabled = publishes_kv_events(welcome)
     # The frontend refuses prompts (and prompt + max_tokens) past the context up front, as
     # dynamo.vllm asks it to (`dynamo/vllm/capacity.py`).
@@ -193,6 +204,7 @@ def _publishers(endpoint: Any, welcome: Welcome) -> list[Any]:
                     endpoint=endpoint,
                     kv_block_size=welcome.block_size,
                     dp_rank=rank,
+                    enable_local_indexer=True,
                     zmq_endpoint=kv_endpoint,
                     zmq_topic=welcome.kv_events_topic or "",
                 )
@@ -221,6 +233,8 @@ async def serve(args: WorkerArgs) -> int:
     from dynamo.llm import ModelInput, ModelType, WorkerMetricsPublisher, WorkerType, register_model
     from dynamo.runtime import DistributedRuntime
 
+    check_system_port(os.environ)
+    bound_connection_waits(os.environ, args.connect_timeout)
     try:
         client = await EngineClient.connect(args.control_endpoint)
     except ValueError as error:  # the CURVE key files the environment names
@@ -230,11 +244,15 @@ async def serve(args: WorkerArgs) -> int:
     try:
         welcome, context = await _attach(client, args)
         loop = asyncio.get_running_loop()
-        runtime = DistributedRuntime(
-            loop, args.discovery_backend, args.request_plane, event_plane=args.event_plane
-        )
-        endpoint = runtime.endpoint(args.endpoint_path)
-        worker_id = endpoint.connection_id()
+        try:
+            runtime = DistributedRuntime(
+                loop, args.discovery_backend, args.request_plane, event_plane=args.event_plane
+            )
+        except Exception as error:
+            raise runtime_failure(error, args, os.environ) from None
+        with dynamo_step(f"Dynamo refused the endpoint {args.endpoint_path}"):
+            endpoint = runtime.endpoint(args.endpoint_path)
+            worker_id = endpoint.connection_id()
         # The planner joins FPM with this worker by the id dynamo.vllm stamps: the endpoint's.
         await as_operator(
             client,
@@ -250,9 +268,10 @@ async def serve(args: WorkerArgs) -> int:
             Limits(args.control_endpoint, context, welcome.speedup_ratio or 0.0),
             connect=EngineClient.connect,
         )
-        publishers = _publishers(endpoint, welcome)
-        metrics = WorkerMetricsPublisher()
-        await metrics.create_endpoint(endpoint)
+        with dynamo_step("Dynamo refused the KV event, FPM or load publishers"):
+            publishers = _publishers(endpoint, welcome)
+            metrics = WorkerMetricsPublisher()
+            await metrics.create_endpoint(endpoint)
 
         def on_load(load: Load) -> None:
             metrics.publish(load.dp_rank, kv_used_blocks=load.active_blocks)
@@ -269,7 +288,7 @@ async def serve(args: WorkerArgs) -> int:
         else:
             model_type = ModelType.Chat | ModelType.Completions
             worker_type, needs = WorkerType.Aggregated, []
-        try:
+        with dynamo_step("Dynamo refused to register the model"):
             await register_model(
                 ModelInput.Tokens,
                 model_type,
@@ -281,8 +300,6 @@ async def serve(args: WorkerArgs) -> int:
                 kv_cache_block_size=welcome.block_size,
                 runtime_config=_runtime_config(welcome, context),
             )
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise SetupError(f"Dynamo refused to register the model: {exc}") from None
         gone = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runtime.shutdown)
@@ -299,9 +316,10 @@ async def serve(args: WorkerArgs) -> int:
             context_length=context,
         )
         try:
-            await endpoint.serve_endpoint(
-                handler.generate, graceful_shutdown=True, metrics_labels=[("model", name)]
-            )
+            with dynamo_step(f"Dynamo stopped serving {args.endpoint_path}"):
+                await endpoint.serve_endpoint(
+                    handler.generate, graceful_shutdown=True, metrics_labels=[("model", name)]
+                )
         finally:
             watcher.cancel()
             shutdown_on_loss.cancel()

@@ -829,7 +829,8 @@ class MockerWorker(Worker):
 
 class EnginedDaemon(DynamoProcess):
     """`engined serve` (this interpreter's engined): control on tcp://127.0.0.1:free port,
-    KV events, replay and FPM on ipc:// sockets in the work dir (rank r: path-r)."""
+    KV events, replay and FPM on ipc:// sockets in the work dir (rank r: path-r), no OpenAI
+    API unless `args` ask for one (`--port`)."""
 
     def __init__(
         self,
@@ -865,6 +866,10 @@ class EnginedDaemon(DynamoProcess):
             self.fpm,
             "--log-format",
             "json",
+            # No OpenAI API of its own (the frontend serves HTTP), as the README runs it: the
+            # default port 8000 would be shared with whatever else runs on the machine.
+            "--port",
+            "",
             *self.args,
         ]
 

@@ -231,8 +231,10 @@ def run_failing_worker(
     timeout: float,
     disaggregation_mode: str = "agg",
     extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> WorkerExit:
-    """Run a worker that is expected to give up at start-up; its exit within `timeout` s."""
+    """Run a worker that is expected to give up at start-up; its exit within `timeout` s.
+    `env` adds to (or overrides) the cluster's Dynamo environment."""
     worker = EnginedWorker(
         cluster.python,
         cluster.workdir,
@@ -243,6 +245,7 @@ def run_failing_worker(
         name=name,
         namespace=namespace,
         disaggregation_mode=disaggregation_mode,
+        env=env,
         extra_args=extra_args,
     )
     try:

@@ -32,10 +32,12 @@ from tests.support import free_tcp_port
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 PEERS_PYTHON_ENV: Final = "INTEROP_PEERS_PYTHON"
 DEFAULT_PEERS_PYTHON: Final = REPO_ROOT / ".venv-peers" / "bin" / "python"
+# The README's "Behind NVIDIA Dynamo" install (and .ci/run's): engined with its dynamo extra
+# (the worker, and `tokenizers` for the tiny model), the frontend, its few real dependencies.
 INSTALL_HINT: Final = (
-    "python3 -m venv .venv-peers && .venv-peers/bin/pip install ai-dynamo-runtime==1.6.1 "
-    "msgspec pyzmq && .venv-peers/bin/pip install --no-deps ai-dynamo==1.6.1 && "
-    ".venv-peers/bin/pip install pyyaml packaging"
+    "python3 -m venv .venv-peers && .venv-peers/bin/pip install -e '.[dynamo]' && "
+    ".venv-peers/bin/pip install --no-deps ai-dynamo==1.6.1 && "
+    ".venv-peers/bin/pip install pyyaml packaging aiohttp"
 )
 # What the tests use from the peers venv; importing it also proves the Rust core loads.
 _PROBE: Final = (

@@ -31,6 +31,7 @@ CHAT_TEMPLATE = (
     "{% else %}{% for part in message['content'] %}{{ part['text'] }} {% endfor %}{% endif %}"
     "{% if not loop.last %} {% endif %}{% endfor %}"
 )
+TOKENIZERS_INSTALL = ".venv-peers/bin/pip install -e '.[dynamo]'"
 FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json")
 
 
@@ -149,11 +150,23 @@ def build_tiny_model(
         timeout=120,
     )
     if run.returncode != 0:
-        raise RuntimeError(f"building the tiny model under {python} failed:\n{run.stderr}")
+        raise RuntimeError(build_failure(python, run.stderr))
     missing = [name for name in FILES if not (directory / name).is_file()]
     if missing:
         raise RuntimeError(f"the tiny model in {directory} lacks {missing}")
     return directory
+
+
+def build_failure(python: Path, stderr: str) -> str:
+    """Why building under `python` failed; without `tokenizers` there, how to install it."""
+    message = f"building the tiny model under {python} failed:\n{stderr}"
+    if "No module named 'tokenizers'" in stderr:
+        message += (
+            f"\n{python} lacks `tokenizers`, which comes with engined: install the peers venv "
+            "as the README's 'Behind NVIDIA Dynamo' install does, e.g. "
+            f"{TOKENIZERS_INSTALL}"
+        )
+    return message
 
 
 def main(argv: list[str] | None = None) -> None:
