@@ -37,6 +37,7 @@ class WorkerArgs:
     request_plane: str
     event_plane: str | None
     connect_timeout: float
+    worker_per_rank: bool = False
 
     @property
     def endpoint_path(self) -> str:
@@ -131,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds to wait for the daemon's welcome at start-up",
     )
+    parser.add_argument(
+        "--worker-per-rank",
+        action="store_true",
+        help=(
+            "register each data-parallel rank of the daemon as a Dynamo worker of its own "
+            "(its own instance id, KV events, load and FPM worker id), as dynamo.mocker "
+            "--num-workers does: one daemon with --data-parallel-size N and this one "
+            "process simulate N workers"
+        ),
+    )
     return parser
 
 
@@ -159,4 +170,5 @@ def parse_args(argv: Sequence[str]) -> WorkerArgs:
         request_plane=ns.request_plane,
         event_plane=ns.event_plane,
         connect_timeout=ns.connect_timeout,
+        worker_per_rank=ns.worker_per_rank,
     )
