@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -113,6 +113,9 @@ def test_each_instance_serves_on_its_rank_and_repeats_route_back(per_rank: PerRa
     def stored() -> int:
         return kv_events_applied(frontend).get(("stored", "ok"), 0)
 
+    def stored_reached(count: int) -> Callable[[], bool]:
+        return lambda: stored() >= count
+
     blocks = PROMPT_TOKENS // BLOCK_SIZE
     initial = stored()
     for rank, owner in enumerate(per_rank.instance_ids):
@@ -128,7 +131,7 @@ def test_each_instance_serves_on_its_rank_and_repeats_route_back(per_rank: PerRa
         # One `stored` event for the new prompt, one for the repeat's twin of its last block.
         poll_until(
             f"the frontend to apply the stored event of rank {rank}'s prompt",
-            lambda n=initial + 2 * rank + 1: stored() >= n,
+            stored_reached(initial + 2 * rank + 1),
             EVENTS_TIMEOUT_S,
             frontend.describe,
         )
@@ -142,7 +145,7 @@ def test_each_instance_serves_on_its_rank_and_repeats_route_back(per_rank: PerRa
         assert request_id_of(again) == route.request_id
     poll_until(
         "the frontend to apply every repeat's twin",
-        lambda: stored() >= initial + 2 * RANKS,
+        stored_reached(initial + 2 * RANKS),
         EVENTS_TIMEOUT_S,
         frontend.describe,
     )
