@@ -21,7 +21,7 @@ the frontend routes to all N workers and `--settle` s have passed, printed per b
   means measured ITL p50 close to the modelled one.
 
     .venv/bin/python benchmarks/dynamo_cluster.py [--backend engined|mocker|both] [--workers 64]
-        [--requests 256] [--concurrency 32] [--isl 512] [--osl 64] [--rank-processes -1]
+        [--requests 256] [--concurrency 32] [--isl 512] [--osl 64] [--rank-processes 0]
 
 Prints the machine's load average before each phase: the machine may be shared.
 """
@@ -251,7 +251,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument(
-        "--rank-processes", type=int, default=-1, help="the daemon's (-1: one per core)"
+        "--rank-processes", type=int, default=0, help="the daemon's (0: its own process)"
     )
     parser.add_argument("--settle", type=float, default=5.0, help="s before measuring")
     parser.add_argument("--idle", type=float, default=10.0, help="s of idle CPU measured")

@@ -13,7 +13,7 @@ The observable rules (vllm/v1/core/block_pool.py), which routers and the parity 
   cached too (vLLM keeps block tables append-only), gets its own `BlockStored`, and later its
   own `BlockRemoved`. Lookups return the first block cached under a hash.
 
-Blocks are ints; the free queue is a dict used as an ordered set (O(1) removal from the
+Blocks are ints; the free queue is a doubly linked list over them (O(1) removal from the
 middle and insertion at either end), and a block's cache key is its lineage key
 (engined/core/hashing.py), -1 when it caches nothing. With `kv_cache_metrics`, `residency`
 samples blocks as vLLM's metrics collector does (engined/core/paged/residency.py).
