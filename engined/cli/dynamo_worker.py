@@ -14,6 +14,7 @@ def dynamo_worker(ctx: typer.Context) -> None:
     """
     # NOTE: the worker parses its own flags with argparse, as Dynamo's workers do, so this
     # command only passes them on; `python -m engined.dynamo` is the same program.
+    from engined.dynamo.cluster import serve_per_rank
     from engined.dynamo.worker import main as worker_main
 
-    raise typer.Exit(worker_main(ctx.args))
+    raise typer.Exit(worker_main(ctx.args, serve_per_rank=serve_per_rank))

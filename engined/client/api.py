@@ -376,12 +376,16 @@ class EngineClient(Connection):
         return await self._call(msg, Applied, timeout)
 
     async def set_fpm_worker_id(
-        self, worker_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
+        self,
+        worker_id: str,
+        *,
+        dp_rank: int | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Applied:
-        """Stamp every rank's forward-pass metrics with `worker_id` from now on."""
-        return await self._call(
-            SetFpmWorkerId(worker_id=worker_id, id=self._next_id()), Applied, timeout
-        )
+        """Stamp the forward-pass metrics of `dp_rank`, or of every rank when None, with
+        `worker_id` from now on."""
+        msg = SetFpmWorkerId(worker_id=worker_id, dp_rank=dp_rank, id=self._next_id())
+        return await self._call(msg, Applied, timeout)
 
     async def watch_load(
         self, on_load: Callable[[Load], None], *, timeout: float | None = DEFAULT_TIMEOUT

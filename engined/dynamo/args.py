@@ -37,6 +37,7 @@ class WorkerArgs:
     request_plane: str
     event_plane: str | None
     connect_timeout: float
+    worker_per_rank: bool = False
 
     @property
     def endpoint_path(self) -> str:
@@ -134,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
             "(unless ETCD_/NATS_STARTUP_CONNECT_TIMEOUT_SECONDS say otherwise)"
         ),
     )
+    parser.add_argument(
+        "--worker-per-rank",
+        action="store_true",
+        help=(
+            "register each data-parallel rank of the daemon as a Dynamo worker of its own "
+            "(its own instance id, KV events, load and FPM worker id), as dynamo.mocker "
+            "--num-workers does: one daemon with --data-parallel-size N and this one "
+            "process simulate N workers"
+        ),
+    )
     return parser
 
 
@@ -162,4 +173,5 @@ def parse_args(argv: Sequence[str]) -> WorkerArgs:
         request_plane=ns.request_plane,
         event_plane=ns.event_plane,
         connect_timeout=ns.connect_timeout,
+        worker_per_rank=ns.worker_per_rank,
     )

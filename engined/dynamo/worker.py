@@ -4,6 +4,7 @@ What `dynamo.vllm` does for a vLLM engine, done for an engined daemon: read the 
 real limits (here the daemon's `welcome`), register the model card with them, point one
 `KvEventPublisher` and one `FpmEventRelay` per data-parallel rank at the daemon's PUB
 sockets, publish each rank's used blocks for the router, and serve `generate` until SIGTERM.
+With `--worker-per-rank`, engined/dynamo/cluster.py registers each rank as a worker instead.
 Every start-up failure is a `SetupError` printed as one line, never a traceback.
 """
 
@@ -15,7 +16,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Final
 
 import structlog
@@ -53,8 +54,15 @@ INSTALL_HINT: Final = (
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the worker; exit status 0 after SIGTERM, 1 on a start-up failure, 2 on usage."""
+Serve = Callable[[WorkerArgs], Coroutine[Any, Any, int]]
+
+
+def main(argv: Sequence[str] | None = None, *, serve_per_rank: Serve | None = None) -> int:
+    """Run the worker; exit status 0 after SIGTERM, 1 on a start-up failure, 2 on usage.
+
+    `serve_per_rank` serves `--worker-per-rank` (engined.dynamo.cluster's, which builds on
+    this module, so the entry points hand it in).
+    """
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging("auto", "info")
     try:
@@ -63,7 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
     try:
-        return _run(args)
+        if args.worker_per_rank and serve_per_rank is None:
+            raise SetupError("--worker-per-rank: this entry point does not serve it")
+        return _run(serve_per_rank if serve_per_rank and args.worker_per_rank else serve, args)
     except SetupError as exc:
         print(f"engined dynamo-worker: {exc}", file=sys.stderr)
         return 1
@@ -71,13 +81,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _run(args: WorkerArgs) -> int:
+def _run(server: Serve, args: WorkerArgs) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - ai-dynamo-runtime depends on uvloop
-        return asyncio.run(serve(args))
-    status: int = uvloop.run(serve(args))
+        return asyncio.run(server(args))
+    status: int = uvloop.run(server(args))
     return status
+
+
+async def connect_daemon(args: WorkerArgs) -> EngineClient:
+    check_system_port(os.environ)
+    bound_connection_waits(os.environ, args.connect_timeout)
+    try:
+        return await EngineClient.connect(args.control_endpoint)
+    except ValueError as error:  # the CURVE key files the environment names
+        raise SetupError(str(error)) from None
 
 
 async def _hello(client: EngineClient, args: WorkerArgs) -> Welcome:
@@ -189,28 +208,41 @@ def publishes_kv_events(welcome: Welcome) -> bool:
 
 def _publishers(endpoint: Any, welcome: Welcome) -> list[Any]:
     """One KV event publisher and one FPM relay per rank, subscribed to the daemon's PUBs."""
-    from dynamo.llm import FpmEventRelay, KvEventPublisher
+    warn_without_kv_events(welcome)
+    return [p for rank in range(welcome.dp_size) for p in rank_publishers(endpoint, welcome, rank)]
 
-    made: list[Any] = []
+
+def warn_without_kv_events(welcome: Welcome) -> None:
     if welcome.enable_prefix_caching and not welcome.kv_events_endpoints:
         log.warning(
             "the engined daemon publishes no KV events (its kv_events_endpoint is off); "
             "registering without them, so a KV router cannot see this worker's cache"
         )
-    if publishes_kv_events(welcome):
-        for rank, kv_endpoint in enumerate(welcome.kv_events_endpoints):
-            made.append(
-                KvEventPublisher(
-                    endpoint=endpoint,
-                    kv_block_size=welcome.block_size,
-                    dp_rank=rank,
-                    enable_local_indexer=True,
-                    zmq_endpoint=kv_endpoint,
-                    zmq_topic=welcome.kv_events_topic or "",
-                )
+
+
+def rank_publishers(endpoint: Any, welcome: Welcome, rank: int) -> list[Any]:
+    """Rank's KV event publisher and FPM relay on `endpoint` (those the daemon publishes).
+
+    The publisher attributes each batch to the rank the batch names (vLLM's
+    `data_parallel_rank`, the daemon's rank), not to its own `dp_rank`, so a Dynamo worker
+    serving one rank registers that rank's number as its first (`data_parallel_start_rank`).
+    """
+    from dynamo.llm import FpmEventRelay, KvEventPublisher
+
+    made: list[Any] = []
+    if publishes_kv_events(welcome) and rank < len(welcome.kv_events_endpoints):
+        made.append(
+            KvEventPublisher(
+                endpoint=endpoint,
+                kv_block_size=welcome.block_size,
+                dp_rank=rank,
+                enable_local_indexer=True,
+                zmq_endpoint=welcome.kv_events_endpoints[rank],
+                zmq_topic=welcome.kv_events_topic or "",
             )
-    for fpm_endpoint in welcome.fpm_endpoints:
-        made.append(FpmEventRelay(endpoint=endpoint, zmq_endpoint=fpm_endpoint))
+        )
+    if rank < len(welcome.fpm_endpoints):
+        made.append(FpmEventRelay(endpoint=endpoint, zmq_endpoint=welcome.fpm_endpoints[rank]))
     return made
 
 
@@ -230,15 +262,10 @@ async def _watch_daemon(client: EngineClient, endpoint: str, gone: asyncio.Event
 
 
 async def serve(args: WorkerArgs) -> int:
-    from dynamo.llm import ModelInput, ModelType, WorkerMetricsPublisher, WorkerType, register_model
+    from dynamo.llm import WorkerMetricsPublisher
     from dynamo.runtime import DistributedRuntime
 
-    check_system_port(os.environ)
-    bound_connection_waits(os.environ, args.connect_timeout)
-    try:
-        client = await EngineClient.connect(args.control_endpoint)
-    except ValueError as error:  # the CURVE key files the environment names
-        raise SetupError(str(error)) from None
+    client = await connect_daemon(args)
     publishers: list[Any] = []
     handler: RequestHandler | None = None
     try:
@@ -278,28 +305,7 @@ async def serve(args: WorkerArgs) -> int:
 
         await client.watch_load(on_load)
         mode = args.disaggregation_mode
-        if mode is DisaggregationMode.PREFILL:
-            # ModelType.Prefill is the legacy marker older frontends detect prefill by.
-            model_type, worker_type = ModelType.Prefill, WorkerType.Prefill
-            needs = [[WorkerType.Decode]]
-        elif mode is DisaggregationMode.DECODE:
-            model_type = ModelType.Chat | ModelType.Completions
-            worker_type, needs = WorkerType.Decode, [[WorkerType.Prefill]]
-        else:
-            model_type = ModelType.Chat | ModelType.Completions
-            worker_type, needs = WorkerType.Aggregated, []
-        with dynamo_step("Dynamo refused to register the model"):
-            await register_model(
-                ModelInput.Tokens,
-                model_type,
-                endpoint,
-                str(args.model_path),
-                name,
-                worker_type=worker_type,
-                needs=needs,
-                kv_cache_block_size=welcome.block_size,
-                runtime_config=_runtime_config(welcome, context),
-            )
+        await register(args, endpoint, name, welcome, _runtime_config(welcome, context))
         gone = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runtime.shutdown)
@@ -332,6 +338,41 @@ async def serve(args: WorkerArgs) -> int:
         if handler is not None:
             await handler.close()
         await client.close()
+
+
+async def register(
+    args: WorkerArgs, endpoint: Any, name: str, welcome: Welcome, runtime_config: Any
+) -> None:
+    """Register the model on `endpoint` as the disaggregation mode's worker type.
+
+    Raises:
+        SetupError: Dynamo refused it.
+    """
+    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
+
+    mode = args.disaggregation_mode
+    if mode is DisaggregationMode.PREFILL:
+        # ModelType.Prefill is the legacy marker older frontends detect prefill by.
+        model_type, worker_type = ModelType.Prefill, WorkerType.Prefill
+        needs = [[WorkerType.Decode]]
+    elif mode is DisaggregationMode.DECODE:
+        model_type = ModelType.Chat | ModelType.Completions
+        worker_type, needs = WorkerType.Decode, [[WorkerType.Prefill]]
+    else:
+        model_type = ModelType.Chat | ModelType.Completions
+        worker_type, needs = WorkerType.Aggregated, []
+    with dynamo_step("Dynamo refused to register the model"):
+        await register_model(
+            ModelInput.Tokens,
+            model_type,
+            endpoint,
+            str(args.model_path),
+            name,
+            worker_type=worker_type,
+            needs=needs,
+            kv_cache_block_size=welcome.block_size,
+            runtime_config=runtime_config,
+        )
 
 
 async def _shutdown_when(gone: asyncio.Event, runtime: Any, client: EngineClient) -> None:

@@ -315,8 +315,16 @@ class ControlServer:
             case wire.SetVocabulary():
                 self._command(identity, self._set_vocabulary(identity, msg))
             case wire.SetFpmWorkerId():
-                self._settings.set_fpm_worker_id(msg.worker_id)
-                self._reply(identity, wire.Applied(id=msg.id))
+                if msg.dp_rank is not None and msg.dp_rank >= len(self._loops):
+                    self._error(
+                        identity,
+                        msg.id,
+                        "invalid_request",
+                        f"dp_rank: {msg.dp_rank} is out of range [0, {len(self._loops)})",
+                    )
+                else:
+                    self._settings.set_fpm_worker_id(msg.worker_id, msg.dp_rank)
+                    self._reply(identity, wire.Applied(id=msg.id))
             case wire.WatchLoad():
                 self._reply(identity, wire.Applied(id=msg.id))
                 self._load.watch(identity)

@@ -46,7 +46,7 @@ from engined.server.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.rank_handle import RankHandle
 from engined.server.rank_process import (
     RankWorkerDied,
-    WorkerIds,
+    RankWorkerId,
     WorkerProcess,
     available_cores,
     split_ranks,
@@ -229,7 +229,11 @@ class Daemon:
                         replay_endpoints.append(ready.replay_endpoint)
                     if ready.fpm_endpoint:
                         fpm_endpoints.append(ready.fpm_endpoint)
-            fpm_sinks.append(WorkerIds(self.workers, self.worker_id))
+            fpm_sinks.extend(
+                RankWorkerId(worker, rank, self.worker_id)
+                for worker in self.workers
+                for rank in worker.ranks
+            )
         else:
             # The byte budgets of slow KV subscribers and replay clients become message
             # bounds through the largest batch a pass can produce (engined.server.kv_publisher).

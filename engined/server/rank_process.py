@@ -270,8 +270,8 @@ class WorkerProcess:
         self._stopping.add(rank)
         self._send_frame(w.encoder.encode((0, rank, w.STOP, None)))
 
-    def set_fpm_worker_id(self, worker_id: str) -> None:
-        self._send_frame(w.encoder.encode((0, self.ranks[0], w.FPM_WORKER_ID, worker_id)))
+    def set_fpm_worker_id(self, rank: int, worker_id: str) -> None:
+        self._send_frame(w.encoder.encode((0, rank, w.FPM_WORKER_ID, worker_id)))
 
     def _send_frame(self, frame: bytes) -> None:
         if not self._send(frame):
@@ -291,11 +291,12 @@ class WorkerProcess:
             self._pidfd = None
 
 
-class WorkerIds:
-    """`RuntimeSettings`' FPM sink for worker processes: a new id goes to every worker."""
+class RankWorkerId:
+    """`RuntimeSettings`' FPM sink for one rank of a worker process."""
 
-    def __init__(self, workers: Sequence[WorkerProcess], worker_id: str) -> None:
-        self._workers = workers
+    def __init__(self, worker: WorkerProcess, rank: int, worker_id: str) -> None:
+        self._worker = worker
+        self._rank = rank
         self._worker_id = worker_id
 
     @property
@@ -305,8 +306,7 @@ class WorkerIds:
     @worker_id.setter
     def worker_id(self, value: str) -> None:
         self._worker_id = value
-        for worker in self._workers:
-            worker.set_fpm_worker_id(value)
+        self._worker.set_fpm_worker_id(self._rank, value)
 
 
 def split_ranks(dp_size: int, processes: int) -> list[list[int]]:

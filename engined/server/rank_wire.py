@@ -44,7 +44,7 @@ COMMAND_TYPES: Final[tuple[type[Any], ...]] = (
 COMMAND_KIND: Final[dict[type[Any], int]] = {cls: i for i, cls in enumerate(COMMAND_TYPES)}
 CONTROL: Final = 100
 STOP: Final = CONTROL  # body: None; stop that rank once drained
-FPM_WORKER_ID: Final = CONTROL + 1  # body: the new worker id (every rank of the worker)
+FPM_WORKER_ID: Final = CONTROL + 1  # body: the new worker id of that rank
 UNTIL_IDLE: Final = CONTROL + 2  # body: None; answered by `Done(corr)` once the rank is idle
 GAUGES: Final = CONTROL + 3  # body: None; answered by the rank's full `Gauges`, then `Done(corr)`
 

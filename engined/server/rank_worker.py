@@ -140,7 +140,7 @@ class RankWorker:
         self._loops: dict[int, EngineLoop] = {}
         self._kvs: list[AnyKvPublisher] = []
         self._kv_of: dict[int, AnyKvPublisher] = {}
-        self._fpms: list[FpmPublisher | NullFpmPublisher] = []
+        self._fpm_of: dict[int, FpmPublisher | NullFpmPublisher] = {}
         # id(command) -> correlation id, from the command's arrival until it is applied.
         self._pending: dict[int, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -224,7 +224,7 @@ class RankWorker:
             self._loops[rank] = outbox.loops[rank] = loop
             self._kvs.append(kv)
             self._kv_of[rank] = kv
-            self._fpms.append(fpm)
+            self._fpm_of[rank] = fpm
             ready.append(
                 w.RankReady(
                     rank,
@@ -308,9 +308,7 @@ class RankWorker:
                     self._outbox.add(self._gauges(rank, rank_loop), rank)
                     self._outbox.add(w.Done(corr), rank)
                 elif kind == w.FPM_WORKER_ID:
-                    worker_id = msgspec.msgpack.decode(body, type=str)
-                    for fpm in self._fpms:
-                        fpm.worker_id = worker_id
+                    self._fpm_of[rank].worker_id = msgspec.msgpack.decode(body, type=str)
                 else:
                     command = w.command_decoders[kind].decode(body)
                     task = asyncio.ensure_future(self._call(rank_loop, corr, command))

@@ -2,9 +2,10 @@
 
 A Dynamo worker attaches to a daemon that is already serving and adapts it to the model it
 registers: token ids its tokenizer decodes (`set_vocabulary`) and its own id on the
-forward-pass metrics (`set_fpm_worker_id`). The cores hold the vocabulary they draw from and
-the publishers the id they stamp; this object keeps the daemon-wide view, so `welcome` tells
-every later client what is in force.
+forward-pass metrics (`set_fpm_worker_id`, for every rank or, when each rank is a Dynamo
+worker of its own, for one). The cores hold the vocabulary they draw from and the publishers
+the id they stamp; this object keeps the daemon-wide view, so `welcome` tells every later
+client what is in force (the engine-wide id: a rank's own id is its worker's to know).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class RuntimeSettings:
         fpm_worker_id: str,
         fpm: Sequence[WorkerIdSink],
     ) -> None:
+        """`fpm`: each rank's publisher (or its proxy), in rank order."""
         self._vocab_size = vocab_size
         self._excluded = tuple(excluded_token_ids)
         self._fpm_worker_id = fpm_worker_id
@@ -48,7 +50,11 @@ class RuntimeSettings:
         self._vocab_size = vocab_size
         self._excluded = tuple(excluded)
 
-    def set_fpm_worker_id(self, worker_id: str) -> None:
+    def set_fpm_worker_id(self, worker_id: str, dp_rank: int | None = None) -> None:
+        """Stamp `dp_rank`'s metrics (the control server checked the rank), or every rank's."""
+        if dp_rank is not None:
+            self._fpm[dp_rank].worker_id = worker_id
+            return
         self._fpm_worker_id = worker_id
         for publisher in self._fpm:
             publisher.worker_id = worker_id

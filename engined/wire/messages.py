@@ -159,13 +159,16 @@ class SetVocabulary(ClientMessageBase, tag="set_vocabulary"):
 
 
 class SetFpmWorkerId(ClientMessageBase, tag="set_fpm_worker_id"):
-    """Stamp every rank's forward-pass metrics with `worker_id` from now on.
+    """Stamp the forward-pass metrics of `dp_rank`, or of every rank when absent, with
+    `worker_id` from now on.
 
     Dynamo's planner joins FPM with the worker that relays it by this id, which only the
-    worker knows (its endpoint's connection id), so the worker tells the daemon.
+    worker knows (its endpoint's connection id), so the worker tells the daemon. A worker that
+    registers each rank as a Dynamo worker of its own has one id per rank.
     """
 
     worker_id: WorkerIdStr
+    dp_rank: DpRank | None = None
 
 
 class WatchLoad(ClientMessageBase, tag="watch_load"):

@@ -151,6 +151,8 @@ def test_worker_flags_follow_dynamos(monkeypatch: pytest.MonkeyPatch) -> None:
     assert prefill.endpoint_path == "dynamo.prefill.generate"
     full = parse_args(["--model-path", "m", "--endpoint", "dyn://ns.comp.gen"])
     assert full.endpoint_path == "ns.comp.gen"
+    assert args.worker_per_rank is False
+    assert parse_args(["--model-path", "m", "--worker-per-rank"]).worker_per_rank is True
 
 
 @pytest.mark.parametrize(

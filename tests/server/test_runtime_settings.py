@@ -18,6 +18,7 @@ import zmq.asyncio
 from engined.client import EngineClient, EngineError
 from engined.core.vocab import EXCLUDED_TOKEN_IDS_MAX
 from engined.wire.control import ErrorReply, Load
+from engined.wire.fpm import decode_fpm
 from tests.server.daemon_harness import DaemonProcess, read_fpm, start_daemon
 from tests.support import run
 
@@ -197,6 +198,63 @@ def test_fpm_carries_the_worker_id_a_client_sets(daemon: DaemonProcess) -> None:
             ctx.destroy(linger=0)
 
     run(scenario())
+
+
+async def _pass_ids(
+    ctx: zmq.asyncio.Context, client: EngineClient, endpoint: str, rank: int
+) -> set[str]:
+    """The worker ids of three of rank's pass frames (not heartbeats: one sent before a
+    setting reached the rank may still be queued), from requests submitted from now on."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint)
+    deadline = asyncio.get_running_loop().time() + TIMEOUT_S
+    try:
+        ids: list[str] = []
+        while len(ids) < 3:
+            assert asyncio.get_running_loop().time() < deadline, f"rank {rank}: {ids}"
+            # Until the subscription is live, passes go unseen: submit until three are seen.
+            await client.generate([5, 6, 7], 2, dp_rank=rank, timeout=TIMEOUT_S)
+            while await sub.poll(100):
+                _topic, _seq, payload = await sub.recv_multipart()
+                metrics = decode_fpm(payload)
+                assert metrics.dp_rank == rank
+                if metrics.wall_time > 0.0:
+                    ids.append(metrics.worker_id)
+        return set(ids)
+    finally:
+        sub.close()
+
+
+@pytest.mark.parametrize("rank_processes", ["0", "2"])
+def test_set_fpm_worker_id_of_one_rank(tmp_path: Path, rank_processes: str) -> None:
+    """A worker that registers each rank as a Dynamo worker gives each its own id; the
+    engine-wide id (the one `welcome` reports) is then the other ranks'."""
+
+    async def scenario(daemon: DaemonProcess) -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with await EngineClient.connect(daemon.control, ctx=ctx) as client:
+                await client.set_fpm_worker_id("all", timeout=TIMEOUT_S)
+                await client.set_fpm_worker_id("rank-1", dp_rank=1, timeout=TIMEOUT_S)
+                assert (await client.hello(timeout=TIMEOUT_S)).fpm_worker_id == "all"
+                ids = [await _pass_ids(ctx, client, daemon.fpm_endpoint(r), r) for r in range(3)]
+                assert ids == [{"all"}, {"rank-1"}, {"all"}]
+                with pytest.raises(EngineError) as refused:
+                    await client.set_fpm_worker_id("x", dp_rank=3, timeout=TIMEOUT_S)
+                assert refused.value.code == "invalid_request"
+                assert refused.value.message == "dp_rank: 3 is out of range [0, 3)"
+                # Engine-wide again: every rank, the one set alone included.
+                await client.set_fpm_worker_id("again", timeout=TIMEOUT_S)
+                ids = [await _pass_ids(ctx, client, daemon.fpm_endpoint(r), r) for r in range(3)]
+                assert ids == [{"again"}] * 3
+        finally:
+            ctx.destroy(linger=0)
+
+    flags = ("--data-parallel-size", "3", "--rank-processes", rank_processes)
+    with start_daemon(tmp_path, *FLAGS, *flags) as d:
+        run(scenario(d))
 
 
 def test_watch_load_pushes_each_change(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ CLIENT_MESSAGES: list[control.ClientMessage] = [
     control.SetVocabulary(vocab_size=1000, excluded_token_ids=[0, 1, 2]),
     control.SetVocabulary(id=4, vocab_size=None),
     control.SetFpmWorkerId(worker_id="10477718404275941139"),
+    control.SetFpmWorkerId(worker_id="7", dp_rank=3),
     control.WatchLoad(id=9),
 ]
 
@@ -544,6 +545,11 @@ INVALID_REQUEST_CASES = [
         encode({"type": "set_fpm_worker_id", "worker_id": "w" * 257}),
         r"`worker_id` must be at most 256 bytes of UTF-8, got 257 - at `\$\.worker_id`",
         id="worker-id-257",
+    ),
+    pytest.param(
+        encode({"type": "set_fpm_worker_id", "worker_id": "w", "dp_rank": -1}),
+        r"Expected `int` >= 0 - at `\$\.dp_rank`",
+        id="worker-id-rank-negative",
     ),
 ]
 

@@ -13,7 +13,7 @@ The observable rules (vllm/v1/core/block_pool.py), which routers and the parity 
   cached too (vLLM keeps block tables append-only), gets its own `BlockStored`, and later its
   own `BlockRemoved`. Lookups return the first block cached under a hash.
 
-Blocks are ints; the free queue is a dict used as an ordered set (O(1) removal from the
+Blocks are ints; the free queue is a doubly linked list over them (O(1) removal from the
 middle and insertion at either end), and a block's cache key is its lineage key
 (engined/core/hashing.py), -1 when it caches nothing. With `kv_cache_metrics`, `residency`
 samples blocks as vLLM's metrics collector does (engined/core/paged/residency.py).
@@ -21,7 +21,7 @@ samples blocks as vLLM's metrics collector does (engined/core/paged/residency.py
 
 from __future__ import annotations
 
-import itertools
+from array import array
 from collections.abc import Iterable
 
 from engined.core.kv_event_log import KvEventLog
@@ -63,18 +63,20 @@ class PagedBlockPool:
         self.caching = caching
         self.log = log
         # The free queue as a doubly linked list over block ids, between two sentinels.
+        # Links and handle counts are machine ints (arrays): lists would hold an int object
+        # per block, and a host simulating 64 ranks of 16384 blocks would pay 32 MB for them.
         head = self._head = num_blocks
         tail = self._tail = num_blocks + 1
-        order = [head, *range(1, num_blocks), tail]
-        self._next = [0] * (num_blocks + 2)
-        self._prev = [0] * (num_blocks + 2)
-        for a, b in itertools.pairwise(order):
-            self._next[a] = b
-            self._prev[b] = a
+        self._next = array("q", range(1, num_blocks + 3))
+        self._prev = array("q", range(-1, num_blocks + 1))
+        self._next[head] = 1
+        self._next[num_blocks - 1] = tail
+        self._prev[1] = head
+        self._prev[tail] = num_blocks - 1
         self.num_free = num_blocks - 1
         # Free blocks that still cache a prefix: hits that revive them, and eviction fodder.
         self.num_cached_free = 0
-        self.refs = [0] * num_blocks
+        self.refs = array("q", bytes(8 * num_blocks))
         self.refs[NULL_BLOCK] = 1
         self.key_of = [-1] * num_blocks
         # What a cached block is to the outside: vLLM's hash of it (the next block's parent)

@@ -1,0 +1,189 @@
+"""`engined dynamo-worker --worker-per-rank`: each rank of one daemon as a Dynamo worker.
+
+A simulated cluster of N workers behind one frontend is one daemon with
+`--data-parallel-size N` and one worker process, not N daemon/worker pairs: the ranks already
+are independent engines (own core, KV events, FPM, load), so registering each as its own
+Dynamo worker gives the router and planner N workers at the cost of one daemon's and one
+worker's interpreter. Serving many daemons from one worker would still cost a daemon process
+per simulated worker, which is what does not fit.
+
+Every rank gets what `dynamo.vllm` gives a vLLM rank launched on its own (vLLM's external
+load balancing, `--data-parallel-rank r`): its own `DistributedRuntime` (all on this event
+loop and Dynamo's one tokio runtime, as `dynamo.mocker --num-workers` does), so its own
+instance id; registration with the rank range `[r, r + 1)`, which is where the router files
+the rank's KV events (they name rank r) and what it routes to; a `KvEventPublisher` and an
+`FpmEventRelay` on the rank's PUB sockets; the rank's load; FPM stamped with its own worker
+id (`set_fpm_worker_id` with `dp_rank`). Requests are pinned to the rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from engined.client import EngineClient
+from engined.dynamo.args import WorkerArgs
+from engined.dynamo.handler import Chunk, Context, Limits, RequestHandler
+from engined.dynamo.worker import (
+    READY_LINE,
+    _attach,
+    _runtime_config,
+    _shutdown_when,
+    _watch_daemon,
+    as_operator,
+    connect_daemon,
+    rank_publishers,
+    register,
+    warn_without_kv_events,
+)
+from engined.wire.control import Load, Welcome
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class RankWorker:
+    """One rank's Dynamo worker: its runtime, endpoint, handler and publishers."""
+
+    rank: int
+    runtime: Any
+    endpoint: Any
+    instance_id: int
+    handler: RequestHandler
+    metrics: Any = None
+    publishers: list[Any] = field(default_factory=list)
+
+    async def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+        """The handler's, on this rank: the router names it (the registered range is this
+        rank alone), and a request that names none or another goes here too, as dynamo.vllm
+        falls back on a rank out of its range."""
+        routing = request.get("routing")
+        if not isinstance(routing, dict):
+            routing = request["routing"] = {}
+        asked = routing.get("dp_rank")
+        if asked is not None and asked != self.rank:
+            log.warning("request for another rank served here", dp_rank=asked, rank=self.rank)
+        routing["dp_rank"] = self.rank
+        async for chunk in self.handler.generate(request, context):
+            yield chunk
+
+
+class Runtimes:
+    """Every rank's runtime, shut down together (a signal, or the daemon gone)."""
+
+    def __init__(self) -> None:
+        self.all: list[Any] = []
+
+    def shutdown(self) -> None:
+        for runtime in self.all:
+            runtime.shutdown()
+
+
+async def serve_per_rank(args: WorkerArgs) -> int:
+    """Register each rank of the daemon as a Dynamo worker and serve them until SIGTERM."""
+    # As dynamo.mocker: the worker never tokenizes, so no compute threads.
+    os.environ.setdefault("DYN_COMPUTE_THREADS", "0")
+    client = await connect_daemon(args)
+    workers: list[RankWorker] = []
+    runtimes = Runtimes()
+    try:
+        welcome, context = await _attach(client, args)
+        warn_without_kv_events(welcome)
+        name = args.served_model_name or welcome.model_name
+        limits = Limits(args.control_endpoint, context, welcome.speedup_ratio or 0.0)
+        for rank in range(welcome.dp_size):
+            workers.append(await _start_rank(args, client, welcome, limits, rank, runtimes))
+
+        def on_load(load: Load) -> None:
+            if load.dp_rank < len(workers):
+                workers[load.dp_rank].metrics.publish(
+                    load.dp_rank, kv_used_blocks=load.active_blocks
+                )
+
+        await client.watch_load(on_load)
+        for worker in workers:
+            config = _runtime_config(welcome, context)
+            config.data_parallel_start_rank = worker.rank
+            config.data_parallel_size = 1
+            await register(args, worker.endpoint, name, welcome, config)
+        loop = asyncio.get_running_loop()
+        gone = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, runtimes.shutdown)
+        watcher = asyncio.ensure_future(_watch_daemon(client, args.control_endpoint, gone))
+        shutdown_on_loss = asyncio.ensure_future(_shutdown_when(gone, runtimes, client))
+        log.info(
+            READY_LINE,
+            model=name,
+            endpoint=args.endpoint_path,
+            worker_ids=[w.instance_id for w in workers],
+            mode=args.disaggregation_mode.value,
+            dp_size=welcome.dp_size,
+            block_size=welcome.block_size,
+            context_length=context,
+        )
+        try:
+            await asyncio.gather(
+                *(
+                    w.endpoint.serve_endpoint(
+                        w.generate, graceful_shutdown=True, metrics_labels=[("model", name)]
+                    )
+                    for w in workers
+                )
+            )
+        finally:
+            watcher.cancel()
+            shutdown_on_loss.cancel()
+        log.info(
+            "engined dynamo-worker stopped", in_flight=sum(w.handler.in_flight for w in workers)
+        )
+        return 1 if gone.is_set() else 0
+    finally:
+        for worker in workers:
+            for publisher in worker.publishers:
+                with contextlib.suppress(Exception):
+                    publisher.shutdown()
+            await worker.handler.close()
+        await client.close()
+
+
+async def _start_rank(
+    args: WorkerArgs,
+    client: EngineClient,
+    welcome: Welcome,
+    limits: Limits,
+    rank: int,
+    runtimes: Runtimes,
+) -> RankWorker:
+    from dynamo.llm import WorkerMetricsPublisher
+    from dynamo.runtime import DistributedRuntime
+
+    runtime = DistributedRuntime(
+        asyncio.get_running_loop(),
+        args.discovery_backend,
+        args.request_plane,
+        event_plane=args.event_plane,
+    )
+    runtimes.all.append(runtime)
+    endpoint = runtime.endpoint(args.endpoint_path)
+    instance_id = endpoint.connection_id()
+    await as_operator(
+        client,
+        welcome,
+        args.control_endpoint,
+        f"the FPM worker id of rank {rank}",
+        lambda c: c.set_fpm_worker_id(str(instance_id), dp_rank=rank),
+    )
+    handler = RequestHandler(client, args.disaggregation_mode, limits, connect=EngineClient.connect)
+    worker = RankWorker(rank, runtime, endpoint, instance_id, handler)
+    worker.publishers = rank_publishers(endpoint, welcome, rank)
+    worker.metrics = WorkerMetricsPublisher()
+    await worker.metrics.create_endpoint(endpoint)
+    return worker
