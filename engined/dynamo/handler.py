@@ -196,6 +196,11 @@ class RequestHandler:
             yield chunk
 
     async def _prefill(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+        # The prefill makes one token whatever the client asked: Dynamo's PrefillRouter sends
+        # `max_tokens` 1 with the client's `min_tokens`, which dynamo.vllm caps to 1 as well.
+        stop = request.get("stop_conditions") or {}
+        if isinstance(stop, dict):
+            request = {**request, "stop_conditions": {**stop, "max_tokens": 1, "min_tokens": 1}}
         token_ids, _, dp_rank, seed = self._parse(request)
         handoff_id = request_id = _request_id(context)
         submitted = await _refusing(
@@ -305,7 +310,7 @@ class RequestHandler:
         token_ids = request.get("token_ids")
         if not isinstance(token_ids, list) or not token_ids:
             raise RequestFailed(400, "token_ids: expected a non-empty list of token ids")
-        stop = request.get("stop_conditions") or {}
+        stop = _map(request, "stop_conditions")
         max_tokens = stop.get("max_tokens")
         if max_tokens is None:
             # vLLM's default: whatever room the context leaves.
@@ -319,13 +324,11 @@ class RequestHandler:
             raise RequestFailed(
                 400, f"stop_conditions.min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})"
             )
-        routing = request.get("routing") or {}
+        routing = _map(request, "routing")
         dp_rank = routing.get("dp_rank")
         if dp_rank is not None and (not isinstance(dp_rank, int) or dp_rank < 0):
             raise RequestFailed(400, f"routing.dp_rank: expected an int >= 0, got {dp_rank!r}")
-        sampling = request.get("sampling_options") or {}
-        if not isinstance(sampling, dict):
-            raise RequestFailed(400, f"sampling_options: expected a map, got {sampling!r}"[:200])
+        sampling = _map(request, "sampling_options")
         seed = sampling.get("seed")
         if seed is not None and (
             not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX
@@ -336,10 +339,17 @@ class RequestHandler:
         return token_ids, max_tokens, dp_rank, seed
 
 
+def _map(request: dict[str, Any], field: str) -> dict[str, Any]:
+    value = request.get(field) or {}
+    if not isinstance(value, dict):
+        raise RequestFailed(400, f"{field}: expected a map, got {value!r}"[:200])
+    return value
+
+
 def _stops(request: dict[str, Any]) -> tuple[list[int] | None, int]:
     """`stop_conditions.stop_token_ids_hidden` and `min_tokens`, as dynamo.vllm hands them to
     vLLM's `SamplingParams` (the daemon judges the values, `_parse` the min/max order)."""
-    stop = request.get("stop_conditions") or {}
+    stop = _map(request, "stop_conditions")
     ids = stop.get("stop_token_ids_hidden")
     if ids is not None and (
         not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids)
