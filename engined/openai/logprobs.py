@@ -54,11 +54,13 @@ def _unit(state: int) -> float:
 
 class PositionLogprobs(NamedTuple):
     """One position as vLLM's engine reports it: the sampled token's logprob and rank, and
-    `(token_id, logprob)` pairs, the sampled token first, then the top k in rank order."""
+    `(token_id, logprob)` pairs, the sampled token first, then the top k in rank order;
+    `ranks` holds each entry's rank."""
 
     logprob: float
     rank: int
     entries: list[tuple[int, float]]
+    ranks: list[int]
 
 
 def position_logprobs(
@@ -80,6 +82,7 @@ def position_logprobs(
         return math.floor(math.log(mass) * _SCALE) / _SCALE
 
     entries = [(token_id, logprob(rank))]
+    ranks = [rank]
     taken = {token_id}
     for r in range(1, k + 1):
         if r == rank:
@@ -90,7 +93,8 @@ def position_logprobs(
             other = (other + 1) % vocab_size
         taken.add(other)
         entries.append((other, logprob(r)))
-    return PositionLogprobs(entries[0][1], rank, entries)
+        ranks.append(r)
+    return PositionLogprobs(entries[0][1], rank, entries, ranks)
 
 
 def completion_logprobs(
