@@ -15,7 +15,8 @@ the top `k` in rank order (the sampled one not repeated), and the APIs cut that 
 completions keep the first `k + 1` (keyed by token text, so two ids of one text merge),
 chat the first `k`, so a chat `top_logprobs` list starts with the sampled token even when it
 was not the most likely. Token text comes from the caller's `decode(ids)`, one string per
-id, as vLLM decodes each id on its own.
+id, as vLLM decodes each id on its own. The Dynamo worker (engined/dynamo/choices.py) sends
+the same values by token id, for Dynamo's frontend to render.
 """
 
 from __future__ import annotations
