@@ -8,7 +8,7 @@ its `index`, `log_probs` (the sampled tokens' logprobs) and `top_logprobs` (per 
 sampled one and the top k as `{rank, token_id, token, logprob, bytes}`) on every chunk, and
 `engine_data.prompt_logprobs` (per prompt position, None first, then `{token_id: {logprob,
 rank}}`) on the last one. engined makes the values up with the one implementation its OpenAI
-server uses (`engined.openai.logprobs`), keyed by the choice's index as there; the token text
+server uses (`engined.logprob_values`), keyed by the choice's index as there; the token text
 is the frontend's (it decodes `token_id`). What engined cannot honour is a 400 naming the
 field.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-from engined.openai.logprobs import PositionLogprobs, position_logprobs
+from engined.logprob_values import PositionLogprobs, position_logprobs
 from engined.wire.control import OutputEntry
 
 Chunk = dict[str, Any]

@@ -84,7 +84,7 @@ class Limits:
     control_endpoint: str
     context_length: int
     speedup_ratio: float
-    # The model's, for made-up logprobs (engined.openai.logprobs draws ids below it).
+    # The model's, for made-up logprobs (engined.logprob_values draws ids below it).
     vocab_size: int = 1
 
 

