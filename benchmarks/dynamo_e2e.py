@@ -219,6 +219,8 @@ async def _loadgen(args: argparse.Namespace) -> dict[str, Any]:
         # on its way: its tokens did not leave on the pass that made them.
         "short_streams": sum(1 for r in ok if 2 * r["chunks"] < r["tokens"]),
         "min_chunks_per_token": min((r["chunks"] / r["tokens"] for r in ok), default=0.0),
+        "chunks_min": min((r["chunks"] for r in ok), default=0),
+        "chunks_p50": percentile([float(r["chunks"]) for r in ok], 50),
         "ttft_ms": [r["ttft"] * 1000 for r in ok if r["ttft"] is not None],
         "itl_ms": [d * 1000 for r in ok for d in r["itl"]],
         "cpu_s": cpu,

@@ -170,7 +170,8 @@ class Coordinator:
         `strict`: the source must still be held. It is released before the destination is
         activated, and a release that finds no source (an unknown, already released or
         timed-out handoff) fails the pull with nothing activated. Otherwise (Dynamo's
-        order) the destination is activated first and the release's answer not checked.
+        order) the destination is activated first and the source released in the
+        background (`close` awaits it), its answer not checked.
 
         Raises:
             EngineError: the decode daemon refused the reservation.
@@ -207,7 +208,9 @@ class Coordinator:
             await client.activate_destination(handoff_id, timeout=CALL_TIMEOUT_S)
             settled = True
             if not strict:
-                await peer.release_source(handoff_id, timeout=CALL_TIMEOUT_S)
+                # Not awaited: the decode streams from activation on, whenever a busy
+                # prefill daemon answers (its tokens would otherwise queue up meanwhile).
+                self.spawn(_quietly(peer.release_source(handoff_id, timeout=CALL_TIMEOUT_S)))
         finally:
             if not settled:
                 self.spawn(self._abandon(handoff_id, peer))

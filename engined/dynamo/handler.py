@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -38,6 +38,15 @@ from engined.client.handoff import (
 )
 from engined.core.token_stream import SEED_MAX, SEED_MIN
 from engined.dynamo.args import DisaggregationMode
+from engined.dynamo.choices import (
+    Choice,
+    OutputOptions,
+    RequestFailed,
+    Usage,
+    field_map,
+    merge,
+    output_options,
+)
 from engined.wire.control import DestinationReservedEvent, OutputEntry, TransferTiming
 
 log = structlog.get_logger(__name__)
@@ -59,21 +68,13 @@ _HTTP_STATUS: Final = {
 }
 
 
-class RequestFailed(Exception):
-    """A request the daemon refused; `status` is the HTTP status the client should get."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 def refusal(exc: EngineError) -> RequestFailed:
     return RequestFailed(_HTTP_STATUS.get(exc.code, 500), f"engined {exc.code}: {exc.message}")
 
 
 Context = Any  # dynamo._core.Context: id(), async_killed_or_stopped(), is_stopped()
 Chunk = dict[str, Any]
+__all__ = ["Limits", "RequestFailed", "RequestHandler", "refusal"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,55 +84,8 @@ class Limits:
     control_endpoint: str
     context_length: int
     speedup_ratio: float
-
-
-class _Usage:
-    def __init__(self, prompt_tokens: int) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = 0
-        self.cached_tokens: int | None = None
-
-    def add(self, entry: OutputEntry) -> None:
-        self.completion_tokens += len(entry.token_ids)
-        if self.cached_tokens is None and entry.cached_tokens is not None:
-            self.cached_tokens = entry.cached_tokens
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0},
-        }
-
-
-def _merge(batch: list[OutputEntry]) -> OutputEntry:
-    """Entries that queued up while the worker was busy, as one (one chunk to Dynamo)."""
-    last = batch[-1]
-    cached = next((e.cached_tokens for e in batch if e.cached_tokens is not None), None)
-    delay = next(
-        (e.handoff_delay_ms for e in reversed(batch) if e.handoff_delay_ms is not None), None
-    )
-    return OutputEntry(
-        request_id=last.request_id,
-        token_ids=[token for entry in batch for token in entry.token_ids],
-        finished=last.finished,
-        finish_reason=last.finish_reason,
-        cached_tokens=cached,
-        handoff_delay_ms=delay,
-    )
-
-
-def _chunk(entry: OutputEntry, usage: _Usage) -> Chunk:
-    chunk: Chunk = {"token_ids": entry.token_ids, "index": 0}
-    if entry.finished:
-        if entry.finish_reason == "rejected":
-            raise RequestFailed(
-                400, "engined rejected the request: it can never be scheduled on this engine"
-            )
-        chunk["finish_reason"] = entry.finish_reason
-        chunk["completion_usage"] = usage.as_dict()
-    return chunk
+    # The model's, for made-up logprobs (engined.logprob_values draws ids below it).
+    vocab_size: int = 1
 
 
 class RequestHandler:
@@ -178,25 +132,47 @@ class RequestHandler:
     async def _aggregated(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
         token_ids, max_tokens, dp_rank, seed = self._parse(request)
         stop_token_ids, min_tokens = _stops(request)
+        options = output_options(request)
         request_id = _request_id(context)
-        submitted = await _refusing(
-            self._client.submit(
-                token_ids,
-                max_tokens,
-                request_id=request_id,
-                dp_rank=dp_rank,
-                seed=seed,
-                stop_token_ids=stop_token_ids,
-                min_tokens=min_tokens,
-                timeout=CALL_TIMEOUT_S,
-            )
-        )
-        usage = _Usage(len(token_ids))
-        async for chunk, _ in self._entries(submitted.request_id, usage, context):
-            yield chunk
+        usage = Usage(len(token_ids))
+        # n > 1 as vLLM's ParentRequest fans it out: child `{j}_{id}`, seed + j.
+        ids = [request_id] if options.n == 1 else [f"{j}_{request_id}" for j in range(options.n)]
+        streams: list[AsyncGenerator[tuple[Chunk, OutputEntry], None]] = []
+        try:
+            for j, child in enumerate(ids):
+                submitted = await _refusing(
+                    self._client.submit(
+                        token_ids,
+                        max_tokens,
+                        request_id=child,
+                        dp_rank=dp_rank,
+                        seed=None if seed is None else seed + j,
+                        stop_token_ids=stop_token_ids,
+                        min_tokens=min_tokens,
+                        timeout=CALL_TIMEOUT_S,
+                    )
+                )
+                choice = Choice(j, usage, options, self._limits.vocab_size, token_ids)
+                streams.append(self._entries(submitted.request_id, choice, context))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()  # never started: cancels its request
+            raise
+        if len(streams) == 1:
+            async for chunk, _ in streams[0]:
+                yield chunk
+        else:
+            async for chunk in _interleaved(streams):
+                yield chunk
 
     async def _prefill(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+        # The prefill makes one token whatever the client asked: Dynamo's PrefillRouter sends
+        # `max_tokens` 1 with the client's `min_tokens`, which dynamo.vllm caps to 1 as well.
+        stop = request.get("stop_conditions") or {}
+        if isinstance(stop, dict):
+            request = {**request, "stop_conditions": {**stop, "max_tokens": 1, "min_tokens": 1}}
         token_ids, _, dp_rank, seed = self._parse(request)
+        _single(request)
         handoff_id = request_id = _request_id(context)
         submitted = await _refusing(
             self._client.submit_handoff_prefill(
@@ -209,10 +185,10 @@ class RequestHandler:
                 timeout=CALL_TIMEOUT_S,
             )
         )
-        usage = _Usage(len(token_ids))
+        choice = Choice(0, Usage(len(token_ids)), OutputOptions(), 1, token_ids)
         delay_ms = 0.0
         last: Chunk | None = None
-        async for chunk, entry in self._entries(submitted.request_id, usage, context):
+        async for chunk, entry in self._entries(submitted.request_id, choice, context):
             if entry.handoff_delay_ms is not None:
                 delay_ms = entry.handoff_delay_ms
             last = chunk
@@ -242,6 +218,7 @@ class RequestHandler:
     async def _decode(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
         token_ids, max_tokens, dp_rank, seed = self._parse(request)
         stop_token_ids, min_tokens = _stops(request)
+        options = _single(request)
         prefill_result = request["prefill_result"]
         params = _handoff_params(prefill_result)
         handoff_id = params["handoff_id"]
@@ -266,25 +243,27 @@ class RequestHandler:
         )
         if accepted is None:
             return
-        usage = _Usage(len(token_ids))
+        usage = Usage(len(token_ids))
         usage.cached_tokens = _prefill_cached_tokens(prefill_result)
-        async for chunk, _ in self._entries(accepted.request_id, usage, context):
+        choice = Choice(0, usage, options, self._limits.vocab_size, token_ids)
+        async for chunk, _ in self._entries(accepted.request_id, choice, context):
             yield chunk
 
     # --- streaming and ownership ------------------------------------------------------------
 
     async def _entries(
-        self, request_id: str, usage: _Usage, context: Context
-    ) -> AsyncIterator[tuple[Chunk, OutputEntry]]:
-        """The request's chunks; cancels it in the daemon if the Dynamo side goes first."""
+        self, request_id: str, choice: Choice, context: Context
+    ) -> AsyncGenerator[tuple[Chunk, OutputEntry], None]:
+        """The request's chunks, one per engine output while Dynamo asks for each as it
+        comes, else one for what queued meanwhile; cancels the request in the daemon if the
+        Dynamo side goes first."""
         watcher = asyncio.ensure_future(self._cancel_when_stopped(request_id, context))
         finished = False
         try:
             async for batch in self._client.output_batches(request_id, timeout=None):
-                entry = batch[0] if len(batch) == 1 else _merge(batch)
-                usage.add(entry)
+                entry = batch[0] if len(batch) == 1 else merge(batch)
                 finished = entry.finished
-                yield _chunk(entry, usage), entry
+                yield choice.chunk(entry), entry
         finally:
             watcher.cancel()
             if not finished:
@@ -305,7 +284,7 @@ class RequestHandler:
         token_ids = request.get("token_ids")
         if not isinstance(token_ids, list) or not token_ids:
             raise RequestFailed(400, "token_ids: expected a non-empty list of token ids")
-        stop = request.get("stop_conditions") or {}
+        stop = field_map(request, "stop_conditions")
         max_tokens = stop.get("max_tokens")
         if max_tokens is None:
             # vLLM's default: whatever room the context leaves.
@@ -319,13 +298,11 @@ class RequestHandler:
             raise RequestFailed(
                 400, f"stop_conditions.min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})"
             )
-        routing = request.get("routing") or {}
+        routing = field_map(request, "routing")
         dp_rank = routing.get("dp_rank")
         if dp_rank is not None and (not isinstance(dp_rank, int) or dp_rank < 0):
             raise RequestFailed(400, f"routing.dp_rank: expected an int >= 0, got {dp_rank!r}")
-        sampling = request.get("sampling_options") or {}
-        if not isinstance(sampling, dict):
-            raise RequestFailed(400, f"sampling_options: expected a map, got {sampling!r}"[:200])
+        sampling = field_map(request, "sampling_options")
         seed = sampling.get("seed")
         if seed is not None and (
             not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX
@@ -336,10 +313,47 @@ class RequestHandler:
         return token_ids, max_tokens, dp_rank, seed
 
 
+def _single(request: dict[str, Any]) -> OutputOptions:
+    """The output options of a P/D request, which carries one sample through the handoff."""
+    options = output_options(request)
+    if options.n != 1:
+        raise RequestFailed(
+            400,
+            f"sampling_options.n: a prefill/decode handoff carries one sample, got n={options.n}"
+            " (serve n > 1 from an aggregated worker)",
+        )
+    return options
+
+
+async def _interleaved(
+    streams: list[AsyncGenerator[tuple[Chunk, OutputEntry], None]],
+) -> AsyncIterator[Chunk]:
+    """The chunks of several choices as each comes. A choice's next chunk is asked for only
+    once Dynamo has taken its last one, so what queues meanwhile is merged as for one."""
+    pending = {asyncio.ensure_future(anext(stream)): stream for stream in streams}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in [t for t in pending if t in done]:
+                stream = pending.pop(task)
+                try:
+                    chunk, _ = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield chunk
+                pending[asyncio.ensure_future(anext(stream))] = stream
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
 def _stops(request: dict[str, Any]) -> tuple[list[int] | None, int]:
     """`stop_conditions.stop_token_ids_hidden` and `min_tokens`, as dynamo.vllm hands them to
     vLLM's `SamplingParams` (the daemon judges the values, `_parse` the min/max order)."""
-    stop = request.get("stop_conditions") or {}
+    stop = field_map(request, "stop_conditions")
     ids = stop.get("stop_token_ids_hidden")
     if ids is not None and (
         not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids)

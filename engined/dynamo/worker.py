@@ -292,7 +292,12 @@ async def serve(args: WorkerArgs) -> int:
         handler = RequestHandler(
             client,
             args.disaggregation_mode,
-            Limits(args.control_endpoint, context, welcome.speedup_ratio or 0.0),
+            Limits(
+                args.control_endpoint,
+                context,
+                welcome.speedup_ratio or 0.0,
+                read_model(args.model_path).vocab_size,
+            ),
             connect=EngineClient.connect,
         )
         with dynamo_step("Dynamo refused the KV event, FPM or load publishers"):

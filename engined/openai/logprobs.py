@@ -15,15 +15,16 @@ the top `k` in rank order (the sampled one not repeated), and the APIs cut that 
 completions keep the first `k + 1` (keyed by token text, so two ids of one text merge),
 chat the first `k`, so a chat `top_logprobs` list starts with the sampled token even when it
 was not the most likely. Token text comes from the caller's `decode(ids)`, one string per
-id, as vLLM decodes each id on its own.
+id, as vLLM decodes each id on its own. The values themselves are `engined.logprob_values`'s,
+which the Dynamo worker (engined/dynamo/choices.py) sends by token id for Dynamo's frontend
+to render.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from typing import Final, NamedTuple
 
+from engined.logprob_values import PositionLogprobs, position_logprobs
 from engined.openai.protocol_responses import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -32,65 +33,7 @@ from engined.openai.protocol_responses import (
 )
 
 Decode = Callable[[list[int]], list[str]]
-
-_MASK: Final = (1 << 64) - 1
-_UNIT: Final = float(1 << 53)
-# Logprobs are cut (down, so the probabilities still sum below 1) to 4 decimals, which
-# every JSON encoder writes alike.
-_SCALE: Final = 10_000
-
-
-def _mix(value: int) -> int:
-    """splitmix64's finalizer: a well-spread 64-bit value from any integer."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
-    return value ^ (value >> 31)
-
-
-def _unit(state: int) -> float:
-    return (state >> 11) / _UNIT
-
-
-class PositionLogprobs(NamedTuple):
-    """One position as vLLM's engine reports it: the sampled token's logprob and rank, and
-    `(token_id, logprob)` pairs, the sampled token first, then the top k in rank order."""
-
-    logprob: float
-    rank: int
-    entries: list[tuple[int, float]]
-
-
-def position_logprobs(
-    token_id: int, position: int, k: int, *, key: int, vocab_size: int
-) -> PositionLogprobs:
-    """The made-up distribution at `position` of the request with `key`, `k` ranks deep."""
-    k = max(0, min(k, vocab_size - 1))
-    state = _mix(key * 0x100000001B3 ^ position)
-    top = 0.5 + 0.48 * _unit(state)
-    state = _mix(state)
-    decay = 0.3 + 0.4 * _unit(state)
-    state = _mix(state)
-    draw = _unit(state)
-    rank = 1 if draw < 0.75 else 2 if draw < 0.9 else 3 + int((draw - 0.9) * 80)
-    rank = min(rank, vocab_size)
-
-    def logprob(r: int) -> float:
-        mass = top if r == 1 else (1 - top) * (1 - decay) * decay ** (r - 2)
-        return math.floor(math.log(mass) * _SCALE) / _SCALE
-
-    entries = [(token_id, logprob(rank))]
-    taken = {token_id}
-    for r in range(1, k + 1):
-        if r == rank:
-            continue
-        state = _mix(state)
-        other = state % vocab_size
-        while other in taken:
-            other = (other + 1) % vocab_size
-        taken.add(other)
-        entries.append((other, logprob(r)))
-    return PositionLogprobs(entries[0][1], rank, entries)
+__all__ = ["PositionLogprobs", "chat_logprobs", "completion_logprobs", "position_logprobs"]
 
 
 def completion_logprobs(

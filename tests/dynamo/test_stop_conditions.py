@@ -112,3 +112,18 @@ def test_the_decode_worker_stops_on_a_hidden_stop_id(tmp_path: Path) -> None:
         got = run(with_handler(d, DisaggregationMode.DECODE, decode))
         assert tokens(got) == expected[:5]
         assert got[-1]["finish_reason"] == "stop"
+
+
+def test_the_prefill_worker_caps_the_clients_min_tokens(tmp_path: Path) -> None:
+    """Dynamo's PrefillRouter sends `max_tokens` 1 with the client's `min_tokens`; the
+    prefill makes its one token all the same, as dynamo.vllm caps both to 1."""
+    request = {"token_ids": PROMPT, "stop_conditions": {"max_tokens": 1, "min_tokens": 64}}
+
+    async def scenario(handler: RequestHandler, client: EngineClient) -> None:
+        got = await chunks(handler, request, "ctx-prefill-min")
+        assert len(tokens(got)) == 1
+        assert got[-1]["finish_reason"] == "length"
+        assert "engined" in got[-1]["disaggregated_params"]
+
+    with start_daemon(tmp_path, *FLAGS, "--worker-type", "prefill") as daemon:
+        run(with_handler(daemon, DisaggregationMode.PREFILL, scenario))

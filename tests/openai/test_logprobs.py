@@ -22,11 +22,13 @@ def test_the_same_request_gets_the_same_values() -> None:
         -2.1472,
         2,
         [(42, -2.1472), (166, -0.3753), (446, -2.6146)],
+        [2, 1, 3],
     )
     assert position_logprobs(42, 1, 3, key=7, vocab_size=VOCAB) == (
         -0.1143,
         1,
         [(42, -0.1143), (947, -3.3066), (142, -3.7214)],
+        [1, 2, 3],
     )
     assert position_logprobs(42, 0, 3, key=8, vocab_size=VOCAB) != position_logprobs(
         42, 0, 3, key=7, vocab_size=VOCAB
@@ -37,8 +39,13 @@ def test_the_same_request_gets_the_same_values() -> None:
 def test_every_position_is_a_distribution_with_vllms_ranks(k: int) -> None:
     for position in range(2000):
         sampled = position % VOCAB
-        logprob, rank, entries = position_logprobs(sampled, position, k, key=3, vocab_size=VOCAB)
+        logprob, rank, entries, ranks = position_logprobs(
+            sampled, position, k, key=3, vocab_size=VOCAB
+        )
         assert entries[0] == (sampled, logprob)
+        assert ranks[0] == rank
+        assert sorted(ranks[1:]) == ranks[1:] and rank not in ranks[1:]
+        assert ranks[1:] == [r for r in range(1, k + 1) if r != rank][: len(ranks) - 1]
         others = entries[1:]
         assert len(entries) == (k if rank <= k else k + 1) or (k == 0 and len(entries) == 1)
         assert len({token for token, _ in entries}) == len(entries)

@@ -60,6 +60,10 @@ class ManualClock:
             self._waiters.append(waiter)
             await waiter
 
+    def parked(self) -> bool:
+        """Whether a sleeper waits for the clock to move (a paced loop between passes)."""
+        return any(not waiter.done() for waiter in self._waiters)
+
     def advance_to(self, seconds: float) -> None:
         self.now = max(self.now, seconds)
         waiters, self._waiters = self._waiters, []
