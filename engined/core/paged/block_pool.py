@@ -162,6 +162,25 @@ class PagedBlockPool:
         else:
             self.cached[key] = block
 
+    def cache_run(
+        self, blocks: list[int], keys: list[int], vllm_hashes: list[bytes], event_hashes: list[int]
+    ) -> None:
+        """`cache` of each of `blocks` in turn (a request's run, filled together)."""
+        key_of = self.key_of
+        vllm_hash_of = self.vllm_hash_of
+        event_hash_of = self.event_hash_of
+        cached = self.cached
+        for block, key, vllm_hash, event_hash in zip(
+            blocks, keys, vllm_hashes, event_hashes, strict=True
+        ):
+            key_of[block] = key
+            vllm_hash_of[block] = vllm_hash
+            event_hash_of[block] = event_hash
+            if key in cached:
+                self._twins.setdefault(key, []).append(block)
+            else:
+                cached[key] = block
+
     def touch(self, blocks: list[int]) -> None:
         """Take a handle on hit blocks, out of the free queue if they were free."""
         refs = self.refs
