@@ -133,8 +133,9 @@ class PagedScheduler:
         decoded_ids = ctx.decoded_ids
         decoded_tokens = ctx.decoded_tokens
         fused_len = 0
+        budget = ctx.budget
         i = 0
-        while i < len(running) and ctx.budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
             seq = req.seq
             computed = req.num_computed_tokens
@@ -164,16 +165,16 @@ class PagedScheduler:
                     seq.num_allocated_tokens = length
                 req.num_computed_tokens = length
                 req.scheduled_len = length
-                scheduled_ids.append(req.request_id)
+                request_id = req.request_id
+                scheduled_ids.append(request_id)
                 scheduled.append(req)
-                ctx.budget -= 1
+                budget -= 1
                 i += 1
                 if ready is None:
                     continue
                 if (
                     seq.generated + 1 < seq.max_output_tokens
-                    and seq.planned is None
-                    and seq.stops is None
+                    and seq.plain
                     and req.cached_tokens_reported
                 ):
                     # Its sampling, fused: the emitter's plain decode step (a token that
@@ -187,67 +188,73 @@ class PagedScheduler:
                         seq.generated += 1
                     else:
                         seq.push_paged(drawn)
-                    decoded_ids.append(req.request_id)
+                    decoded_ids.append(request_id)
                     decoded_tokens.append(drawn)
                     fused_len += length
                 else:
                     ready.append((req, len(decoded_ids)))
                 continue
-            # Async scheduling: tokens still being sampled are computed as placeholders, and
-            # a request whose last token is among them has nothing left to schedule.
-            placeholders = req.num_output_placeholders
-            if (
-                placeholders
-                and computed + 2 - placeholders >= seq.num_input_tokens + seq.max_output_tokens
-            ):
-                i += 1
-                continue
-            # Room for the token the step samples (none for a prefill-only request).
-            cap = max_model_len - (seq.generated < seq.max_output_tokens) - computed
-            num_new = min(length + placeholders - computed, ctx.budget, cap)
-            if num_new <= 0:
-                i += 1
-                continue
-            preempted = preempted_itself = stuck = False
-            # A plain decode step that opens or fills a block takes `append_slot`, the same
-            # allocation and caching without `allocate_slots`' generality.
-            grow = num_new == 1 and not placeholders and computed >= seq.num_input_tokens
-            while not (
-                kv.append_slot(seq, computed + 1)
-                if grow
-                else kv.allocate_slots(seq, computed, num_new)
-            ):
-                victim = self._preempter.preempt()
-                if victim is None:
-                    stuck = True
-                    break
-                ctx.preempted_any = preempted = True
-                ctx.unschedule(victim, self._counts_prefill)
-                if victim == req.request_id:
-                    preempted_itself = True
-                    break
-            if stuck or (preempted_itself and not self._by_priority):
+            ctx.budget = budget
+            i = self._schedule_step(ctx, req, i)
+            budget = ctx.budget
+            if i < 0:
                 break
-            if preempted_itself:
-                # Under priority the requests after it rank higher and may still fit; the
-                # next one now stands at `i`.
-                continue
-            if preempted and self._by_priority:
-                # The victim may have run before it: find the request's place again.
-                i = running.index(req)
-            if grow:
-                # One decode token: the request stands for its ScheduledWork, as above.
-                req.num_computed_tokens = req.scheduled_len = computed + 1
-                scheduled_ids.append(req.request_id)
-                scheduled.append(req)
-                ctx.budget -= 1
-                if ready is not None and computed + 1 >= length:
-                    ready.append((req, len(decoded_ids)))
-            else:
-                self._record(ctx, req, computed, num_new)
-            i += 1
+        ctx.budget = budget
         ctx.fused = len(decoded_ids)
         ctx.fused_len = fused_len
+
+    def _schedule_step(self, ctx: PassContext, req: RequestState, i: int) -> int:
+        """Schedule running request `req`, at `i`, by vLLM's general rule (allocating, and
+        preempting for it); returns where the walk goes on, or -1 where it ends."""
+        running = self._state.running
+        kv = self._kv
+        seq = req.seq
+        computed = req.num_computed_tokens
+        length = len(seq.tokens)
+        # Async scheduling: tokens still being sampled are computed as placeholders, and
+        # a request whose last token is among them has nothing left to schedule.
+        placeholders = req.num_output_placeholders
+        if (
+            placeholders
+            and computed + 2 - placeholders >= seq.num_input_tokens + seq.max_output_tokens
+        ):
+            return i + 1
+        # Room for the token the step samples (none for a prefill-only request).
+        cap = self._max_model_len - (seq.generated < seq.max_output_tokens) - computed
+        num_new = min(length + placeholders - computed, ctx.budget, cap)
+        if num_new <= 0:
+            return i + 1
+        preempted = False
+        # A plain decode step that opens or fills a block takes `append_slot`, the same
+        # allocation and caching without `allocate_slots`' generality.
+        grow = num_new == 1 and not placeholders and computed >= seq.num_input_tokens
+        while not (
+            kv.append_slot(seq, computed + 1) if grow else kv.allocate_slots(seq, computed, num_new)
+        ):
+            victim = self._preempter.preempt()
+            if victim is None:
+                return -1
+            ctx.preempted_any = preempted = True
+            ctx.unschedule(victim, self._counts_prefill)
+            if victim == req.request_id:
+                # Under priority the requests after it rank higher and may still fit; the
+                # next one now stands at `i`.
+                return i if self._by_priority else -1
+        if preempted and self._by_priority:
+            # The victim may have run before it: find the request's place again.
+            i = running.index(req)
+        if grow:
+            # One decode token: the request stands for its ScheduledWork, as above.
+            req.num_computed_tokens = req.scheduled_len = computed + 1
+            ctx.scheduled_ids.append(req.request_id)
+            ctx.scheduled.append(req)
+            ctx.budget -= 1
+            ready = ctx.ready
+            if ready is not None and computed + 1 >= length:
+                ready.append((req, len(ctx.decoded_ids)))
+        else:
+            self._record(ctx, req, computed, num_new)
+        return i + 1
 
     def _admit_waiting(self, ctx: PassContext) -> None:
         state = self._state
