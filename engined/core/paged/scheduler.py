@@ -141,14 +141,15 @@ class PagedScheduler:
             computed = req.num_computed_tokens
             tokens = seq.tokens
             length = len(tokens)
+            # How far the tokens reach into their last block (0: they end on a boundary).
+            offset = length % bs
             if (
                 length - computed == 1
                 and computed >= seq.num_input_tokens
                 and (
-                    (
-                        length % bs != 0
-                        and (length - 1) // bs <= (seq.num_allocated_tokens - 1) // bs
-                    )
+                    # The slot is in a held block (`(length - 1) // bs` at most
+                    # `(allocated - 1) // bs`, without dividing).
+                    (offset and seq.num_allocated_tokens > length - offset)
                     or (
                         ready is not None
                         and computed + 1 + (seq.generated < seq.max_output_tokens) <= max_model_len
