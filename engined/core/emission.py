@@ -13,7 +13,9 @@ burst ends at it, the rest of the burst dropped as vLLM drops the draft tokens a
 Each request that emitted or finished gets exactly one output per pass (all of an MTP
 burst's tokens in one `RequestOutput`), as vLLM's engine core reports a step; a plain decode
 step (one token, unfinished, no cached tokens to report) goes to the pass's `Decodes`
-columns instead, the per-token cost a steady pass no longer pays.
+columns instead, the per-token cost a steady pass no longer pays. Under vLLM semantics the
+scheduler has sampled most of those already (engined/core/paged/scheduler.py): the emitter
+then handles only the ready requests it lists, and places their entries among its steps.
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@
    stops. Without chunked prefill a prompt that does not fit the remaining budget stops
    admission too.
 
+Synchronous, under FCFS with LIFO preemption, the walk of step 1 also samples each decode
+step that ends nothing and reports nothing, as the emitter would (nothing the walk has passed
+can be preempted later in the pass, the victim being the last running request): a steady
+pass then walks its running requests once. The emitter gets the other ready requests, in
+running order (`PassContext.ready`).
+
 A fresh request that could never fit the pool is rejected (vLLM would hold it at the head of
 its queue forever). Everything the pass accumulates goes into its `PassContext`.
 """
