@@ -189,6 +189,8 @@ def assemble(
             finisher=finisher,
             preempter=preempter,
             perf=perf,
+            vocab=vocab,
+            fast_paths=fast_paths,
         )
     else:
         scheduler = Scheduler(

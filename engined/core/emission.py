@@ -13,7 +13,9 @@ burst ends at it, the rest of the burst dropped as vLLM drops the draft tokens a
 Each request that emitted or finished gets exactly one output per pass (all of an MTP
 burst's tokens in one `RequestOutput`), as vLLM's engine core reports a step; a plain decode
 step (one token, unfinished, no cached tokens to report) goes to the pass's `Decodes`
-columns instead, the per-token cost a steady pass no longer pays.
+columns instead, the per-token cost a steady pass no longer pays. Under vLLM semantics the
+scheduler has sampled most of those already (engined/core/paged/scheduler.py): the emitter
+then handles only the ready requests it lists, and places their entries among its steps.
 """
 
 from __future__ import annotations
@@ -167,23 +169,50 @@ class TokenEmitter:
         state = self._state
         ready: list[RequestState] = []
         finished: list[RequestState] = []
-        total_len = 0
-        for req in state.running:
-            seq = req.seq
-            length = len(seq.tokens)
-            if req.num_computed_tokens >= length:
+        total_len = ctx.fused_len
+        fused = ctx.fused
+        # Where the fused steps go between the others (`PassContext.ready`), when fused.
+        places: list[int] | None = None
+        fused_ids = ctx.decoded_ids
+        fused_tokens = ctx.decoded_tokens
+        scheduled_ready = ctx.ready
+        if scheduled_ready is None:
+            for req in state.running:
+                seq = req.seq
+                length = len(seq.tokens)
+                if req.num_computed_tokens >= length:
+                    if seq.generated < seq.max_output_tokens:
+                        ready.append(req)
+                        total_len += length
+                    else:
+                        finished.append(req)
+        elif scheduled_ready:
+            places = []
+            for req, place in scheduled_ready:
+                seq = req.seq
                 if seq.generated < seq.max_output_tokens:
                     ready.append(req)
-                    total_len += length
+                    places.append(place)
+                    total_len += len(seq.tokens)
                 else:
                     finished.append(req)
+            # The others' entries are placed among the fused steps, which start over.
+            ctx.decoded_ids = []
+            ctx.decoded_tokens = []
         for req in finished:
             self._finish(ctx, req, [], req.seq.free_moves())
         if not ready:
-            return 0.0
+            if not fused:
+                return 0.0
+            if places is not None:
+                ctx.decoded_ids = fused_ids
+                ctx.decoded_tokens = fused_tokens
+            ctx.output_tokens += fused
+            ctx.decode_forwards += fused
+            return self._decode_ms(fused, total_len)
         if self._sampler is not None:
             return self._emit_speculative(ctx, ready)
-        decode_ms = self._decode_ms(len(ready), total_len)
+        decode_ms = self._decode_ms(len(ready) + fused, total_len)
         running_members = state.running_members
         kv = self._kv
         mocker_kv = self._mocker_kv
@@ -199,11 +228,18 @@ class TokenEmitter:
         decoded_tokens = ctx.decoded_tokens
         # Every output of this loop carries exactly one token: their count is the tokens'.
         first_output = len(outputs)
-        first_decode = len(decoded_ids)
+        first_decode = len(decoded_ids) - (0 if places is not None else fused)
         # NOTE: locals, so compiled code does not look the globals up once per token.
         output = RequestOutput
         running = _RUNNING
-        for req in ready:
+        taken = 0
+        for k, req in enumerate(ready):
+            if places is not None:
+                place = places[k]
+                if place > taken:
+                    decoded_ids += fused_ids[taken:place]
+                    decoded_tokens += fused_tokens[taken:place]
+                    taken = place
             request_id = req.request_id
             seq = req.seq
             tokens = seq.tokens
@@ -298,6 +334,9 @@ class TokenEmitter:
                 decoded_tokens.append(token)
             else:
                 ctx.add_output(output(request_id, [token], None, cached))
+        if places is not None and taken < fused:
+            decoded_ids += fused_ids[taken:]
+            decoded_tokens += fused_tokens[taken:]
         emitted = len(outputs) - first_output + len(decoded_ids) - first_decode
         ctx.output_tokens += emitted
         ctx.decode_forwards += emitted

@@ -83,11 +83,11 @@ def build_snapshot(
             continue
         n_decode += 1
         sum_decode += x
-        # Exact: a length is far below 2**53, so float(x) is what `x - mean` converts to.
-        xf = float(x)
-        delta = xf - mean
+        # Exact: a length is far below 2**53, so `x - mean` subtracts float(x), exactly
+        # `welford`'s steps.
+        delta = x - mean
         mean += delta / n_decode
-        m2 += delta * (xf - mean)
+        m2 += delta * (x - mean)
     var_decode = m2 / n_decode if n_decode else 0.0
     n_prefill, _, var_prefill = welford(prefill_lengths)
     n_qp, sum_qp, var_qp = queued_prefill

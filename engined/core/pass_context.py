@@ -32,11 +32,14 @@ class PassContext:
         "decoded_ids",
         "decoded_tokens",
         "ended",
+        "fused",
+        "fused_len",
         "lifecycle",
         "now_ms",
         "output_tokens",
         "outputs",
         "preempted_any",
+        "ready",
         "rejected",
         "scheduled",
         "scheduled_ids",
@@ -75,6 +78,16 @@ class PassContext:
         self.decoded_ids: list[str] = []
         self.decoded_tokens: list[int] = []
         self.decoded_before: list[int] = []
+        # vLLM semantics, synchronous and LIFO: the scheduler samples a plain decode step
+        # where it schedules it (`PagedScheduler`), so a steady pass walks its running
+        # requests once, not once to schedule, twice to emit. `fused` of those are in the
+        # decode columns already, `fused_len` their lengths before the token (the decode
+        # batch's modeled length). `ready` is every other request the pass leaves ready to
+        # sample, in running order, each with how many fused steps came before it; None when
+        # the scheduler does not fuse (the emitter then walks the running list).
+        self.fused = 0
+        self.fused_len = 0
+        self.ready: list[tuple[RequestState, int]] | None = None
         self.ended: list[EndedRequest] = []
         self.lifecycle: list[LifecycleEvent] = []
         # MTP acceptance figures: visible output tokens, decode forwards.

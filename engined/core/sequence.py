@@ -170,6 +170,7 @@ class Sequence:
         "num_input_tokens",
         "paged",
         "partial",
+        "plain",
         "planned",
         "popped",
         "stop_reason",
@@ -212,6 +213,8 @@ class Sequence:
         self.token_bits = token_bits
         self.popped: int | None = None
         self.stops = stops
+        # Neither planned nor stopping early: each token is a draw that ends nothing early.
+        self.plain = planned is None and stops is None
         self.stop_reason: int | None = None
         self.cache_salt = cache_salt
         # The core's shared range, so a vocabulary change reaches running requests.

@@ -6,7 +6,10 @@ the request) for speed. `Engine(..., fast_paths=False)` sends every request thro
 general path instead. Random workloads (preemption, MTP bursts, planned outputs, a
 vocabulary, prefix caching on and off, destinations, offload tiers, cancels) are run on both
 engines with the same commands at the same times; every `CommandEffects` and `PassResult`
-must be equal, field by field, and so must the final gauges.
+must be equal, field by field, and so must the final gauges. Under vLLM semantics the paged
+scheduler also samples plain decode steps where it schedules them (off with the fast paths):
+`vllm_workloads` checks that against the unfused walk, including the policies that turn it
+off (priority scheduling, FIFO preemption) and pools small enough to preempt.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engined.core.args import EngineArgs, PreemptionMode, WorkerType
+from engined.core.args import EngineArgs, PreemptionMode, SchedulingPolicy, WorkerType
+from engined.core.args_fields import Semantics
 from engined.core.engine import Engine
 from engined.core.errors import CoreError
 from engined.core.types import (
@@ -25,6 +29,7 @@ from engined.core.types import (
     Cancel,
     Command,
     CommandEffects,
+    EngineMetrics,
     PassResult,
     Request,
     ReserveDestination,
@@ -72,6 +77,37 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[str, int, int]]]:
     return make_args(**fields), ops
 
 
+@st.composite
+def vllm_workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[str, int, int]]]:
+    fields: dict[str, Any] = {
+        "semantics": Semantics.VLLM,
+        "block_size": draw(st.sampled_from([2, 4, 16])),
+        "num_gpu_blocks": draw(st.integers(6, 40)),
+        "max_num_batched_tokens": draw(st.integers(4, 64)),
+        "max_num_seqs": draw(st.integers(1, 6)),
+        "enable_prefix_caching": draw(st.booleans()),
+        "preemption_mode": draw(st.sampled_from(list(PreemptionMode))),
+        "scheduling_policy": draw(st.sampled_from(list(SchedulingPolicy))),
+        "worker_type": draw(st.sampled_from([WorkerType.AGGREGATED, WorkerType.DECODE])),
+        "vocab_size": draw(st.sampled_from([None, 50])),
+        "seed": draw(st.integers(0, 3)),
+    }
+    ops = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(
+                    ["submit", "submit", "stop", "planned", "cancel", "reserve", "pass"]
+                ),
+                st.integers(0, 7),
+                st.integers(0, len(PROMPTS) - 1),
+            ),
+            min_size=1,
+            max_size=40,
+        )
+    )
+    return make_args(**fields), ops
+
+
 def command_of(op: str, n: int, prompt: int) -> Command | None:
     tokens = [*PROMPTS[prompt], n]
     match op:
@@ -81,6 +117,12 @@ def command_of(op: str, n: int, prompt: int) -> Command | None:
             planned = [7 * n + i for i in range(2 + n)]
             request = Request(
                 token_ids=tokens, max_tokens=0, request_id=f"p{n}", output_token_ids=planned
+            )
+            return Submit(request)
+        case "stop":
+            # A vocabulary of 50 draws ids below 50: 3 and 17 stop some of them early.
+            request = Request(
+                token_ids=tokens, max_tokens=4 + 6 * n, request_id=f"s{n}", stop_token_ids=[3, 17]
             )
             return Submit(request)
         case "cancel":
@@ -138,6 +180,49 @@ def test_inlined_decode_steps_give_identical_results(
     assert len(fast) == len(slow)
     for index, (a, b) in enumerate(zip(fast, slow, strict=True)):
         assert a == b, f"result {index} differs"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(vllm_workloads())
+def test_fused_decode_sampling_gives_identical_results(
+    workload: tuple[EngineArgs, list[tuple[str, int, int]]],
+) -> None:
+    args, ops = workload
+    fast = run(Engine(args), ops)
+    slow = run(Engine(args, fast_paths=False), ops)
+    assert len(fast) == len(slow)
+    for index, (a, b) in enumerate(zip(fast, slow, strict=True)):
+        assert a == b, f"result {index} differs"
+
+
+def test_a_long_vllm_decode_workload_is_identical() -> None:
+    """The benchmark's shape under vLLM semantics, at a small scale, with a pool small enough
+    that decoding evicts and preempts: fused and unfused walks give the same results."""
+    args = make_args(
+        semantics=Semantics.VLLM,
+        block_size=4,
+        num_gpu_blocks=120,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+    )
+
+    def engine_with_requests(fast_paths: bool) -> Engine:
+        engine = Engine(args, fast_paths=fast_paths)
+        for n in range(48):
+            tokens = PROMPTS[n % len(PROMPTS)] + [n] * 9
+            request = Request(token_ids=tokens, max_tokens=24 + n % 7, request_id=f"r{n}")
+            engine.apply(Submit(request), now_ms=0.0)
+        return engine
+
+    fast = run(engine_with_requests(True), [])
+    slow = run(engine_with_requests(False), [])
+    assert fast == slow
+    passes = [r for r in fast if isinstance(r, PassResult)]
+    assert sum(len(r.decodes.request_ids) >= 8 for r in passes) > 20
+    metrics = fast[-1]
+    assert isinstance(metrics, EngineMetrics)
+    assert metrics.preemptions_total > 0
 
 
 def test_a_long_decode_workload_is_identical() -> None:

@@ -104,36 +104,33 @@ class PagedBlockPool:
         if self.key_of[block] >= 0:
             self.num_cached_free -= 1
 
-    def _link_after(self, anchor: int, block: int) -> None:
-        nxt = self._next
-        prv = self._prev
-        b = nxt[anchor]
-        nxt[anchor] = block
-        prv[block] = anchor
-        nxt[block] = b
-        prv[b] = block
-        self.num_free += 1
-        if self.key_of[block] >= 0:
-            self.num_cached_free += 1
-
     def get_new_blocks(self, count: int) -> list[int]:
         """`count` blocks from the front of the queue, evicting what they cached."""
         assert count <= self.num_free, "allocation beyond the free blocks"
-        taken: list[int] = []
         refs = self.refs
         key_of = self.key_of
         nxt = self._next
+        prv = self._prev
         head = self._head
         residency = self.residency
+        # The front `count` blocks leave the queue together: one relink, not one per block.
+        taken: list[int] = []
+        block = head
+        evicted = 0
         for _ in range(count):
-            block = nxt[head]
-            self._unlink(block)
+            block = nxt[block]
+            taken.append(block)
+            refs[block] = 1
             if key_of[block] >= 0:
+                evicted += 1
                 self._evict(block)
             if residency is not None:
                 residency.allocated(block)
-            refs[block] = 1
-            taken.append(block)
+        rest = nxt[block]
+        nxt[head] = rest
+        prv[rest] = head
+        self.num_free -= count
+        self.num_cached_free -= evicted
         return taken
 
     def _evict(self, block: int) -> None:
@@ -164,6 +161,25 @@ class PagedBlockPool:
         else:
             self.cached[key] = block
 
+    def cache_run(
+        self, blocks: list[int], keys: list[int], vllm_hashes: list[bytes], event_hashes: list[int]
+    ) -> None:
+        """`cache` of each of `blocks` in turn (a request's run, filled together)."""
+        key_of = self.key_of
+        vllm_hash_of = self.vllm_hash_of
+        event_hash_of = self.event_hash_of
+        cached = self.cached
+        for block, key, vllm_hash, event_hash in zip(
+            blocks, keys, vllm_hashes, event_hashes, strict=True
+        ):
+            key_of[block] = key
+            vllm_hash_of[block] = vllm_hash
+            event_hash_of[block] = event_hash
+            if key in cached:
+                self._twins.setdefault(key, []).append(block)
+            else:
+                cached[key] = block
+
     def touch(self, blocks: list[int]) -> None:
         """Take a handle on hit blocks, out of the free queue if they were free."""
         refs = self.refs
@@ -180,18 +196,39 @@ class PagedBlockPool:
         refs = self.refs
         key_of = self.key_of
         caching = self.caching
-        front = self._head
+        prv = self._prev
+        # Cached blocks go to the back in the order freed, the others to the front in the
+        # order freed: two runs, each linked in at its end once.
+        back: list[int] = []
+        front: list[int] = []
         for block in ordered:
             n = refs[block] - 1
             refs[block] = n
             if n:
                 continue
             if caching and key_of[block] >= 0:
-                self._link_after(self._prev[self._tail], block)
+                back.append(block)
             else:
-                # Reused first, in the order freed.
-                self._link_after(front, block)
-                front = block
+                front.append(block)
+        if front:
+            self._splice(self._head, front)
+        if back:
+            self._splice(prv[self._tail], back)
+            self.num_cached_free += len(back)
+        self.num_free += len(front) + len(back)
+
+    def _splice(self, anchor: int, run: list[int]) -> None:
+        """Link `run` into the queue after `anchor`, in order."""
+        nxt = self._next
+        prv = self._prev
+        after = nxt[anchor]
+        prev = anchor
+        for block in run:
+            nxt[prev] = block
+            prv[block] = prev
+            prev = block
+        nxt[prev] = after
+        prv[after] = prev
 
     def reset(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); False while any is held."""

@@ -163,8 +163,30 @@ class PagedKvManager:
         if length > seq.num_allocated_tokens:
             seq.num_allocated_tokens = length
         if self.caching and length % bs == 0:
-            self._cache_blocks(seq, table, length)
+            pos = length // bs - 1
+            if pos and self._num_cached.get(seq) == pos and len(seq.hashes) > pos:
+                self._cache_block(seq, table, pos)
+            else:
+                self._cache_blocks(seq, table, length)
         return True
+
+    def _cache_block(self, seq: Sequence, table: list[int], pos: int) -> None:
+        """`_cache_blocks` of the one block a decode step fills, `pos` (not the first: no
+        salt), when the blocks before it are cached: a sixth of a steady pass's cost was
+        the general path's bookkeeping around the hash."""
+        bs = self.block_size
+        pool = self.pool
+        parent_block = table[pos - 1]
+        parent = pool.vllm_hash_of[parent_block]
+        token_ids = seq.tokens[pos * bs : (pos + 1) * bs].tolist()
+        if self._sha256_pickle:
+            h = _sha256(_dumps((parent, tuple(token_ids), None), 5)).digest()
+        else:
+            h = self._hasher.block_hash(parent, token_ids, None)
+        ext = int.from_bytes(h[-8:], "big")
+        pool.cache(table[pos], seq.keys[pos], h, ext)
+        self._num_cached[seq] = pos + 1
+        self.log.stored_blocks(pool.event_hash_of[parent_block], [ext], [seq.local[pos]], token_ids)
 
     def _cache_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         """Cache the blocks whose every token is scheduled: vLLM hashes each (chained to the
@@ -176,36 +198,39 @@ class PagedKvManager:
         if done >= full:
             return
         pool = self.pool
-        vllm_hash_of = pool.vllm_hash_of
-        event_hash_of = pool.event_hash_of
-        block_hash = self._hasher.block_hash
         tokens = seq.tokens
-        keys = seq.keys
-        parent = vllm_hash_of[table[done - 1]] if done else self._none_hash
+        parent = pool.vllm_hash_of[table[done - 1]] if done else self._none_hash
         # Only the first block has extra keys (a salt).
         salt = None if done else seq.cache_salt
         extra = None if salt is None else salt_extra_keys(salt)
+        # One list of the run's tokens serves the hashes and the event.
+        token_ids = tokens[done * bs : full * bs].tolist()
+        hashes: list[bytes] = []
         stored: list[int] = []
-        for i in range(done, full):
-            if self._sha256_pickle:
-                # vLLM's default `hash_block_tokens`, inlined: compiled, the generic
-                # `BlockHasher` path costs a third of the core's time in its calls alone.
-                h = _sha256(
-                    _dumps((parent, tuple(tokens[i * bs : (i + 1) * bs]), extra), 5)
+        if self._sha256_pickle:
+            # vLLM's default `hash_block_tokens`, inlined: compiled, the generic
+            # `BlockHasher` path costs a third of the core's time in its calls alone.
+            for start in range(0, len(token_ids), bs):
+                parent = _sha256(
+                    _dumps((parent, tuple(token_ids[start : start + bs]), extra), 5)
                 ).digest()
-            else:
-                h = block_hash(parent, tokens[i * bs : (i + 1) * bs], extra)
-            ext = int.from_bytes(h[-8:], "big")
-            pool.cache(table[i], keys[i], h, ext)
-            stored.append(ext)
-            parent = h
-            extra = None
+                hashes.append(parent)
+                stored.append(int.from_bytes(parent[-8:], "big"))
+                extra = None
+        else:
+            block_hash = self._hasher.block_hash
+            for start in range(0, len(token_ids), bs):
+                parent = block_hash(parent, token_ids[start : start + bs], extra)
+                hashes.append(parent)
+                stored.append(int.from_bytes(parent[-8:], "big"))
+                extra = None
+        pool.cache_run(table[done:full], seq.keys[done:full], hashes, stored)
         self._num_cached[seq] = full
         self.log.stored_blocks(
-            event_hash_of[table[done - 1]] if done else None,
+            pool.event_hash_of[table[done - 1]] if done else None,
             stored,
             seq.local[done:full],
-            tokens[done * bs : full * bs].tolist(),
+            token_ids,
             # Untagged in events, as vLLM's `to_event_extra_keys` publishes them.
             extra_keys=None if salt is None else [(salt,), *[None] * (full - 1)],
         )

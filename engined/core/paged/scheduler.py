@@ -16,13 +16,22 @@
    stops. Without chunked prefill a prompt that does not fit the remaining budget stops
    admission too.
 
+Synchronous, under FCFS with LIFO preemption, the walk of step 1 also samples each decode
+step that ends nothing and reports nothing, as the emitter would (nothing the walk has passed
+can be preempted later in the pass, the victim being the last running request): a steady
+pass then walks its running requests once. The emitter gets the other ready requests, in
+running order (`PassContext.ready`).
+
 A fresh request that could never fit the pool is rejected (vLLM would hold it at the head of
 its queue forever). Everything the pass accumulates goes into its `PassContext`.
 """
 
 from __future__ import annotations
 
-from engined.core.args import EngineArgs, SchedulingPolicy, WorkerType
+from array import array
+from typing import Any
+
+from engined.core.args import EngineArgs, PreemptionMode, SchedulingPolicy, WorkerType
 from engined.core.finish import Finisher
 from engined.core.fpm import ScheduledWork
 from engined.core.handoff import PendingDestinations
@@ -33,6 +42,7 @@ from engined.core.policy import AdmissionPolicy
 from engined.core.preemption import Preempter
 from engined.core.state import RequestState, SchedulerState
 from engined.core.types import Admission, RequestStatus
+from engined.core.vocab import Vocabulary
 
 _new = tuple.__new__
 
@@ -44,6 +54,7 @@ class PagedScheduler:
         "_counts_prefill",
         "_finisher",
         "_full_isl",
+        "_fuse",
         "_kv",
         "_max_model_len",
         "_max_num_seqs",
@@ -53,6 +64,7 @@ class PagedScheduler:
         "_preempter",
         "_speedup_ratio",
         "_state",
+        "_vocab",
         "block_size",
         "max_batched_tokens",
     )
@@ -70,6 +82,8 @@ class PagedScheduler:
         finisher: Finisher,
         preempter: Preempter,
         perf: PerfModel,
+        vocab: Vocabulary,
+        fast_paths: bool = True,
     ) -> None:
         self.block_size = args.block_size
         self.max_batched_tokens = max_batched_tokens
@@ -88,8 +102,21 @@ class PagedScheduler:
         self._finisher = finisher
         self._preempter = preempter
         self._perf = perf
+        self._vocab = vocab
+        # Sampling plain decode steps where they are scheduled (`PassContext.ready`) needs
+        # every scheduled request to stay scheduled: so not under async scheduling (the
+        # batch samples later), the priority policy or FIFO preemption (either may preempt
+        # a request the walk has passed).
+        self._fuse = (
+            fast_paths
+            and not args.async_scheduling
+            and not self._by_priority
+            and args.preemption_mode is PreemptionMode.LIFO
+        )
 
     def schedule(self, ctx: PassContext) -> None:
+        if self._fuse:
+            ctx.ready = []
         self._schedule_running(ctx)
         if not ctx.preempted_any:
             self._admit_waiting(ctx)
@@ -105,80 +132,136 @@ class PagedScheduler:
         bs = self.block_size
         scheduled = ctx.scheduled
         scheduled_ids = ctx.scheduled_ids
+        ready = ctx.ready
+        draw: Any = self._vocab.draw
+        # NOTE: the array's method itself, and the drawn token typed Any (emission.py).
+        append_token: Any = array.append
+        decoded_ids = ctx.decoded_ids
+        decoded_tokens = ctx.decoded_tokens
+        fused_len = 0
+        budget = ctx.budget
         i = 0
-        while i < len(running) and ctx.budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
             seq = req.seq
             computed = req.num_computed_tokens
-            length = len(seq.tokens)
+            tokens = seq.tokens
+            length = len(tokens)
+            # How far the tokens reach into their last block (0: they end on a boundary).
+            offset = length % bs
             if (
                 length - computed == 1
                 and computed >= seq.num_input_tokens
-                and length % bs != 0
-                and (length - 1) // bs <= (seq.num_allocated_tokens - 1) // bs
+                and (
+                    # The slot is in a held block (`(length - 1) // bs` at most
+                    # `(allocated - 1) // bs`, without dividing).
+                    (offset and seq.num_allocated_tokens > length - offset)
+                    or (
+                        ready is not None
+                        and computed + 1 + (seq.generated < seq.max_output_tokens) <= max_model_len
+                        and kv.append_slot(seq, length)
+                    )
+                )
             ):
                 # A decode step whose slot is in a held block and that fills no block:
-                # `allocate_slots` would allocate and cache nothing. The request stands for
-                # its ScheduledWork (one token), as on the mocker's decode path.
+                # `allocate_slots` would allocate and cache nothing. Or, when fused, one
+                # that opens or fills a block and gets it without preempting: the general
+                # path's `grow` step, without its generality. The request stands for its
+                # ScheduledWork (one token), as on the mocker's decode path.
                 if length > seq.num_allocated_tokens:
                     seq.num_allocated_tokens = length
                 req.num_computed_tokens = length
                 req.scheduled_len = length
-                scheduled_ids.append(req.request_id)
+                request_id = req.request_id
+                scheduled_ids.append(request_id)
                 scheduled.append(req)
-                ctx.budget -= 1
+                budget -= 1
                 i += 1
+                if ready is None:
+                    continue
+                if (
+                    seq.generated + 1 < seq.max_output_tokens
+                    and seq.plain
+                    and req.cached_tokens_reported
+                ):
+                    # Its sampling, fused: the emitter's plain decode step (a token that
+                    # ends nothing, with nothing to report), the same draw and effects. No
+                    # later step of this pass can take it back: only the last running
+                    # request is ever preempted (`ctx.ready`).
+                    bits: Any = seq.token_bits
+                    drawn: Any = bits(32) if draw is None else draw(bits)
+                    if (length + 1) % bs:
+                        append_token(tokens, drawn)
+                        seq.generated += 1
+                    else:
+                        seq.push_paged(drawn)
+                    decoded_ids.append(request_id)
+                    decoded_tokens.append(drawn)
+                    fused_len += length
+                else:
+                    ready.append((req, len(decoded_ids)))
                 continue
-            # Async scheduling: tokens still being sampled are computed as placeholders, and
-            # a request whose last token is among them has nothing left to schedule.
-            placeholders = req.num_output_placeholders
-            if (
-                placeholders
-                and computed + 2 - placeholders >= seq.num_input_tokens + seq.max_output_tokens
-            ):
-                i += 1
-                continue
-            # Room for the token the step samples (none for a prefill-only request).
-            cap = max_model_len - (seq.generated < seq.max_output_tokens) - computed
-            num_new = min(length + placeholders - computed, ctx.budget, cap)
-            if num_new <= 0:
-                i += 1
-                continue
-            preempted = preempted_itself = False
-            # A plain decode step that opens or fills a block takes `append_slot`, the same
-            # allocation and caching without `allocate_slots`' generality.
-            grow = num_new == 1 and not placeholders and computed >= seq.num_input_tokens
-            while not (
-                kv.append_slot(seq, computed + 1)
-                if grow
-                else kv.allocate_slots(seq, computed, num_new)
-            ):
-                victim = self._preempter.preempt()
-                if victim is None:
-                    return
-                ctx.preempted_any = preempted = True
-                ctx.unschedule(victim, self._counts_prefill)
-                if victim == req.request_id:
-                    preempted_itself = True
-                    break
-            if preempted_itself:
-                if not self._by_priority:
-                    return
+            ctx.budget = budget
+            i = self._schedule_step(ctx, req, i)
+            budget = ctx.budget
+            if i < 0:
+                break
+        ctx.budget = budget
+        ctx.fused = len(decoded_ids)
+        ctx.fused_len = fused_len
+
+    def _schedule_step(self, ctx: PassContext, req: RequestState, i: int) -> int:
+        """Schedule running request `req`, at `i`, by vLLM's general rule (allocating, and
+        preempting for it); returns where the walk goes on, or -1 where it ends."""
+        running = self._state.running
+        kv = self._kv
+        seq = req.seq
+        computed = req.num_computed_tokens
+        length = len(seq.tokens)
+        # Async scheduling: tokens still being sampled are computed as placeholders, and
+        # a request whose last token is among them has nothing left to schedule.
+        placeholders = req.num_output_placeholders
+        if (
+            placeholders
+            and computed + 2 - placeholders >= seq.num_input_tokens + seq.max_output_tokens
+        ):
+            return i + 1
+        # Room for the token the step samples (none for a prefill-only request).
+        cap = self._max_model_len - (seq.generated < seq.max_output_tokens) - computed
+        num_new = min(length + placeholders - computed, ctx.budget, cap)
+        if num_new <= 0:
+            return i + 1
+        preempted = False
+        # A plain decode step that opens or fills a block takes `append_slot`, the same
+        # allocation and caching without `allocate_slots`' generality.
+        grow = num_new == 1 and not placeholders and computed >= seq.num_input_tokens
+        while not (
+            kv.append_slot(seq, computed + 1) if grow else kv.allocate_slots(seq, computed, num_new)
+        ):
+            victim = self._preempter.preempt()
+            if victim is None:
+                return -1
+            ctx.preempted_any = preempted = True
+            ctx.unschedule(victim, self._counts_prefill)
+            if victim == req.request_id:
                 # Under priority the requests after it rank higher and may still fit; the
                 # next one now stands at `i`.
-                continue
-            if preempted and self._by_priority:
-                # The victim may have run before it: find the request's place again.
-                i = running.index(req)
-            if grow:
-                # One decode token: the request stands for its ScheduledWork, as above.
-                req.num_computed_tokens = req.scheduled_len = computed + 1
-                scheduled_ids.append(req.request_id)
-                scheduled.append(req)
-                ctx.budget -= 1
-            else:
-                self._record(ctx, req, computed, num_new)
-            i += 1
+                return i if self._by_priority else -1
+        if preempted and self._by_priority:
+            # The victim may have run before it: find the request's place again.
+            i = running.index(req)
+        if grow:
+            # One decode token: the request stands for its ScheduledWork, as above.
+            req.num_computed_tokens = req.scheduled_len = computed + 1
+            ctx.scheduled_ids.append(req.request_id)
+            ctx.scheduled.append(req)
+            ctx.budget -= 1
+            ready = ctx.ready
+            if ready is not None and computed + 1 >= length:
+                ready.append((req, len(ctx.decoded_ids)))
+        else:
+            self._record(ctx, req, computed, num_new)
+        return i + 1
 
     def _admit_waiting(self, ctx: PassContext) -> None:
         state = self._state
@@ -239,6 +322,9 @@ class PagedScheduler:
         prompt_before = min(computed, prompt_len)
         prompt_tokens = min(computed + num_new, prompt_len) - prompt_before
         req.num_computed_tokens = computed + num_new
+        ready = ctx.ready
+        if ready is not None and computed + num_new >= len(seq.tokens):
+            ready.append((req, len(ctx.decoded_ids)))
         ctx.scheduled_ids.append(req.request_id)
         ctx.scheduled.append(
             _new(
