@@ -532,7 +532,7 @@ class ControlServer:
         refused = []
         for rank in ranks:
             effects = await self._loops[rank].call(core.ResetPrefixCache())
-            if effects.result is not core.APPLIED:
+            if not isinstance(effects.result, core.Applied):
                 refused.append(rank)
         if refused:
             self._error(

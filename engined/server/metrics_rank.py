@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engined.core.types import (
-    APPLIED,
     ActivateDestination,
+    Applied,
     CancelDestination,
     Command,
     CommandEffects,
@@ -182,7 +182,7 @@ class RankMetrics:
             )
         elif isinstance(command, ActivateDestination | CancelDestination):
             request_id = self._destinations.pop(command.handoff_id, None)
-            activated = result is APPLIED and isinstance(command, ActivateDestination)
+            activated = isinstance(result, Applied) and isinstance(command, ActivateDestination)
             if request_id is not None and activated:
                 self.fetched.add(request_id)
         if effects.ended:

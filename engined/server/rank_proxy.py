@@ -156,7 +156,7 @@ class RankProxy:
         self.queued -= 1
         self.engine.update(item.metrics, item.num_waiting)
         effects = CommandEffects(
-            result=w.decode_result(item.result_kind, item.result_text),
+            result=item.result,
             lifecycle_events=item.lifecycle_events,
             ended=item.ended,
             progressed=item.progressed,
@@ -171,9 +171,9 @@ class RankProxy:
     ) -> None:
         self.queued -= 1
         if future is None:
-            log.warning("command refused", command=type(command).__name__, error=item.message)
+            log.warning("command refused", command=type(command).__name__, error=item.error.message)
         elif not future.done():
-            future.set_exception(w.rebuild_error(item.error_class, item.code, item.message))
+            future.set_exception(item.error.error())
 
     def on_pass(self, item: w.Pass) -> None:
         self.engine.update(item.metrics, item.num_waiting)

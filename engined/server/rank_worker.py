@@ -27,7 +27,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 import msgspec
 import structlog
@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from engined.config import DaemonConfig
-from engined.core.errors import CoreError
+from engined.core.errors import CoreError, CoreFailure
 from engined.core.types import (
     Command,
     CommandEffects,
@@ -269,15 +269,13 @@ class RankWorker:
         self, rank: int, arrived_ms: float, command: Command, effects: CommandEffects
     ) -> None:
         corr = self._pending.pop(id(command), 0)
-        kind, text = w.encode_result(effects.result)
         engine = self._loops[rank].engine
         self._outbox.add(
             w.Reply(
                 corr,
                 rank,
                 arrived_ms,
-                kind,
-                text,
+                effects.result,
                 effects.ended,
                 effects.lifecycle_events,
                 effects.progressed,
@@ -294,27 +292,23 @@ class RankWorker:
         while True:
             frame = await sock.recv()
             try:
-                corr, rank, kind, body = w.command_header_decoder.decode(frame)
+                corr, rank, order = w.order_decoder.decode(frame)
                 rank_loop = self._loops[rank]
-                if kind == w.STOP:
-                    # call_soon: after the first steps of the command tasks made before it,
-                    # so every command sent before the stop reaches the inbox first.
-                    loop.call_soon(rank_loop.stop)
-                elif kind == w.UNTIL_IDLE:
-                    task = asyncio.ensure_future(self._until_idle(rank_loop, corr))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._call_done)
-                elif kind == w.GAUGES:
-                    self._outbox.add(self._gauges(rank, rank_loop), rank)
-                    self._outbox.add(w.Done(corr), rank)
-                elif kind == w.FPM_WORKER_ID:
-                    self._fpm_of[rank].worker_id = msgspec.msgpack.decode(body, type=str)
-                else:
-                    command = w.command_decoders[kind].decode(body)
-                    task = asyncio.ensure_future(self._call(rank_loop, corr, command))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._call_done)
-            except (msgspec.DecodeError, KeyError, IndexError) as exc:
+                match order:
+                    case w.StopRank():
+                        # call_soon: after the first steps of the command tasks made before
+                        # it, so every command sent before the stop reaches the inbox first.
+                        loop.call_soon(rank_loop.stop)
+                    case w.UntilIdle():
+                        self._spawn(self._until_idle(rank_loop, corr))
+                    case w.SendGauges():
+                        self._outbox.add(self._gauges(rank, rank_loop), rank)
+                        self._outbox.add(w.Done(corr), rank)
+                    case w.SetFpmWorkerId(worker_id):
+                        self._fpm_of[rank].worker_id = worker_id
+                    case _:
+                        self._spawn(self._call(rank_loop, corr, order))
+            except (msgspec.DecodeError, KeyError) as exc:
                 # The daemon is the same build; this is a bug, and the daemon goes on.
                 log.error("bad frame from the daemon", error=str(exc))
 
@@ -324,12 +318,16 @@ class RankWorker:
             await loop.call(command)
         except CoreError as exc:
             self._pending.pop(id(command), None)
-            failure = w.Failure(corr, loop.rank, type(exc).__name__, exc.code, str(exc))
-            self._outbox.add(failure, loop.rank)
+            self._outbox.add(w.Failure(corr, loop.rank, CoreFailure.of(exc)), loop.rank)
 
     async def _until_idle(self, loop: EngineLoop, corr: int) -> None:
         await loop.until_idle()
         self._outbox.add(w.Done(corr), loop.rank)
+
+    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._call_done)
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
