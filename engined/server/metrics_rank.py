@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engined.core.pass_report import PassReport
 from engined.core.types import (
     ActivateDestination,
     Applied,
@@ -35,7 +36,6 @@ from engined.core.types import (
     DestinationReserved,
     EngineMetrics,
     LifecycleEvent,
-    PassResult,
     ReserveDestination,
     Submit,
     SubmitHandoffPrefill,
@@ -210,7 +210,7 @@ class RankMetrics:
             self.external_hits += record.external
             self.cached_by_source[2] += record.external
 
-    def on_pass(self, rank: int, now_ms: float, result: PassResult) -> None:
+    def on_pass(self, rank: int, now_ms: float, result: PassReport) -> None:
         """Fold one pass in: per-pass totals, and per-request work only where it is unavoidable."""
         tokens = result.accept_length_output_tokens
         self.generation_tokens += tokens
@@ -266,7 +266,7 @@ class RankMetrics:
 
     # --- per pass -----------------------------------------------------------------------
 
-    def _bursts(self, result: PassResult) -> None:
+    def _bursts(self, result: PassReport) -> None:
         """Outputs of more than one token: a request's tokens beyond the one its pass counts,
         and, on a rank that drafts, each burst's accepted draft positions."""
         requests = self.requests
@@ -280,7 +280,7 @@ class RankMetrics:
                 for position in range(min(extra, len(per_pos))):
                     per_pos[position] += 1
 
-    def _drafted(self, result: PassResult) -> None:
+    def _drafted(self, result: PassReport) -> None:
         """vLLM's `SpecDecodingStats`: a decode forward is a draft of `spec_tokens` tokens,
         its tokens beyond the first are the accepted ones."""
         forwards = result.accept_length_decode_forwards

@@ -23,16 +23,12 @@ from engined.core.types import (
     CommandEffects,
     Decodes,
     EngineMetrics,
-    FpmSnapshot,
-    PassResult,
     RequestOutput,
 )
 from engined.server import rank_wire as w
 from engined.server.engine_loop import CommandObserver, PassObserver
 
 log = structlog.get_logger(__name__)
-
-_EMPTY_FPM = FpmSnapshot()
 
 
 class ReplayCounters:
@@ -176,29 +172,12 @@ class RankProxy:
             future.set_exception(item.error.error())
 
     def on_pass(self, item: w.Pass) -> None:
-        self.engine.update(item.metrics, item.num_waiting)
-        self._last_outputs = item.outputs
-        self._last_decodes = item.decodes
-        if not self.pass_observers:
-            return
-        result = PassResult(
-            end_ms=item.end_ms,
-            outputs=item.outputs,
-            ended=item.ended,
-            admissions=item.admissions,
-            lifecycle_events=[],
-            metrics=item.metrics,
-            kv_events=[],
-            fpm=_EMPTY_FPM,
-            prefix_cache_queries=item.prefix_cache_queries,
-            prefix_cache_hits=item.prefix_cache_hits,
-            accept_length_output_tokens=item.accept_length_output_tokens,
-            accept_length_decode_forwards=item.accept_length_decode_forwards,
-            decodes=item.decodes,
-            kv_block_evictions=item.kv_block_evictions,
-        )
+        report = item.report
+        self.engine.update(report.metrics, item.num_waiting)
+        self._last_outputs = report.outputs
+        self._last_decodes = report.decodes
         for observer in self.pass_observers:
-            observer(self.rank, item.start_ms, result)
+            observer(self.rank, item.start_ms, report)
 
     def outputs_of(self, item: w.Outputs) -> tuple[list[RequestOutput], Decodes]:
         if item.outputs is None or item.decodes is None:

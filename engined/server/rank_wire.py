@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from engined.core import types as core
 from engined.core.errors import CoreFailure
-from engined.core.kv_residency import KvBlockEviction
+from engined.core.pass_report import PassReport
 
 
 class StopRank(msgspec.Struct, frozen=True, tag=True):
@@ -102,22 +102,13 @@ class Failure(msgspec.Struct, frozen=True, tag="failure", array_like=True):
 
 
 class Pass(msgspec.Struct, frozen=True, tag="pass", array_like=True, gc=False):
-    """A `PassResult` without what stays in the worker (KV events, FPM, lifecycle events)."""
+    """A pass's report, as the worker's pass observer took it (its KV events, FPM snapshot
+    and lifecycle events stay in the worker: its publishers and `Lifecycle` carry them)."""
 
     rank: int
     start_ms: float
-    end_ms: float
-    outputs: list[core.RequestOutput]
-    ended: list[core.EndedRequest]
-    admissions: list[core.Admission]
-    metrics: core.EngineMetrics
+    report: PassReport
     num_waiting: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    accept_length_output_tokens: int
-    accept_length_decode_forwards: int
-    decodes: core.Decodes
-    kv_block_evictions: list[KvBlockEviction]
 
 
 class Outputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True, gc=False):

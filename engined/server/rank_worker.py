@@ -36,12 +36,12 @@ import zmq.asyncio
 
 from engined.config import DaemonConfig
 from engined.core.errors import CoreError, CoreFailure
+from engined.core.pass_report import PassReport
 from engined.core.types import (
     Command,
     CommandEffects,
     Decodes,
     LifecycleEvent,
-    PassResult,
     RequestOutput,
 )
 from engined.logs import configure_logging
@@ -242,28 +242,11 @@ class RankWorker:
 
     # --- observers: what the daemon's observers and callers will see ---------------------
 
-    def _on_pass(self, rank: int, start_ms: float, result: PassResult) -> None:
+    def _on_pass(self, rank: int, start_ms: float, report: PassReport) -> None:
         outbox = self._outbox
-        outbox.last_outputs[rank] = result.outputs
-        outbox.add(
-            w.Pass(
-                rank,
-                start_ms,
-                result.end_ms,
-                result.outputs,
-                result.ended,
-                result.admissions,
-                result.metrics,
-                self._loops[rank].engine.num_waiting(),
-                result.prefix_cache_queries,
-                result.prefix_cache_hits,
-                result.accept_length_output_tokens,
-                result.accept_length_decode_forwards,
-                result.decodes,
-                result.kv_block_evictions,
-            ),
-            rank,
-        )
+        outbox.last_outputs[rank] = report.outputs
+        num_waiting = self._loops[rank].engine.num_waiting()
+        outbox.add(w.Pass(rank, start_ms, report, num_waiting), rank)
 
     def _on_command(
         self, rank: int, arrived_ms: float, command: Command, effects: CommandEffects

@@ -6,12 +6,17 @@ frame as the value (or the exception) that went in; nothing is re-encoded by han
 
 from __future__ import annotations
 
+from typing import get_type_hints
+
 import msgspec
 import pytest
 
 from engined.core import errors
 from engined.core import types as core
+from engined.core.args import EngineArgs
+from engined.core.engine import Engine
 from engined.core.errors import CoreFailure
+from engined.core.pass_report import PassReport
 from engined.server import rank_wire as w
 
 REQUEST = core.Request(token_ids=[1, 2, 3], max_tokens=4, request_id="r", seed=7)
@@ -84,3 +89,35 @@ def test_an_error_kind_this_build_does_not_know_is_not_decoded() -> None:
     frame = w.encoder.encode([["failure", 4, 0, ["SegfaultError", "boom", None, None]]])
     with pytest.raises(msgspec.ValidationError, match="SegfaultError"):
         w.item_decoder.decode(frame)
+
+
+def test_a_pass_report_is_the_pass_results_fields_of_the_same_name() -> None:
+    """Every field of a report means what the `PassResult` field of its name means."""
+    report_hints = get_type_hints(PassReport)
+    result_hints = get_type_hints(core.PassResult)
+    assert {name: result_hints[name] for name in report_hints} == report_hints
+    assert set(result_hints) - set(report_hints) == {
+        "lifecycle_events",
+        "kv_events",
+        "fpm",
+        "progressed",
+        "trace",
+    }
+
+
+def test_a_pass_arrives_with_the_report_its_worker_took() -> None:
+    engine = Engine(EngineArgs(block_size=4, num_gpu_blocks=16).normalized())
+    engine.apply(core.Submit(REQUEST), now_ms=0.0)
+    result = engine.execute_pass(0.0)
+    report = PassReport.of(result)
+    assert (report.end_ms, report.outputs, report.admissions, report.metrics) == (
+        result.end_ms,
+        result.outputs,
+        result.admissions,
+        result.metrics,
+    )
+    item = w.Pass(0, 0.0, report, engine.num_waiting())
+    (decoded,) = w.item_decoder.decode(w.encoder.encode([item]))
+    assert decoded == item
+    assert isinstance(decoded, w.Pass)
+    assert decoded.report.admissions == [core.Admission("r", 0)]
