@@ -65,17 +65,15 @@ class _Gauges:
         self.usable_blocks = ready.num_blocks
         self.block_size = ready.block_size
         self._metrics = ready.metrics
-        self._num_waiting = ready.metrics.waiting
 
-    def update(self, metrics: EngineMetrics, num_waiting: int) -> None:
+    def update(self, metrics: EngineMetrics) -> None:
         self._metrics = metrics
-        self._num_waiting = num_waiting
 
     def metrics(self) -> EngineMetrics:
         return self._metrics
 
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return self._metrics.waiting
 
 
 class RankProxy:
@@ -150,7 +148,7 @@ class RankProxy:
         future: asyncio.Future[CommandEffects] | None,
     ) -> None:
         self.queued -= 1
-        self.engine.update(item.metrics, item.num_waiting)
+        self.engine.update(item.metrics)
         effects = CommandEffects(
             result=item.result,
             lifecycle_events=item.lifecycle_events,
@@ -173,7 +171,7 @@ class RankProxy:
 
     def on_pass(self, item: w.Pass) -> None:
         report = item.report
-        self.engine.update(report.metrics, item.num_waiting)
+        self.engine.update(report.metrics)
         self._last_outputs = report.outputs
         self._last_decodes = report.decodes
         for observer in self.pass_observers:
@@ -190,7 +188,7 @@ class RankProxy:
         self.tokens_total = item.tokens_total
         self.kv_overflows = item.kv_overflows
         if item.metrics is not None:
-            self.engine.update(item.metrics, item.num_waiting)
+            self.engine.update(item.metrics)
         if item.lateness is not None:
             self._lateness = item.lateness
         if item.replay is not None and self.replay is not None:

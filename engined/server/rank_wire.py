@@ -92,7 +92,6 @@ class Reply(msgspec.Struct, frozen=True, tag="reply", array_like=True, gc=False)
     lifecycle_events: list[core.LifecycleEvent]
     progressed: bool
     metrics: core.EngineMetrics  # after the command: the command observers read them
-    num_waiting: int
 
 
 class Failure(msgspec.Struct, frozen=True, tag="failure", array_like=True):
@@ -108,7 +107,6 @@ class Pass(msgspec.Struct, frozen=True, tag="pass", array_like=True, gc=False):
     rank: int
     start_ms: float
     report: PassReport
-    num_waiting: int
 
 
 class Outputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True, gc=False):
@@ -131,7 +129,6 @@ class Gauges(msgspec.Struct, frozen=True, tag="gauges", array_like=True, gc=Fals
     kv_overflows: int
     # Heartbeats only: the engine gauges and lateness (sorting the window costs ~10 ms).
     metrics: core.EngineMetrics | None = None
-    num_waiting: int = 0
     lateness: tuple[float, float, float] | None = None
     # The replay server's (abandoned, refused, streaming), when replay is on.
     replay: tuple[int, int, int] | None = None

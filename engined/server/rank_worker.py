@@ -245,14 +245,12 @@ class RankWorker:
     def _on_pass(self, rank: int, start_ms: float, report: PassReport) -> None:
         outbox = self._outbox
         outbox.last_outputs[rank] = report.outputs
-        num_waiting = self._loops[rank].engine.num_waiting()
-        outbox.add(w.Pass(rank, start_ms, report, num_waiting), rank)
+        outbox.add(w.Pass(rank, start_ms, report), rank)
 
     def _on_command(
         self, rank: int, arrived_ms: float, command: Command, effects: CommandEffects
     ) -> None:
         corr = self._pending.pop(id(command), 0)
-        engine = self._loops[rank].engine
         self._outbox.add(
             w.Reply(
                 corr,
@@ -262,8 +260,7 @@ class RankWorker:
                 effects.ended,
                 effects.lifecycle_events,
                 effects.progressed,
-                engine.metrics(),
-                engine.num_waiting(),
+                self._loops[rank].engine.metrics(),
             ),
             rank,
         )
@@ -344,7 +341,6 @@ class RankWorker:
             loop.tokens_total,
             loop.kv_overflows,
             engine.metrics(),
-            engine.num_waiting(),
             loop.lateness_summary(),
             None if replay is None else (replay.abandoned, replay.refused, replay.streaming),
         )

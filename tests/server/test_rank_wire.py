@@ -53,7 +53,7 @@ def test_an_order_arrives_as_it_was_sent(order: w.Order) -> None:
 
 @pytest.mark.parametrize("result", RESULTS)
 def test_a_reply_carries_the_core_result(result: core.CommandResult) -> None:
-    reply = w.Reply(3, 1, 12.5, result, [], [], True, METRICS, 0)
+    reply = w.Reply(3, 1, 12.5, result, [], [], True, METRICS)
     (decoded,) = w.item_decoder.decode(w.encoder.encode([reply]))
     assert isinstance(decoded, w.Reply)
     assert type(decoded.result) is type(result)
@@ -116,7 +116,7 @@ def test_a_pass_arrives_with_the_report_its_worker_took() -> None:
         result.admissions,
         result.metrics,
     )
-    item = w.Pass(0, 0.0, report, engine.num_waiting())
+    item = w.Pass(0, 0.0, report)
     (decoded,) = w.item_decoder.decode(w.encoder.encode([item]))
     assert decoded == item
     assert isinstance(decoded, w.Pass)
