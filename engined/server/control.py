@@ -282,12 +282,7 @@ class ControlServer:
             case wire.Ping():
                 self._reply(identity, wire.Pong(id=msg.id))
             case wire.Stats():
-                if self._reports.live:
-                    self._reply(identity, self._reports.stats(msg.id))
-                else:
-                    self._command(
-                        identity, self._answer(identity, self._reports.fresh_stats(msg.id))
-                    )
+                self._command(identity, self._answer(identity, self._reports.fresh_stats(msg.id)))
             case wire.WaitIdle():
                 refusal = self._reports.admit_wait(msg, identity)
                 if refusal is None:
@@ -382,8 +377,7 @@ class ControlServer:
             )
             return
         loop = self._loops[rank]
-        engine = loop.engine
-        capacity = engine.usable_blocks * engine.block_size
+        capacity = loop.capacity_tokens
         # NOTE: a destination's prompt is left to the core, which refuses it with `capacity`.
         if len(request.token_ids) > capacity and not isinstance(msg, wire.ReserveDestination):
             self._error(
@@ -394,7 +388,7 @@ class ControlServer:
                 f"capacity of {capacity} tokens",
             )
             return
-        if self._max_queued and engine.num_waiting() + loop.queued >= self._max_queued:
+        if self._max_queued and loop.backlog() >= self._max_queued:
             self.queue_refusals += 1
             self._error(
                 identity,

@@ -325,7 +325,9 @@ class Daemon:
         self._tasks.append(
             asyncio.create_task(self.control.expire_handoffs(), name="handoff-timeouts")
         )
-        work = trim_when_idle(self._idle, lambda: sum(loop.tokens_total for loop in self.loops))
+        work = trim_when_idle(
+            self._idle, lambda: sum(loop.gauges().tokens_total for loop in self.loops)
+        )
         self._tasks.append(asyncio.create_task(work, name="heap-trim"))
         if self.workers:
             for worker in self.workers:
@@ -558,10 +560,11 @@ class Daemon:
     def _status_line(self) -> str:
         """systemd's STATUS=, one line: load, and output tokens/s since the previous line."""
         now = time.monotonic()
-        tokens = sum(loop.tokens_total for loop in self.loops)
+        gauges = [loop.gauges() for loop in self.loops]
+        tokens = sum(g.tokens_total for g in gauges)
         rate = (tokens - self._status_tokens) / max(now - self._status_at, 1e-6)
         self._status_tokens, self._status_at = tokens, now
-        metrics = [loop.engine.metrics() for loop in self.loops]
+        metrics = [g.metrics for g in gauges]
         line = (
             f"{len(self.loops)} ranks, {sum(m.running for m in metrics)} running, "
             f"{sum(m.waiting for m in metrics)} waiting, {rate:.0f} tokens/s"

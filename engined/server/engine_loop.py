@@ -65,6 +65,7 @@ from engined.core.types import (
 from engined.server.collector import Collector
 from engined.server.deadlines import Deadlines
 from engined.server.pacer import Pacer, open_pacer
+from engined.server.rank_gauges import RankGauges
 
 log = structlog.get_logger(__name__)
 
@@ -223,10 +224,6 @@ class EngineLoop:
 
     # --- commands -----------------------------------------------------------------------
 
-    @property
-    def queued(self) -> int:
-        return len(self._inbox)
-
     def send(self, command: Command) -> None:
         """Apply `command` at the next pass boundary; nobody awaits it (a refusal is logged)."""
         self._inbox.append((command, self.now_ms(), None))
@@ -254,11 +251,27 @@ class EngineLoop:
         self._wake.set()  # a sleeping loop looks again, and finds itself idle
         await future
 
-    # Every figure (`lateness_summary`, `kv_overflows`...) is read from the loop itself.
-    gauges_live = True
+    # --- gauges -------------------------------------------------------------------------
 
-    async def refresh(self) -> None:
-        """Nothing to fetch: an in-process rank's figures are always current."""
+    @property
+    def capacity_tokens(self) -> int:
+        return self.engine.usable_blocks * self.engine.block_size
+
+    def backlog(self) -> int:
+        return self.engine.num_waiting() + len(self._inbox)
+
+    def gauges(self) -> RankGauges:
+        return RankGauges(
+            self.engine.metrics(),
+            self.passes_total,
+            self.tokens_total,
+            self._kv.overflows,
+            self.lateness_summary(),
+        )
+
+    async def fresh_gauges(self) -> RankGauges:
+        """`gauges`: an in-process rank's figures are always current."""
+        return self.gauges()
 
     def _needed_now(self) -> None:
         """A command came: a rank waiting for work needs the loop at once (one pacing a pass

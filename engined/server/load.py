@@ -41,7 +41,7 @@ class LoadWatch:
         """Subscribe `identity` and send it every rank's current load."""
         self._watchers.add(identity)
         for rank, loop in enumerate(self._loops):
-            message = load_message(loop.engine.metrics())
+            message = load_message(loop.gauges().metrics)
             self._last[rank] = message
             self._send(identity, message)
 
@@ -63,7 +63,7 @@ class LoadWatch:
         self, rank: int, called_ms: float, command: Command, effects: CommandEffects
     ) -> None:
         if self._watchers:
-            self._announce(rank, self._loops[rank].engine.metrics())
+            self._announce(rank, self._loops[rank].gauges().metrics)
 
     def _announce(self, rank: int, metrics: EngineMetrics) -> None:
         message = load_message(metrics)

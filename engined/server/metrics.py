@@ -181,7 +181,7 @@ class VllmMetrics(Collector):
         """Start tallying a rank: register its observers on the loop."""
         rank = RankMetrics(
             loop.rank,
-            gauges=loop.engine.metrics,
+            gauges=lambda: loop.gauges().metrics,
             now_ms=loop.now_ms,
             seconds_per_ms=self.seconds_per_ms,
             max_model_len=self.max_model_len,

@@ -4,28 +4,19 @@ A rank runs either in the daemon's own event loop (`engined.server.engine_loop.E
 or in a worker process, seen from the daemon through a `engined.server.rank_proxy.RankProxy`.
 Both satisfy `RankHandle`, so the code that routes clients' commands and reads gauges is the
 same for both layouts and type-checks against either: it never learns where the rank runs.
+
+Narrow on purpose: commands go in (`send`, `call`), and out come the observers' reports of
+every pass and command and one gauges snapshot (`gauges`, or `fresh_gauges` where a worker
+process must be asked). Nothing reaches the engine itself.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from engined.core.types import Command, CommandEffects, EngineMetrics
+from engined.core.types import Command, CommandEffects
 from engined.server.engine_loop import CommandObserver, PassObserver
-
-
-class EngineView(Protocol):
-    """The engine's read-only gauges the daemon reads between passes (`Engine` has them)."""
-
-    @property
-    def usable_blocks(self) -> int: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    def metrics(self) -> EngineMetrics: ...
-
-    def num_waiting(self) -> int: ...
+from engined.server.rank_gauges import RankGauges
 
 
 class RankHandle(Protocol):
@@ -40,19 +31,10 @@ class RankHandle(Protocol):
     def rank(self) -> int: ...
 
     @property
-    def engine(self) -> EngineView: ...
-
-    @property
-    def queued(self) -> int: ...
-
-    @property
-    def passes_total(self) -> int: ...
-
-    @property
-    def tokens_total(self) -> int: ...
-
-    @property
-    def kv_overflows(self) -> int: ...
+    def capacity_tokens(self) -> int:
+        """The most prompt tokens the rank's KV pool can ever hold (a bigger prompt is
+        refused before it is sent)."""
+        ...
 
     @property
     def pass_observers(self) -> list[PassObserver]: ...
@@ -60,7 +42,18 @@ class RankHandle(Protocol):
     @property
     def command_observers(self) -> list[CommandObserver]: ...
 
-    def lateness_summary(self) -> tuple[float, float, float]: ...
+    def backlog(self) -> int:
+        """Requests waiting in the core plus commands not yet applied: what
+        `max_queued_requests` bounds, read for every submission, so cheap."""
+        ...
+
+    def gauges(self) -> RankGauges:
+        """The rank's figures as known here now (a worker's: as of its latest report)."""
+        ...
+
+    async def fresh_gauges(self) -> RankGauges:
+        """The rank's figures as of now: a worker is asked (once for all who ask meanwhile)."""
+        ...
 
     def now_ms(self) -> float: ...
 
@@ -69,13 +62,6 @@ class RankHandle(Protocol):
     async def call(self, command: Command) -> CommandEffects: ...
 
     async def until_idle(self) -> None: ...
-
-    # False where `lateness_summary` and the replay counters may lag (a worker process):
-    # `stats` then awaits `refresh` first.
-    @property
-    def gauges_live(self) -> bool: ...
-
-    async def refresh(self) -> None: ...
 
     def stop(self) -> None: ...
 

@@ -1,10 +1,11 @@
 """`RankProxy`: a rank that runs in a worker process, as the daemon's `RankHandle`.
 
 The control server, the load watch, the metrics and the daemon use it exactly as an
-in-process `EngineLoop`. It answers everything they read (`stats`, `load`, `/metrics`, the
-systemd status) from what its worker last reported (`rank_wire.Gauges`, the gauges of every
-pass and command), so none of them costs a round trip; only `call` (and `until_idle`) waits
-for the worker. Its `WorkerProcess` (`engined.server.rank_process`) feeds it the worker's
+in-process `EngineLoop`. `gauges` answers from what its worker last reported
+(`rank_wire.Gauges`, the gauges of every pass and command), so reading costs no round trip;
+`call`, `until_idle` and `fresh_gauges` wait for the worker, and concurrent `fresh_gauges`
+share one request, so a flood of scrapes or `stats` costs the worker one request per round
+trip, not one each. Its `WorkerProcess` (`engined.server.rank_process`) feeds it the worker's
 items in the order the rank produced them: for a command, the command observers, then the
 caller's future (as `EngineLoop._drain_inbox` does); for a pass, the pass observers, before
 the pass's outputs go to the clients.
@@ -27,6 +28,7 @@ from engined.core.types import (
 )
 from engined.server import rank_wire as w
 from engined.server.engine_loop import CommandObserver, PassObserver
+from engined.server.rank_gauges import RankGauges
 
 log = structlog.get_logger(__name__)
 
@@ -58,37 +60,21 @@ class WorkerLink(Protocol):
     def stop_rank(self, rank: int) -> None: ...
 
 
-class _Gauges:
-    """The `EngineView` of a remote rank: its engine's gauges as last reported."""
-
-    def __init__(self, ready: w.RankReady) -> None:
-        self.usable_blocks = ready.num_blocks
-        self.block_size = ready.block_size
-        self._metrics = ready.metrics
-
-    def update(self, metrics: EngineMetrics) -> None:
-        self._metrics = metrics
-
-    def metrics(self) -> EngineMetrics:
-        return self._metrics
-
-    def num_waiting(self) -> int:
-        return self._metrics.waiting
-
-
 class RankProxy:
     """One rank of a worker process, as a `RankHandle`."""
 
     def __init__(self, worker: WorkerLink, ready: w.RankReady, *, paced: bool) -> None:
         self._worker = worker
         self.rank = ready.rank
-        self.engine = _Gauges(ready)
+        self.capacity_tokens = ready.num_blocks * ready.block_size
+        self._metrics: EngineMetrics = ready.metrics
         self._paced = paced
         self.queued = 0  # commands sent and not yet applied (or refused)
-        self.passes_total = 0
-        self.tokens_total = 0
+        self._passes_total = 0
+        self._tokens_total = 0
         self.kv_overflows = 0
         self._lateness = (0.0, 0.0, 0.0)
+        self._refreshing: asyncio.Future[None] | None = None
         self.replay = ReplayCounters() if ready.replay_endpoint is not None else None
         self._now_ms = 0.0
         self._now_at = time.monotonic()
@@ -102,9 +88,24 @@ class RankProxy:
         """`kv_overflows` under the name the publisher metrics read."""
         return self.kv_overflows
 
-    def lateness_summary(self) -> tuple[float, float, float]:
-        """As of the worker's latest heartbeat (at most a heartbeat interval old)."""
-        return self._lateness
+    def backlog(self) -> int:
+        return self._metrics.waiting + self.queued
+
+    def gauges(self) -> RankGauges:
+        """As of the worker's latest report; lateness as of its latest heartbeat or
+        `fresh_gauges` (at most a heartbeat interval old)."""
+        return RankGauges(
+            self._metrics, self._passes_total, self._tokens_total, self.kv_overflows, self._lateness
+        )
+
+    async def fresh_gauges(self) -> RankGauges:
+        """Once the worker has sent every figure of the rank as of now (the replay counters
+        too). A caller that gives up (a scrape's bound) leaves the request to the others."""
+        pending = self._refreshing
+        if pending is None or pending.done():
+            pending = self._refreshing = asyncio.ensure_future(self._worker.refresh(self.rank))
+        await asyncio.shield(pending)
+        return self.gauges()
 
     def now_ms(self) -> float:
         """The rank's clock: when paced, its last report plus the wall time since."""
@@ -124,14 +125,6 @@ class RankProxy:
         """As `EngineLoop.until_idle`, answered by the worker after everything it sent before."""
         await self._worker.until_idle(self.rank)
 
-    # Passes carry the cheap figures; lateness and the replay counters only heartbeats and
-    # `refresh`, which `stats` awaits.
-    gauges_live = False
-
-    async def refresh(self) -> None:
-        """Until the worker has sent every figure of the rank as of now."""
-        await self._worker.refresh(self.rank)
-
     def stop(self) -> None:
         self._worker.stop_rank(self.rank)
 
@@ -148,7 +141,7 @@ class RankProxy:
         future: asyncio.Future[CommandEffects] | None,
     ) -> None:
         self.queued -= 1
-        self.engine.update(item.metrics)
+        self._metrics = item.metrics
         effects = CommandEffects(
             result=item.result,
             lifecycle_events=item.lifecycle_events,
@@ -171,7 +164,7 @@ class RankProxy:
 
     def on_pass(self, item: w.Pass) -> None:
         report = item.report
-        self.engine.update(report.metrics)
+        self._metrics = report.metrics
         self._last_outputs = report.outputs
         self._last_decodes = report.decodes
         for observer in self.pass_observers:
@@ -184,11 +177,11 @@ class RankProxy:
 
     def on_gauges(self, item: w.Gauges) -> None:
         self._now_ms, self._now_at = item.now_ms, time.monotonic()
-        self.passes_total = item.passes_total
-        self.tokens_total = item.tokens_total
+        self._passes_total = item.passes_total
+        self._tokens_total = item.tokens_total
         self.kv_overflows = item.kv_overflows
         if item.metrics is not None:
-            self.engine.update(item.metrics)
+            self._metrics = item.metrics
         if item.lateness is not None:
             self._lateness = item.lateness
         if item.replay is not None and self.replay is not None:

@@ -332,16 +332,16 @@ class RankWorker:
     def _gauges(self, rank: int, loop: EngineLoop) -> w.Gauges:
         """Every figure of a rank, lateness and replay counters included (heartbeats and
         `stats`; passes send only the cheap ones)."""
-        engine = loop.engine
+        gauges = loop.gauges()
         replay = self._kv_of[rank].replay
         return w.Gauges(
             rank,
             loop.now_ms(),
-            loop.passes_total,
-            loop.tokens_total,
-            loop.kv_overflows,
-            engine.metrics(),
-            loop.lateness_summary(),
+            gauges.passes_total,
+            gauges.tokens_total,
+            gauges.kv_overflows,
+            gauges.metrics,
+            gauges.lateness_ms,
             None if replay is None else (replay.abandoned, replay.refused, replay.streaming),
         )
 

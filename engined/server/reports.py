@@ -1,8 +1,8 @@
 """What the ranks report to clients: the `stats` reply, and `wait_idle`'s wait for it.
 
 Apart from the control server because neither routes anything: they read the ranks'
-figures (`RankHandle`), wait for ranks that keep theirs elsewhere (worker processes, whose
-lateness travels with heartbeats unless asked), and bound how many waits may be held.
+gauges (`RankHandle.gauges`, or `fresh_gauges` where a worker process must be asked), and
+bound how many waits may be held.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from engined.server.rank_gauges import RankGauges
 from engined.server.rank_handle import RankHandle
 from engined.wire import control as wire
 from engined.wire.convert import rank_stats
@@ -29,28 +30,16 @@ class Reports:
         self._waits = 0
         # Waits per client identity; an identity leaves with its last wait.
         self._waits_of: dict[bytes, int] = {}
-        # Whether every figure `stats` reads is current without asking (in-process ranks).
-        self.live = all(loop.gauges_live for loop in loops)
 
     def stats(self, msg_id: int | str | None = None) -> wire.StatsReply:
-        return wire.StatsReply(
-            id=msg_id,
-            ranks=[
-                rank_stats(
-                    loop.engine.metrics(),
-                    passes_total=loop.passes_total,
-                    lateness_ms=loop.lateness_summary(),
-                    kv_events_overflows=loop.kv_overflows,
-                )
-                for loop in self._loops
-            ],
-        )
+        """Every rank's figures as known here now."""
+        return _stats_reply(msg_id, [loop.gauges() for loop in self._loops])
 
     async def fresh_stats(self, msg_id: int | str | None) -> wire.StatsReply:
         """`stats` once every rank has sent its figures as of now (a worker's lateness would
         otherwise be as of its last heartbeat, up to a second old)."""
-        await asyncio.gather(*(loop.refresh() for loop in self._loops))
-        return self.stats(msg_id)
+        gauges = await asyncio.gather(*(loop.fresh_gauges() for loop in self._loops))
+        return _stats_reply(msg_id, gauges)
 
     def admit_wait(self, msg: wire.WaitIdle, identity: bytes) -> tuple[wire.ErrorCode, str] | None:
         """Count `msg` as waiting for `identity` and return None, or return why it cannot
@@ -90,24 +79,27 @@ class Reports:
 
 
 class Refresh:
-    """Fetch the figures of every rank that keeps them elsewhere, once for all who ask meanwhile.
-
-    Before each `/metrics` scrape: a worker's replay and overflow counters otherwise travel
-    only with its heartbeats. Shared, so that a flood of scrapes costs each worker one request
-    per round trip, not one per scrape. `loops` may still be filling: it is read at each call.
-    """
+    """Every rank's figures as of now, before each `/metrics` scrape: a worker's replay and
+    overflow counters otherwise travel only with its heartbeats. `loops` may still be
+    filling: it is read at each call."""
 
     def __init__(self, loops: Sequence[RankHandle]) -> None:
         self._loops = loops
-        self._pending: asyncio.Future[list[None]] | None = None
 
     async def __call__(self) -> None:
-        pending = self._pending
-        if pending is None or pending.done():
-            remote = [loop.refresh() for loop in self._loops if not loop.gauges_live]
-            if not remote:
-                return
-            pending = asyncio.ensure_future(asyncio.gather(*remote))
-            self._pending = pending
-        # A caller that gives up (the scrape's bound) leaves the refresh to the others.
-        await asyncio.shield(pending)
+        await asyncio.gather(*(loop.fresh_gauges() for loop in self._loops))
+
+
+def _stats_reply(msg_id: int | str | None, ranks: Sequence[RankGauges]) -> wire.StatsReply:
+    return wire.StatsReply(
+        id=msg_id,
+        ranks=[
+            rank_stats(
+                gauges.metrics,
+                passes_total=gauges.passes_total,
+                lateness_ms=gauges.lateness_ms,
+                kv_events_overflows=gauges.kv_overflows,
+            )
+            for gauges in ranks
+        ],
+    )

@@ -1,6 +1,7 @@
 """`/metrics` shows a worker's replay counters as of the scrape, not as of its last heartbeat.
 
-The unit tests drive `HttpServer` and `Refresh` with stand-in ranks; the last test runs a real
+The unit tests drive `HttpServer`, and `Refresh` over a `RankProxy` of a stand-in worker
+link (the proxy shares one request among the scrapes meanwhile); the last test runs a real
 daemon with two worker processes whose heartbeats are an hour apart, so that only the
 scrape's own refresh can bring the counters across.
 """
@@ -16,9 +17,12 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from engined.core.types import EngineMetrics
 from engined.server import daemon as daemon_module
 from engined.server import exposition as exposition_module
+from engined.server import rank_wire as w
 from engined.server.http import HttpServer
+from engined.server.rank_proxy import RankProxy
 from engined.server.reports import Refresh
 from engined.wire.kv_events import seq_bytes
 from tests.server.test_metrics import http_get
@@ -26,55 +30,52 @@ from tests.server.test_rank_processes import config, run, serving
 from tests.support import free_tcp_port, until
 
 
-class Remote:
-    """A rank whose figures live elsewhere: each refresh waits until `answer` is set."""
-
-    gauges_live = False
+class Link:
+    """A rank worker as its proxy sees it: each refresh waits until `answer` is set (the
+    worker's `Done`), and counts as one request sent to the worker."""
 
     def __init__(self) -> None:
         self.refreshes = 0
         self.answer = asyncio.Event()
 
-    async def refresh(self) -> None:
+    async def refresh(self, rank: int) -> None:
         self.refreshes += 1
         await self.answer.wait()
 
 
-class Local:
-    gauges_live = True
-
-    async def refresh(self) -> None:
-        raise AssertionError("an in-process rank is never asked")
+def remote(link: Link) -> RankProxy:
+    ready = w.RankReady(0, None, None, None, 64, 16, 1, 1, EngineMetrics(0, 0, 0, 64, 0.0, 0, 0, 0))
+    return RankProxy(link, ready, paced=False)  # type: ignore[arg-type]
 
 
 def test_scrapes_meanwhile_share_one_refresh_and_a_later_one_asks_again() -> None:
     async def scenario() -> None:
-        remote = Remote()
-        refresh = Refresh([Local(), remote])  # type: ignore[list-item]
+        link = Link()
+        refresh = Refresh([remote(link)])
         first = asyncio.ensure_future(refresh())
         second = asyncio.ensure_future(refresh())
-        await until(lambda: remote.refreshes == 1)
+        await until(lambda: link.refreshes == 1)
         assert not first.done() and not second.done()
-        remote.answer.set()
+        link.answer.set()
         await asyncio.gather(first, second)
-        assert remote.refreshes == 1
+        assert link.refreshes == 1
         await refresh()
-        assert remote.refreshes == 2
+        assert link.refreshes == 2
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
 def test_a_caller_that_gives_up_leaves_the_refresh_to_the_others() -> None:
     async def scenario() -> None:
-        remote = Remote()
-        refresh = Refresh([remote])  # type: ignore[list-item]
+        link = Link()
+        refresh = Refresh([remote(link)])
         impatient = asyncio.ensure_future(asyncio.wait_for(refresh(), 0.01))
         patient = asyncio.ensure_future(refresh())
         with pytest.raises(TimeoutError):
             await impatient
-        remote.answer.set()
+        link.answer.set()
         await patient
-        assert remote.refreshes == 1
+        assert link.refreshes == 1
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
