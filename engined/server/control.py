@@ -17,7 +17,7 @@ import itertools
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -93,7 +93,6 @@ class ControlServer:
     def __init__(
         self,
         sock: zmq.asyncio.Socket,
-        loops: Sequence[RankHandle],
         *,
         welcome: Callable[[], wire.Welcome],
         settings: RuntimeSettings,
@@ -105,17 +104,22 @@ class ControlServer:
         unread_messages: int | None = None,
         unread_bytes: int = CONTROL_UNREAD_BYTES,
         metrics: MetricsRequests | None = None,
+        lifecycle_observer: Callable[[int, list[core.LifecycleEvent]], None] | None = None,
     ) -> None:
-        """`deadlines` (on `clock`, the ranks' clock) are those of paced ranks in this
-        event loop: a reading turn ends early once one of them is due. `inflight_bytes` is
-        what one client's requests in flight may be charged (`engined.server.budgets`);
-        `unread_messages` and `unread_bytes` what it may leave unread (`ClientTable`).
-        `metrics` answers `metrics` (None: the daemon keeps no metrics)."""
+        """Built before the ranks, which deliver to it: `attach` gives it their handles,
+        before `serve`. `deadlines` (on `clock`, the ranks' clock) are those of paced ranks
+        in this event loop: a reading turn ends early once one of them is due.
+        `inflight_bytes` is what one client's requests in flight may be charged
+        (`engined.server.budgets`); `unread_messages` and `unread_bytes` what it may leave
+        unread (`ClientTable`). `metrics` answers `metrics` (None: the daemon keeps no
+        metrics); `lifecycle_observer` sees every lifecycle event delivered (the metrics
+        count a destination's transferred tokens)."""
         self._sock = sock
         self._deadlines = deadlines
         self._clock = clock
-        self._loops = loops
         self._welcome = welcome
+        self._lifecycle_observer = lifecycle_observer
+        self._handoff_timeout_s = handoff_timeout_s
         self._settings = settings
         # Malformed input is logged in bursts per client, not once per message.
         self._bad_log = LogThrottle()
@@ -129,17 +133,9 @@ class ControlServer:
         )
         self._ids = RequestIds()
         self._unnamed = itertools.count()
-        self._ownership = Ownership(
-            loops,
-            notify=self._terminals,
-            released=self._clients.settle,
-            handoff_timeout_s=handoff_timeout_s,
-        )
-        self._load = LoadWatch(loops, self._clients.send)
         self._max_queued = max_queued_requests
         self._inflight_bytes = inflight_bytes
         self._decoder = wire.ControlDecoder()
-        self._rr = itertools.cycle(range(len(loops)))
         self.shutting_down = False
         # Submits refused for a full queue (`max_queued_requests`): vLLM's admission rejections.
         self.queue_refusals = 0
@@ -152,11 +148,30 @@ class ControlServer:
         self._reader: asyncio.Task[object] | None = None
         self._retry: asyncio.Task[None] | None = None
         self._receiving: Awaitable[list[zmq.Frame]] | None = None
-        self._reports = Reports(loops)
         self._metrics = metrics
         self._tasks: set[asyncio.Task[None]] = set()
         # Set when a handler fails unexpectedly: a bug, which must end the daemon non-zero.
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        # The ranks' side, from `attach`.
+        self._loops: Sequence[RankHandle] = ()
+        self._ownership: Ownership
+        self._load: LoadWatch
+        self._reports: Reports
+        self._rr: Iterator[int]
+
+    def attach(self, loops: Sequence[RankHandle]) -> None:
+        """Route for these ranks (rank r at index r); once, before `serve`."""
+        assert not self._loops, "attached twice"
+        self._loops = loops
+        self._ownership = Ownership(
+            loops,
+            notify=self._terminals,
+            released=self._clients.settle,
+            handoff_timeout_s=self._handoff_timeout_s,
+        )
+        self._load = LoadWatch(loops, self._clients.send)
+        self._reports = Reports(loops)
+        self._rr = itertools.cycle(range(len(loops)))
 
     @property
     def owners_changed(self) -> asyncio.Event:
@@ -587,6 +602,8 @@ class ControlServer:
             self._clients.settle(identity)
 
     def deliver_lifecycle(self, rank: int, events: list[core.LifecycleEvent]) -> None:
+        if self._lifecycle_observer is not None:
+            self._lifecycle_observer(rank, events)
         ownership = self._ownership
         per_client: dict[bytes, list[wire.WireLifecycleEvent]] = defaultdict(list)
         for event in events:

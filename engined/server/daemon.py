@@ -18,12 +18,11 @@ import asyncio
 import contextlib
 import math
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import TYPE_CHECKING
 
 import structlog
@@ -33,8 +32,6 @@ import zmq.asyncio
 import engined
 from engined.config import DaemonConfig
 from engined.core import running as running_core
-from engined.core.policy import context_length
-from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
 from engined.server.access import AccessError, gate_policy, operator_endpoint
 from engined.server.budgets import control_max_message_bytes
@@ -42,22 +39,16 @@ from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
 from engined.server.gatekeeper import Domain, Gatekeeper
 from engined.server.heap import trim_when_idle
-from engined.server.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.rank_handle import RankHandle
-from engined.server.rank_process import (
-    RankWorkerDied,
-    RankWorkerId,
-    WorkerProcess,
-    available_cores,
-    split_ranks,
-)
-from engined.server.ranks import Pacing, build_rank, shared_pacing, start_collection
+from engined.server.rank_layouts import RankLayout, rank_layout
+from engined.server.rank_process import RankWorkerDied, WorkerProcess, available_cores
+from engined.server.ranks import start_collection
 from engined.server.realtime import enter_realtime
 from engined.server.reports import Refresh
-from engined.server.settings import RuntimeSettings, WorkerIdSink
+from engined.server.settings import RuntimeSettings
 from engined.server.startup_log import engine_summary, limits
 from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
-from engined.wire import control as wire
+from engined.server.welcome import welcome_message
 from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
@@ -65,7 +56,6 @@ if TYPE_CHECKING:
     from engined.server.exposition import Exposition, MetricsRequests
     from engined.server.http import HealthState, HttpServer
     from engined.server.metrics import VllmMetrics
-    from engined.server.rank_proxy import RankProxy
 
 log = structlog.get_logger(__name__)
 
@@ -77,8 +67,6 @@ STARTUP_FAILURE = 3
 # stays small too (256 of the largest `welcome`, 41 KB, are 10.5 MB).
 CONTROL_HWM = 100_000
 CONTROL_PIPE_HWM = 256
-# A rank worker's heartbeat period (seconds), shorter under a systemd watchdog (see startup).
-WORKER_HEARTBEAT_S = 1.0
 # `rank_processes`: one worker process per available core (at most one per rank).
 AUTO_RANK_PROCESSES = -1
 
@@ -109,14 +97,12 @@ class Daemon:
         if rank_processes is None:
             rank_processes = config.rank_processes
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-        self.loops: list[RankHandle] = []
-        # In worker mode, the same ranks as their proxies (their gauges, publisher figures).
-        self._proxies: list[RankProxy] = []
         if rank_processes < 0:
             rank_processes = auto_rank_processes(config.engine.dp_size, available_cores())
         self.rank_processes = rank_processes
-        self.workers: list[WorkerProcess] = []
-        self._worker_dir: str | None = None
+        self.ranks: RankLayout = rank_layout(
+            config, rank_processes, worker_id=self.worker_id, watchdog_s=watchdog_s
+        )
         self._worker_died = False
         self.control: ControlServer | None = None
         self._ctx: zmq.asyncio.Context | None = None
@@ -124,7 +110,6 @@ class Daemon:
         # The ZAP handler of every socket bound here (engined.server.gatekeeper).
         self.gate: Gatekeeper | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._publishers: list[AnyKvPublisher] = []
         self._stop = asyncio.Event()
         self._force = False
         self._on_ready = on_ready
@@ -141,8 +126,6 @@ class Daemon:
         self.http: HttpServer | None = None
         # The OpenAI API server processes (engined.server.api_servers), unless api_port is "".
         self.api: ApiServers | None = None
-        # What paced in-process ranks share: deadlines, garbage collection between passes.
-        self.pacing: Pacing | None = None
         self._collection: Collector | YoungGeneration | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -160,45 +143,24 @@ class Daemon:
         return EXIT_FAILURE if self._worker_died else code
 
     async def startup(self) -> None:
+        """Bind and start everything, in an order where nothing waits for a collaborator
+        built later: /metrics and /health first (503 while the rest starts), the control
+        socket and its server, then the ranks (`rank_layouts`), which deliver to that
+        server, then the server's routing for them, then the tasks that serve."""
         cfg = self.config
         engine = cfg.engine
         if cfg.realtime_priority:
             # First: every thread and process started from here on inherits it.
             enter_realtime(cfg.realtime_priority)
-        if cfg.http_port is not None or cfg.api_port is not None:
-            # Imported here: prometheus_client adds ~20 ms to start-up, which a daemon without
-            # metrics (no /metrics, no API server) should not pay.
-            from engined.server.build_info import BuildInfo
-            from engined.server.exposition import Exposition, MetricsRequests
-            from engined.server.http import HttpServer
-            from engined.server.metrics import VllmMetrics
-
-            # Bound first, so that /health answers 503 while the rest starts.
-            self.metrics = VllmMetrics.from_config(cfg)
-            info = BuildInfo(cfg.model_name, engined.__version__, running_core())
-            self.metrics.register(info)
-            # One exposition for /metrics and the control protocol's `metrics` command.
-            self.exposition = Exposition(
-                self.metrics.registry, Refresh(self.loops), rendered=self.metrics
-            )
-            self._metrics_requests = MetricsRequests(self.exposition)
-        if cfg.http_port is not None:
-            assert self.exposition is not None
-            self.http = HttpServer(
-                self.exposition,
-                health=self.health,
-                api_keys=cfg.api_key or (),
-                guard_metrics=cfg.api_key_metrics,
-            )
-            await self.http.start(cfg.http_host, cfg.http_port)
-        self._ctx = zmq.asyncio.Context()
-        self.gate = gate = Gatekeeper(self._ctx, gate_policy(cfg))
+        await self._start_http()
+        self._ctx = ctx = zmq.asyncio.Context()
+        self.gate = gate = Gatekeeper(ctx, gate_policy(cfg))
         self._registry = registry = SocketRegistry()
         max_message_bytes = control_max_message_bytes(engine)
         # NOTE: every bind goes through the registry, which refuses an ipc:// path a live
         # socket owns (libzmq would silently take it over) and claims it (sockets.IpcClaim).
         control_sock = registry.make(
-            self._ctx,
+            ctx,
             zmq.ROUTER,
             cfg.control_endpoint,
             bind=True,
@@ -212,130 +174,43 @@ class Daemon:
         operator = operator_endpoint(cfg)
         if operator.bind is not None:
             registry.bind_also(control_sock, operator.bind)
-        kv_endpoints: list[str] = []
-        replay_endpoints: list[str] = []
-        fpm_endpoints: list[str] = []
-        fpm_sinks: list[WorkerIdSink] = []
-        controls: list[ControlServer] = []
-        delivery = _LateDelivery(controls, self.metrics)
-        if self.rank_processes:
-            batch_bytes, hwms = await self._start_workers(delivery)
-            for worker in self.workers:
-                assert worker.ready is not None
-                for ready in worker.ready.ranks:
-                    if ready.kv_endpoint:
-                        kv_endpoints.append(ready.kv_endpoint)
-                    if ready.replay_endpoint:
-                        replay_endpoints.append(ready.replay_endpoint)
-                    if ready.fpm_endpoint:
-                        fpm_endpoints.append(ready.fpm_endpoint)
-            fpm_sinks.extend(
-                RankWorkerId(worker, rank, self.worker_id)
-                for worker in self.workers
-                for rank in worker.ranks
-            )
-        else:
-            # The byte budgets of slow KV subscribers and replay clients become message
-            # bounds through the largest batch a pass can produce (engined.server.kv_publisher).
-            batch_bytes = max_batch_bytes(engine, cfg.kv_events_format)
-            self.pacing = shared_pacing(cfg)
-            for rank in range(engine.dp_size):
-                parts = build_rank(
-                    self._ctx,
-                    registry,
-                    cfg,
-                    rank,
-                    worker_id=self.worker_id,
-                    delivery=delivery,
-                    batch_bytes=batch_bytes,
-                    pacing=self.pacing,
-                    gate=gate,
-                )
-                self._publishers.append(parts.kv)
-                if parts.kv.endpoint:
-                    kv_endpoints.append(parts.kv.endpoint)
-                if parts.kv.replay_endpoint:
-                    replay_endpoints.append(parts.kv.replay_endpoint)
-                if parts.fpm.endpoint:
-                    fpm_endpoints.append(parts.fpm.endpoint)
-                fpm_sinks.append(parts.fpm)
-                self.loops.append(parts.loop)
-            hwms = (self._publishers[0].hwm, self._publishers[0].replay_hwm)
-
+        ranks = self.ranks
         settings = RuntimeSettings(
             vocab_size=engine.vocab_size,
             excluded_token_ids=engine.excluded_token_ids,
             fpm_worker_id=self.worker_id,
-            fpm=fpm_sinks,
+            fpm=ranks.fpm_sinks,
         )
-
-        def welcome() -> wire.Welcome:
-            return wire.Welcome(
-                protocol=wire.PROTOCOL_VERSION,
-                version=engined.__version__,
-                engine_type=engine.engine_type,
-                worker_type=engine.worker_type,
-                block_size=engine.block_size,
-                num_gpu_blocks=engine.num_gpu_blocks,
-                dp_size=engine.dp_size,
-                model_name=cfg.model_name,
-                kv_events_endpoints=kv_endpoints,
-                kv_replay_endpoints=replay_endpoints,
-                fpm_endpoints=fpm_endpoints,
-                max_num_seqs=engine.max_num_seqs,
-                max_num_batched_tokens=engine.max_num_batched_tokens,
-                max_model_len=context_length(
-                    engine.num_gpu_blocks, engine.block_size, engine.max_model_len
-                ),
-                enable_prefix_caching=engine.enable_prefix_caching,
-                kv_events_topic=cfg.kv_events_topic,
-                kv_events_format=cfg.kv_events_format,
-                vocab_size=settings.vocab_size,
-                excluded_token_ids=list(settings.excluded_token_ids),
-                fpm_worker_id=settings.fpm_worker_id,
-                speedup_ratio=engine.speedup_ratio,
-                operator_endpoint=operator.advertised,
-            )
-
-        if self.metrics is not None:
-            for loop in self.loops:
-                self.metrics.attach(loop)
-            # In worker mode the proxies carry the same counters, as of each heartbeat.
-            self.metrics.watch_publishers(self._publishers or self._proxies)
-        self.control = ControlServer(
+        metrics = self.metrics
+        control = ControlServer(
             control_sock,
-            self.loops,
-            welcome=welcome,
+            welcome=partial(welcome_message, cfg, ranks.endpoints, settings, operator.advertised),
             settings=settings,
             max_queued_requests=cfg.max_queued_requests,
             handoff_timeout_s=engine.handoff_session_timeout_ms / 1000.0,
-            deadlines=None if self.pacing is None else self.pacing.deadlines,
+            deadlines=None if ranks.pacing is None else ranks.pacing.deadlines,
             inflight_bytes=cfg.control_inflight_bytes,
             unread_messages=CONTROL_HWM,
             unread_bytes=cfg.control_unread_bytes,
             metrics=self._metrics_requests,
+            lifecycle_observer=None if metrics is None else metrics.on_lifecycle,
         )
-        controls.append(self.control)
-        if self.metrics is not None:
-            control = self.control
-            self.metrics.watch_queue_refusals(lambda: control.queue_refusals)
-        for kv in self._publishers:
-            kv.start()
-        self._tasks.append(asyncio.create_task(self.control.serve(), name="control"))
-        self._tasks.append(
-            asyncio.create_task(self.control.expire_handoffs(), name="handoff-timeouts")
-        )
+        await ranks.start(ctx, registry, gate, control)
+        if metrics is not None:
+            for loop in ranks.handles:
+                metrics.attach(loop)
+            metrics.watch_publishers(ranks.watched_publishers)
+            metrics.watch_queue_refusals(lambda: control.queue_refusals)
+        control.attach(ranks.handles)
+        self.control = control
+        self._tasks.append(asyncio.create_task(control.serve(), name="control"))
+        self._tasks.append(asyncio.create_task(control.expire_handoffs(), name="handoff-timeouts"))
         work = trim_when_idle(
             self._idle, lambda: sum(loop.gauges().tokens_total for loop in self.loops)
         )
         self._tasks.append(asyncio.create_task(work, name="heap-trim"))
-        if self.workers:
-            for worker in self.workers:
-                name = f"rank-worker-{worker.index}"
-                self._tasks.append(asyncio.create_task(worker.run(), name=name))
-        else:
-            for loop in self.loops:
-                self._tasks.append(asyncio.create_task(loop.run(), name=f"rank-{loop.rank}"))
+        for name, run_ranks in ranks.tasks():
+            self._tasks.append(asyncio.create_task(run_ranks, name=name))
         if cfg.api_port is not None:
             from engined.server.api_servers import ApiServers
 
@@ -343,7 +218,7 @@ class Daemon:
             await self.api.start()
             self._tasks.append(asyncio.create_task(self.api.watch(), name="api-servers"))
         self.started = True
-        self._collection = start_collection(cfg, self.pacing)
+        self._collection = start_collection(cfg, ranks.pacing)
         log.info(
             "engined started",
             version=engined.__version__,
@@ -351,11 +226,11 @@ class Daemon:
             pid=os.getpid(),
             worker_id=self.worker_id,
             control_endpoint=cfg.control_endpoint,
-            kv_events_endpoints=kv_endpoints,
-            kv_replay_endpoints=replay_endpoints,
-            fpm_endpoints=fpm_endpoints,
+            kv_events_endpoints=ranks.endpoints.kv_events,
+            kv_replay_endpoints=ranks.endpoints.kv_replay,
+            fpm_endpoints=ranks.endpoints.fpm,
             engine=engine_summary(cfg),
-            limits=limits(cfg, hwms, batch_bytes, max_message_bytes),
+            limits=limits(cfg, ranks.limits.hwms, ranks.limits.batch_bytes, max_message_bytes),
             rank_processes=[worker.pid for worker in self.workers],
             api_port=None if self.api is None else self.api.port,
         )
@@ -371,55 +246,52 @@ class Daemon:
         if self._on_ready is not None:
             self._on_ready(self)
 
-    async def _start_workers(self, delivery: _LateDelivery) -> tuple[int, tuple[int, int]]:
-        """Start the rank worker processes and wait until every one has bound its ranks.
-
-        Each worker gets a PAIR in a private directory. Raises OSError when one fails to
-        start (a start-up failure, as a bind failure in process is). Returns the KV batch
-        bound and rank 0's high-water marks, for the start-up log.
-        """
-        assert self._ctx is not None and self._registry is not None
+    async def _start_http(self) -> None:
+        """The metrics, and /metrics and /health when `http_port` is set."""
         cfg = self.config
-        self._worker_dir = tempfile.mkdtemp(prefix="engined-ranks-")
-        paced = cfg.engine.speedup_ratio > 0
-        for index, ranks in enumerate(split_ranks(cfg.engine.dp_size, self.rank_processes)):
-            endpoint = f"ipc://{self._worker_dir}/worker-{index}"
-            self.workers.append(
-                WorkerProcess(
-                    index,
-                    ranks,
-                    ctx=self._ctx,
-                    registry=self._registry,
-                    endpoint=endpoint,
-                    delivery=delivery,
-                    paced=paced,
-                )
+        if cfg.http_port is not None or cfg.api_port is not None:
+            # Imported here: prometheus_client adds ~20 ms to start-up, which a daemon without
+            # metrics (no /metrics, no API server) should not pay.
+            from engined.server.build_info import BuildInfo
+            from engined.server.exposition import Exposition, MetricsRequests
+            from engined.server.metrics import VllmMetrics
+
+            self.metrics = VllmMetrics.from_config(cfg)
+            info = BuildInfo(cfg.model_name, engined.__version__, running_core())
+            self.metrics.register(info)
+            # One exposition for /metrics and the control protocol's `metrics` command.
+            self.exposition = Exposition(
+                self.metrics.registry, Refresh(self.ranks.handles), rendered=self.metrics
             )
-        # Heartbeats at least 4 times per watchdog ping interval, so one late frame is not
-        # yet a silent worker (workers_healthy).
-        heartbeat_s = min(WORKER_HEARTBEAT_S, (self._watchdog_s or math.inf) / 4)
-        started = await asyncio.gather(
-            *(
-                worker.start(cfg, worker_id=self.worker_id, heartbeat_s=heartbeat_s)
-                for worker in self.workers
-            ),
-            return_exceptions=True,
-        )
-        for outcome in started:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        for worker in self.workers:
-            self._proxies.extend(worker.proxies[rank] for rank in worker.ranks)
-        self.loops.extend(self._proxies)
-        ready = self.workers[0].ready
-        assert ready is not None
-        return ready.batch_bytes, (ready.ranks[0].kv_hwm, ready.ranks[0].replay_hwm)
+            self._metrics_requests = MetricsRequests(self.exposition)
+        if cfg.http_port is not None:
+            from engined.server.http import HttpServer
+
+            assert self.exposition is not None
+            # Bound first, so that /health answers 503 while the rest starts.
+            self.http = HttpServer(
+                self.exposition,
+                health=self.health,
+                api_keys=cfg.api_key or (),
+                guard_metrics=cfg.api_key_metrics,
+            )
+            await self.http.start(cfg.http_host, cfg.http_port)
+
+    @property
+    def loops(self) -> list[RankHandle]:
+        """Rank r's handle at index r (empty until start-up has started the ranks)."""
+        return self.ranks.handles
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        """The rank worker processes (none when the ranks run in this event loop)."""
+        return self.ranks.workers
 
     def workers_healthy(self) -> bool:
         """Whether every rank worker was heard from within a watchdog ping interval: the
         systemd watchdog is pinged only then, so a stuck worker gets the daemon restarted."""
         silence = self._watchdog_s if self._watchdog_s is not None else math.inf
-        return all(worker.healthy(silence) for worker in self.workers)
+        return self.ranks.healthy(silence)
 
     def _worker_failed(self) -> bool:
         return any(
@@ -538,10 +410,7 @@ class Daemon:
             await self.api.close()
         if self.http is not None:
             await self.http.close()
-        for kv in self._publishers:
-            await kv.close()
-        for worker in self.workers:
-            worker.kill()
+        await self.ranks.close()
         if self._registry is not None:
             self._registry.close()
         if self.gate is not None:
@@ -550,9 +419,6 @@ class Daemon:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        if self._worker_dir is not None:
-            shutil.rmtree(self._worker_dir, ignore_errors=True)
-            self._worker_dir = None
         self._notifier.close()
         if self._collection is not None:
             self._collection.close()
@@ -570,23 +436,6 @@ class Daemon:
             f"{sum(m.waiting for m in metrics)} waiting, {rate:.0f} tokens/s"
         )
         return f"stopping: {line}" if self.control and self.control.shutting_down else line
-
-
-class _LateDelivery:
-    """Forwards to the control server, which is built after the loops it routes for; the
-    metrics read handoff events on the way (a destination's transferred prompt tokens)."""
-
-    def __init__(self, controls: list[ControlServer], metrics: VllmMetrics | None) -> None:
-        self._controls = controls
-        self._metrics = metrics
-
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
-        self._controls[0].deliver_outputs(rank, outputs, decodes)
-
-    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
-        if self._metrics is not None:
-            self._metrics.on_lifecycle(rank, events)
-        self._controls[0].deliver_lifecycle(rank, events)
 
 
 async def _serve(config: DaemonConfig) -> int:

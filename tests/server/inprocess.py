@@ -21,7 +21,6 @@ import zmq.asyncio
 from engined.config.schema import CONTROL_UNREAD_BYTES
 from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
-from engined.core.types import Decodes, LifecycleEvent, RequestOutput
 from engined.server.control import ControlServer
 from engined.server.deadlines import Deadlines
 from engined.server.engine_loop import Delivery, EngineLoop, FpmSink, KvSink, Sleep
@@ -61,19 +60,6 @@ def welcome() -> wire.Welcome:
         kv_replay_endpoints=[],
         fpm_endpoints=[],
     )
-
-
-class _Delivery:
-    def __init__(self) -> None:
-        self.control: ControlServer | None = None
-
-    def deliver_outputs(self, rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
-        assert self.control is not None
-        self.control.deliver_outputs(rank, outputs, decodes)
-
-    def deliver_lifecycle(self, rank: int, events: list[LifecycleEvent]) -> None:
-        assert self.control is not None
-        self.control.deliver_lifecycle(rank, events)
 
 
 @dataclass
@@ -166,10 +152,20 @@ async def serve(
     )
     if sndbuf is not None:
         sock.setsockopt(zmq.SNDBUF, sndbuf)
-    delivery = _Delivery()
+    control = ControlServer(
+        sock,
+        welcome=welcome,
+        settings=RuntimeSettings(vocab_size=None, excluded_token_ids=(), fpm_worker_id="w", fpm=[]),
+        max_queued_requests=0,
+        # As the daemon does (engined.server.daemon).
+        handoff_timeout_s=engine_args(**args).handoff_session_timeout_ms / 1000.0,
+        deadlines=deadlines,
+        unread_messages=unread_messages,
+        unread_bytes=unread_bytes,
+    )
     loops = [
         engine_loop(
-            delivery,
+            control,
             rank=rank,
             kv=None if kv is None else kv(rank),
             fpm=None if fpm is None else fpm(rank),
@@ -179,19 +175,7 @@ async def serve(
         )
         for rank in range(ranks)
     ]
-    control = ControlServer(
-        sock,
-        loops,
-        welcome=welcome,
-        settings=RuntimeSettings(vocab_size=None, excluded_token_ids=(), fpm_worker_id="w", fpm=[]),
-        max_queued_requests=0,
-        # As the daemon does (engined.server.daemon).
-        handoff_timeout_s=loops[0].engine.args.handoff_session_timeout_ms / 1000.0,
-        deadlines=deadlines,
-        unread_messages=unread_messages,
-        unread_bytes=unread_bytes,
-    )
-    delivery.control = control
+    control.attach(loops)
     tasks = [asyncio.create_task(control.serve()), asyncio.create_task(control.expire_handoffs())]
     tasks += [asyncio.create_task(loop.run()) for loop in loops]
     try:

@@ -18,8 +18,8 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from engined.core.types import EngineMetrics
-from engined.server import daemon as daemon_module
 from engined.server import exposition as exposition_module
+from engined.server import rank_layouts
 from engined.server import rank_wire as w
 from engined.server.http import HttpServer
 from engined.server.rank_proxy import RankProxy
@@ -131,7 +131,7 @@ def test_a_scrape_counts_replay_refusals_made_since_the_last_heartbeat(
     """One client floods rank 0's replay ROUTER (in a worker) with requests. Each is either
     answered (an end marker: nothing is buffered) or refused, since a client may have only a
     few queued. The scrapes must account for every request, and some must be refused."""
-    monkeypatch.setattr(daemon_module, "WORKER_HEARTBEAT_S", 3600.0)
+    monkeypatch.setattr(rank_layouts, "WORKER_HEARTBEAT_S", 3600.0)
     port = free_tcp_port()
 
     async def scenario() -> None:

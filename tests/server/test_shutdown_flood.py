@@ -47,7 +47,7 @@ from engined.wire.control import (
 )
 from engined.zmq_sockets import make_socket
 from tests.server.daemon_harness import start_daemon
-from tests.server.inprocess import _Delivery, engine_loop, welcome
+from tests.server.inprocess import engine_loop, welcome
 from tests.support import run, until
 
 FLOOD = 5000
@@ -179,18 +179,16 @@ class Inproc:
             self.ctx, zmq.ROUTER, endpoint, bind=True, sndhwm=0, rcvhwm=0, router_mandatory=True
         )
         self.router = router
-        delivery = _Delivery()
-        self.loop: EngineLoop = engine_loop(delivery)
         self.control = ControlServer(
             router,
-            [self.loop],
             welcome=welcome,
             settings=RuntimeSettings(
                 vocab_size=None, excluded_token_ids=(), fpm_worker_id="w", fpm=[]
             ),
             max_queued_requests=0,
         )
-        delivery.control = self.control
+        self.loop: EngineLoop = engine_loop(self.control)
+        self.control.attach([self.loop])
         self.reader = asyncio.create_task(self.control.serve())
         self.rank: asyncio.Task[None] | None = None
         self.client = self.ctx.socket(zmq.DEALER)
