@@ -32,7 +32,8 @@ import zmq.asyncio
 from engined.client import EngineClient
 from engined.core.pass_report import PassReport
 from engined.core.types import Decodes, LifecycleEvent, Request, RequestOutput, Submit
-from engined.server.control import CONTROL_TURN_MESSAGES, ControlServer
+from engined.server.control import ControlServer
+from engined.server.control_reader import CONTROL_TURN_MESSAGES
 from engined.server.daemon import CONTROL_HWM
 from engined.server.deadlines import Deadlines
 from engined.server.systemd import NullNotifier, keepalive
@@ -90,17 +91,18 @@ def burst_server(tmp_path: Path, **kwargs: Any) -> AbstractAsyncContextManager[S
 
 
 class DispatchCounter:
-    """Counts the control messages a server dispatched (wraps its `_dispatch`)."""
+    """Counts the control messages a server dispatched (wraps what its reader calls)."""
 
     def __init__(self, control: ControlServer) -> None:
         self.handled = 0
-        dispatch = control._dispatch
+        reader = control._reader
+        dispatch = reader._dispatch
 
         def counting_dispatch(identity: bytes, msg: wire.ClientMessage, frame: zmq.Frame) -> None:
             self.handled += 1
             dispatch(identity, msg, frame)
 
-        control._dispatch = counting_dispatch  # type: ignore[method-assign]
+        reader._dispatch = counting_dispatch
 
 
 def test_a_ping_burst_yields_to_passes_and_to_other_clients(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from engined.server import control as control_module
+from engined.server import control_reader as control_module
 from engined.server.control import ControlServer
 from engined.server.engine_loop import EngineLoop
 from engined.server.settings import RuntimeSettings
