@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from engined.core.types import Command, CommandEffects
-from engined.server.engine_loop import CommandObserver, PassObserver
 from engined.server.rank_gauges import RankGauges
+from engined.server.rank_sinks import CommandObserver, PassObserver
 
 
 class RankHandle(Protocol):

@@ -23,12 +23,12 @@ import msgspec
 import zmq.asyncio
 
 from engined.config import DaemonConfig
-from engined.server.engine_loop import Delivery
 from engined.server.gatekeeper import Gatekeeper
 from engined.server.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.publisher_metrics import WatchedPublisher
 from engined.server.rank_handle import RankHandle
 from engined.server.rank_process import RankWorkerId, WorkerProcess, split_ranks
+from engined.server.rank_sinks import Delivery
 from engined.server.ranks import Pacing, build_rank, shared_pacing
 from engined.server.settings import WorkerIdSink
 from engined.zmq_sockets import SocketRegistry

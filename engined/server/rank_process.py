@@ -26,8 +26,8 @@ import zmq.asyncio
 from engined.config import DaemonConfig
 from engined.core.types import Command, CommandEffects
 from engined.server import rank_wire as w
-from engined.server.engine_loop import Delivery
 from engined.server.rank_proxy import RankProxy
+from engined.server.rank_sinks import Delivery
 from engined.zmq_sockets import SocketRegistry
 
 log = structlog.get_logger(__name__)

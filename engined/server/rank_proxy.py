@@ -27,8 +27,8 @@ from engined.core.types import (
     RequestOutput,
 )
 from engined.server import rank_wire as w
-from engined.server.engine_loop import CommandObserver, PassObserver
 from engined.server.rank_gauges import RankGauges
+from engined.server.rank_sinks import CommandObserver, PassObserver
 
 log = structlog.get_logger(__name__)
 

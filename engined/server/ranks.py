@@ -18,10 +18,11 @@ from engined.config import DaemonConfig, endpoint_for_rank
 from engined.core.engine import Engine
 from engined.server.collector import Collector, YoungGeneration
 from engined.server.deadlines import Deadlines
-from engined.server.engine_loop import Delivery, EngineLoop
+from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.gatekeeper import Gatekeeper
 from engined.server.kv_publisher import AnyKvPublisher, KvPublisher, NullKvPublisher
+from engined.server.rank_sinks import Delivery
 from engined.zmq_sockets import SocketRegistry
 
 

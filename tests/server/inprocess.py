@@ -23,9 +23,10 @@ from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
 from engined.server.control import ControlServer
 from engined.server.deadlines import Deadlines
-from engined.server.engine_loop import Delivery, EngineLoop, FpmSink, KvSink, Sleep
+from engined.server.engine_loop import EngineLoop
 from engined.server.fpm_publisher import NullFpmPublisher
 from engined.server.kv_publisher import NullKvPublisher
+from engined.server.rank_sinks import Delivery, FpmSink, KvSink, Sleep
 from engined.server.ranks import Pacing
 from engined.server.settings import RuntimeSettings
 from engined.wire import control as wire

@@ -114,7 +114,7 @@ def test_a_late_pass_is_caught_up_by_the_next_one() -> None:
         assert timeline.ran_at == [0.0, 5.0, 12.0, 15.0, 20.0]
         assert timeline.delivered == [5.0, 12.0, 15.0, 20.0]
         # When each pass actually ran against its planned start (not its start for the core).
-        assert list(loop.lateness_ms) == [0.0, 2.0, 0.0, 0.0]
+        assert list(loop.lateness.ms) == [0.0, 2.0, 0.0, 0.0]
         await stopped(task)
 
     run(scenario())
@@ -137,7 +137,7 @@ def test_passes_that_fell_behind_run_back_to_back_until_on_schedule() -> None:
         await wake_at(clock, timeline, 20.0, 5)
         assert timeline.starts == [0.0, 5.0, 10.0, 15.0, 20.0]
         assert timeline.ran_at == [0.0, 5.0, 19.0, 19.0, 20.0]
-        assert list(loop.lateness_ms) == [0.0, 9.0, 4.0, 0.0]
+        assert list(loop.lateness.ms) == [0.0, 9.0, 4.0, 0.0]
         await stopped(task)
 
     run(scenario())
@@ -163,7 +163,7 @@ def test_the_schedule_trails_the_clock_by_at_most_the_bound() -> None:
         assert timeline.starts == [0.0, 5.0, *behind]
         assert timeline.ran_at == [0.0, 5.0] + [1000.0] * 11
         # Lateness is when they ran against their planned starts: 990 ms for the first.
-        assert list(loop.lateness_ms) == [0.0, 990.0] + [1000.0 - s for s in behind[1:]]
+        assert list(loop.lateness.ms) == [0.0, 990.0] + [1000.0 - s for s in behind[1:]]
         await stopped(task)
 
     run(scenario())
@@ -188,7 +188,7 @@ def test_idle_resets_the_schedule() -> None:
         await wake_at(clock, timeline, 42.5, 4)
         assert timeline.starts == [0.0, 5.0, 37.5, 42.5]
         assert timeline.arrivals == [("first", 0.0), ("second", 37.5)]
-        assert list(loop.lateness_ms) == [0.0, 0.0]
+        assert list(loop.lateness.ms) == [0.0, 0.0]
         await stopped(task)
 
     run(scenario())

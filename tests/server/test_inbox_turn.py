@@ -27,7 +27,7 @@ from engined.core.types import Command, CommandEffects, Submit
 from engined.core.types import Request as CoreRequest
 from engined.server.collector import Collector
 from engined.server.deadlines import Deadlines
-from engined.server.engine_loop import EARLY_MARGIN_S, INBOX_TURN_S
+from engined.server.rank_inbox import EARLY_MARGIN_S, INBOX_TURN_S
 from engined.server.ranks import Pacing
 from tests.server.inprocess import engine_loop
 from tests.server.support import FinishedDelivery

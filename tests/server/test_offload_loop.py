@@ -27,7 +27,7 @@ from engined.core.types import (
     RequestOutput,
     Submit,
 )
-from engined.server import engine_loop
+from engined.server import pacer as pacer_module
 from engined.server.engine_loop import EngineLoop
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.virtual_clock import VirtualClock
@@ -127,7 +127,7 @@ def test_idle_core_wakes_at_the_offload_deadline(
     a real clock) would never see the virtual clock move, and the copy would never land."""
     clock = VirtualClock()
     pacer = VirtualPacer(clock)
-    monkeypatch.setattr(engine_loop, "open_pacer", lambda _clock: pacer)
+    monkeypatch.setattr(pacer_module, "open_pacer", lambda _clock: pacer)
 
     async def scenario() -> None:
         core = offload_core(speedup_ratio, decode_ms)

@@ -261,7 +261,7 @@ def test_a_paced_engine_loop_sleeps_on_one_timerfd_and_closes_it(
     from engined.core.args import EngineArgs
     from engined.core.engine import Engine
     from engined.core.types import Request, Submit
-    from engined.server import engine_loop
+    from engined.server import pacer as pacer_module
     from engined.server.engine_loop import EngineLoop
 
     created: list[Pacer] = []
@@ -271,7 +271,7 @@ def test_a_paced_engine_loop_sleeps_on_one_timerfd_and_closes_it(
         created.append(pacer)
         return pacer
 
-    monkeypatch.setattr(engine_loop, "open_pacer", recording_open_pacer)
+    monkeypatch.setattr(pacer_module, "open_pacer", recording_open_pacer)
 
     class Sinks:
         overflows = 0
@@ -307,7 +307,7 @@ def test_a_paced_engine_loop_sleeps_on_one_timerfd_and_closes_it(
         pacer = created[0]
         assert isinstance(pacer, TimerfdPacer)
         assert pacer.fd is None
-        assert loop._pacer is None
+        assert loop._timers.pacer is None
         assert open_fds() == before
 
     run(scenario)
