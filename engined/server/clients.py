@@ -8,25 +8,17 @@ pipe is full). A full pipe is only a client behind: what does not fit waits in t
 send to the client, each message from it, and with the dropped clients' retries). A client
 that is gone, or whose unread messages (pipe and backlog) pass `limit` or whose backlog
 passes `byte_limit`, is **dropped**: its requests are cancelled and their KV freed (it
-cannot take their outputs), and an *episode* starts, logged once. During the
-episode the daemon keeps what the client must still learn, its *notices*: one `cancelled`
-terminal per request that was ended, the direct replies and lifecycle events that could not
-be sent, the final entries of any output that could not be sent, and an `overloaded` error
-for each message it sends meanwhile (not processed: it would only add to the backlog; past
-MAX_UNANSWERED, one error without an id counts the rest). When the client can be written to
-again (tried after DROPPED_RETRY_S, backing off to DROPPED_RETRY_MAX_S, every MOVING_RETRY_S
-while it takes what is tried, and whenever it sends a message) the notices are delivered in
-order and the episode ends; a `watch_load` client is subscribed again and gets every rank's
-load at once.
+cannot take their outputs), and an *episode* starts, logged once, which keeps what the client
+must still learn (`engined.server.episodes`). When the client can be written to again (tried after
+DROPPED_RETRY_S, backing off to DROPPED_RETRY_MAX_S, every MOVING_RETRY_S while it takes what
+is tried, and whenever it sends a message) its notices are delivered in order and the episode
+ends; a `watch_load` client is subscribed again and gets every rank's load at once.
 
 Memory is bounded whatever clients do: per-identity state lives only while the identity has
 something in flight (a command being applied, a request, a handoff route, a load watch, a
-backlog, an episode), a backlog holds at most `byte_limit` bytes, at most
-MAX_DROPPED_CLIENTS episodes are remembered (the oldest is forgotten), and all episodes
-together keep at most MAX_NOTICES notices, none of them a large reply (a `welcome` or
-`stats` reply a dropped client was owed becomes an `overloaded` error: it asks again). An
-episode whose client shows no sign of life for DROPPED_FORGET_S is forgotten too, so clients
-that vanish leave nothing behind.
+backlog, an episode), a backlog holds at most `byte_limit` bytes, the episodes are bounded
+(`engined.server.episodes`), and an episode whose client shows no sign of life for
+DROPPED_FORGET_S is forgotten, so clients that vanish leave nothing behind.
 """
 
 from __future__ import annotations
@@ -34,9 +26,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 import msgspec
@@ -46,20 +37,13 @@ import zmq.asyncio
 
 from engined.config.schema import CONTROL_UNREAD_BYTES
 from engined.server.backlog import Backlogs
+from engined.server.episodes import TERMINALS_PER_MESSAGE, Episode, Episodes, terminals_message
 from engined.wire import control as wire
 from engined.zmq_sockets import send_frames_nowait
 
 log = structlog.get_logger(__name__)
 
 DELIMITER = b""
-# The most episodes remembered, and their notices all together (a notice is a message or,
-# for terminals and kept output entries, one entry: ~100-400 bytes).
-MAX_DROPPED_CLIENTS: Final = 1024
-MAX_NOTICES: Final = 65_536
-# The most `overloaded` replies kept for messages a client sends while dropped; the rest
-# are counted, in one `overloaded` error without an id, and in the log line that ends the
-# episode.
-MAX_UNANSWERED: Final = 1024
 # How often a dropped client is tried again: DROPPED_RETRY_S at first, doubling after each
 # failure up to DROPPED_RETRY_MAX_S (and again at once whenever it sends a message). A peer
 # that is gone for good then costs one failed send every 2 s until it is forgotten.
@@ -75,8 +59,6 @@ DROPPED_FORGET_S: Final = 60.0
 # this soon, so a client catching up on a backlog or notices is not held to one pipe's worth
 # per DROPPED_RETRY_S.
 MOVING_RETRY_S: Final = 0.005
-# The most terminals per `output` message when they are delivered.
-TERMINALS_PER_MESSAGE: Final = 1024
 # A backlog that has sent nothing for this long, of a client with nothing in flight (so
 # nothing more is coming to it), is dropped: its replies become notices, which the episodes'
 # bounds cover, instead of a backlog kept for a peer that may be gone for good.
@@ -90,38 +72,6 @@ class Client:
     delimited: bool
     # Commands of this client being applied (their replies are still to come).
     busy: int = 0
-
-
-@dataclass(slots=True)
-class Episode:
-    """A dropped client, from the failed send to the delivery of its notices."""
-
-    # "too slow" (EAGAIN: the pipe is full) or "unreachable" (EHOSTUNREACH). NOTE: libzmq
-    # also answers EHOSTUNREACH for a present peer whose pipe filled up and has not yet
-    # been read down to its low-water mark, so both are retried alike.
-    reason: str
-    started: float
-    # The drop, or since then the client's last message or notice taken.
-    heard: float
-    retry_at: float = 0.0
-    backoff: float = 0.0
-    # Retries that found the pipe still full. A first EAGAIN can be a transient (libzmq's
-    # I/O thread behind, not the client); one that outlasts retries is a client not reading.
-    stalls: int = 0
-    # Messages to deliver, in order, then terminals (rank, request id), then the load.
-    kept: deque[wire.DaemonMessage] = field(default_factory=deque)
-    terminals: list[tuple[int, str]] = field(default_factory=list)
-    watching: bool = False
-    cancelled: int = 0
-    unanswered: int = 0
-    ignored: int = 0  # unanswered beyond MAX_UNANSWERED
-    summarised: int = 0  # of those, how many the summary `error` delivered counts
-    lost: int = 0  # notices past MAX_NOTICES
-    delivered: int = 0
-
-
-def _notice_size(msg: wire.DaemonMessage) -> int:
-    return len(msg.outputs) if isinstance(msg, wire.Output) else 1
 
 
 class ClientTable:
@@ -157,8 +107,7 @@ class ClientTable:
             "requests were cancelled; read, then send again"
         )
         self._clients: dict[bytes, Client] = {}
-        self._episodes: OrderedDict[bytes, Episode] = OrderedDict()
-        self._notices = 0
+        self._episodes = Episodes(unanswered_text=self._unanswered_text, forgotten=self.settle)
         self._retry_wanted = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._rearm_pending = False
@@ -176,7 +125,7 @@ class ClientTable:
 
     @property
     def notices(self) -> int:
-        return self._notices
+        return self._episodes.notices
 
     @property
     def backlogs(self) -> Backlogs:
@@ -242,7 +191,7 @@ class ClientTable:
         dropped (or is now)."""
         episode = self._episodes.get(identity)
         if episode is not None:
-            self._keep(identity, episode, msg)
+            self._episodes.keep(identity, episode, msg)
             return
         body = self._encode(msg)
         backlogs = self._backlogs
@@ -255,33 +204,21 @@ class ClientTable:
         if reason == "too slow" and backlogs.enabled:
             self._queue(identity, body, msg)
             return
-        self._keep(identity, self._drop(identity, reason), msg)
+        self._episodes.keep(identity, self._drop(identity, reason), msg)
 
     def send_terminals(self, identity: bytes, rank: int, request_ids: list[str]) -> None:
         """Tell the owner its requests ended as `cancelled` (one terminal entry each)."""
         episode = self._episodes.get(identity)
         if episode is not None:
-            for request_id in request_ids:
-                if self._make_room(identity, episode, 1):
-                    episode.terminals.append((rank, request_id))
-                    self._notices += 1
+            self._episodes.keep_terminals(identity, episode, rank, request_ids)
             return
         for start in range(0, len(request_ids), TERMINALS_PER_MESSAGE):
             chunk = request_ids[start : start + TERMINALS_PER_MESSAGE]
-            self.send(identity, _terminals(rank, chunk))
+            self.send(identity, terminals_message(rank, chunk))
 
     def unanswered(self, identity: bytes, msg_id: int | str | None) -> None:
         """A dropped client's message was not handled: it gets `overloaded` once it reads."""
-        episode = self._episodes[identity]
-        episode.unanswered += 1
-        if episode.unanswered > MAX_UNANSWERED:
-            episode.ignored += 1
-            return
-        self._keep(
-            identity,
-            episode,
-            wire.ErrorReply(id=msg_id, code="overloaded", message=self._unanswered_text),
-        )
+        self._episodes.unanswered(identity, msg_id)
 
     def _try_send(self, identity: bytes, body: bytes) -> str | None:
         """None when sent, else why the client cannot take it."""
@@ -336,22 +273,18 @@ class ClientTable:
             # Its framing must outlive the message that found the pipe full.
             self._clients.setdefault(identity, Client(delimited=False))
             self._retry_wanted.set()
-        if self._backlogs.queue(identity, body, self._notice(msg)):
+        if self._backlogs.queue(identity, body, self._episodes.notice(msg)):
             self._drop(identity, "too slow")
 
     # --- episodes -----------------------------------------------------------------------
 
     def _drop(self, identity: bytes, reason: str) -> Episode:
-        now = time.monotonic()
-        episode = Episode(reason, now, now)
-        self._episodes[identity] = episode
-        while len(self._episodes) > MAX_DROPPED_CLIENTS:
-            self._forget_oldest()
+        episode = self._episodes.start(identity, reason)
         self._retry_wanted.set()
         # What waited in its backlog becomes its first notices, in order.
         backlog = self._backlogs.take(identity)
         for notice in backlog.notices():
-            self._keep(identity, episode, notice)
+            self._episodes.keep(identity, episode, notice)
         # Its requests end here; their terminals become notices of the new episode.
         self._dropped(identity, episode)
         limits = {"unread_limit": self.limit, "unread_bytes_limit": self.byte_limit}
@@ -365,79 +298,11 @@ class ClientTable:
         )
         return episode
 
-    def _notice(self, msg: wire.DaemonMessage) -> wire.DaemonMessage | None:
-        """What a dropped client must still learn of `msg` (None: nothing)."""
-        match msg:
-            case wire.Load():
-                # Stale by the time the client reads; it gets fresh figures on recovery.
-                return None
-            case wire.Output():
-                # Its requests were ended by the drop; only entries that were already final
-                # (their owners forgotten before the send) would otherwise be lost.
-                final = [entry for entry in msg.outputs if entry.finished]
-                return wire.Output(dp_rank=msg.dp_rank, outputs=final) if final else None
-            case wire.Welcome() | wire.StatsReply():
-                # Answers to questions that changed nothing, and large: it asks again.
-                return wire.ErrorReply(id=msg.id, code="overloaded", message=self._unanswered_text)
-        return msg
-
-    def _keep(self, identity: bytes, episode: Episode, msg: wire.DaemonMessage) -> None:
-        notice = self._notice(msg)
-        if notice is None:
-            return
-        size = _notice_size(notice)
-        if self._make_room(identity, episode, size):
-            episode.kept.append(notice)
-            self._notices += size
-
-    def _make_room(self, identity: bytes, episode: Episode, size: int) -> bool:
-        while self._notices + size > MAX_NOTICES:
-            if not self._forget_oldest(but=identity):
-                episode.lost += size
-                return False
-        return True
-
-    def _forget_oldest(self, but: bytes | None = None) -> bool:
-        for identity in self._episodes:
-            if identity != but:
-                self._forget(identity, "too many dropped clients")
-                return True
-        return False
-
-    def _forget(self, identity: bytes, why: str) -> None:
-        pending = _pending(self._episodes.pop(identity))
-        self._notices -= pending
-        log.info("dropped client forgotten", identity=identity.hex(), notices=pending, why=why)
-        self.settle(identity)
-
     def _flush(self, identity: bytes) -> bool:
         """Deliver the episode's notices in order; True once all are out (it has ended)."""
-        episode = self._episodes[identity]
-        while episode.kept:
-            if not self._deliver(identity, episode, episode.kept[0]):
-                return False
-            self._notices -= _notice_size(episode.kept.popleft())
-        while episode.terminals:
-            rank = episode.terminals[0][0]
-            count = 0
-            for other, _ in episode.terminals[:TERMINALS_PER_MESSAGE]:
-                if other != rank:
-                    break
-                count += 1
-            chunk = [request_id for _, request_id in episode.terminals[:count]]
-            if not self._deliver(identity, episode, _terminals(rank, chunk)):
-                return False
-            del episode.terminals[:count]
-            self._notices -= count
-        if episode.ignored > episode.summarised:
-            # The messages past MAX_UNANSWERED have no reply of their own; one line, no id,
-            # says how many there were.
-            text = f"{episode.ignored} more messages were not processed: {self._unanswered_text}"
-            summary = wire.ErrorReply(code="overloaded", message=text)
-            if not self._deliver(identity, episode, summary):
-                return False
-            episode.summarised = episode.ignored
-        del self._episodes[identity]
+        episode = self._episodes.flush(identity, lambda msg: self._sent(identity, msg))
+        if episode is None:
+            return False
         log.info(
             "client back",
             identity=identity.hex(),
@@ -452,13 +317,8 @@ class ClientTable:
         self.settle(identity)
         return True
 
-    def _deliver(self, identity: bytes, episode: Episode, msg: wire.DaemonMessage) -> bool:
-        reason = self._try_send(identity, self._encode(msg))
-        if reason is None:
-            episode.delivered += _notice_size(msg)
-            episode.heard = time.monotonic()
-            return True
-        return False
+    def _sent(self, identity: bytes, msg: wire.DaemonMessage) -> bool:
+        return self._try_send(identity, self._encode(msg)) is None
 
     async def retry_dropped(self) -> None:
         """Send backlogs, and deliver dropped clients' notices (with backoff), once the
@@ -495,7 +355,7 @@ class ClientTable:
                     episode.backoff = 0.0
                     episode.retry_at = now
                 elif now - episode.heard >= DROPPED_FORGET_S:
-                    self._forget(identity, f"silent for {DROPPED_FORGET_S:g} s")
+                    self._episodes.forget(identity, f"silent for {DROPPED_FORGET_S:g} s")
                 else:
                     episode.stalls += 1
                     episode.backoff = min(
@@ -505,19 +365,3 @@ class ClientTable:
             delay = MOVING_RETRY_S if moved else DROPPED_RETRY_S
             if not self._episodes and not self._backlogs:
                 self._retry_wanted.clear()
-
-
-def _pending(episode: Episode) -> int:
-    return sum(_notice_size(msg) for msg in episode.kept) + len(episode.terminals)
-
-
-def _terminals(rank: int, request_ids: list[str]) -> wire.Output:
-    return wire.Output(
-        dp_rank=rank,
-        outputs=[
-            wire.OutputEntry(
-                request_id=request_id, token_ids=[], finished=True, finish_reason="cancelled"
-            )
-            for request_id in request_ids
-        ],
-    )

@@ -24,9 +24,10 @@ import zmq.asyncio
 
 from engined.config.schema import CONTROL_INFLIGHT_BYTES, CONTROL_UNREAD_BYTES
 from engined.core import types as core
-from engined.server.clients import ClientTable, Episode
+from engined.server.clients import ClientTable
 from engined.server.control_reader import SHUTTING_DOWN, ControlReader
 from engined.server.deadlines import Deadlines
+from engined.server.episodes import Episode
 from engined.server.gatekeeper import ROLE_PROPERTY, Role
 from engined.server.load import LoadWatch
 from engined.server.ownership import Ownership

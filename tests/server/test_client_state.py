@@ -32,7 +32,7 @@ import structlog.testing
 import zmq
 
 from engined.client import EngineClient
-from engined.server import clients
+from engined.server import clients, episodes
 from engined.wire.control import DaemonMessage, Output, Pong, ReplyDecoder
 from tests.server.inprocess import Served, serve
 from tests.support import run, until
@@ -74,7 +74,7 @@ def test_short_lived_clients_leave_nothing_behind(tmp_path: Path) -> None:
 def test_vanished_clients_are_remembered_up_to_a_bound(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(clients, "MAX_DROPPED_CLIENTS", 16)
+    monkeypatch.setattr(episodes, "MAX_DROPPED_CLIENTS", 16)
 
     async def scenario() -> None:
         async with serve(tmp_path, num_gpu_blocks=65536) as served:
@@ -96,7 +96,7 @@ def test_vanished_clients_are_remembered_up_to_a_bound(
 def test_notices_beyond_the_budget_evict_the_oldest_dropped_clients(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(clients, "MAX_NOTICES", 10)
+    monkeypatch.setattr(episodes, "MAX_NOTICES", 10)
 
     async def scenario() -> None:
         async with serve(tmp_path, num_gpu_blocks=65536) as served:

@@ -40,7 +40,7 @@ import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient
-from engined.server import clients
+from engined.server import clients, episodes
 from engined.wire.control import (
     DaemonMessage,
     DirectReply,
@@ -193,7 +193,7 @@ def test_every_message_of_a_dropped_client_gets_one_reply(
 def test_messages_past_the_cap_are_counted_in_one_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(clients, "MAX_UNANSWERED", 2)
+    monkeypatch.setattr(episodes, "MAX_UNANSWERED", 2)
 
     async def scenario() -> None:
         async with serve(tmp_path, sndhwm=SNDHWM, speedup_ratio=SPEEDUP) as served:
