@@ -1,8 +1,6 @@
-"""Start-up, serving and shutdown of the daemon: one asyncio loop, one EngineLoop per rank.
-
-With `rank_processes` N >= 1 the ranks run in N worker processes instead
-(`engined.server.rank_worker`), seen here through `RankProxy`s; the control ROUTER, the
-protocol and this lifecycle are the same, and a worker that dies ends the daemon non-zero.
+"""Start-up, serving and shutdown of the daemon: one asyncio loop, its ranks placed by a
+layout (`engined.server.rank_layouts`: in this loop, or in worker processes, where a worker
+that dies ends the daemon non-zero); the control ROUTER and this lifecycle are the same.
 
 `Daemon.serve()` reads as the lifecycle: start up (bind every socket, or fail with
 STARTUP_FAILURE), serve until a signal or a fatal error, shut down. Shutdown stops taking new
@@ -29,54 +27,44 @@ import structlog
 import zmq
 import zmq.asyncio
 
-import engined
 from engined.config import DaemonConfig
-from engined.core import running as running_core
 from engined.logs import configure_logging
-from engined.server.access import AccessError, gate_policy, operator_endpoint
-from engined.server.budgets import control_max_message_bytes
+from engined.server.access import AccessError, gate_policy
 from engined.server.collector import Collector, YoungGeneration
 from engined.server.control import ControlServer
-from engined.server.gatekeeper import Domain, Gatekeeper
+from engined.server.control_socket import CONTROL_HWM, bind_control
+from engined.server.gatekeeper import Gatekeeper
 from engined.server.heap import trim_when_idle
 from engined.server.rank_handle import RankHandle
-from engined.server.rank_layouts import RankLayout, rank_layout
+from engined.server.rank_layouts import RankLayout, auto_rank_processes, rank_layout
 from engined.server.rank_process import RankWorkerDied, WorkerProcess, available_cores
 from engined.server.ranks import start_collection
 from engined.server.realtime import enter_realtime
-from engined.server.reports import Refresh
 from engined.server.settings import RuntimeSettings
-from engined.server.startup_log import engine_summary, limits
-from engined.server.systemd import AnyNotifier, Notifier, NullNotifier, keepalive, watchdog_interval
+from engined.server.startup_log import log_started
+from engined.server.systemd import (
+    AnyNotifier,
+    Notifier,
+    NullNotifier,
+    StatusLine,
+    keepalive,
+    watchdog_interval,
+)
 from engined.server.welcome import welcome_message
 from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
     from engined.server.api_servers import ApiServers
-    from engined.server.exposition import Exposition, MetricsRequests
-    from engined.server.http import HealthState, HttpServer
+    from engined.server.exposition import MetricsRequests
+    from engined.server.http import HealthState
     from engined.server.metrics import VllmMetrics
+    from engined.server.observability import Observability
 
 log = structlog.get_logger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 STARTUP_FAILURE = 3
-# Messages one control client may leave unread (its ZeroMQ pipe and its backlog together),
-# and the pipe's own size: small, so that what it holds beyond the backlog's counted bytes
-# stays small too (256 of the largest `welcome`, 41 KB, are 10.5 MB).
-CONTROL_HWM = 100_000
-CONTROL_PIPE_HWM = 256
-# `rank_processes`: one worker process per available core (at most one per rank).
-AUTO_RANK_PROCESSES = -1
-
-
-def auto_rank_processes(dp_size: int, cores: int) -> int:
-    """AUTO_RANK_PROCESSES resolved: a process per core, at most one per rank; none (the
-    daemon's own loop) for a single rank or a single core, where a worker only adds a hop."""
-    if dp_size == 1 or cores == 1:
-        return 0
-    return min(dp_size, cores)
 
 
 class Daemon:
@@ -116,14 +104,13 @@ class Daemon:
         # systemd: READY/STATUS/WATCHDOG/STOPPING (engined.server.systemd); a no-op outside it.
         self._notifier = notifier or NullNotifier()
         self._watchdog_s = watchdog_s
-        self._status_tokens = 0
-        self._status_at = time.monotonic()
+        self._status = StatusLine()
         self.started = False
-        # Prometheus /metrics and /health (engined.server.http), when `http_port` is set.
+        # The metrics, /metrics and /health (engined.server.observability), when
+        # `http_port` or `api_port` is set.
+        self.observability: Observability | None = None
         self.metrics: VllmMetrics | None = None
-        self.exposition: Exposition | None = None
         self._metrics_requests: MetricsRequests | None = None
-        self.http: HttpServer | None = None
         # The OpenAI API server processes (engined.server.api_servers), unless api_port is "".
         self.api: ApiServers | None = None
         self._collection: Collector | YoungGeneration | None = None
@@ -156,24 +143,7 @@ class Daemon:
         self._ctx = ctx = zmq.asyncio.Context()
         self.gate = gate = Gatekeeper(ctx, gate_policy(cfg))
         self._registry = registry = SocketRegistry()
-        max_message_bytes = control_max_message_bytes(engine)
-        # NOTE: every bind goes through the registry, which refuses an ipc:// path a live
-        # socket owns (libzmq would silently take it over) and claims it (sockets.IpcClaim).
-        control_sock = registry.make(
-            ctx,
-            zmq.ROUTER,
-            cfg.control_endpoint,
-            bind=True,
-            sndhwm=CONTROL_PIPE_HWM,
-            rcvhwm=CONTROL_HWM,
-            linger=1000,
-            maxmsgsize=max_message_bytes,
-            router_mandatory=True,
-            **gate.options(Domain.CONTROL),
-        )
-        operator = operator_endpoint(cfg)
-        if operator.bind is not None:
-            registry.bind_also(control_sock, operator.bind)
+        control_sock, operator, max_message_bytes = bind_control(ctx, registry, gate, cfg)
         ranks = self.ranks
         settings = RuntimeSettings(
             vocab_size=engine.vocab_size,
@@ -181,7 +151,6 @@ class Daemon:
             fpm_worker_id=self.worker_id,
             fpm=ranks.fpm_sinks,
         )
-        metrics = self.metrics
         control = ControlServer(
             control_sock,
             welcome=partial(welcome_message, cfg, ranks.endpoints, settings, operator.advertised),
@@ -193,14 +162,11 @@ class Daemon:
             unread_messages=CONTROL_HWM,
             unread_bytes=cfg.control_unread_bytes,
             metrics=self._metrics_requests,
-            lifecycle_observer=None if metrics is None else metrics.on_lifecycle,
+            lifecycle_observer=None if self.metrics is None else self.metrics.on_lifecycle,
         )
         await ranks.start(ctx, registry, gate, control)
-        if metrics is not None:
-            for loop in ranks.handles:
-                metrics.attach(loop)
-            metrics.watch_publishers(ranks.watched_publishers)
-            metrics.watch_queue_refusals(lambda: control.queue_refusals)
+        if self.observability is not None:
+            self.observability.watch(ranks.handles, ranks.watched_publishers, control)
         control.attach(ranks.handles)
         self.control = control
         self._tasks.append(asyncio.create_task(control.serve(), name="control"))
@@ -219,19 +185,11 @@ class Daemon:
             self._tasks.append(asyncio.create_task(self.api.watch(), name="api-servers"))
         self.started = True
         self._collection = start_collection(cfg, ranks.pacing)
-        log.info(
-            "engined started",
-            version=engined.__version__,
-            core=str(running_core()),
-            pid=os.getpid(),
+        log_started(
+            cfg,
             worker_id=self.worker_id,
-            control_endpoint=cfg.control_endpoint,
-            kv_events_endpoints=ranks.endpoints.kv_events,
-            kv_replay_endpoints=ranks.endpoints.kv_replay,
-            fpm_endpoints=ranks.endpoints.fpm,
-            engine=engine_summary(cfg),
-            limits=limits(cfg, ranks.limits.hwms, ranks.limits.batch_bytes, max_message_bytes),
-            rank_processes=[worker.pid for worker in self.workers],
+            ranks=ranks,
+            max_message_bytes=max_message_bytes,
             api_port=None if self.api is None else self.api.port,
         )
         self._notifier.ready(status=self._status_line())
@@ -247,35 +205,18 @@ class Daemon:
             self._on_ready(self)
 
     async def _start_http(self) -> None:
-        """The metrics, and /metrics and /health when `http_port` is set."""
+        """The metrics, and /metrics and /health when `http_port` is set (bound first, so
+        that /health answers 503 while the rest starts)."""
         cfg = self.config
-        if cfg.http_port is not None or cfg.api_port is not None:
-            # Imported here: prometheus_client adds ~20 ms to start-up, which a daemon without
-            # metrics (no /metrics, no API server) should not pay.
-            from engined.server.build_info import BuildInfo
-            from engined.server.exposition import Exposition, MetricsRequests
-            from engined.server.metrics import VllmMetrics
+        if cfg.http_port is None and cfg.api_port is None:
+            return
+        from engined.server.observability import Observability
 
-            self.metrics = VllmMetrics.from_config(cfg)
-            info = BuildInfo(cfg.model_name, engined.__version__, running_core())
-            self.metrics.register(info)
-            # One exposition for /metrics and the control protocol's `metrics` command.
-            self.exposition = Exposition(
-                self.metrics.registry, Refresh(self.ranks.handles), rendered=self.metrics
-            )
-            self._metrics_requests = MetricsRequests(self.exposition)
+        self.observability = observed = Observability(cfg, self.ranks.handles)
+        self.metrics = observed.metrics
+        self._metrics_requests = observed.requests
         if cfg.http_port is not None:
-            from engined.server.http import HttpServer
-
-            assert self.exposition is not None
-            # Bound first, so that /health answers 503 while the rest starts.
-            self.http = HttpServer(
-                self.exposition,
-                health=self.health,
-                api_keys=cfg.api_key or (),
-                guard_metrics=cfg.api_key_metrics,
-            )
-            await self.http.start(cfg.http_host, cfg.http_port)
+            await observed.serve_http(cfg, self.health)
 
     @property
     def loops(self) -> list[RankHandle]:
@@ -408,8 +349,8 @@ class Daemon:
         self._tasks.clear()
         if self.api is not None:
             await self.api.close()
-        if self.http is not None:
-            await self.http.close()
+        if self.observability is not None:
+            await self.observability.close()
         await self.ranks.close()
         if self._registry is not None:
             self._registry.close()
@@ -424,18 +365,8 @@ class Daemon:
             self._collection.close()
 
     def _status_line(self) -> str:
-        """systemd's STATUS=, one line: load, and output tokens/s since the previous line."""
-        now = time.monotonic()
-        gauges = [loop.gauges() for loop in self.loops]
-        tokens = sum(g.tokens_total for g in gauges)
-        rate = (tokens - self._status_tokens) / max(now - self._status_at, 1e-6)
-        self._status_tokens, self._status_at = tokens, now
-        metrics = [g.metrics for g in gauges]
-        line = (
-            f"{len(self.loops)} ranks, {sum(m.running for m in metrics)} running, "
-            f"{sum(m.waiting for m in metrics)} waiting, {rate:.0f} tokens/s"
-        )
-        return f"stopping: {line}" if self.control and self.control.shutting_down else line
+        stopping = self.control is not None and self.control.shutting_down
+        return self._status([loop.gauges() for loop in self.loops], stopping=stopping)
 
 
 async def _serve(config: DaemonConfig) -> int:

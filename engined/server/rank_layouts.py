@@ -228,6 +228,17 @@ class WorkerRanks:
 
 RankLayout = InProcessRanks | WorkerRanks
 
+# `rank_processes`: one worker process per available core (at most one per rank).
+AUTO_RANK_PROCESSES = -1
+
+
+def auto_rank_processes(dp_size: int, cores: int) -> int:
+    """AUTO_RANK_PROCESSES resolved: a process per core, at most one per rank; none (the
+    daemon's own loop) for a single rank or a single core, where a worker only adds a hop."""
+    if dp_size == 1 or cores == 1:
+        return 0
+    return min(dp_size, cores)
+
 
 def rank_layout(
     config: DaemonConfig, processes: int, *, worker_id: str, watchdog_s: float | None

@@ -6,7 +6,41 @@ running daemon has (README "Limits and guarantees" lists the same bounds).
 
 from __future__ import annotations
 
+import os
+
+import structlog
+
+import engined
 from engined.config import DaemonConfig
+from engined.core import running as running_core
+from engined.server.rank_layouts import RankLayout
+
+log = structlog.get_logger("engined.server.daemon")
+
+
+def log_started(
+    cfg: DaemonConfig,
+    *,
+    worker_id: str,
+    ranks: RankLayout,
+    max_message_bytes: int,
+    api_port: int | None,
+) -> None:
+    log.info(
+        "engined started",
+        version=engined.__version__,
+        core=str(running_core()),
+        pid=os.getpid(),
+        worker_id=worker_id,
+        control_endpoint=cfg.control_endpoint,
+        kv_events_endpoints=ranks.endpoints.kv_events,
+        kv_replay_endpoints=ranks.endpoints.kv_replay,
+        fpm_endpoints=ranks.endpoints.fpm,
+        engine=engine_summary(cfg),
+        limits=limits(cfg, ranks.limits.hwms, ranks.limits.batch_bytes, max_message_bytes),
+        rank_processes=[worker.pid for worker in ranks.workers],
+        api_port=api_port,
+    )
 
 
 def limits(

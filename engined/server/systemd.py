@@ -24,9 +24,11 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import structlog
+
+from engined.server.rank_gauges import RankGauges
 
 log = structlog.get_logger(__name__)
 
@@ -199,3 +201,23 @@ async def keepalive(
             notifier.status(status())
             next_status = now + status_s
         await asyncio.sleep(max(min(next_ping, next_status) - clock(), 0.0))
+
+
+class StatusLine:
+    """systemd's STATUS=, one line: the ranks' load, and output tokens/s since the last line."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._tokens = 0
+        self._at = clock()
+
+    def __call__(self, ranks: Sequence[RankGauges], *, stopping: bool) -> str:
+        now = self._clock()
+        tokens = sum(g.tokens_total for g in ranks)
+        rate = (tokens - self._tokens) / max(now - self._at, 1e-6)
+        self._tokens, self._at = tokens, now
+        line = (
+            f"{len(ranks)} ranks, {sum(g.metrics.running for g in ranks)} running, "
+            f"{sum(g.metrics.waiting for g in ranks)} waiting, {rate:.0f} tokens/s"
+        )
+        return f"stopping: {line}" if stopping else line

@@ -34,7 +34,7 @@ from engined.core.pass_report import PassReport
 from engined.core.types import Decodes, LifecycleEvent, Request, RequestOutput, Submit
 from engined.server.control import ControlServer
 from engined.server.control_reader import CONTROL_TURN_MESSAGES
-from engined.server.daemon import CONTROL_HWM
+from engined.server.control_socket import CONTROL_HWM
 from engined.server.deadlines import Deadlines
 from engined.server.systemd import NullNotifier, keepalive
 from engined.wire import control as wire
