@@ -526,7 +526,7 @@ def generate_load(
 
 
 def lateness_summary(values: list[float]) -> tuple[float, float, float]:
-    """p50, p99, max, with the daemon's own rank rule (engined.server.lateness.LatenessWindow.summary)."""
+    """p50, p99, max, with the daemon's own rank rule (`LatenessWindow.summary`)."""
     if not values:
         return (0.0, 0.0, 0.0)
     ordered = sorted(values)
