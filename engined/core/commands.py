@@ -115,14 +115,9 @@ class Commands:
         command causes (a reservation's eviction) starts at `now_ms`.
         """
         glue = self._kv.offload
-        if glue is None:
-            return self._apply(command)
-        previous = glue.eviction_now_ms
-        glue.eviction_now_ms = now_ms
-        try:
-            return self._apply(command)
-        finally:
-            glue.eviction_now_ms = previous
+        if glue is not None:
+            glue.now_ms = now_ms
+        return self._apply(command)
 
     def _apply(self, command: Command) -> CommandOutcome:
         ended: list[EndedRequest] = []

@@ -45,7 +45,7 @@ from engined.core.types import BlockStored, OffloadWait
 class G1Glue:
     """An attached tier engine plus the G1 bookkeeping it needs."""
 
-    __slots__ = ("engine", "eviction_now_ms", "log", "meta", "now_ms", "pool", "wait")
+    __slots__ = ("engine", "log", "meta", "now_ms", "pool", "wait")
 
     def __init__(self, engine: TierEngine, pool: BlockPool, log: KvEventLog) -> None:
         self.engine = engine
@@ -53,10 +53,11 @@ class G1Glue:
         self.log = log
         # Router metadata of published G1 blocks, by lineage key (publishing on only).
         self.meta: dict[int, BlockMeta] = {}
-        # Worker time: the last tick's. Offloads start then unless a command set
-        # `eviction_now_ms` (its own application time) for the duration of the command.
+        # Worker time: that of the pass, tier advance or command being applied, so the
+        # offloads its allocations cause start then. A pass or tier advance sets it by
+        # ticking the tiers first; a command sets it without ticking (landing transfers is
+        # for passes and tier advances), and no allocation runs before one of them has.
         self.now_ms = 0.0
-        self.eviction_now_ms: float | None = None
         # The offload wait of the last failed allocation; the caller takes it.
         self.wait: OffloadWait | None = None
 
@@ -144,8 +145,7 @@ class G1Glue:
         for slot in slots:
             if slot not in sources:
                 pool.release_mutable(slot)
-        now_ms = self.eviction_now_ms if self.eviction_now_ms is not None else self.now_ms
-        outcome = self.engine.enqueue_g1_evictions(offered, now_ms)
+        outcome = self.engine.enqueue_g1_evictions(offered, self.now_ms)
         if isinstance(outcome, OffloadWait):
             self.wait = outcome
             return None
