@@ -173,6 +173,37 @@ def add_worker(
     return worker
 
 
+# What a prefill daemon's handoff costs in the P/D tests: a transfer long enough to be seen.
+HANDOFF_ARGS: Final = ("--kv-bytes-per-token", "131072", "--kv-transfer-bandwidth", "25")
+
+
+def add_pd_group(
+    cluster: DynamoCluster, namespace: str, daemon_args: Sequence[str]
+) -> EnginedGroup:
+    """A prefill and a decode daemon, each with its worker, serving `tiny-{namespace}`
+    (listed by every running frontend of the namespace)."""
+    model = f"tiny-{namespace}"
+    prefill = cluster.engined_daemon(
+        *daemon_args, "--worker-type", "prefill", *HANDOFF_ARGS, name=f"{namespace}-engined-prefill"
+    )
+    decode = cluster.engined_daemon(
+        *daemon_args, "--worker-type", "decode", name=f"{namespace}-engined-decode"
+    )
+    # The decode worker's model is listed only once a prefill worker is there.
+    workers = [
+        add_worker(
+            cluster,
+            daemon,
+            name=f"{namespace}-worker-{mode}",
+            model=model,
+            namespace=namespace,
+            disaggregation_mode=mode,
+        )
+        for daemon, mode in ((prefill, "prefill"), (decode, "decode"))
+    ]
+    return EnginedGroup(model, namespace, [prefill, decode], workers)
+
+
 def wait_routable(
     frontend: Frontend,
     worker_ids: Sequence[int],
