@@ -397,6 +397,8 @@ class Connection:
                 # A DEALER reply is [body]; tolerate the REQ-style [b"", body] envelope too.
                 if len(frames) == 2 and len(frames[0]) == 0:
                     frames = frames[1:]
+                if not self._liveness.up:
+                    self._liveness.heard()
                 if len(frames) != 1:
                     log.warning("daemon message with unexpected frames", frames=len(frames))
                     continue

@@ -97,7 +97,7 @@ class Liveness:
         self._greet = greet
         self.instance_id: str | None = None
         self.lost: DaemonLost | None = None
-        self._up = False
+        self.up = False
         self._greeter: asyncio.Task[None] | None = None
         self._events: asyncio.Queue[ConnectionEvent] = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(
@@ -114,6 +114,12 @@ class Liveness:
                     await task
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
+
+    def heard(self) -> None:
+        """The daemon spoke: the connection is up even if its HANDSHAKE_SUCCEEDED came
+        before the monitor was attached (libzmq connects in the background at once)."""
+        if self.lost is None:
+            self.up = True
 
     def saw_welcome(self, welcome: Welcome) -> None:
         """Remember the daemon's start from any `welcome` this client reads."""
@@ -141,9 +147,9 @@ class Liveness:
         if self._greeter is not None:
             self._greeter.cancel()
             self._greeter = None
-        if not self._up:
+        if not self.up:
             return  # a connection that never completed its handshake, or one already lost
-        self._up = False
+        self.up = False
         self.lost = DaemonLost("the engined daemon went away (connection dropped or silent)")
         log.warning("engined daemon lost", instance_id=self.instance_id)
         self._lost_callback(self.lost)
@@ -151,7 +157,7 @@ class Liveness:
 
     def _handshaken(self) -> None:
         if self.lost is None:
-            self._up = True  # the first connection: the caller's own `hello` comes
+            self.up = True  # the first connection: the caller's own `hello` comes
             return
         if self._greeter is None:
             self._greeter = asyncio.get_running_loop().create_task(
@@ -175,7 +181,7 @@ class Liveness:
             break
         restarted = known is None or welcome.instance_id is None or welcome.instance_id != known
         self.saw_welcome(welcome)
-        self._up = True
+        self.up = True
         self.lost = None
         self._greeter = None
         log.info("engined daemon back", instance_id=welcome.instance_id, restarted=restarted)

@@ -27,7 +27,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 import structlog
 
-from engined.client import ClientClosedError, EngineClient, EngineError
+from engined.client import ClientClosedError, DaemonLost, EngineClient, EngineError
 from engined.client.handoff import (
     CALL_TIMEOUT_S,
     Coordinator,
@@ -168,6 +168,8 @@ class RequestHandler:
                 yield chunk
         except RequestFailed as exc:
             raise _http_error(exc) from None
+        except DaemonLost:
+            raise daemon_gone() from None
         except ClientClosedError:
             raise _http_error(RequestFailed(503, "the engined daemon went away")) from None
         finally:
@@ -437,4 +439,17 @@ def _http_error(exc: RequestFailed) -> Exception:
         if 400 <= exc.status < 500
         else HttpError(exc.status, exc.message)
     )
+    return error
+
+
+def daemon_gone() -> Exception:
+    """How a stream ends, or a request is refused, when the daemon is gone: Dynamo's
+    `EngineShutdown`, which its frontend migrates to another worker (`--migration-limit`,
+    Dynamo 1.6.1's `is_migratable` in lib/llm/src/migration.rs) and for which it stops
+    routing to this instance for a while; without migration the client gets an error."""
+    try:
+        from dynamo.llm.exceptions import EngineShutdown
+    except ImportError:  # pragma: no cover - the worker always runs with Dynamo
+        return RequestFailed(503, "the engined daemon went away")
+    error: Exception = EngineShutdown("the engined daemon went away")
     return error

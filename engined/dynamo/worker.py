@@ -14,14 +14,14 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import structlog
 
-from engined.client import ClientClosedError, EngineClient, EngineError
+from engined.client import EngineClient, EngineError
 from engined.dynamo.args import DisaggregationMode, WorkerArgs, parse_args
-from engined.dynamo.handler import Limits, RequestHandler
+from engined.dynamo.handler import Chunk, Context, Limits, RequestHandler, daemon_gone
 from engined.dynamo.model import (
     SetupError,
     check_role,
@@ -29,16 +29,14 @@ from engined.dynamo.model import (
     read_model,
     reconcile_vocabulary,
 )
+from engined.dynamo.recovery import DaemonFollower
 from engined.logs import configure_logging
+from engined.model_dir import ModelInfo
 from engined.wire.control import Load, Welcome
 
 log = structlog.get_logger(__name__)
 
 READY_LINE: Final = "engined dynamo-worker ready"
-# Liveness of the daemon: a DEALER never notices a dead peer by itself, so the worker pings.
-# Load and tokens are pushed by the daemon; only this question needs asking.
-PING_INTERVAL_S: Final = 2.0
-PING_TIMEOUT_S: Final = 5.0
 INSTALL_HINT: Final = (
     "engined dynamo-worker needs NVIDIA Dynamo's runtime: pip install 'engined[dynamo]' "
     "(ai-dynamo-runtime 1.6.1), or `python -m dynamo.frontend` users: pip install "
@@ -125,6 +123,14 @@ async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]
             f"the daemon at {args.control_endpoint} (engined {welcome.version}) is too old "
             "for dynamo-worker: upgrade it"
         )
+    await _set_vocabulary(client, args, model, welcome)
+    return welcome, context_length(model, welcome.max_model_len)
+
+
+async def _set_vocabulary(
+    client: EngineClient, args: WorkerArgs, model: ModelInfo, welcome: Welcome
+) -> None:
+    """The model's vocabulary on the daemon, at start-up and on every restart of it."""
     vocabulary = reconcile_vocabulary(model, welcome)
     if vocabulary.apply:
         await as_operator(
@@ -139,7 +145,20 @@ async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]
             vocab_size=vocabulary.vocab_size,
             excluded_token_ids=list(vocabulary.excluded_token_ids),
         )
-    return welcome, context_length(model, welcome.max_model_len)
+
+
+async def _set_fpm_worker_id(
+    client: EngineClient, args: WorkerArgs, welcome: Welcome, endpoint: Any
+) -> None:
+    """The planner joins FPM with this worker by the id dynamo.vllm stamps: the endpoint's."""
+    worker_id = str(endpoint.connection_id())
+    await as_operator(
+        client,
+        welcome,
+        args.control_endpoint,
+        "the FPM worker id",
+        lambda c: c.set_fpm_worker_id(worker_id),
+    )
 
 
 def _runtime_config(welcome: Welcome, context: int) -> Any:
@@ -202,27 +221,12 @@ def _publishers(endpoint: Any, welcome: Welcome) -> list[Any]:
     return made
 
 
-async def _watch_daemon(client: EngineClient, endpoint: str, gone: asyncio.Event) -> None:
-    misses = 0
-    while True:
-        await asyncio.sleep(PING_INTERVAL_S)
-        try:
-            await client.ping(timeout=PING_TIMEOUT_S)
-            misses = 0
-        except (TimeoutError, ClientClosedError):
-            misses += 1
-            if misses >= 2:
-                log.error("the engined daemon stopped answering; shutting down", endpoint=endpoint)
-                gone.set()
-                return
-
-
 async def serve(args: WorkerArgs) -> int:
     from dynamo.llm import ModelInput, ModelType, WorkerMetricsPublisher, WorkerType, register_model
     from dynamo.runtime import DistributedRuntime
 
     try:
-        client = await EngineClient.connect(args.control_endpoint)
+        client = await EngineClient.connect(args.control_endpoint, liveness_s=args.daemon_liveness)
     except ValueError as error:  # the CURVE key files the environment names
         raise SetupError(str(error)) from None
     publishers: list[Any] = []
@@ -235,14 +239,7 @@ async def serve(args: WorkerArgs) -> int:
         )
         endpoint = runtime.endpoint(args.endpoint_path)
         worker_id = endpoint.connection_id()
-        # The planner joins FPM with this worker by the id dynamo.vllm stamps: the endpoint's.
-        await as_operator(
-            client,
-            welcome,
-            args.control_endpoint,
-            "the FPM worker id",
-            lambda c: c.set_fpm_worker_id(str(worker_id)),
-        )
+        await _set_fpm_worker_id(client, args, welcome, endpoint)
         name = args.served_model_name or welcome.model_name
         handler = RequestHandler(
             client,
@@ -283,11 +280,36 @@ async def serve(args: WorkerArgs) -> int:
             )
         except (ValueError, RuntimeError, OSError) as exc:
             raise SetupError(f"Dynamo refused to register the model: {exc}") from None
-        gone = asyncio.Event()
+        ended: list[str] = []
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runtime.shutdown)
-        watcher = asyncio.ensure_future(_watch_daemon(client, args.control_endpoint, gone))
-        shutdown_on_loss = asyncio.ensure_future(_shutdown_when(gone, runtime, client))
+
+        async def setup(returned: Welcome) -> None:
+            await _set_vocabulary(client, args, read_model(args.model_path), returned)
+            await _set_fpm_worker_id(client, args, returned, endpoint)
+
+        def republish(returned: Welcome) -> None:
+            for publisher in publishers:
+                with contextlib.suppress(Exception):
+                    publisher.shutdown()
+            publishers[:] = _publishers(endpoint, returned)
+
+        def end(reason: str) -> None:
+            log.error(reason)
+            ended.append(reason)
+            runtime.shutdown()
+
+        follower = DaemonFollower(
+            client,
+            endpoint,
+            welcome,
+            setup=setup,
+            republish=republish,
+            watch_load=lambda: client.watch_load(on_load),
+            end=end,
+        )
+        following = asyncio.ensure_future(follower.run())
+        generate = _gated(handler, follower)
         log.info(
             READY_LINE,
             model=name,
@@ -300,13 +322,12 @@ async def serve(args: WorkerArgs) -> int:
         )
         try:
             await endpoint.serve_endpoint(
-                handler.generate, graceful_shutdown=True, metrics_labels=[("model", name)]
+                generate, graceful_shutdown=True, metrics_labels=[("model", name)]
             )
         finally:
-            watcher.cancel()
-            shutdown_on_loss.cancel()
+            following.cancel()
         log.info("engined dynamo-worker stopped", in_flight=handler.in_flight)
-        return 1 if gone.is_set() else 0
+        return 1 if ended else 0
     finally:
         for publisher in publishers:
             with contextlib.suppress(Exception):
@@ -316,9 +337,16 @@ async def serve(args: WorkerArgs) -> int:
         await client.close()
 
 
-async def _shutdown_when(gone: asyncio.Event, runtime: Any, client: EngineClient) -> None:
-    await gone.wait()
-    # Closing the client ends every stream with ClientClosedError (HTTP 503), so the drain
-    # does not wait for a daemon that is not there.
-    await client.close()
-    runtime.shutdown()
+def _gated(
+    handler: RequestHandler, follower: DaemonFollower
+) -> Callable[[dict[str, Any], Context], AsyncIterator[Chunk]]:
+    """`handler.generate`, refused with `EngineShutdown` (migratable) while the daemon is
+    gone or not set up again: a request must never reach a daemon without its vocabulary."""
+
+    async def generate(request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+        if not follower.serving:
+            raise daemon_gone()
+        async for chunk in handler.generate(request, context):
+            yield chunk
+
+    return generate

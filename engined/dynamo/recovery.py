@@ -1,0 +1,141 @@
+"""What the Dynamo worker does while its daemon is gone, and when it comes back.
+
+The worker stays up across a daemon restart rather than exiting: its Dynamo registration
+(model card, endpoint instance, metrics endpoint) stays valid, so the daemon's return costs
+one `hello` and the set-up commands instead of a new worker process and a new discovery
+round; a supervisor that restarts the pair anyway (systemd's `BindsTo=`) loses nothing. A
+daemon that comes back with another shape (block size, KV pool, ranks, role, limits) no
+longer matches the registered model card: then the worker ends, exit 1, for its supervisor
+to start one that registers the new shape.
+
+While the daemon is gone the worker takes itself out of discovery (the frontend routes to
+the other workers, and its KV router drops this worker's blocks) and fails a request that
+reaches it anyway with `EngineShutdown`, as its in-flight streams ended: Dynamo's frontend
+migrates those (`--migration-limit`). A restarted daemon has an empty cache, no vocabulary
+and a reset FPM worker id: the worker sets them again and makes new KV publishers (a fresh
+worker-local indexer) before it registers again; a dropped connection to the same daemon
+start only needs its `watch_load` again. No request reaches a daemon in between, so none
+gets empty text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from engined.client import ConnectionBack, ConnectionLost, EngineClient
+from engined.dynamo.model import SetupError
+from engined.wire.control import Welcome
+
+log = structlog.get_logger(__name__)
+
+# The `welcome` fields the registered model card and runtime config were built from.
+SHAPE_FIELDS = (
+    "worker_type",
+    "block_size",
+    "num_gpu_blocks",
+    "dp_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+)
+
+
+def shape_change(registered: Welcome, returned: Welcome) -> str | None:
+    """What differs between the daemon start the worker registered and the returned one."""
+    changed = [
+        f"{name} {getattr(registered, name)!r} -> {getattr(returned, name)!r}"
+        for name in SHAPE_FIELDS
+        if getattr(registered, name) != getattr(returned, name)
+    ]
+    if bool(registered.kv_events_endpoints) != bool(returned.kv_events_endpoints):
+        changed.append("KV events turned on or off")
+    return ", ".join(changed) or None
+
+
+class DaemonFollower:
+    """Follows the client's connection events; `serving` is False while the daemon is gone
+    or being set up again.
+
+    Collaborators: `endpoint` (Dynamo's, to leave and rejoin discovery), `setup(welcome)`
+    sends the daemon-wide set-up (vocabulary, FPM worker id), `republish(welcome)` replaces
+    the KV and FPM relays, `watch_load()` subscribes to load again, `end(reason)` stops the
+    worker for good.
+    """
+
+    def __init__(
+        self,
+        client: EngineClient,
+        endpoint: Any,
+        welcome: Welcome,
+        *,
+        setup: Callable[[Welcome], Awaitable[None]],
+        republish: Callable[[Welcome], None],
+        watch_load: Callable[[], Awaitable[object]],
+        end: Callable[[str], None],
+    ) -> None:
+        self._client = client
+        self._endpoint = endpoint
+        self._registered = welcome
+        self._setup = setup
+        self._republish = republish
+        self._watch_load = watch_load
+        self._end = end
+        self.serving = True
+
+    async def run(self) -> None:
+        while True:
+            event = await self._client.next_connection_event()
+            if isinstance(event, ConnectionLost):
+                await self._lost()
+            elif isinstance(event, ConnectionBack) and not self._client.daemon_lost:
+                await self._back(event)
+
+    async def _lost(self) -> None:
+        if not self.serving:
+            return
+        self.serving = False
+        log.error(
+            "the engined daemon is gone: in-flight requests end with EngineShutdown (the "
+            "frontend migrates them with --migration-limit); unregistered until it returns",
+            instance_id=self._registered.instance_id,
+        )
+        await _quietly(self._endpoint.unregister_endpoint_instance(), "unregister")
+
+    async def _back(self, event: ConnectionBack) -> None:
+        welcome = event.welcome
+        change = shape_change(self._registered, welcome)
+        if change is not None:
+            self._end(
+                f"the engined daemon came back with another shape ({change}): restart the "
+                "worker to register it"
+            )
+            return
+        try:
+            if event.restarted:
+                await self._setup(welcome)
+                self._republish(welcome)
+            await self._watch_load()
+        except (SetupError, TimeoutError, ConnectionError) as exc:
+            # Still lost, or refused: the next return tries again.
+            log.error("setting up the returned engined daemon failed", error=str(exc))
+            return
+        self._registered = welcome
+        await _quietly(self._endpoint.register_endpoint_instance(), "register")
+        self.serving = True
+        log.info(
+            "the engined daemon is back; serving again",
+            instance_id=welcome.instance_id,
+            restarted=event.restarted,
+        )
+
+
+async def _quietly(call: Awaitable[object], what: str) -> None:
+    """Discovery calls: a failure is logged, and the worker goes on with what it can do."""
+    try:
+        await call
+    except (TimeoutError, RuntimeError, ValueError, OSError) as exc:
+        log.warning(f"could not {what} the endpoint instance", error=str(exc))
