@@ -1,0 +1,210 @@
+"""A daemon behind `engined dynamo-worker` dies or restarts: nothing fails, nothing is empty.
+
+A real Dynamo 1.6.1 frontend with `--migration-limit 3` in front of two aggregated engined
+pairs paced in real time (20 ms per decode pass, speedup 1). Streaming completions run
+long enough (`MAX_TOKENS` passes) to be mid-stream when one pair's DAEMON (not its worker)
+is killed with SIGKILL: its worker ends their streams with `EngineShutdown`, the frontend
+migrates them to the other pair, and every one completes with 200 and all its tokens. The
+worker stays up; once the daemon is back on the same endpoint with a new `instance_id`, the
+worker sets the vocabulary and FPM worker id on it again and serves non-empty text.
+
+Every wait is a condition polled under a deadline (the daemon's stats, the worker's log, the
+frontend's route lines), never a sleep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+import pytest
+
+from tests.interop.dynamo_cluster import (
+    TOKEN_IDS_NVEXT,
+    DynamoCluster,
+    EnginedDaemon,
+    EnginedWorker,
+    Frontend,
+    chunk_token_ids,
+    completions,
+    dynamo_cluster,
+    stream_text,
+    stream_usage,
+)
+from tests.interop.dynamo_worker_support import (
+    BLOCK_ARGS,
+    EnginedGroup,
+    add_worker,
+    poll_until,
+    rank_stats,
+    wait_routable,
+    welcome,
+)
+from tests.interop.peers import require_peers
+from tests.interop.tiny_model import words
+
+PACING: Final = ("--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass")
+DECODE_MS: Final = "20"
+MAX_TOKENS: Final = 150  # 3 s of decode passes: every stream is mid-way at the kill
+STREAMS: Final = 8
+HTTP_TIMEOUT_S: Final = 90.0
+BUSY_TIMEOUT_S: Final = 30.0
+BACK_TIMEOUT_S: Final = 60.0
+MODEL: Final = "tiny-live"
+NAMESPACE: Final = "live"
+BACK_LINE: Final = "the engined daemon is back; serving again"
+LOST_LINE: Final = "the engined daemon is gone"
+
+_starts = iter(range(0, 10_000, 13))
+
+
+@dataclass
+class Pairs:
+    cluster: DynamoCluster
+    frontend: Frontend
+    group: EnginedGroup
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pairs]:
+    python = require_peers()
+    with dynamo_cluster(python, tmp_path_factory.mktemp("dynamo-liveness")) as cluster:
+        frontend = cluster.frontend(extra_args=["--migration-limit", "3"])
+        group = EnginedGroup(MODEL, NAMESPACE, [], [])
+        for i in range(2):
+            daemon = cluster.engined_daemon(
+                *BLOCK_ARGS, *PACING, DECODE_MS, name=f"live-engined-{i}"
+            )
+            group.daemons.append(daemon)
+            group.workers.append(
+                add_worker(
+                    cluster, daemon, name=f"live-worker-{i}", model=MODEL, namespace=NAMESPACE
+                )
+            )
+        wait_routable(frontend, group.worker_ids())
+        yield Pairs(cluster, frontend, group)
+
+
+def _stream(frontend: Frontend) -> list[dict[str, Any]]:
+    return completions(
+        frontend,
+        words(12, start=next(_starts)),
+        model=MODEL,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        ignore_eos=True,
+        nvext=TOKEN_IDS_NVEXT,
+        timeout=HTTP_TIMEOUT_S,
+    )
+
+
+def _assert_complete(chunks: list[dict[str, Any]]) -> None:
+    """200 (no exception), every token streamed once, and a text of MAX_TOKENS words."""
+    usage = stream_usage(chunks)
+    assert usage is not None and usage["completion_tokens"] == MAX_TOKENS, usage
+    assert len([t for c in chunks for t in chunk_token_ids(c)]) == MAX_TOKENS
+    assert len(stream_text(chunks).split()) == MAX_TOKENS, stream_text(chunks)[:200]
+
+
+MID_STREAM_PASSES: Final = 20
+
+
+def _wait_mid_stream(daemon: EnginedDaemon) -> None:
+    """Until at least two requests run on `daemon` and have decoded MID_STREAM_PASSES
+    tokens (passes of a paced rank: one token each per running request)."""
+    start = sum(rank.passes_total for rank in rank_stats(daemon))
+
+    def mid_stream() -> bool:
+        stats = rank_stats(daemon)
+        passes = sum(rank.passes_total for rank in stats) - start
+        return sum(rank.running for rank in stats) >= 2 and passes >= MID_STREAM_PASSES
+
+    poll_until(f"{daemon.name} mid-stream", mid_stream, BUSY_TIMEOUT_S)
+
+
+def _migrated_from(frontend: Frontend, worker: EnginedWorker) -> list[dict[str, Any]]:
+    """The frontend's migrations of streams that `worker` ended with EngineShutdown."""
+    return [
+        record
+        for record in frontend.log_records()
+        if record.get("message") == "migration retry scheduled"
+        and record.get("migration.from_worker_id") == worker.instance_id
+        and record.get("migration.reason") == "engine_shutdown"
+    ]
+
+
+def _start_streams(pairs: Pairs, pool: ThreadPoolExecutor) -> list[Future[list[dict[str, Any]]]]:
+    return [pool.submit(_stream, pairs.frontend) for _ in range(STREAMS)]
+
+
+def _log_lines(worker: EnginedWorker, message: str) -> list[dict[str, Any]]:
+    return [r for r in worker.log_records() if str(r.get("event", "")).startswith(message)]
+
+
+def _serves_again(pairs: Pairs, index: int, backs_before: int) -> None:
+    """The restarted daemon's worker set it up again, and it answers with full text."""
+    daemon, worker = pairs.group.daemons[index], pairs.group.workers[index]
+
+    def back() -> bool:
+        worker.check_alive()
+        return len(_log_lines(worker, BACK_LINE)) > backs_before
+
+    poll_until(f"{worker.name} serving again", back, BACK_TIMEOUT_S, worker.describe)
+    line = _log_lines(worker, BACK_LINE)[-1]
+    assert line["restarted"] is True, line
+    state = welcome(daemon)
+    assert state.vocab_size == 1000, state
+    assert state.fpm_worker_id == str(worker.instance_id), state
+    routed: set[int] = set()
+
+    def routed_to_it() -> bool:
+        with ThreadPoolExecutor(4) as pool:
+            for chunks in pool.map(lambda _: _stream(pairs.frontend), range(4)):
+                _assert_complete(chunks)
+                routed.update(
+                    line.worker_id for line in pairs.frontend.wait_route(chunks, timeout=10.0)
+                )
+        return worker.instance_id in routed
+
+    poll_until(f"a request routed to {worker.name}", routed_to_it, BACK_TIMEOUT_S)
+
+
+def test_killed_daemon_streams_migrate_and_its_restart_serves_again(pairs: Pairs) -> None:
+    daemon, worker = pairs.group.daemons[0], pairs.group.workers[0]
+    backs = len(_log_lines(worker, BACK_LINE))
+    with ThreadPoolExecutor(STREAMS) as pool:
+        streams = _start_streams(pairs, pool)
+        _wait_mid_stream(daemon)
+        assert daemon.proc is not None
+        daemon.proc.kill()
+        daemon.proc.wait(30)
+        for future in streams:
+            _assert_complete(future.result(HTTP_TIMEOUT_S))
+    assert worker.alive(), worker.describe()
+    assert _log_lines(worker, LOST_LINE), worker.describe()
+    migrations = _migrated_from(pairs.frontend, worker)
+    assert len(migrations) >= 2, pairs.frontend.describe()
+    assert all(m["migration.tokens_completed"] >= 1 for m in migrations), migrations
+    daemon.restart()
+    _serves_again(pairs, 0, backs)
+
+
+def test_daemon_restarted_at_once_loses_nothing(pairs: Pairs) -> None:
+    """Killed and restarted at once (long before any ping-based check would notice)."""
+    daemon, worker = pairs.group.daemons[1], pairs.group.workers[1]
+    before = welcome(daemon).instance_id
+    backs = len(_log_lines(worker, BACK_LINE))
+    with ThreadPoolExecutor(STREAMS) as pool:
+        streams = _start_streams(pairs, pool)
+        _wait_mid_stream(daemon)
+        assert daemon.proc is not None
+        daemon.proc.kill()
+        daemon.proc.wait(30)
+        daemon.restart()
+        for future in streams:
+            _assert_complete(future.result(HTTP_TIMEOUT_S))
+    assert len(_migrated_from(pairs.frontend, worker)) >= 2, pairs.frontend.describe()
+    assert welcome(daemon).instance_id not in (None, before)
+    _serves_again(pairs, 1, backs)
