@@ -14,6 +14,7 @@ frontend's route lines), never a sleep.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any, Final
 import pytest
 
 from tests.interop.dynamo_cluster import (
+    READY_LINE,
     TOKEN_IDS_NVEXT,
     DynamoCluster,
     EnginedDaemon,
@@ -37,6 +39,7 @@ from tests.interop.dynamo_worker_support import (
     BLOCK_ARGS,
     EnginedGroup,
     add_worker,
+    fpm_stamps,
     poll_until,
     rank_stats,
     wait_routable,
@@ -208,3 +211,79 @@ def test_daemon_restarted_at_once_loses_nothing(pairs: Pairs) -> None:
     assert len(_migrated_from(pairs.frontend, worker)) >= 2, pairs.frontend.describe()
     assert welcome(daemon).instance_id not in (None, before)
     _serves_again(pairs, 1, backs)
+
+
+RANKS: Final = 2
+RANKS_MODEL: Final = "tiny-live-ranks"
+RANKS_NAMESPACE: Final = "live-ranks"
+
+
+def _adds(frontend: Frontend, instance_id: int) -> int:
+    """How often the frontend's router took `instance_id` in (again after each return)."""
+    wanted = f"Adding worker WorkerWithDpRank {{ worker_id: {instance_id},"
+    return sum(str(r.get("message", "")).startswith(wanted) for r in frontend.log_records())
+
+
+def test_worker_per_rank_sets_every_rank_up_again_after_a_restart(pairs: Pairs) -> None:
+    """One daemon of RANKS ranks behind one `--worker-per-rank` worker: after the daemon's
+    restart each rank's FPM carries its own instance id again, the vocabulary is back, and
+    every rank's instance serves full text."""
+    cluster, frontend = pairs.cluster, pairs.frontend
+    daemon = cluster.engined_daemon(
+        *BLOCK_ARGS, "--speedup-ratio", "0", "--data-parallel-size", str(RANKS), name="ranks"
+    )
+    worker = EnginedWorker(
+        cluster.python,
+        cluster.workdir,
+        cluster.store,
+        cluster.model_path,
+        daemon.control,
+        model_name=RANKS_MODEL,
+        name="ranks-worker",
+        namespace=RANKS_NAMESPACE,
+        extra_args=["--worker-per-rank"],
+    )
+    cluster.processes.append(worker)
+    worker.start()
+    ids = [int(i) for i in json.loads(worker.wait_for_log(READY_LINE))["worker_ids"]]
+    wait_routable(frontend, ids)
+    adds = {i: _adds(frontend, i) for i in ids}
+    stamps = [(str(instance_id), rank) for rank, instance_id in enumerate(ids)]
+    assert fpm_stamps(daemon, cluster.python) == stamps
+    before = welcome(daemon).instance_id
+
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait(30)
+    poll_until(f"{worker.name} noticing", lambda: _log_lines(worker, LOST_LINE), BACK_TIMEOUT_S)
+    daemon.restart()
+
+    def back() -> bool:
+        worker.check_alive()
+        return bool(_log_lines(worker, BACK_LINE))
+
+    poll_until(f"{worker.name} serving again", back, BACK_TIMEOUT_S, worker.describe)
+    assert [line["restarted"] for line in _log_lines(worker, BACK_LINE)] == [True]
+    state = welcome(daemon)
+    assert state.instance_id not in (None, before)
+    assert state.vocab_size == 1000, state
+    assert fpm_stamps(daemon, cluster.python) == stamps
+    poll_until(
+        "the frontend taking every rank in again",
+        lambda: all(_adds(frontend, i) > adds[i] for i in ids),
+        BACK_TIMEOUT_S,
+        frontend.describe,
+    )
+    for rank, instance_id in enumerate(ids):
+        reply = completions(
+            frontend,
+            words(12, start=500 + rank),
+            model=RANKS_MODEL,
+            max_tokens=8,
+            ignore_eos=True,
+            nvext={"backend_instance_id": instance_id},
+        )
+        assert reply["usage"]["completion_tokens"] == 8, reply
+        assert len(reply["choices"][0]["text"].split()) == 8, reply
+        (route,) = frontend.wait_route(reply)
+        assert (route.worker_id, route.dp_rank) == (instance_id, rank), route
