@@ -6,7 +6,7 @@ one `hello` and the set-up commands instead of a new worker process and a new di
 round; a supervisor that restarts the pair anyway (systemd's `BindsTo=`) loses nothing. A
 daemon that comes back with another shape (block size, KV pool, ranks, role, limits) no
 longer matches the registered model card: then the worker ends, exit 1, for its supervisor
-to start one that registers the new shape.
+to start one that registers the new shape; so does one that refuses the set-up.
 
 While the daemon is gone the worker takes itself out of discovery (the frontend routes to
 the other workers, and its KV router drops this worker's blocks) and fails a request that
@@ -90,12 +90,18 @@ class DaemonFollower:
         self.serving = True
 
     async def run(self) -> None:
-        while True:
-            event = await self._client.next_connection_event()
-            if isinstance(event, ConnectionLost):
-                await self._lost()
-            elif isinstance(event, ConnectionBack) and not self._client.daemon_lost:
-                await self._back(event)
+        try:
+            while True:
+                event = await self._client.next_connection_event()
+                if isinstance(event, ConnectionLost):
+                    await self._lost()
+                elif isinstance(event, ConnectionBack) and not self._client.daemon_lost:
+                    await self._back(event)
+        except Exception as exc:
+            # Dynamo refusing the new publishers, say: a worker that no longer follows its
+            # daemon must not stay up half-registered.
+            log.exception("following the engined daemon failed")
+            self._end(f"following the engined daemon failed: {exc}")
 
     async def _lost(self) -> None:
         if not self.serving:
@@ -124,8 +130,13 @@ class DaemonFollower:
                 self._republish(welcome)
             await self._watch_load()
         except (SetupError, TimeoutError, ConnectionError) as exc:
-            # Still lost, or refused: the next return tries again.
-            log.error("setting up the returned engined daemon failed", error=str(exc))
+            if self._client.daemon_lost:
+                # Lost again meanwhile: its next return tries again.
+                log.error("the returned engined daemon went away again", error=str(exc))
+                return
+            # A daemon that is there but refuses (or does not answer) the set-up would
+            # leave the worker out of discovery for good: end, as at start-up.
+            self._end(f"setting up the restarted engined daemon failed: {exc}")
             return
         self._registered = welcome
         for endpoint in self._endpoints:

@@ -287,3 +287,20 @@ def test_worker_per_rank_sets_every_rank_up_again_after_a_restart(pairs: Pairs) 
         assert len(reply["choices"][0]["text"].split()) == 8, reply
         (route,) = frontend.wait_route(reply)
         assert (route.worker_id, route.dp_rank) == (instance_id, rank), route
+
+
+def test_a_daemon_back_with_another_shape_ends_its_worker(pairs: Pairs) -> None:
+    """The registered model card says block size 16: a daemon restarted with 32 cannot be
+    served under it, so the worker ends with exit 1 naming the change."""
+    cluster = pairs.cluster
+    daemon = cluster.engined_daemon(*BLOCK_ARGS, "--speedup-ratio", "0", name="shape")
+    worker = add_worker(cluster, daemon, name="shape-worker", model="tiny-shape", namespace="shape")
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait(30)
+    daemon.args += ["--block-size", "32"]
+    daemon.restart()
+    assert worker.proc is not None
+    assert worker.proc.wait(BACK_TIMEOUT_S) == 1, worker.describe()
+    ends = _log_lines(worker, "the engined daemon came back with another shape")
+    assert len(ends) == 1 and "block_size 16 -> 32" in ends[0]["event"], worker.describe()
