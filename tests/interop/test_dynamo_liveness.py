@@ -15,6 +15,7 @@ frontend's route lines), never a sleep.
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -146,8 +147,8 @@ def _log_lines(worker: EnginedWorker, message: str) -> list[dict[str, Any]]:
     return [r for r in worker.log_records() if str(r.get("event", "")).startswith(message)]
 
 
-def _serves_again(pairs: Pairs, index: int, backs_before: int) -> None:
-    """The restarted daemon's worker set it up again, and it answers with full text."""
+def _serves_again(pairs: Pairs, index: int, backs_before: int, *, restarted: bool = True) -> None:
+    """The returned daemon's worker (set it up again if `restarted`, and) serves full text."""
     daemon, worker = pairs.group.daemons[index], pairs.group.workers[index]
 
     def back() -> bool:
@@ -156,7 +157,7 @@ def _serves_again(pairs: Pairs, index: int, backs_before: int) -> None:
 
     poll_until(f"{worker.name} serving again", back, BACK_TIMEOUT_S, worker.describe)
     line = _log_lines(worker, BACK_LINE)[-1]
-    assert line["restarted"] is True, line
+    assert line["restarted"] is restarted, line
     state = welcome(daemon)
     assert state.vocab_size == 1000, state
     assert state.fpm_worker_id == str(worker.instance_id), state
@@ -304,3 +305,26 @@ def test_a_daemon_back_with_another_shape_ends_its_worker(pairs: Pairs) -> None:
     assert worker.proc.wait(BACK_TIMEOUT_S) == 1, worker.describe()
     ends = _log_lines(worker, "the engined daemon came back with another shape")
     assert len(ends) == 1 and "block_size 16 -> 32" in ends[0]["event"], worker.describe()
+
+
+def test_stopped_daemon_streams_migrate_and_it_serves_again_when_continued(pairs: Pairs) -> None:
+    """A hung daemon (SIGSTOP) is noticed by its heartbeats alone: its streams migrate; once
+    it runs again (SIGCONT) it is the same start, so the worker only rejoins."""
+    daemon, worker = pairs.group.daemons[0], pairs.group.workers[0]
+    before = welcome(daemon).instance_id
+    losses, backs = len(_log_lines(worker, LOST_LINE)), len(_log_lines(worker, BACK_LINE))
+    migrated = len(_migrated_from(pairs.frontend, worker))
+    assert daemon.proc is not None
+    with ThreadPoolExecutor(STREAMS) as pool:
+        streams = _start_streams(pairs, pool)
+        _wait_mid_stream(daemon)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            for future in streams:
+                _assert_complete(future.result(HTTP_TIMEOUT_S))
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+    assert len(_log_lines(worker, LOST_LINE)) == losses + 1, worker.describe()
+    assert len(_migrated_from(pairs.frontend, worker)) >= migrated + 2, pairs.frontend.describe()
+    _serves_again(pairs, 0, backs, restarted=False)
+    assert welcome(daemon).instance_id == before
