@@ -124,8 +124,11 @@ class DaemonFollower:
                 "worker to register it"
             )
             return
+        # Against the start this follower last set up, not the client's last `welcome`: a
+        # set-up cut short by another loss is owed to that start when it answers again.
+        restarted = event.restarted or welcome.instance_id != self._registered.instance_id
         try:
-            if event.restarted:
+            if restarted:
                 await self._setup(welcome)
                 self._republish(welcome)
             await self._watch_load()
@@ -145,7 +148,7 @@ class DaemonFollower:
         log.info(
             "the engined daemon is back; serving again",
             instance_id=welcome.instance_id,
-            restarted=event.restarted,
+            restarted=restarted,
         )
 
 
