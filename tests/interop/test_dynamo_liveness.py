@@ -3,10 +3,12 @@
 A real Dynamo 1.6.1 frontend with `--migration-limit 3` in front of two aggregated engined
 pairs paced in real time (20 ms per decode pass, speedup 1). Streaming completions run
 long enough (`MAX_TOKENS` passes) to be mid-stream when one pair's DAEMON (not its worker)
-is killed with SIGKILL: its worker ends their streams with `EngineShutdown`, the frontend
-migrates them to the other pair, and every one completes with 200 and all its tokens. The
-worker stays up; once the daemon is back on the same endpoint with a new `instance_id`, the
-worker sets the vocabulary and FPM worker id on it again and serves non-empty text.
+is killed with SIGKILL (or stopped with SIGSTOP): its worker ends their streams with
+`EngineShutdown`, the frontend migrates them to the other pair, and every one completes with
+200 and all its tokens. The worker stays up; once the daemon is back on the same endpoint
+with a new `instance_id`, the worker sets the vocabulary and FPM worker id on it again and
+serves non-empty text. The same for a `--worker-per-rank` worker of a two-rank daemon
+beside a plain pair of its model: every rank's streams migrate, every rank is set up again.
 
 Every wait is a condition polled under a deadline (the daemon's stats, the worker's log, the
 frontend's route lines), never a sleep.
@@ -91,11 +93,11 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pairs]:
         yield Pairs(cluster, frontend, group)
 
 
-def _stream(frontend: Frontend) -> list[dict[str, Any]]:
+def _stream(frontend: Frontend, model: str = MODEL) -> list[dict[str, Any]]:
     return completions(
         frontend,
         words(12, start=next(_starts)),
-        model=MODEL,
+        model=model,
         max_tokens=MAX_TOKENS,
         stream=True,
         ignore_eos=True,
@@ -128,13 +130,15 @@ def _wait_mid_stream(daemon: EnginedDaemon) -> None:
     poll_until(f"{daemon.name} mid-stream", mid_stream, BUSY_TIMEOUT_S)
 
 
-def _migrated_from(frontend: Frontend, worker: EnginedWorker) -> list[dict[str, Any]]:
-    """The frontend's migrations of streams that `worker` ended with EngineShutdown."""
+def _migrated_from(frontend: Frontend, worker: EnginedWorker | list[int]) -> list[dict[str, Any]]:
+    """The frontend's migrations of streams that `worker` (or these instances) ended with
+    EngineShutdown."""
+    ids = worker if isinstance(worker, list) else [worker.instance_id]
     return [
         record
         for record in frontend.log_records()
         if record.get("message") == "migration retry scheduled"
-        and record.get("migration.from_worker_id") == worker.instance_id
+        and record.get("migration.from_worker_id") in ids
         and record.get("migration.reason") == "engine_shutdown"
     ]
 
@@ -225,13 +229,14 @@ def _adds(frontend: Frontend, instance_id: int) -> int:
     return sum(str(r.get("message", "")).startswith(wanted) for r in frontend.log_records())
 
 
-def test_worker_per_rank_sets_every_rank_up_again_after_a_restart(pairs: Pairs) -> None:
-    """One daemon of RANKS ranks behind one `--worker-per-rank` worker: after the daemon's
-    restart each rank's FPM carries its own instance id again, the vocabulary is back, and
-    every rank's instance serves full text."""
+def test_worker_per_rank_streams_migrate_and_every_rank_is_set_up_again(pairs: Pairs) -> None:
+    """One daemon of RANKS ranks behind one `--worker-per-rank` worker, and a plain pair
+    serving the same model. The daemon killed mid-stream: every rank's streams end
+    migratable and complete on the pair. After its restart each rank's FPM carries its own
+    instance id again, the vocabulary is back, and every rank's instance serves full text."""
     cluster, frontend = pairs.cluster, pairs.frontend
     daemon = cluster.engined_daemon(
-        *BLOCK_ARGS, "--speedup-ratio", "0", "--data-parallel-size", str(RANKS), name="ranks"
+        *BLOCK_ARGS, *PACING, DECODE_MS, "--data-parallel-size", str(RANKS), name="ranks"
     )
     worker = EnginedWorker(
         cluster.python,
@@ -247,16 +252,31 @@ def test_worker_per_rank_sets_every_rank_up_again_after_a_restart(pairs: Pairs) 
     cluster.processes.append(worker)
     worker.start()
     ids = [int(i) for i in json.loads(worker.wait_for_log(READY_LINE))["worker_ids"]]
-    wait_routable(frontend, ids)
+    plain_daemon = cluster.engined_daemon(*BLOCK_ARGS, *PACING, DECODE_MS, name="ranks-plain")
+    plain = add_worker(
+        cluster,
+        plain_daemon,
+        name="ranks-plain-worker",
+        model=RANKS_MODEL,
+        namespace=RANKS_NAMESPACE,
+    )
+    assert plain.instance_id is not None
+    wait_routable(frontend, [*ids, plain.instance_id])
     adds = {i: _adds(frontend, i) for i in ids}
     stamps = [(str(instance_id), rank) for rank, instance_id in enumerate(ids)]
     assert fpm_stamps(daemon, cluster.python) == stamps
     before = welcome(daemon).instance_id
 
     assert daemon.proc is not None
-    daemon.proc.kill()
-    daemon.proc.wait(30)
-    poll_until(f"{worker.name} noticing", lambda: _log_lines(worker, LOST_LINE), BACK_TIMEOUT_S)
+    with ThreadPoolExecutor(STREAMS) as pool:
+        streams = [pool.submit(_stream, frontend, RANKS_MODEL) for _ in range(STREAMS)]
+        _wait_mid_stream(daemon)
+        daemon.proc.kill()
+        daemon.proc.wait(30)
+        for future in streams:
+            _assert_complete(future.result(HTTP_TIMEOUT_S))
+    assert len(_migrated_from(frontend, ids)) >= 2, frontend.describe()
+    assert _log_lines(worker, LOST_LINE), worker.describe()
     daemon.restart()
 
     def back() -> bool:
