@@ -9,13 +9,14 @@ longer matches the registered model card: then the worker ends, exit 1, for its 
 to start one that registers the new shape; so does one that refuses the set-up.
 
 While the daemon is gone the worker takes itself out of discovery (the frontend routes to
-the other workers, and its KV router drops this worker's blocks) and fails a request that
+the other workers) and fails a request that
 reaches it anyway with `EngineShutdown`, as its in-flight streams ended: Dynamo's frontend
 migrates those (`--migration-limit`). A restarted daemon has an empty cache, no vocabulary
 and a reset FPM worker id: the worker sets them again and makes new KV publishers (a fresh
-worker-local indexer) before it registers again; a dropped connection to the same daemon
-start only needs its `watch_load` again. No request reaches a daemon in between, so none
-gets empty text.
+worker-local indexer, which is what makes the router forget the dead daemon's blocks: the
+interop test shows a warm prompt routed with no overlap after) before it registers again;
+a dropped connection to the same daemon start only needs its `watch_load` again. No
+request reaches a daemon in between, so none gets empty text.
 """
 
 from __future__ import annotations

@@ -40,9 +40,11 @@ from tests.interop.dynamo_cluster import (
 )
 from tests.interop.dynamo_worker_support import (
     BLOCK_ARGS,
+    BLOCK_SIZE,
     EnginedGroup,
     add_worker,
     fpm_stamps,
+    kv_events_applied,
     poll_until,
     rank_stats,
     wait_routable,
@@ -179,8 +181,31 @@ def _serves_again(pairs: Pairs, index: int, backs_before: int, *, restarted: boo
     poll_until(f"a request routed to {worker.name}", routed_to_it, BACK_TIMEOUT_S)
 
 
+WARM_TOKENS: Final = 64  # 4 blocks
+
+
+def _warm(frontend: Frontend, prompt: str, instance_id: int) -> None:
+    """`prompt` cached on `instance_id` and known so to the frontend's router: a repeat is
+    routed there with every block of overlap."""
+
+    def stored() -> int:
+        return kv_events_applied(frontend).get(("stored", "ok"), 0)
+
+    before = stored()
+    completions(
+        frontend, prompt, model=MODEL, max_tokens=4, nvext={"backend_instance_id": instance_id}
+    )
+    poll_until("the warm prompt's stored event", lambda: stored() > before, BACK_TIMEOUT_S)
+    (route,) = frontend.wait_route(completions(frontend, prompt, model=MODEL, max_tokens=4))
+    assert (route.worker_id, route.overlap_blocks) == (instance_id, WARM_TOKENS // BLOCK_SIZE)
+
+
 def test_killed_daemon_streams_migrate_and_its_restart_serves_again(pairs: Pairs) -> None:
+    """... and the router forgets what the dead daemon held: its cache died with it."""
     daemon, worker = pairs.group.daemons[0], pairs.group.workers[0]
+    assert worker.instance_id is not None
+    warm = words(WARM_TOKENS, start=9001)
+    _warm(pairs.frontend, warm, worker.instance_id)
     backs = len(_log_lines(worker, BACK_LINE))
     with ThreadPoolExecutor(STREAMS) as pool:
         streams = _start_streams(pairs, pool)
@@ -197,6 +222,10 @@ def test_killed_daemon_streams_migrate_and_its_restart_serves_again(pairs: Pairs
     assert all(m["migration.tokens_completed"] >= 1 for m in migrations), migrations
     daemon.restart()
     _serves_again(pairs, 0, backs)
+    (route,) = pairs.frontend.wait_route(
+        completions(pairs.frontend, warm, model=MODEL, max_tokens=4)
+    )
+    assert route.overlap_blocks == 0, route
 
 
 def test_daemon_restarted_at_once_loses_nothing(pairs: Pairs) -> None:
