@@ -26,7 +26,6 @@ from engined.wire.control import (
     SourceHeldEvent,
     TransferTiming,
 )
-from engined.wire.convert import to_core_timing
 
 T = TypeVar("T")
 
@@ -60,7 +59,7 @@ def transfer_wait_s(
     if timing is None:
         delay_ms = handoff_delay_ms
     else:
-        delay_ms = to_core_timing(timing).delay_ms(reserved.transferable_prompt_tokens) or 0.0
+        delay_ms = timing.delay_ms(reserved.transferable_prompt_tokens) or 0.0
     return max(float(delay_ms), 0.0) / 1000.0 / float(speedup_ratio)
 
 

@@ -30,6 +30,7 @@ from engined.core.types import (
     APPLIED,
     NOOP,
     ActivateDestination,
+    Applied,
     Cancel,
     CancelDestination,
     CancelSource,
@@ -148,7 +149,7 @@ class Commands:
             case ResetPrefixCache():
                 result = APPLIED if self._kv.reset_prefix_cache() else Refused(_BLOCKS_IN_USE)
         lifecycle: list[LifecycleEvent] = []
-        if result is APPLIED or isinstance(result, DestinationAccepted):
+        if isinstance(result, Applied | DestinationAccepted):
             lifecycle = self.retry_pending_destinations()
         return CommandOutcome(result, lifecycle, ended)
 

@@ -40,13 +40,13 @@ from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.pass_context import PassContext
 from engined.core.state import RequestState
 from engined.core.types import (
-    NOOP,
     Command,
     CommandEffects,
     Decodes,
     EndedRequest,
     EngineMetrics,
     FinishReason,
+    Noop,
     PassResult,
     RequestOutput,
     TierAdvance,
@@ -148,7 +148,9 @@ class Engine:
             self._residency.now_ms = now_ms
         outcome = self._commands.apply(command, now_ms)
         kv_events = self._kv.take_events()
-        progressed = outcome.result is not NOOP or bool(outcome.lifecycle_events or kv_events)
+        progressed = not isinstance(outcome.result, Noop) or bool(
+            outcome.lifecycle_events or kv_events
+        )
         return CommandEffects(
             outcome.result, outcome.lifecycle_events, outcome.ended, kv_events, progressed
         )

@@ -6,6 +6,10 @@ A failed command changes nothing. The daemon maps each class to one protocol err
 
 from __future__ import annotations
 
+from typing import Final, Literal, cast
+
+import msgspec
+
 
 class CoreError(Exception):
     """Base of every error the core raises on purpose."""
@@ -57,6 +61,61 @@ class UnsupportedError(CoreError):
 
 class CapacityError(CoreError):
     code = "capacity"
+
+
+ErrorKind = Literal[
+    "CoreError",
+    "InvalidArgsError",
+    "InvalidRequestError",
+    "DuplicateRequestError",
+    "HandoffConflictError",
+    "UnsupportedError",
+    "CapacityError",
+]
+_KINDS: Final[dict[str, type[CoreError]]] = {
+    cls.__name__: cls
+    for cls in (
+        CoreError,
+        InvalidArgsError,
+        InvalidRequestError,
+        DuplicateRequestError,
+        HandoffConflictError,
+        UnsupportedError,
+        CapacityError,
+    )
+}
+
+
+class CoreFailure(msgspec.Struct, frozen=True, array_like=True):
+    """A raised `CoreError` as a value, so that it can cross a process boundary.
+
+    A rank worker process answers a failed command with one; the daemon raises `error()`,
+    the same class with the same message (and `key` or `request_id`), as an in-process rank
+    would have raised it. A kind this build does not know cannot be decoded.
+    """
+
+    kind: ErrorKind
+    message: str
+    key: str | None = None  # InvalidArgsError's
+    request_id: str | None = None  # DuplicateRequestError's
+
+    @classmethod
+    def of(cls, exc: CoreError) -> CoreFailure:
+        kind = cast(ErrorKind, next(c.__name__ for c in type(exc).__mro__ if c.__name__ in _KINDS))
+        match exc:
+            case InvalidArgsError():
+                return cls(kind, str(exc), key=exc.key)
+            case DuplicateRequestError():
+                return cls(kind, str(exc), request_id=exc.request_id)
+        return cls(kind, str(exc))
+
+    def error(self) -> CoreError:
+        cls = _KINDS[self.kind]
+        if cls is InvalidArgsError:
+            return InvalidArgsError(self.message, key=self.key)
+        if cls is DuplicateRequestError and self.request_id is not None:
+            return DuplicateRequestError(self.request_id)
+        return cls(self.message)
 
 
 def handoff_repr(handoff_id: str) -> str:

@@ -1,6 +1,8 @@
 """The modelled KV transfer of a P/D handoff: one formula, one timing record.
 
 Kept out of engined.core.types (which re-exports it) so that module stays within its size.
+The record is also the control protocol's `transfer_timing` (engined.wire.messages
+re-exports it): what the core holds is what a `source_held` event carries.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ class KvTransferTimingMode(enum.StrEnum):
 
 
 class TransferTiming(msgspec.Struct, frozen=True):
-    """What a coordinator needs to model the KV transfer of a held source."""
+    """How the coordinator models a held source's KV transfer (PROTOCOL.md §1.7).
+
+    The delay is `tokens * kv_bytes_per_token / (bandwidth_gb_s * 1e9)` seconds, where
+    `tokens` is `full_prompt_tokens` in `full_prompt` mode and the destination's
+    `transferable_prompt_tokens` (what its prefix cache lacks) in `destination_missing`
+    mode; no delay is modelled while either figure is null (or the bandwidth <= 0).
+    """
 
     mode: KvTransferTimingMode
     full_prompt_tokens: int

@@ -102,43 +102,45 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # --- commands -------------------------------------------------------------------------------
+# Commands and their results are tagged (`{"type": "Submit", ...}`) so that their unions
+# decode as they are: a rank worker process receives and answers them in these very types.
 
 
-class Submit(msgspec.Struct, frozen=True):
+class Submit(msgspec.Struct, frozen=True, tag=True):
     request: Request
 
 
-class Cancel(msgspec.Struct, frozen=True):
+class Cancel(msgspec.Struct, frozen=True, tag=True):
     request_id: RequestId
 
 
-class SubmitHandoffPrefill(msgspec.Struct, frozen=True):
+class SubmitHandoffPrefill(msgspec.Struct, frozen=True, tag=True):
     handoff_id: HandoffId
     request: Request
 
 
-class ReleaseSource(msgspec.Struct, frozen=True):
+class ReleaseSource(msgspec.Struct, frozen=True, tag=True):
     handoff_id: HandoffId
 
 
-class CancelSource(msgspec.Struct, frozen=True):
+class CancelSource(msgspec.Struct, frozen=True, tag=True):
     handoff_id: HandoffId
 
 
-class ReserveDestination(msgspec.Struct, frozen=True):
+class ReserveDestination(msgspec.Struct, frozen=True, tag=True):
     handoff_id: HandoffId
     request: Request
 
 
-class ActivateDestination(msgspec.Struct, frozen=True):
+class ActivateDestination(msgspec.Struct, frozen=True, tag=True):
     handoff_id: HandoffId
 
 
-class CancelDestination(msgspec.Struct, frozen=True):
+class CancelDestination(msgspec.Struct, frozen=True, tag=True):
     handoff_id: HandoffId
 
 
-class SetVocabulary(msgspec.Struct, frozen=True):
+class SetVocabulary(msgspec.Struct, frozen=True, tag=True):
     """Change the ids unplanned tokens are drawn from (`EngineArgs.vocab_size` and
     `excluded_token_ids`), e.g. once a Dynamo worker has read its model's tokenizer.
 
@@ -156,7 +158,7 @@ class SetVocabulary(msgspec.Struct, frozen=True):
     excluded_token_ids: tuple[int, ...] = ()
 
 
-class ResetPrefixCache(msgspec.Struct, frozen=True):
+class ResetPrefixCache(msgspec.Struct, frozen=True, tag=True):
     """Forget every cached block (vLLM's `reset_prefix_cache`), publishing AllBlocksCleared.
 
     `Applied` when done; `Refused` while any block is in use, as vLLM refuses: the router
@@ -181,25 +183,25 @@ Command = (
 # --- command results ------------------------------------------------------------------------
 
 
-class Submitted(msgspec.Struct, frozen=True):
+class Submitted(msgspec.Struct, frozen=True, tag=True):
     request_id: RequestId
 
 
-class DestinationAccepted(msgspec.Struct, frozen=True):
+class DestinationAccepted(msgspec.Struct, frozen=True, tag=True):
     """The destination is owned; its physical reservation may still be pending."""
 
     request_id: RequestId
 
 
-class Applied(msgspec.Struct, frozen=True):
+class Applied(msgspec.Struct, frozen=True, tag=True):
     """The command changed owned state."""
 
 
-class Noop(msgspec.Struct, frozen=True):
+class Noop(msgspec.Struct, frozen=True, tag=True):
     """The command named nothing this core owns (unknown, or already released)."""
 
 
-class Refused(msgspec.Struct, frozen=True):
+class Refused(msgspec.Struct, frozen=True, tag=True):
     """The command could not be carried out now and changed nothing (`reason` says why)."""
 
     reason: str

@@ -20,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -481,10 +482,11 @@ class ControlServer:
         """
         ownership = self._ownership
         request_id = self._ids.core_id(identity, msg.request_id)
+        cancel = to_core_command(msgspec.structs.replace(msg, request_id=request_id))
         for rank in ownership.ranks_owning(request_id):
             if not operator and ownership.owner(rank, request_id) != identity:
                 continue
-            effects = await self._loops[rank].call(core.Cancel(request_id))
+            effects = await self._loops[rank].call(cancel)
             if isinstance(effects.result, core.Applied):
                 self._ownership.end(rank, request_id)
                 self._reply(identity, wire.Applied(id=msg.id))
@@ -533,9 +535,10 @@ class ControlServer:
             )
             return
         refused = []
+        reset = to_core_command(msg)
         for rank in ranks:
-            effects = await self._loops[rank].call(core.ResetPrefixCache())
-            if effects.result is not core.APPLIED:
+            effects = await self._loops[rank].call(reset)
+            if not isinstance(effects.result, core.Applied):
                 refused.append(rank)
         if refused:
             self._error(
@@ -565,7 +568,7 @@ class ControlServer:
 
     async def _set_vocabulary(self, identity: bytes, msg: wire.SetVocabulary) -> None:
         """Every rank or none: the cores validate alike, so only the first can refuse."""
-        command = core.SetVocabulary(msg.vocab_size, tuple(msg.excluded_token_ids))
+        command = to_core_command(msg)
         for loop in self._loops:
             try:
                 await loop.call(command)

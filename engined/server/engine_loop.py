@@ -33,10 +33,10 @@ speedup 0: moves the virtual clock to it): a busy core then runs a pass, an empt
 its tiers (`Engine.advance_tiers`) and publishes what landed.
 
 The loop reads only what the engine returns (`CommandEffects`, `PassResult`, `TierAdvance`)
-and its public gauges; commands are `engined.core` commands, applied through the inbox by
-`call` (the caller awaits the effects) or `send` (fire and forget, e.g. a cancel for a
-vanished client). Either way the command observers see the effects, so every request that
-ends is seen ending.
+and its public gauges, and tells its pass observers a `PassReport`; commands are
+`engined.core` commands, applied through the inbox by `call` (the caller awaits the effects)
+or `send` (fire and forget, e.g. a cancel for a vanished client). Either way the command
+observers see the effects, so every request that ends is seen ending.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import structlog
 
 from engined.core.engine import Engine
 from engined.core.errors import CoreError
+from engined.core.pass_report import PassReport
 from engined.core.types import (
     Command,
     CommandEffects,
@@ -81,8 +82,10 @@ EARLY_MARGIN_S = 0.0003
 # 10 ms; at a high speedup ratio more, but such a loop already runs flat out).
 CATCH_UP_S = 0.05
 # Pass-start lateness percentiles are re-sorted at most this often (seconds of `clock`), so a
-# client polling `stats` costs a sort of the window per interval, not per message.
+# client polling `stats` costs a sort of the window per interval, not per message; a window
+# of at most LATENESS_CHEAP_SORT passes (~0.05 ms to sort) is re-sorted whenever it changed.
 LATENESS_SUMMARY_TTL_S = 0.1
+LATENESS_CHEAP_SORT = 1024
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -113,10 +116,11 @@ class Delivery(Protocol):
 # A command waiting for the next pass boundary: the command, the `now_ms` of its arrival,
 # and the future of its caller (None: sent, nobody awaits its effects).
 _Entry = tuple[Command, float, "asyncio.Future[CommandEffects] | None"]
-# Told of every pass that changed something, right after it ran: (rank, pass start ms, result).
+# Told of every pass that changed something, right after it ran: (rank, pass start ms, report).
 # Before pacing, so no await separates the core's new state from what observers saw, and their
 # work fits in the pass's modeled time. Prometheus metrics (engined.server.metrics) are one.
-PassObserver = Callable[[int, float, PassResult], None]
+# A `PassReport`, not the `PassResult`: observers see a rank in a worker process the same way.
+PassObserver = Callable[[int, float, PassReport], None]
 # Told of every command applied without error: (rank, ms when `call` was made, or when it was
 # applied if that is earlier (`_core_ms`, catching up), command, effects).
 CommandObserver = Callable[[int, float, Command, CommandEffects], None]
@@ -190,13 +194,18 @@ class EngineLoop:
     def lateness_summary(self) -> tuple[float, float, float]:
         """p50, p99 and max of pass-start lateness in ms (zeros before any paced pass).
 
-        Exact when no pass ran since the last call; otherwise at most LATENESS_SUMMARY_TTL_S
-        old, since sorting the 100,000-pass window costs ~10 ms and `stats` is a cheap message.
+        Exact when no pass ran since the last call or the window is short; otherwise at most
+        LATENESS_SUMMARY_TTL_S old, since sorting the 100,000-pass window costs ~10 ms and
+        `stats` is a cheap message.
         """
         now = self._clock()
         cached = self._lateness_at
         if cached is not None and (
-            cached[0] == self.passes_total or now - cached[1] < LATENESS_SUMMARY_TTL_S
+            cached[0] == self.passes_total
+            or (
+                now - cached[1] < LATENESS_SUMMARY_TTL_S
+                and len(self.lateness_ms) > LATENESS_CHEAP_SORT
+            )
         ):
             return self._lateness_summary
         self._lateness_at = (self.passes_total, now)
@@ -318,8 +327,10 @@ class EngineLoop:
             progressed = result.progressed
             if not progressed:
                 continue
-            for observer in self.pass_observers:
-                observer(self.rank, start_ms, result)
+            if self.pass_observers:
+                report = PassReport.of(result)
+                for observer in self.pass_observers:
+                    observer(self.rank, start_ms, report)
             await self._pace(result.end_ms)
             self._publish(result)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engined.core.types import Command, CommandEffects, EngineMetrics, PassResult
+from engined.core.pass_report import PassReport
+from engined.core.types import Command, CommandEffects, EngineMetrics
 from engined.server.rank_handle import RankHandle
 from engined.wire import control as wire
 from engined.wire.convert import load_message
@@ -54,7 +55,7 @@ class LoadWatch:
             return True
         return False
 
-    def _after_pass(self, rank: int, start_ms: float, result: PassResult) -> None:
+    def _after_pass(self, rank: int, start_ms: float, result: PassReport) -> None:
         if self._watchers:
             self._announce(rank, result.metrics)
 

@@ -12,7 +12,7 @@ engine pass (an `EngineLoop` pass observer), once per command (a command observe
 times, cancels and handoff commands) and once per handoff event (`on_lifecycle`, which the
 daemon calls for every rank's events):
 
-* counters are plain ints bumped by per-pass totals (`PassResult.accept_length_output_tokens`,
+* counters are plain ints bumped by per-pass totals (`PassReport.accept_length_output_tokens`,
   `prefix_cache_queries/hits`, MTP's decode forwards);
 * inter-token latency: a request that emitted in the previous emitting pass and emits again
   has waited exactly `end_ms - previous end_ms`, the same value for all of them, so the whole
@@ -22,7 +22,7 @@ daemon calls for every rank's events):
   at scrape time, with the `le` spellings and label values computed once;
 * gauges and `vllm:num_preemptions_total` are read from the engines' `metrics()` at scrape
   time, so scraping adds no work to passes;
-* a request's record ends when a result says it ended: `PassResult.ended` (finished,
+* a request's record ends when a result says it ended: `PassReport.ended` (finished,
   rejected) or `CommandEffects.ended` (cancelled by any path, since every path that ends a
   request early is a command the loop applies and observes). Its per-request histograms are
   recorded then.

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engined.core.pass_report import PassReport
 from engined.core.types import (
-    APPLIED,
     ActivateDestination,
+    Applied,
     CancelDestination,
     Command,
     CommandEffects,
@@ -35,7 +36,6 @@ from engined.core.types import (
     DestinationReserved,
     EngineMetrics,
     LifecycleEvent,
-    PassResult,
     ReserveDestination,
     Submit,
     SubmitHandoffPrefill,
@@ -182,7 +182,7 @@ class RankMetrics:
             )
         elif isinstance(command, ActivateDestination | CancelDestination):
             request_id = self._destinations.pop(command.handoff_id, None)
-            activated = result is APPLIED and isinstance(command, ActivateDestination)
+            activated = isinstance(result, Applied) and isinstance(command, ActivateDestination)
             if request_id is not None and activated:
                 self.fetched.add(request_id)
         if effects.ended:
@@ -210,7 +210,7 @@ class RankMetrics:
             self.external_hits += record.external
             self.cached_by_source[2] += record.external
 
-    def on_pass(self, rank: int, now_ms: float, result: PassResult) -> None:
+    def on_pass(self, rank: int, now_ms: float, result: PassReport) -> None:
         """Fold one pass in: per-pass totals, and per-request work only where it is unavoidable."""
         tokens = result.accept_length_output_tokens
         self.generation_tokens += tokens
@@ -266,7 +266,7 @@ class RankMetrics:
 
     # --- per pass -----------------------------------------------------------------------
 
-    def _bursts(self, result: PassResult) -> None:
+    def _bursts(self, result: PassReport) -> None:
         """Outputs of more than one token: a request's tokens beyond the one its pass counts,
         and, on a rank that drafts, each burst's accepted draft positions."""
         requests = self.requests
@@ -280,7 +280,7 @@ class RankMetrics:
                 for position in range(min(extra, len(per_pos))):
                     per_pos[position] += 1
 
-    def _drafted(self, result: PassResult) -> None:
+    def _drafted(self, result: PassReport) -> None:
         """vLLM's `SpecDecodingStats`: a decode forward is a draft of `spec_tokens` tokens,
         its tokens beyond the first are the accepted ones."""
         forwards = result.accept_length_decode_forwards

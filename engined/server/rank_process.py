@@ -80,7 +80,7 @@ class WorkerProcess:
         self.proxies: dict[int, RankProxy] = {}
         self._corr = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
-        self._answers: dict[int, asyncio.Future[None]] = {}  # UNTIL_IDLE, GAUGES by corr
+        self._answers: dict[int, asyncio.Future[None]] = {}  # UntilIdle, SendGauges by corr
         self._stopping: set[int] = set()
         self._bye = asyncio.Event()
         self.last_heard = time.monotonic()
@@ -250,28 +250,27 @@ class WorkerProcess:
         corr = next(self._corr)
         self._pending[corr] = (proxy, command, future)
         proxy.queued += 1
-        frame = w.encoder.encode((corr, proxy.rank, w.COMMAND_KIND[type(command)], command))
-        self._send_frame(frame)
+        self._send_frame(w.encoder.encode((corr, proxy.rank, command)))
 
     async def until_idle(self, rank: int) -> None:
-        await self._ask(rank, w.UNTIL_IDLE)
+        await self._ask(rank, w.UntilIdle())
 
     async def refresh(self, rank: int) -> None:
         """Until the rank's full gauges (lateness, replay counters) have arrived."""
-        await self._ask(rank, w.GAUGES)
+        await self._ask(rank, w.SendGauges())
 
-    async def _ask(self, rank: int, kind: int) -> None:
+    async def _ask(self, rank: int, order: w.UntilIdle | w.SendGauges) -> None:
         corr = next(self._corr)
         waiter = self._answers[corr] = asyncio.get_running_loop().create_future()
-        self._send_frame(w.encoder.encode((corr, rank, kind, None)))
+        self._send_frame(w.encoder.encode((corr, rank, order)))
         await waiter
 
     def stop_rank(self, rank: int) -> None:
         self._stopping.add(rank)
-        self._send_frame(w.encoder.encode((0, rank, w.STOP, None)))
+        self._send_frame(w.encoder.encode((0, rank, w.StopRank())))
 
     def set_fpm_worker_id(self, rank: int, worker_id: str) -> None:
-        self._send_frame(w.encoder.encode((0, rank, w.FPM_WORKER_ID, worker_id)))
+        self._send_frame(w.encoder.encode((0, rank, w.SetFpmWorkerId(worker_id))))
 
     def _send_frame(self, frame: bytes) -> None:
         if not self._send(frame):

@@ -23,16 +23,12 @@ from engined.core.types import (
     CommandEffects,
     Decodes,
     EngineMetrics,
-    FpmSnapshot,
-    PassResult,
     RequestOutput,
 )
 from engined.server import rank_wire as w
 from engined.server.engine_loop import CommandObserver, PassObserver
 
 log = structlog.get_logger(__name__)
-
-_EMPTY_FPM = FpmSnapshot()
 
 
 class ReplayCounters:
@@ -69,17 +65,15 @@ class _Gauges:
         self.usable_blocks = ready.num_blocks
         self.block_size = ready.block_size
         self._metrics = ready.metrics
-        self._num_waiting = ready.metrics.waiting
 
-    def update(self, metrics: EngineMetrics, num_waiting: int) -> None:
+    def update(self, metrics: EngineMetrics) -> None:
         self._metrics = metrics
-        self._num_waiting = num_waiting
 
     def metrics(self) -> EngineMetrics:
         return self._metrics
 
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return self._metrics.waiting
 
 
 class RankProxy:
@@ -154,9 +148,9 @@ class RankProxy:
         future: asyncio.Future[CommandEffects] | None,
     ) -> None:
         self.queued -= 1
-        self.engine.update(item.metrics, item.num_waiting)
+        self.engine.update(item.metrics)
         effects = CommandEffects(
-            result=w.decode_result(item.result_kind, item.result_text),
+            result=item.result,
             lifecycle_events=item.lifecycle_events,
             ended=item.ended,
             progressed=item.progressed,
@@ -171,34 +165,17 @@ class RankProxy:
     ) -> None:
         self.queued -= 1
         if future is None:
-            log.warning("command refused", command=type(command).__name__, error=item.message)
+            log.warning("command refused", command=type(command).__name__, error=item.error.message)
         elif not future.done():
-            future.set_exception(w.rebuild_error(item.error_class, item.code, item.message))
+            future.set_exception(item.error.error())
 
     def on_pass(self, item: w.Pass) -> None:
-        self.engine.update(item.metrics, item.num_waiting)
-        self._last_outputs = item.outputs
-        self._last_decodes = item.decodes
-        if not self.pass_observers:
-            return
-        result = PassResult(
-            end_ms=item.end_ms,
-            outputs=item.outputs,
-            ended=item.ended,
-            admissions=item.admissions,
-            lifecycle_events=[],
-            metrics=item.metrics,
-            kv_events=[],
-            fpm=_EMPTY_FPM,
-            prefix_cache_queries=item.prefix_cache_queries,
-            prefix_cache_hits=item.prefix_cache_hits,
-            accept_length_output_tokens=item.accept_length_output_tokens,
-            accept_length_decode_forwards=item.accept_length_decode_forwards,
-            decodes=item.decodes,
-            kv_block_evictions=item.kv_block_evictions,
-        )
+        report = item.report
+        self.engine.update(report.metrics)
+        self._last_outputs = report.outputs
+        self._last_decodes = report.decodes
         for observer in self.pass_observers:
-            observer(self.rank, item.start_ms, result)
+            observer(self.rank, item.start_ms, report)
 
     def outputs_of(self, item: w.Outputs) -> tuple[list[RequestOutput], Decodes]:
         if item.outputs is None or item.decodes is None:
@@ -211,7 +188,7 @@ class RankProxy:
         self.tokens_total = item.tokens_total
         self.kv_overflows = item.kv_overflows
         if item.metrics is not None:
-            self.engine.update(item.metrics, item.num_waiting)
+            self.engine.update(item.metrics)
         if item.lateness is not None:
             self._lateness = item.lateness
         if item.replay is not None and self.replay is not None:

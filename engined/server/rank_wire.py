@@ -1,13 +1,14 @@
 """The frames between the daemon and its rank worker processes (one ZeroMQ PAIR each).
 
 Private to one daemon: both ends are the same build, so there is no versioning. msgpack
-through msgspec, as every other engined frame. The core's structs travel as they are where
-msgspec can decode them; its untagged unions (commands, command results, KV events) cannot
-be decoded as unions, so commands carry their kind as an index (`COMMAND_TYPES`) and results
-travel as (kind, text). KV events never cross: the worker publishes them itself.
+through msgspec, as every other engined frame. The core's values travel as they are: its
+commands and their results are tagged Structs, so their unions decode directly; a failed
+command's `CoreError` travels as its value (`CoreFailure`) and is raised again by the daemon.
+KV events never cross: the worker publishes them itself.
 
-Daemon -> worker: one frame per command, `[corr, rank, kind, command]`; `kind` >= CONTROL
-is a control message instead (stop a rank, set the FPM worker id).
+Daemon -> worker: one frame per command, `[corr, rank, order]`, where an order is a core
+command or a control message (stop a rank, set the FPM worker id, wait until idle, send the
+full gauges).
 
 Worker -> daemon: one frame per event-loop turn or two, a list of tagged items in the order
 the worker's ranks produced them, so the daemon replays them in that order: replies and
@@ -19,43 +20,34 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Final, cast
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from engined.core import errors
 from engined.core import types as core
-from engined.core.kv_residency import KvBlockEviction
+from engined.core.errors import CoreFailure
+from engined.core.pass_report import PassReport
 
-COMMAND_TYPES: Final[tuple[type[Any], ...]] = (
-    core.Submit,
-    core.Cancel,
-    core.SubmitHandoffPrefill,
-    core.ReleaseSource,
-    core.CancelSource,
-    core.ReserveDestination,
-    core.ActivateDestination,
-    core.CancelDestination,
-    core.SetVocabulary,
-    core.ResetPrefixCache,
-)
-COMMAND_KIND: Final[dict[type[Any], int]] = {cls: i for i, cls in enumerate(COMMAND_TYPES)}
-CONTROL: Final = 100
-STOP: Final = CONTROL  # body: None; stop that rank once drained
-FPM_WORKER_ID: Final = CONTROL + 1  # body: the new worker id of that rank
-UNTIL_IDLE: Final = CONTROL + 2  # body: None; answered by `Done(corr)` once the rank is idle
-GAUGES: Final = CONTROL + 3  # body: None; answered by the rank's full `Gauges`, then `Done(corr)`
 
-# Command results as (kind, text): text is the request id or the refusal's reason.
-_RESULTS: Final[tuple[type[Any], ...]] = (
-    core.Submitted,
-    core.DestinationAccepted,
-    core.Applied,
-    core.Noop,
-    core.Refused,
-)
+class StopRank(msgspec.Struct, frozen=True, tag=True):
+    """Stop the rank once drained."""
+
+
+class SetFpmWorkerId(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+
+
+class UntilIdle(msgspec.Struct, frozen=True, tag=True):
+    """Answered by `Done(corr)` once the rank is idle."""
+
+
+class SendGauges(msgspec.Struct, frozen=True, tag=True):
+    """Answered by the rank's full `Gauges`, then `Done(corr)`."""
+
+
+Order = core.Command | StopRank | SetFpmWorkerId | UntilIdle | SendGauges
 
 
 class RankInit(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,40 +87,26 @@ class Reply(msgspec.Struct, frozen=True, tag="reply", array_like=True, gc=False)
     corr: int
     rank: int
     arrived_ms: float
-    result_kind: int
-    result_text: str
+    result: core.CommandResult
     ended: list[core.EndedRequest]
     lifecycle_events: list[core.LifecycleEvent]
     progressed: bool
     metrics: core.EngineMetrics  # after the command: the command observers read them
-    num_waiting: int
 
 
 class Failure(msgspec.Struct, frozen=True, tag="failure", array_like=True):
     corr: int
     rank: int
-    error_class: str
-    code: str
-    message: str
+    error: CoreFailure
 
 
 class Pass(msgspec.Struct, frozen=True, tag="pass", array_like=True, gc=False):
-    """A `PassResult` without what stays in the worker (KV events, FPM, lifecycle events)."""
+    """A pass's report, as the worker's pass observer took it (its KV events, FPM snapshot
+    and lifecycle events stay in the worker: its publishers and `Lifecycle` carry them)."""
 
     rank: int
     start_ms: float
-    end_ms: float
-    outputs: list[core.RequestOutput]
-    ended: list[core.EndedRequest]
-    admissions: list[core.Admission]
-    metrics: core.EngineMetrics
-    num_waiting: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    accept_length_output_tokens: int
-    accept_length_decode_forwards: int
-    decodes: core.Decodes
-    kv_block_evictions: list[KvBlockEviction]
+    report: PassReport
 
 
 class Outputs(msgspec.Struct, frozen=True, tag="outputs", array_like=True, gc=False):
@@ -151,15 +129,15 @@ class Gauges(msgspec.Struct, frozen=True, tag="gauges", array_like=True, gc=Fals
     kv_overflows: int
     # Heartbeats only: the engine gauges and lateness (sorting the window costs ~10 ms).
     metrics: core.EngineMetrics | None = None
-    num_waiting: int = 0
     lateness: tuple[float, float, float] | None = None
     # The replay server's (abandoned, refused, streaming), when replay is on.
     replay: tuple[int, int, int] | None = None
 
 
 class Done(msgspec.Struct, frozen=True, tag="done", array_like=True):
-    """Request `corr` is answered: an `UNTIL_IDLE` (the rank's `until_idle` returned, so
-    everything before it was applied and delivered) or a `GAUGES` (its `Gauges` came first)."""
+    """Request `corr` is answered: an `UntilIdle` (the rank's `until_idle` returned, so
+    everything before it was applied and delivered) or a `SendGauges` (its `Gauges` came
+    first)."""
 
     corr: int
 
@@ -174,10 +152,7 @@ Item = (
 
 encoder: Final = msgspec.msgpack.Encoder()
 item_decoder: Final = msgspec.msgpack.Decoder(list[Item])
-command_header_decoder: Final = msgspec.msgpack.Decoder(tuple[int, int, int, msgspec.Raw])
-command_decoders: Final[tuple[msgspec.msgpack.Decoder[Any], ...]] = tuple(
-    msgspec.msgpack.Decoder(cls) for cls in COMMAND_TYPES
-)
+order_decoder: Final = msgspec.msgpack.Decoder(tuple[int, int, Order])
 init_decoder: Final = msgspec.msgpack.Decoder(RankInit)
 
 
@@ -215,43 +190,3 @@ def pair_sender(sock: zmq.asyncio.Socket, *, block: bool = False) -> Callable[[b
         return True
 
     return send
-
-
-def encode_result(result: core.CommandResult) -> tuple[int, str]:
-    match result:
-        case core.Submitted(request_id) | core.DestinationAccepted(request_id):
-            text = request_id
-        case core.Refused(reason):
-            text = reason
-        case _:
-            text = ""
-    return _RESULTS.index(type(result)), text
-
-
-def decode_result(kind: int, text: str) -> core.CommandResult:
-    """The result back; Applied and Noop as the core's singletons (callers compare by `is`)."""
-    match _RESULTS[kind]:
-        case core.Submitted:
-            return core.Submitted(text)
-        case core.DestinationAccepted:
-            return core.DestinationAccepted(text)
-        case core.Applied:
-            return core.APPLIED
-        case core.Noop:
-            return core.NOOP
-    return core.Refused(text)
-
-
-def rebuild_error(error_class: str, code: str, message: str) -> errors.CoreError:
-    """The `CoreError` subclass the worker's core raised, with its code and message.
-
-    Built without the subclass's `__init__` (DuplicateRequestError's takes a request id, not
-    a message): what the daemon reads of it is `code` and `str(exc)`.
-    """
-    cls = getattr(errors, error_class, None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.CoreError)):
-        cls = errors.CoreError
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, message)
-    exc.code = code
-    return exc

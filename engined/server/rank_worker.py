@@ -27,7 +27,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 import msgspec
 import structlog
@@ -35,13 +35,13 @@ import zmq
 import zmq.asyncio
 
 from engined.config import DaemonConfig
-from engined.core.errors import CoreError
+from engined.core.errors import CoreError, CoreFailure
+from engined.core.pass_report import PassReport
 from engined.core.types import (
     Command,
     CommandEffects,
     Decodes,
     LifecycleEvent,
-    PassResult,
     RequestOutput,
 )
 from engined.logs import configure_logging
@@ -242,47 +242,25 @@ class RankWorker:
 
     # --- observers: what the daemon's observers and callers will see ---------------------
 
-    def _on_pass(self, rank: int, start_ms: float, result: PassResult) -> None:
+    def _on_pass(self, rank: int, start_ms: float, report: PassReport) -> None:
         outbox = self._outbox
-        outbox.last_outputs[rank] = result.outputs
-        outbox.add(
-            w.Pass(
-                rank,
-                start_ms,
-                result.end_ms,
-                result.outputs,
-                result.ended,
-                result.admissions,
-                result.metrics,
-                self._loops[rank].engine.num_waiting(),
-                result.prefix_cache_queries,
-                result.prefix_cache_hits,
-                result.accept_length_output_tokens,
-                result.accept_length_decode_forwards,
-                result.decodes,
-                result.kv_block_evictions,
-            ),
-            rank,
-        )
+        outbox.last_outputs[rank] = report.outputs
+        outbox.add(w.Pass(rank, start_ms, report), rank)
 
     def _on_command(
         self, rank: int, arrived_ms: float, command: Command, effects: CommandEffects
     ) -> None:
         corr = self._pending.pop(id(command), 0)
-        kind, text = w.encode_result(effects.result)
-        engine = self._loops[rank].engine
         self._outbox.add(
             w.Reply(
                 corr,
                 rank,
                 arrived_ms,
-                kind,
-                text,
+                effects.result,
                 effects.ended,
                 effects.lifecycle_events,
                 effects.progressed,
-                engine.metrics(),
-                engine.num_waiting(),
+                self._loops[rank].engine.metrics(),
             ),
             rank,
         )
@@ -294,27 +272,23 @@ class RankWorker:
         while True:
             frame = await sock.recv()
             try:
-                corr, rank, kind, body = w.command_header_decoder.decode(frame)
+                corr, rank, order = w.order_decoder.decode(frame)
                 rank_loop = self._loops[rank]
-                if kind == w.STOP:
-                    # call_soon: after the first steps of the command tasks made before it,
-                    # so every command sent before the stop reaches the inbox first.
-                    loop.call_soon(rank_loop.stop)
-                elif kind == w.UNTIL_IDLE:
-                    task = asyncio.ensure_future(self._until_idle(rank_loop, corr))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._call_done)
-                elif kind == w.GAUGES:
-                    self._outbox.add(self._gauges(rank, rank_loop), rank)
-                    self._outbox.add(w.Done(corr), rank)
-                elif kind == w.FPM_WORKER_ID:
-                    self._fpm_of[rank].worker_id = msgspec.msgpack.decode(body, type=str)
-                else:
-                    command = w.command_decoders[kind].decode(body)
-                    task = asyncio.ensure_future(self._call(rank_loop, corr, command))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._call_done)
-            except (msgspec.DecodeError, KeyError, IndexError) as exc:
+                match order:
+                    case w.StopRank():
+                        # call_soon: after the first steps of the command tasks made before
+                        # it, so every command sent before the stop reaches the inbox first.
+                        loop.call_soon(rank_loop.stop)
+                    case w.UntilIdle():
+                        self._spawn(self._until_idle(rank_loop, corr))
+                    case w.SendGauges():
+                        self._outbox.add(self._gauges(rank, rank_loop), rank)
+                        self._outbox.add(w.Done(corr), rank)
+                    case w.SetFpmWorkerId(worker_id):
+                        self._fpm_of[rank].worker_id = worker_id
+                    case _:
+                        self._spawn(self._call(rank_loop, corr, order))
+            except (msgspec.DecodeError, KeyError) as exc:
                 # The daemon is the same build; this is a bug, and the daemon goes on.
                 log.error("bad frame from the daemon", error=str(exc))
 
@@ -324,12 +298,16 @@ class RankWorker:
             await loop.call(command)
         except CoreError as exc:
             self._pending.pop(id(command), None)
-            failure = w.Failure(corr, loop.rank, type(exc).__name__, exc.code, str(exc))
-            self._outbox.add(failure, loop.rank)
+            self._outbox.add(w.Failure(corr, loop.rank, CoreFailure.of(exc)), loop.rank)
 
     async def _until_idle(self, loop: EngineLoop, corr: int) -> None:
         await loop.until_idle()
         self._outbox.add(w.Done(corr), loop.rank)
+
+    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._call_done)
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -363,7 +341,6 @@ class RankWorker:
             loop.tokens_total,
             loop.kv_overflows,
             engine.metrics(),
-            engine.num_waiting(),
             loop.lateness_summary(),
             None if replay is None else (replay.abandoned, replay.refused, replay.streaming),
         )

@@ -6,7 +6,7 @@ request outputs and lifecycle events become streamed messages. Pure functions, n
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final, TypeAlias, overload
 
 from engined.core import types as core
 from engined.wire.control import (
@@ -22,10 +22,11 @@ from engined.wire.control import (
     RankStats,
     ReleaseSource,
     ReserveDestination,
+    ResetPrefixCache,
+    SetVocabulary,
     SourceHeldEvent,
     Submit,
     SubmitHandoffPrefill,
-    TransferTiming,
     WireLifecycleEvent,
     WireRequest,
 )
@@ -53,14 +54,42 @@ def to_core_request(
     )
 
 
+# The messages that are a command to a rank (`to_core_command`).
+RankMessage: TypeAlias = (
+    Submit
+    | Cancel
+    | SubmitHandoffPrefill
+    | ReleaseSource
+    | CancelSource
+    | ReserveDestination
+    | ActivateDestination
+    | CancelDestination
+    | ResetPrefixCache
+    | SetVocabulary
+)
+
+
+@overload
+def to_core_command(
+    msg: RankMessage, *, request_id: str | None = None, stream_name: str | int | None = None
+) -> core.Command: ...
+
+
+@overload
+def to_core_command(
+    msg: ClientMessage, *, request_id: str | None = None, stream_name: str | int | None = None
+) -> core.Command | None: ...
+
+
 def to_core_command(
     msg: ClientMessage, *, request_id: str | None = None, stream_name: str | int | None = None
 ) -> core.Command | None:
-    """The core command a message asks for; None for the daemon's own messages.
+    """The core command a message asks of a rank; None for the daemon's own messages.
 
-    (`hello`, `stats`, `reset_prefix_cache`, `ping` and the others that name no request or
-    handoff are answered without one.) `request_id` and `stream_name` are those of the
-    request of a message that carries one, as in `to_core_request`.
+    (`hello`, `stats`, `ping`, `wait_idle` and the others a rank has no command for are
+    answered without one.) `request_id` and `stream_name` are those of the request of a
+    message that carries one, as in `to_core_request`. `reset_prefix_cache` and
+    `set_vocabulary` become the command each rank they name is given.
     """
     match msg:
         case Submit():
@@ -83,6 +112,10 @@ def to_core_command(
             return core.ActivateDestination(msg.handoff_id)
         case CancelDestination():
             return core.CancelDestination(msg.handoff_id)
+        case ResetPrefixCache():
+            return core.ResetPrefixCache()
+        case SetVocabulary():
+            return core.SetVocabulary(msg.vocab_size, tuple(msg.excluded_token_ids))
         case _:
             return None
 
@@ -178,16 +211,10 @@ def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:
     """The streamed form of a lifecycle event; a source's carries its transfer timing."""
     match event:
         case core.SourceHeld():
-            timing = event.transfer_timing
             return SourceHeldEvent(
                 handoff_id=event.handoff_id,
                 request_id=event.request_id,
-                transfer_timing=TransferTiming(
-                    mode=timing.mode.value,
-                    full_prompt_tokens=timing.full_prompt_tokens,
-                    kv_bytes_per_token=timing.kv_bytes_per_token,
-                    bandwidth_gb_s=timing.bandwidth_gb_s,
-                ),
+                transfer_timing=event.transfer_timing,
             )
         case core.DestinationReserved():
             return DestinationReservedEvent(
@@ -196,16 +223,6 @@ def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:
                 transferable_prompt_tokens=event.transferable_prompt_tokens,
             )
     raise TypeError(f"Not a lifecycle event: {event!r}")
-
-
-def to_core_timing(timing: TransferTiming) -> core.TransferTiming:
-    """A `source_held` event's timing as the core's, whose `delay_ms` is the one formula."""
-    return core.TransferTiming(
-        core.KvTransferTimingMode(timing.mode),
-        timing.full_prompt_tokens,
-        timing.kv_bytes_per_token,
-        timing.bandwidth_gb_s,
-    )
 
 
 def load_message(metrics: core.EngineMetrics) -> Load:
@@ -220,6 +237,13 @@ def load_message(metrics: core.EngineMetrics) -> Load:
     )
 
 
+# The core's gauges that a `stats` entry reports, under the same names (all but
+# `waiting_deferred`, which `stats` does not report).
+_STATS_GAUGES: Final[tuple[str, ...]] = tuple(
+    name for name in core.EngineMetrics.__struct_fields__ if name in RankStats.__struct_fields__
+)
+
+
 def rank_stats(
     metrics: core.EngineMetrics,
     *,
@@ -227,25 +251,13 @@ def rank_stats(
     lateness_ms: tuple[float, float, float] = (0.0, 0.0, 0.0),
     kv_events_overflows: int = 0,
 ) -> RankStats:
-    """One `stats` entry; the pass count is the daemon's, the gauges the core's."""
+    """One `stats` entry: the core's gauges as they are, the daemon's counters beside them."""
+    gauges: dict[str, Any] = {name: getattr(metrics, name) for name in _STATS_GAUGES}
     return RankStats(
-        dp_rank=metrics.dp_rank,
-        active_blocks=metrics.active_blocks,
-        inactive_blocks=metrics.inactive_blocks,
-        total_blocks=metrics.total_blocks,
-        kv_cache_usage=float(metrics.kv_cache_usage),
-        running=metrics.running,
-        waiting=metrics.waiting,
-        preemptions_total=metrics.preemptions_total,
+        **gauges,
         passes_total=passes_total,
         lateness_p50_ms=lateness_ms[0],
         lateness_p99_ms=lateness_ms[1],
         lateness_max_ms=lateness_ms[2],
-        g2_active_blocks=metrics.g2_active_blocks,
-        g2_inactive_blocks=metrics.g2_inactive_blocks,
-        g2_total_blocks=metrics.g2_total_blocks,
-        g3_active_blocks=metrics.g3_active_blocks,
-        g3_inactive_blocks=metrics.g3_inactive_blocks,
-        g3_total_blocks=metrics.g3_total_blocks,
         kv_events_overflows=kv_events_overflows,
     )

@@ -15,6 +15,10 @@ from typing import Final, Literal, TypeAlias, get_args
 import msgspec
 
 from engined.core.args import EngineType, WorkerType
+
+# The core's own timing record is the protocol's `transfer_timing` (one definition).
+from engined.core.transfer_timing import KvTransferTimingMode as KvTransferTimingMode
+from engined.core.transfer_timing import TransferTiming as TransferTiming
 from engined.wire.constraints import (
     AcceptStr,
     CacheSalt,
@@ -351,24 +355,6 @@ class Output(DaemonMessageBase, tag="output", gc=False):
 
     dp_rank: int
     outputs: list[OutputEntry]
-
-
-KvTransferTimingMode: TypeAlias = Literal["full_prompt", "destination_missing"]
-
-
-class TransferTiming(msgspec.Struct, frozen=True, kw_only=True):
-    """How the coordinator models a held source's KV transfer (PROTOCOL.md §1.7).
-
-    The delay is `tokens * kv_bytes_per_token / (bandwidth_gb_s * 1e9)` seconds, where
-    `tokens` is `full_prompt_tokens` in `full_prompt` mode and the destination's
-    `transferable_prompt_tokens` (what its prefix cache lacks) in `destination_missing`
-    mode; no delay is modelled while either figure is null (or the bandwidth <= 0).
-    """
-
-    mode: KvTransferTimingMode
-    full_prompt_tokens: int
-    kv_bytes_per_token: int | None
-    bandwidth_gb_s: float | None
 
 
 class SourceHeldEvent(msgspec.Struct, tag_field="kind", tag="source_held", frozen=True):

@@ -16,6 +16,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from engined.client import EngineClient
@@ -347,7 +348,7 @@ def test_the_transfer_wait_is_the_source_timing_at_its_speedup(pair: Pair) -> No
             generated = await source.collect(submitted, timeout=WAIT_S)
             assert generated.finish_reason == "length"
             params = await disagg.finish_prefill(source, role, submitted, len(ids), 0)
-            timing = TransferTiming(**params["engined"]["transfer_timing"])
+            timing = msgspec.convert(params["engined"]["transfer_timing"], TransferTiming)
             decode = DecodeRole(
                 handoff_id=role.handoff_id,
                 endpoint=f"tcp://127.0.0.1:{pair.prefill_port}",

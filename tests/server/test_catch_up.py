@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from engined.core.pass_report import PassReport
 from engined.core.types import (
     Cancel,
     Command,
     CommandEffects,
     Decodes,
     LifecycleEvent,
-    PassResult,
     RequestOutput,
     Submit,
 )
@@ -48,7 +48,7 @@ class Timeline:
     def now(self) -> float:
         return round(self.clock() * 1000, 3)
 
-    def on_pass(self, rank: int, start_ms: float, result: PassResult) -> None:
+    def on_pass(self, rank: int, start_ms: float, result: PassReport) -> None:
         self.starts.append(round(start_ms, 3))
         self.ran_at.append(self.now())
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from engined.core.types import Cancel, PassResult, Request, Submit
+from engined.core.pass_report import PassReport
+from engined.core.types import Cancel, Request, Submit
 from engined.server.collector import Collector
 from engined.server.deadlines import Deadlines
 from engined.server.ranks import Pacing
@@ -56,7 +57,7 @@ def test_a_command_makes_only_a_rank_waiting_for_work_due_now() -> None:
         )
         seen: list[float | None] = []
 
-        def on_pass(rank: int, start_ms: float, result: PassResult) -> None:
+        def on_pass(rank: int, start_ms: float, result: PassReport) -> None:
             before = deadlines.earliest()
             loop.send(Cancel("nobody"))  # refused (unknown), harmless
             seen.append(before)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from engined.core.types import Cancel, Command, CommandEffects, PassResult, Submit
+from engined.core.pass_report import PassReport
+from engined.core.types import Cancel, Command, CommandEffects, Submit
 from engined.core.types import Request as CoreRequest
 from engined.server.collector import Collector
 from engined.server.deadlines import Deadlines
@@ -54,7 +55,7 @@ def test_submissions_apply_on_arrival_and_others_wait_for_the_boundary() -> None
         def on_command(rank: int, at: float, command: Command, effects: CommandEffects) -> None:
             applied.append((label(command), round(clock() * 1000, 3)))
 
-        def on_pass(rank: int, start_ms: float, result: PassResult) -> None:
+        def on_pass(rank: int, start_ms: float, result: PassReport) -> None:
             starts.append(round(start_ms, 3))
 
         loop.command_observers.append(on_command)

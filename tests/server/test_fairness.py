@@ -30,7 +30,8 @@ import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient
-from engined.core.types import Decodes, LifecycleEvent, PassResult, Request, RequestOutput, Submit
+from engined.core.pass_report import PassReport
+from engined.core.types import Decodes, LifecycleEvent, Request, RequestOutput, Submit
 from engined.server.control import CONTROL_TURN_MESSAGES, ControlServer
 from engined.server.daemon import CONTROL_HWM
 from engined.server.deadlines import Deadlines
@@ -217,7 +218,7 @@ def test_a_late_rank_yields_once_per_pass() -> None:
         ticks = 0
         seen: list[int] = []
 
-        def slow_pass(rank: int, now_ms: float, result: PassResult) -> None:
+        def slow_pass(rank: int, now_ms: float, result: PassReport) -> None:
             seen.append(ticks)
             clock.now += 0.005
 

@@ -22,7 +22,8 @@ import asyncio
 
 import pytest
 
-from engined.core.types import Command, CommandEffects, PassResult, Submit
+from engined.core.pass_report import PassReport
+from engined.core.types import Command, CommandEffects, Submit
 from engined.core.types import Request as CoreRequest
 from engined.server.collector import Collector
 from engined.server.deadlines import Deadlines
@@ -79,7 +80,7 @@ def test_a_burst_is_applied_a_turn_per_pass(
                 applied.append(request_id)
                 clock.now += COMMAND_COST_S
 
-        def on_pass(rank: int, start_ms: float, result: PassResult) -> None:
+        def on_pass(rank: int, start_ms: float, result: PassReport) -> None:
             if applied and (not boundaries or len(applied) != sum(boundaries)):
                 boundaries.append(len(applied) - sum(boundaries))
 

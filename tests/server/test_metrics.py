@@ -1,6 +1,6 @@
 """Prometheus `/metrics` and `/health` (engined.server.metrics, engined.server.http).
 
-Three layers: `RankMetrics` fed with hand-made PassResults (each rule on its own) and with a
+Three layers: `RankMetrics` fed with hand-made PassReports (each rule on its own) and with a
 real core's passes checked against a brute-force, per-token reference; the HTTP server in
 process (routes, status codes, garbage); and a live daemon scraped under load, whose counters
 must equal the client's own tallies. No sleep is used to synchronise: waits are bounded reads
@@ -31,6 +31,7 @@ from engined.client import EngineClient, Generation
 from engined.config import DaemonConfig
 from engined.core.args import EngineArgs
 from engined.core.engine import Engine
+from engined.core.pass_report import PassReport
 from engined.core.types import (
     ActivateDestination,
     Admission,
@@ -40,9 +41,7 @@ from engined.core.types import (
     Decodes,
     EndedRequest,
     FinishReason,
-    FpmSnapshot,
     LifecycleEvent,
-    PassResult,
     Request,
     RequestOutput,
     ReserveDestination,
@@ -131,9 +130,9 @@ def hand_pass(
     end_ms: float,
     outputs: list[RequestOutput],
     admissions: tuple[str, ...] = (),
-) -> PassResult:
-    """A PassResult with only what the metrics read filled in."""
-    return PassResult(
+) -> PassReport:
+    """A PassReport with only what the metrics read filled in."""
+    return PassReport(
         end_ms=end_ms,
         outputs=outputs,
         decodes=Decodes([], [], [0] * len(outputs)),
@@ -143,10 +142,7 @@ def hand_pass(
             if out.finish_reason is not None
         ],
         admissions=[Admission(request_id, 0) for request_id in admissions],
-        lifecycle_events=[],
         metrics=core.metrics(),
-        kv_events=[],
-        fpm=FpmSnapshot(),
         accept_length_output_tokens=sum(len(out.new_token_ids) for out in outputs),
     )
 
@@ -408,7 +404,7 @@ def test_handoff_sides_are_tracked_until_they_end() -> None:
     now = 2.0
     while not decode.is_empty():
         result = decode.execute_pass(now)
-        metrics.on_pass(0, now, result)
+        metrics.on_pass(0, now, PassReport.of(result))
         now = result.end_ms
     assert metrics.finished == {"stop": 0, "length": 1, "abort": 1}
     assert (metrics.ttft.count, metrics.requests) == (1, {})
@@ -418,7 +414,7 @@ def test_handoff_sides_are_tracked_until_they_end() -> None:
     request = Request(token_ids=list(range(40)), max_tokens=1, request_id="p")
     command(prefill, source, 0.0, SubmitHandoffPrefill("h", request))
     while not prefill.is_empty():
-        source.on_pass(0, 0.0, prefill.execute_pass(0.0))
+        source.on_pass(0, 0.0, PassReport.of(prefill.execute_pass(0.0)))
     assert source.finished == {"stop": 0, "length": 1, "abort": 0}
     assert source.requests == {}
     held = prefill.inspect_handoff("h")  # its KV is held, the request has finished
@@ -473,7 +469,7 @@ def run_core(
                     passes.append(now)
             if output.finish_reason is not None:
                 truth.finished[output.request_id] = now
-        metrics.on_pass(0, start, result)
+        metrics.on_pass(0, start, PassReport.of(result))
     truth.prompt_tokens = sum(prompts.values())
     return truth
 

@@ -22,6 +22,7 @@ from engined.config import DaemonConfig
 from engined.core.args import EngineArgs, PerfModelKind, WorkerType
 from engined.core.engine import Engine
 from engined.core.kv_residency import KvBlockEviction
+from engined.core.pass_report import PassReport
 from engined.core.types import (
     ActivateDestination,
     Cancel,
@@ -89,7 +90,7 @@ class Driver:
         done = 0
         while not self.core.is_empty() if count is None else done < count:
             result = self.core.execute_pass(self.now)
-            self.tallies.on_pass(0, self.now, result)
+            self.tallies.on_pass(0, self.now, PassReport.of(result))
             if result.lifecycle_events:
                 self.metrics.on_lifecycle(0, result.lifecycle_events)
             self.now = result.end_ms

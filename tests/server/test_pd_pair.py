@@ -29,11 +29,11 @@ from engined.client import EngineClient, EngineError, Generation
 from engined.wire.control import (
     Applied,
     DestinationReservedEvent,
+    KvTransferTimingMode,
     Noop,
     SourceHeldEvent,
     TransferTiming,
 )
-from engined.wire.convert import to_core_timing
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import DaemonProcess, KvStream, start_daemon, to_core_events
 from tests.server.support import assert_idle, rank0, wait_for_stats
@@ -154,7 +154,7 @@ async def coordinate(
         handoff_id=handoff_id,
         request_id=request_id,
         transfer_timing=TransferTiming(
-            mode=timing_mode,  # type: ignore[arg-type]
+            mode=KvTransferTimingMode(timing_mode),
             full_prompt_tokens=len(tokens),
             kv_bytes_per_token=KV_BYTES_PER_TOKEN,
             bandwidth_gb_s=KV_BANDWIDTH_GB_S,
@@ -260,9 +260,7 @@ def test_transfer_timing_mode_decides_what_the_coordinator_moves(
             assert isinstance(held, SourceHeldEvent) and held.transfer_timing is not None
             assert isinstance(reserved, DestinationReservedEvent)
             assert reserved.transferable_prompt_tokens == 48
-            delay = to_core_timing(held.transfer_timing).delay_ms(
-                reserved.transferable_prompt_tokens
-            )
+            delay = held.transfer_timing.delay_ms(reserved.transferable_prompt_tokens)
             assert delay == pytest.approx(transfer_delay_ms(moved_tokens))
             assert prefill.handoff_delay_ms == pytest.approx(transfer_delay_ms(len(second)))
             assert isinstance(await dc.activate_destination("h-2"), Applied)

@@ -143,8 +143,10 @@ def test_one_client_cannot_fill_the_room_of_another(tmp_path: Path) -> None:
         await stuck.wait()
 
     async def scenario() -> None:
+        # A clock that never moves: every pass's end is ahead of it, so the held wait is
+        # reached however late the pass ran (a late pass does not wait, engine_loop).
         async with (
-            serve(tmp_path, sleep=held, speedup_ratio=1.0) as served,
+            serve(tmp_path, clock=lambda: 0.0, sleep=held, speedup_ratio=1.0) as served,
             await EngineClient.connect(served.endpoint, ctx=served.ctx) as hog,
             await EngineClient.connect(served.endpoint, ctx=served.ctx) as bystander,
         ):

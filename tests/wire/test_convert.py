@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import get_type_hints
+
+import msgspec
 import pytest
 
 from engined.core import types as core
@@ -49,7 +52,13 @@ def test_to_core_request_carries_the_stops_and_the_salt() -> None:
         (control.CancelDestination(handoff_id="h"), core.CancelDestination("h")),
         (control.Hello(), None),
         (control.Stats(), None),
-        (control.ResetPrefixCache(dp_rank=0), None),
+        (control.ResetPrefixCache(dp_rank=0), core.ResetPrefixCache()),
+        (control.SetVocabulary(vocab_size=None), core.SetVocabulary(None, ())),
+        (
+            control.SetVocabulary(vocab_size=100, excluded_token_ids=[0, 2]),
+            core.SetVocabulary(100, (0, 2)),
+        ),
+        (control.WaitIdle(), None),
         (control.Ping(), None),
     ],
     ids=lambda v: type(v).__name__,
@@ -213,11 +222,14 @@ def test_to_wire_lifecycle() -> None:
         handoff_id="h",
         request_id="r",
         transfer_timing=control.TransferTiming(
-            mode="full_prompt", full_prompt_tokens=8, kv_bytes_per_token=None, bandwidth_gb_s=None
+            mode=control.KvTransferTimingMode.FULL_PROMPT,
+            full_prompt_tokens=8,
+            kv_bytes_per_token=None,
+            bandwidth_gb_s=None,
         ),
     )
-    assert isinstance(wire_held, control.SourceHeldEvent) and wire_held.transfer_timing
-    assert convert.to_core_timing(wire_held.transfer_timing) == timing
+    assert isinstance(wire_held, control.SourceHeldEvent)
+    assert wire_held.transfer_timing is timing
     assert convert.to_wire_lifecycle(reserved) == control.DestinationReservedEvent(
         handoff_id="h2", request_id="r2", transferable_prompt_tokens=16
     )
@@ -226,13 +238,17 @@ def test_to_wire_lifecycle() -> None:
 
 
 def test_core_timing_keeps_the_one_delay_formula() -> None:
-    wire = control.TransferTiming(
-        mode="destination_missing",
-        full_prompt_tokens=100,
-        kv_bytes_per_token=131072,
-        bandwidth_gb_s=25.0,
+    """A `transfer_timing` decoded off the wire is the core's record, with its formula."""
+    frame = msgspec.msgpack.encode(
+        {
+            "mode": "destination_missing",
+            "full_prompt_tokens": 100,
+            "kv_bytes_per_token": 131072,
+            "bandwidth_gb_s": 25.0,
+        }
     )
-    timing = convert.to_core_timing(wire)
+    timing = msgspec.msgpack.decode(frame, type=control.TransferTiming)
+    assert control.TransferTiming is core.TransferTiming
     assert timing.mode is core.KvTransferTimingMode.DESTINATION_MISSING
     assert timing.delay_ms(48) == pytest.approx(48 * 131072 / 25e9 * 1000)
 
@@ -258,4 +274,40 @@ def test_rank_stats() -> None:
         waiting=1,
         preemptions_total=3,
         passes_total=99,
+    )
+
+
+def test_rank_stats_reports_every_core_gauge_it_names() -> None:
+    """A `stats` entry takes the core's gauges by name: each means what the core's does."""
+    stats_hints = get_type_hints(control.RankStats)
+    core_hints = get_type_hints(core.EngineMetrics)
+    shared = {name for name in core_hints if name in stats_hints}
+    assert set(core_hints) - shared == {"waiting_deferred"}
+    assert {name: stats_hints[name] for name in shared} == {
+        name: core_hints[name] for name in shared
+    }
+    metrics = core.EngineMetrics(1, 4, 2, 10, 0.4, 2, 1, 3, 5, 6, 7, 8, 9, 11, waiting_deferred=1)
+    stats = convert.rank_stats(
+        metrics, passes_total=99, lateness_ms=(1.0, 2.0, 3.0), kv_events_overflows=12
+    )
+    assert stats == control.RankStats(
+        dp_rank=1,
+        active_blocks=4,
+        inactive_blocks=2,
+        total_blocks=10,
+        kv_cache_usage=0.4,
+        running=2,
+        waiting=1,
+        preemptions_total=3,
+        passes_total=99,
+        lateness_p50_ms=1.0,
+        lateness_p99_ms=2.0,
+        lateness_max_ms=3.0,
+        g2_active_blocks=5,
+        g2_inactive_blocks=6,
+        g2_total_blocks=7,
+        g3_active_blocks=8,
+        g3_inactive_blocks=9,
+        g3_total_blocks=11,
+        kv_events_overflows=12,
     )
