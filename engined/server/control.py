@@ -97,6 +97,7 @@ class ControlServer:
         *,
         welcome: Callable[[], wire.Welcome],
         settings: RuntimeSettings,
+        instance_id: str | None = None,
         max_queued_requests: int,
         handoff_timeout_s: float | None = None,
         deadlines: Deadlines | None = None,
@@ -110,12 +111,14 @@ class ControlServer:
         event loop: a reading turn ends early once one of them is due. `inflight_bytes` is
         what one client's requests in flight may be charged (`engined.server.budgets`);
         `unread_messages` and `unread_bytes` what it may leave unread (`ClientTable`).
-        `metrics` answers `metrics` (None: the daemon keeps no metrics)."""
+        `metrics` answers `metrics` (None: the daemon keeps no metrics). `instance_id` is
+        the welcome's, repeated in every `pong`."""
         self._sock = sock
         self._deadlines = deadlines
         self._clock = clock
         self._loops = loops
         self._welcome = welcome
+        self._instance_id = instance_id
         self._settings = settings
         # Malformed input is logged in bursts per client, not once per message.
         self._bad_log = LogThrottle()
@@ -280,7 +283,7 @@ class ControlServer:
                 welcome.id = msg.id
                 self._reply(identity, welcome)
             case wire.Ping():
-                self._reply(identity, wire.Pong(id=msg.id))
+                self._reply(identity, wire.Pong(id=msg.id, instance_id=self._instance_id))
             case wire.Stats():
                 if self._reports.live:
                     self._reply(identity, self._reports.stats(msg.id))

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -109,6 +110,8 @@ class Daemon:
         if rank_processes is None:
             rank_processes = config.rank_processes
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        # Unguessable, so that no client can take another start for this one (protocol §1.1).
+        self.instance_id = secrets.token_hex(16)
         self.loops: list[RankHandle] = []
         # In worker mode, the same ranks as their proxies (their gauges, publisher figures).
         self._proxies: list[RankProxy] = []
@@ -295,6 +298,7 @@ class Daemon:
                 fpm_worker_id=settings.fpm_worker_id,
                 speedup_ratio=engine.speedup_ratio,
                 operator_endpoint=operator.advertised,
+                instance_id=self.instance_id,
             )
 
         if self.metrics is not None:
@@ -306,6 +310,7 @@ class Daemon:
             control_sock,
             self.loops,
             welcome=welcome,
+            instance_id=self.instance_id,
             settings=settings,
             max_queued_requests=cfg.max_queued_requests,
             handoff_timeout_s=engine.handoff_session_timeout_ms / 1000.0,
@@ -348,6 +353,7 @@ class Daemon:
             core=str(running_core()),
             pid=os.getpid(),
             worker_id=self.worker_id,
+            instance_id=self.instance_id,
             control_endpoint=cfg.control_endpoint,
             kv_events_endpoints=kv_endpoints,
             kv_replay_endpoints=replay_endpoints,
