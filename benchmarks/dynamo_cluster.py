@@ -29,11 +29,8 @@ Prints the machine's load average before each phase: the machine may be shared.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +38,13 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.dynamo_e2e import LOADGEN_TIMEOUT_S, MODEL, VOCAB_WORDS  # noqa: E402
+from benchmarks.dynamo_e2e import (  # noqa: E402
+    MODEL,
+    add_peers_arguments,
+    loadgen_result,
+    peers_and_model,
+    run_loadgen,
+)
 from engined.core.perf_model import PolynomialPerfModel  # noqa: E402
 
 POLL_S = 0.2
@@ -175,30 +178,10 @@ def run_backend(
         frontend_used = cpu_s([frontend.pid]) - frontend_before
         result["frontend_idle_cpu_pct"] = 100 * frontend_used / args.idle
         print(f"{tag} load phase, {load_average()}")
-        command = [
-            str(python),
-            str(REPO_ROOT / "benchmarks" / "dynamo_e2e.py"),
-            "loadgen",
-            "--url",
-            frontend.url,
-            "--requests",
-            str(args.requests),
-            "--concurrency",
-            str(args.concurrency),
-            "--isl",
-            str(args.isl),
-            "--osl",
-            str(args.osl),
-            "--warmup",
-            str(args.warmup),
-        ]
-        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-        run = subprocess.run(
-            command, capture_output=True, text=True, timeout=LOADGEN_TIMEOUT_S, env=env
-        )
+        run = run_loadgen(python, frontend.url, args)
         if run.returncode != 0:
             raise SystemExit(f"{tag} load generator failed:\n{run.stderr[-3000:]}")
-        result.update(json.loads(run.stdout.strip().splitlines()[-1]))
+        result.update(loadgen_result(run))
         result["loaded_rss_mb"] = rss_mb(pids)
         routed = {r.worker_id for r in frontend.route_lines() if r.outcome == "success"}
         result["workers_used"] = len(routed)
@@ -255,25 +238,11 @@ def main() -> None:
     )
     parser.add_argument("--settle", type=float, default=5.0, help="s before measuring")
     parser.add_argument("--idle", type=float, default=10.0, help="s of idle CPU measured")
-    parser.add_argument(
-        "--peers-python",
-        type=Path,
-        default=Path(os.environ.get("INTEROP_PEERS_PYTHON", REPO_ROOT / ".venv-peers/bin/python")),
-        help="the Dynamo venv's python [env INTEROP_PEERS_PYTHON]",
-    )
-    parser.add_argument("--workdir", type=Path, default=None, help="logs (default: a tmp dir)")
+    add_peers_arguments(parser)
     args = parser.parse_args()
     from engined.core import running as running_core
-    from tests.interop.tiny_model import build_tiny_model
 
-    python = args.peers_python.absolute()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-cluster-"))
-    model = build_tiny_model(
-        workdir / "tiny-model",
-        vocab_words=VOCAB_WORDS,
-        max_position_embeddings=max(4096, args.isl + args.osl),
-        python=python,
-    )
+    python, workdir, model = peers_and_model(args, "dynamo-cluster-")
     print(f"engined core: {running_core()}; logs: {workdir}")
     backends = ["engined", "mocker"] if args.backend == "both" else [args.backend]
     for backend in backends:

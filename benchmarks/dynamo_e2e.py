@@ -272,6 +272,53 @@ def cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def add_peers_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Dynamo venv and the log directory every Dynamo benchmark takes."""
+    parser.add_argument(
+        "--peers-python",
+        type=Path,
+        default=Path(os.environ.get("INTEROP_PEERS_PYTHON", REPO_ROOT / ".venv-peers/bin/python")),
+        help="the Dynamo venv's python [env INTEROP_PEERS_PYTHON]",
+    )
+    parser.add_argument("--workdir", type=Path, default=None, help="logs (default: a tmp dir)")
+
+
+def peers_and_model(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, Path]:
+    """(the Dynamo venv's python, the log directory, a tiny model fit for `args.isl + args.osl`)."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.interop.tiny_model import build_tiny_model
+
+    # Not resolved: a venv's python is a symlink whose target lacks the venv's packages.
+    python = args.peers_python.absolute()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    model = build_tiny_model(
+        workdir / "tiny-model",
+        vocab_words=VOCAB_WORDS,
+        max_position_embeddings=max(4096, args.isl + args.osl),
+        python=python,
+    )
+    return python, workdir, model
+
+
+def run_loadgen(
+    python: Path, url: str, args: argparse.Namespace, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    """This script's `loadgen` in the Dynamo venv against `url`, with `args`' workload."""
+    command = [str(python), str(Path(__file__).resolve()), "loadgen", "--url", url, *extra]
+    command += ["--requests", str(args.requests), "--concurrency", str(args.concurrency)]
+    command += ["--isl", str(args.isl), "--osl", str(args.osl), "--warmup", str(args.warmup)]
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=LOADGEN_TIMEOUT_S, env=env
+    )
+
+
+def loadgen_result(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The JSON line a successful `loadgen` printed last."""
+    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return result
+
+
 def run_backend(
     backend: str, args: argparse.Namespace, python: Path, model: Path, workdir: Path
 ) -> dict[str, Any] | None:
@@ -316,32 +363,12 @@ def run_backend(
             first = str(exc).splitlines()[0]
             print(f"{tag} could not start: {first} (logs: {workdir / backend})", file=sys.stderr)
             return None
-        command = [
-            str(python),
-            str(Path(__file__).resolve()),
-            "loadgen",
-            "--url",
-            frontend.url,
-            "--requests",
-            str(args.requests),
-            "--concurrency",
-            str(args.concurrency),
-            "--isl",
-            str(args.isl),
-            "--osl",
-            str(args.osl),
-            "--warmup",
-            str(args.warmup),
-        ]
-        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-        run = subprocess.run(
-            command, capture_output=True, text=True, timeout=LOADGEN_TIMEOUT_S, env=env
-        )
+        run = run_loadgen(python, frontend.url, args)
         cpu = {p.name: cpu_seconds(p.pid) for p in cluster.processes}
         if run.returncode != 0:
             print(f"{tag} load generator failed:\n{run.stderr[-3000:]}", file=sys.stderr)
             return None
-        result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+        result = loadgen_result(run)
         result["process_cpu_s"] = cpu
         routed = [r for r in frontend.route_lines() if r.outcome == "success"]
         result["routed_ok"] = len(routed)
@@ -401,28 +428,11 @@ def main() -> None:
         default=1e6,
         help="the mocker's --speedup-ratio (its 0 is not infinite in 1.6.1)",
     )
-    parser.add_argument(
-        "--peers-python",
-        type=Path,
-        default=Path(os.environ.get("INTEROP_PEERS_PYTHON", REPO_ROOT / ".venv-peers/bin/python")),
-        help="the Dynamo venv's python [env INTEROP_PEERS_PYTHON]",
-    )
-    parser.add_argument("--workdir", type=Path, default=None, help="logs (default: a tmp dir)")
+    add_peers_arguments(parser)
     args = parser.parse_args()
     if args.osl < 1 or args.isl < 1 or args.requests < 1 or args.concurrency < 1:
         parser.error("--isl, --osl, --requests and --concurrency must be >= 1")
-    sys.path.insert(0, str(REPO_ROOT))
-    from tests.interop.tiny_model import build_tiny_model
-
-    # Not resolved: a venv's python is a symlink whose target lacks the venv's packages.
-    python = args.peers_python.absolute()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-e2e-"))
-    model = build_tiny_model(
-        workdir / "tiny-model",
-        vocab_words=VOCAB_WORDS,
-        max_position_embeddings=max(4096, args.isl + args.osl),
-        python=python,
-    )
+    python, workdir, model = peers_and_model(args, "dynamo-e2e-")
     backends = ["engined", "mocker"] if args.backend == "both" else [args.backend]
     results: dict[str, dict[str, Any]] = {}
     for backend in backends:

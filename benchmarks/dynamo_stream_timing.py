@@ -28,19 +28,22 @@ seconds of every process, and the load average before and after (the machine is 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from dynamo_e2e import LOADGEN_TIMEOUT_S, MODEL, VOCAB_WORDS, cpu_seconds  # noqa: E402
+from dynamo_e2e import (  # noqa: E402
+    MODEL,
+    add_peers_arguments,
+    cpu_seconds,
+    loadgen_result,
+    peers_and_model,
+    run_loadgen,
+)
 from openai_e2e import engined_version  # noqa: E402
 
 TARGET = 0.10
@@ -97,19 +100,12 @@ def run_mode(mode: str, args: argparse.Namespace, python: Path, model: Path, wor
                     print(f"{tag} the prefill router never activated", file=sys.stderr)
                     return False
                 time.sleep(0.1)
-        command = [str(python), str(REPO_ROOT / "benchmarks" / "dynamo_e2e.py"), "loadgen"]
-        command += ["--url", frontend.url, "--requests", str(args.requests)]
-        command += ["--concurrency", str(args.concurrency), "--warmup", str(args.warmup)]
-        command += ["--isl", str(args.isl), "--osl", str(args.osl)]
-        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-        run = subprocess.run(
-            command, capture_output=True, text=True, timeout=LOADGEN_TIMEOUT_S, env=env
-        )
+        run = run_loadgen(python, frontend.url, args)
         cpu = {p.name: cpu_seconds(p.pid) for p in cluster.processes}
     if run.returncode != 0:
         print(f"{tag} load generator failed:\n{run.stderr[-3000:]}", file=sys.stderr)
         return False
-    r: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    r = loadgen_result(run)
     ratio = r["itl_p50_ms"] / args.decode_ms
     print(
         f"{tag} {r['completed']} of {args.requests} streams completed ({r['failed']} failed), "
@@ -153,24 +149,9 @@ def main() -> None:
     parser.add_argument("--decode-ms", type=float, default=10.0)
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.02)
     parser.add_argument("--overhead-ms", type=float, default=1.0)
-    parser.add_argument(
-        "--peers-python",
-        type=Path,
-        default=Path(os.environ.get("INTEROP_PEERS_PYTHON", REPO_ROOT / ".venv-peers/bin/python")),
-        help="the Dynamo venv's python [env INTEROP_PEERS_PYTHON]",
-    )
-    parser.add_argument("--workdir", type=Path, default=None, help="logs (default: a tmp dir)")
+    add_peers_arguments(parser)
     args = parser.parse_args()
-    from tests.interop.tiny_model import build_tiny_model
-
-    python = args.peers_python.absolute()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-stream-timing-"))
-    model = build_tiny_model(
-        workdir / "tiny-model",
-        vocab_words=VOCAB_WORDS,
-        max_position_embeddings=max(4096, args.isl + args.osl),
-        python=python,
-    )
+    python, workdir, model = peers_and_model(args, "dynamo-stream-timing-")
     print(f"{engined_version()}; {os.cpu_count()} CPUs; logs: {workdir}")
     modes = ["agg", "pd"] if args.mode == "both" else [args.mode]
     results = [run_mode(mode, args, python, model, workdir) for mode in modes]

@@ -25,18 +25,21 @@ the daemon's `--http-port`, pass end to pass end): what lies between the two is 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from dynamo_e2e import LOADGEN_TIMEOUT_S, MODEL, VOCAB_WORDS  # noqa: E402
+from dynamo_e2e import (  # noqa: E402
+    MODEL,
+    add_peers_arguments,
+    loadgen_result,
+    peers_and_model,
+    run_loadgen,
+)
 from openai_e2e import engined_version, wait_health  # noqa: E402
 
 TARGET = 0.10
@@ -74,26 +77,12 @@ def main() -> None:
         default=0,
         help="the daemon's --realtime-priority (SCHED_FIFO ranks; needs CAP_SYS_NICE)",
     )
-    parser.add_argument(
-        "--peers-python",
-        type=Path,
-        default=Path(os.environ.get("INTEROP_PEERS_PYTHON", REPO_ROOT / ".venv-peers/bin/python")),
-        help="the Dynamo venv's python, for aiohttp [env INTEROP_PEERS_PYTHON]",
-    )
-    parser.add_argument("--workdir", type=Path, default=None, help="logs (default: a tmp dir)")
+    add_peers_arguments(parser)
     args = parser.parse_args()
     from tests.interop.dynamo_cluster import DynamoCluster
-    from tests.interop.tiny_model import build_tiny_model
     from tests.support import free_tcp_port
 
-    python = args.peers_python.absolute()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="openai-itl-"))
-    model = build_tiny_model(
-        workdir / "tiny-model",
-        vocab_words=VOCAB_WORDS,
-        max_position_embeddings=max(4096, args.isl + args.osl),
-        python=python,
-    )
+    python, workdir, model = peers_and_model(args, "openai-itl-")
     port, metrics_port = free_tcp_port(), free_tcp_port()
     flags = [
         str(model),
@@ -128,18 +117,11 @@ def main() -> None:
     with DynamoCluster(python, workdir, model_path=model, model_name=MODEL) as cluster:
         wait_health(url, cluster.engined_daemon(*flags))
         before = daemon_itl(metrics)
-        command = [str(python), str(REPO_ROOT / "benchmarks" / "dynamo_e2e.py"), "loadgen"]
-        command += ["--url", url, "--ids", "token_ids", "--requests", str(args.requests)]
-        command += ["--concurrency", str(args.concurrency), "--warmup", str(args.warmup)]
-        command += ["--isl", str(args.isl), "--osl", str(args.osl)]
-        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-        run = subprocess.run(
-            command, capture_output=True, text=True, timeout=LOADGEN_TIMEOUT_S, env=env
-        )
+        run = run_loadgen(python, url, args, "--ids", "token_ids")
         after = daemon_itl(metrics)
     if run.returncode != 0:
         sys.exit(f"load generator failed:\n{run.stderr[-3000:]}")
-    r = json.loads(run.stdout.strip().splitlines()[-1])
+    r = loadgen_result(run)
     ratio = r["itl_p50_ms"] / args.decode_ms
     print(
         f"{r['completed']} of {args.requests} streams completed ({r['failed']} failed), "

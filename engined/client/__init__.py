@@ -1,7 +1,7 @@
 """asyncio client of the control protocol (v1), used by the CLI, the tests and the benchmarks.
 
 `api` holds `EngineClient`'s calls, `connection` its socket, reader and bookkeeping,
-`errors` what the calls raise.
+`liveness` how a lost or restarted daemon is noticed, `errors` what the calls raise.
 """
 
 from engined.client.api import EngineClient, Generation
@@ -9,15 +9,27 @@ from engined.client.connection import DEFAULT_TIMEOUT, LIFECYCLE_FEED_SIZE
 from engined.client.errors import (
     ClientClosedError,
     ConnectionRefused,
+    DaemonLost,
     EngineError,
     ProtocolError,
 )
+from engined.client.liveness import (
+    DEFAULT_LIVENESS_S,
+    ConnectionBack,
+    ConnectionEvent,
+    ConnectionLost,
+)
 
 __all__ = [
+    "DEFAULT_LIVENESS_S",
     "DEFAULT_TIMEOUT",
     "LIFECYCLE_FEED_SIZE",
     "ClientClosedError",
+    "ConnectionBack",
+    "ConnectionEvent",
+    "ConnectionLost",
     "ConnectionRefused",
+    "DaemonLost",
     "EngineClient",
     "EngineError",
     "Generation",

@@ -25,13 +25,19 @@ from typing import Final, Self, TypeAlias, TypeVar
 import structlog
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from engined.client.errors import (
     ClientClosedError,
     ConnectionRefused,
+    DaemonLost,
     EngineError,
     ProtocolError,
+)
+from engined.client.liveness import (
+    DEFAULT_LIVENESS_S,
+    ConnectionEvent,
+    Liveness,
+    heartbeat_ms,
 )
 from engined.config.certificates import client_keys_from_environment
 from engined.wire.control import (
@@ -40,12 +46,14 @@ from engined.wire.control import (
     DaemonMessage,
     DirectReply,
     ErrorReply,
+    Hello,
     Lifecycle,
     Load,
     Noop,
     Output,
     OutputEntry,
     ReplyDecoder,
+    Welcome,
     WireError,
     WireLifecycleEvent,
     encode_message,
@@ -88,7 +96,12 @@ class Connection:
     """
 
     def __init__(
-        self, sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, *, owns_ctx: bool
+        self,
+        sock: zmq.asyncio.Socket,
+        ctx: zmq.asyncio.Context,
+        *,
+        owns_ctx: bool,
+        liveness_s: float | None = None,
     ) -> None:
         # Private: `connect()` builds the socket and starts the reader.
         self._sock = sock
@@ -111,10 +124,15 @@ class Connection:
         self._reader = asyncio.get_running_loop().create_task(
             self._read(), name="engine-client-reader"
         )
-        # A refused handshake never shows on the DEALER itself: its monitor tells.
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self._refusals = asyncio.get_running_loop().create_task(
-            self._watch_refusals(), name="engine-client-refusals"
+        # A refused handshake, a lost daemon and its return never show on the DEALER
+        # itself: its monitor tells.
+        self._liveness_s = liveness_s
+        self._liveness = Liveness(
+            sock,
+            watch_losses=liveness_s is not None,
+            refused=self._refused,
+            lost=self._lose,
+            greet=self._greet,
         )
 
     @classmethod
@@ -125,6 +143,7 @@ class Connection:
         ctx: zmq.asyncio.Context | None = None,
         identity: bytes | None = None,
         curve: CurveClientKeys | None = None,
+        liveness_s: float | None = DEFAULT_LIVENESS_S,
     ) -> Self:
         """Connect a DEALER to the daemon's control endpoint.
 
@@ -143,11 +162,16 @@ class Connection:
                 requires CURVE (`curve_secret_key_file`); None: those the files named by
                 ENGINED_CURVE_CLIENT_KEY_FILE and ENGINED_CURVE_SERVER_KEY_FILE hold, if set
                 (so every tool and the Dynamo worker can use CURVE), else none.
+            liveness_s: a daemon that died, hung or was cut off is noticed within this many
+                seconds (ZMTP heartbeats, `engined.client.liveness`): what waits then
+                raises `DaemonLost`, and `next_connection_event` reports the loss and the
+                return. None: no heartbeats, and a vanished daemon shows only as timeouts.
 
         Raises:
             ValueError: the CURVE environment names one file only, or a file it names
-                cannot be used.
+                cannot be used; `liveness_s` below 0.1 s.
         """
+        beats = None if liveness_s is None else heartbeat_ms(liveness_s)
         if curve is None:
             curve = client_keys_from_environment()
         owns_ctx = ctx is None
@@ -166,12 +190,16 @@ class Connection:
                 linger=0,
                 routing_id=identity,
                 curve_client=curve,
+                heartbeat_ivl=None if beats is None else beats[0],
+                heartbeat_timeout=None if beats is None else beats[1],
+                # What was sent to a lost daemon must not reach the one that replaces it.
+                immediate=beats is not None,
             )
         except BaseException:
             if owns_ctx:
                 context.term()
             raise
-        return cls(sock, context, owns_ctx=owns_ctx)
+        return cls(sock, context, owns_ctx=owns_ctx, liveness_s=liveness_s)
 
     async def __aenter__(self) -> Self:
         return self
@@ -190,11 +218,7 @@ class Connection:
             return
         self._closed = True
         self._reader.cancel()
-        self._refusals.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._refusals
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
+        await self._liveness.close()
         # A reader failure was logged and handed to every waiter when it happened; awaiting
         # here only collects it, so it is not reported twice.
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -217,17 +241,23 @@ class Connection:
             raise ClientClosedError("client reader failed") from self._failure
         if self._closed:
             raise ClientClosedError("client closed")
+        if self._liveness.lost is not None:
+            raise DaemonLost(str(self._liveness.lost))
 
-    async def _request(self, msg: ClientMessage, timeout: float | None) -> DirectReply:
-        """Send `msg` (stamped with an int id) and wait for the reply echoing that id."""
-        self._check_usable()
+    async def _request(
+        self, msg: ClientMessage, timeout: float | None, *, while_lost: bool = False
+    ) -> DirectReply:
+        """Send `msg` (stamped with an int id) and wait for the reply echoing that id;
+        `while_lost` sends it although the daemon is lost (the `hello` that ends a loss)."""
+        if not (while_lost and self._liveness.lost is not None):
+            self._check_usable()
         message_id = msg.id
         assert isinstance(message_id, int), "the client stamps every message with an int id"
         future: asyncio.Future[DirectReply] = asyncio.get_running_loop().create_future()
         self._pending[message_id] = future
         try:
             async with asyncio.timeout(timeout):
-                await self._sock.send_multipart((encode_message(msg),))
+                await self._send((encode_message(msg),), future)
                 reply = await future
         except BaseException:
             if self._pending.pop(message_id, None) is not None:
@@ -236,6 +266,24 @@ class Connection:
         if isinstance(reply, ErrorReply):
             raise EngineError(reply.code, reply.message)
         return reply
+
+    async def _send(self, frames: tuple[bytes], answered: asyncio.Future[DirectReply]) -> None:
+        """Send at once when libzmq takes the message, else wait until it does or until
+        `answered` is failed: without a connection (a lost daemon, `immediate`) a send waits,
+        and the loss that fails the call must end that wait too."""
+        try:
+            await self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            pass
+        sending = asyncio.ensure_future(self._sock.send_multipart(frames))
+        try:
+            await asyncio.wait((sending, answered), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not sending.done():
+                sending.cancel()
+        if sending.done() and not sending.cancelled():
+            sending.result()
 
     async def _call(self, msg: ClientMessage, expected: type[R], timeout: float | None) -> R:
         reply = await self._request(msg, timeout)
@@ -349,6 +397,8 @@ class Connection:
                 # A DEALER reply is [body]; tolerate the REQ-style [b"", body] envelope too.
                 if len(frames) == 2 and len(frames[0]) == 0:
                     frames = frames[1:]
+                if not self._liveness.up:
+                    self._liveness.heard()
                 if len(frames) != 1:
                     log.warning("daemon message with unexpected frames", frames=len(frames))
                     continue
@@ -366,12 +416,44 @@ class Connection:
             self._fail_all(exc)
             raise
 
-    async def _watch_refusals(self) -> None:
+    def _refused(self, status: int) -> None:
         """A refused handshake ends the client: libzmq does not try that endpoint again, so
         every waiting call and every later one raises the refusal at once."""
-        event = parse_monitor_message(await self._monitor.recv_multipart())
-        self._failure = ConnectionRefused(int(event["value"]))
+        self._failure = ConnectionRefused(status)
         self._fail_all(self._failure)
+
+    def _lose(self, lost: DaemonLost) -> None:
+        """End everything of the lost connection: its requests and handoffs are gone with
+        it (a daemon that returns knows this connection no more), and so are their queues."""
+        self._fail_all(lost)
+        self._streams.clear()
+        self._handoffs.clear()
+        self._abandoned.clear()
+
+    async def _greet(self) -> Welcome:
+        timeout = self._liveness_s or DEFAULT_TIMEOUT
+        reply = await self._request(Hello(id=self._next_id()), timeout, while_lost=True)
+        if not isinstance(reply, Welcome):
+            raise ProtocolError(f"expected `welcome` reply, got {reply!r}")
+        return reply
+
+    async def next_connection_event(self, *, timeout: float | None = None) -> ConnectionEvent:
+        """The next loss (`ConnectionLost`) or return (`ConnectionBack`) of the daemon.
+
+        Only with a liveness bound (`connect(liveness_s=...)`); events queue until read, so
+        a consumer that reads them in turn sees every loss before its return.
+        """
+        return await self._liveness.next_event(timeout)
+
+    @property
+    def daemon_lost(self) -> bool:
+        """True from a loss of the daemon until it answers again."""
+        return self._liveness.lost is not None
+
+    @property
+    def instance_id(self) -> str | None:
+        """The daemon's start, from the last `welcome` this client read (None: none yet)."""
+        return self._liveness.instance_id
 
     def _dispatch(self, msg: DaemonMessage) -> None:
         match msg:
@@ -386,6 +468,8 @@ class Connection:
                 if self._on_load is not None:
                     self._on_load(msg)
             case DirectReply():
+                if isinstance(msg, Welcome):
+                    self._liveness.saw_welcome(msg)
                 self._resolve(msg)
 
     def _resolve(self, reply: DirectReply) -> None:

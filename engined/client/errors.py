@@ -27,6 +27,15 @@ class ClientClosedError(ConnectionError):
     """The client was closed, or its reader failed (the failure is the `__cause__`)."""
 
 
+class DaemonLost(ClientClosedError):
+    """The connection to the daemon dropped, or the daemon stopped answering heartbeats.
+
+    Every call and stream waiting when it happened raises it, and so does every call until
+    the daemon is back (`EngineClient.next_connection_event`). Whatever the daemon ran for
+    this connection is gone from the client's view: resubmit elsewhere or after the return.
+    """
+
+
 class ConnectionRefused(ConnectionRefusedError):
     """The daemon refused this connection in its handshake (protocol §1.5).
 

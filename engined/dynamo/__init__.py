@@ -5,6 +5,5 @@ The worker is a Dynamo backend process (the classic `register_model` path, which
 `generate` endpoint by forwarding each request to the daemon over the control protocol, and
 points Dynamo's KV event publisher, FPM relay and load publisher at the daemon's sockets, as
 `dynamo.vllm` does for a vLLM engine. Nothing here is imported by the rest of engined, so a
-plain install never needs Dynamo: only `engined.dynamo.worker` and `engined.dynamo.handler`
-import it.
+plain install never needs Dynamo: only this package's modules import it, inside functions.
 """

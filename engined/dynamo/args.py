@@ -3,7 +3,8 @@
 Users move between `python -m dynamo.vllm`, `python -m dynamo.mocker` and this worker, so the
 flags, their defaults and their environment variables are Dynamo 1.6.1's
 (`dynamo/common/configuration/groups/runtime_args.py`); only `--control-endpoint` is ours,
-with the same default and variable as every other engined command.
+with the same default and variable as every other engined command, and
+`--daemon-liveness`, the bound within which a lost daemon is noticed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engined.client.liveness import DEFAULT_LIVENESS_S, heartbeat_ms
 from engined.tools.args import DEFAULT_CONTROL_ENDPOINT, check_endpoint
 
 
@@ -38,6 +40,7 @@ class WorkerArgs:
     event_plane: str | None
     connect_timeout: float
     worker_per_rank: bool = False
+    daemon_liveness: float = DEFAULT_LIVENESS_S
 
     @property
     def endpoint_path(self) -> str:
@@ -58,6 +61,15 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _liveness(text: str) -> float:
+    value = _positive(text)
+    try:
+        heartbeat_ms(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
     return value
 
 
@@ -145,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
             "process simulate N workers"
         ),
     )
+    parser.add_argument(
+        "--daemon-liveness",
+        type=_liveness,
+        default=DEFAULT_LIVENESS_S,
+        help="seconds within which a dead, hung or unreachable daemon is noticed (ZMTP "
+        "heartbeats; at least 0.1): its streams then end with EngineShutdown, which the "
+        "frontend migrates with --migration-limit",
+    )
     return parser
 
 
@@ -174,4 +194,5 @@ def parse_args(argv: Sequence[str]) -> WorkerArgs:
         event_plane=ns.event_plane,
         connect_timeout=ns.connect_timeout,
         worker_per_rank=ns.worker_per_rank,
+        daemon_liveness=ns.daemon_liveness,
     )

@@ -19,7 +19,6 @@ id (`set_fpm_worker_id` with `dp_rank`). Requests are pinned to the rank.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -30,17 +29,16 @@ import structlog
 
 from engined.client import EngineClient
 from engined.dynamo.args import WorkerArgs
+from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids
 from engined.dynamo.handler import Chunk, Context, Limits, RequestHandler
+from engined.dynamo.recovery import gated
 from engined.dynamo.worker import (
     READY_LINE,
-    _attach,
     _runtime_config,
-    _shutdown_when,
-    _watch_daemon,
-    as_operator,
-    connect_daemon,
+    follow,
     rank_publishers,
     register,
+    shut_down,
     warn_without_kv_events,
 )
 from engined.wire.control import Load, Welcome
@@ -94,7 +92,7 @@ async def serve_per_rank(args: WorkerArgs) -> int:
     workers: list[RankWorker] = []
     runtimes = Runtimes()
     try:
-        welcome, context = await _attach(client, args)
+        welcome, context = await attach(client, args)
         warn_without_kv_events(welcome)
         name = args.served_model_name or welcome.model_name
         limits = Limits(args.control_endpoint, context, welcome.speedup_ratio or 0.0)
@@ -114,11 +112,20 @@ async def serve_per_rank(args: WorkerArgs) -> int:
             config.data_parallel_size = 1
             await register(args, worker.endpoint, name, welcome, config)
         loop = asyncio.get_running_loop()
-        gone = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runtimes.shutdown)
-        watcher = asyncio.ensure_future(_watch_daemon(client, args.control_endpoint, gone))
-        shutdown_on_loss = asyncio.ensure_future(_shutdown_when(gone, runtimes, client))
+
+        def republish(returned: Welcome) -> None:
+            for worker in workers:
+                shut_down(worker.publishers)
+                worker.publishers = rank_publishers(worker.endpoint, returned, worker.rank)
+
+        fpm_ids = [(w.rank, w.instance_id) for w in workers]
+        follower, ended = follow(
+            client, args, [w.endpoint for w in workers], welcome, fpm_ids, republish, on_load
+        )
+        ended.add_done_callback(lambda _: runtimes.shutdown())
+        following = asyncio.ensure_future(follower.run())
         log.info(
             READY_LINE,
             model=name,
@@ -133,23 +140,22 @@ async def serve_per_rank(args: WorkerArgs) -> int:
             await asyncio.gather(
                 *(
                     w.endpoint.serve_endpoint(
-                        w.generate, graceful_shutdown=True, metrics_labels=[("model", name)]
+                        gated(w.generate, follower),
+                        graceful_shutdown=True,
+                        metrics_labels=[("model", name)],
                     )
                     for w in workers
                 )
             )
         finally:
-            watcher.cancel()
-            shutdown_on_loss.cancel()
+            following.cancel()
         log.info(
             "engined dynamo-worker stopped", in_flight=sum(w.handler.in_flight for w in workers)
         )
-        return 1 if gone.is_set() else 0
+        return 1 if ended.done() else 0
     finally:
         for worker in workers:
-            for publisher in worker.publishers:
-                with contextlib.suppress(Exception):
-                    publisher.shutdown()
+            shut_down(worker.publishers)
             await worker.handler.close()
         await client.close()
 
@@ -174,13 +180,7 @@ async def _start_rank(
     runtimes.all.append(runtime)
     endpoint = runtime.endpoint(args.endpoint_path)
     instance_id = endpoint.connection_id()
-    await as_operator(
-        client,
-        welcome,
-        args.control_endpoint,
-        f"the FPM worker id of rank {rank}",
-        lambda c: c.set_fpm_worker_id(str(instance_id), dp_rank=rank),
-    )
+    await set_fpm_worker_ids(client, args, welcome, [(rank, instance_id)])
     handler = RequestHandler(client, args.disaggregation_mode, limits, connect=EngineClient.connect)
     worker = RankWorker(rank, runtime, endpoint, instance_id, handler)
     worker.publishers = rank_publishers(endpoint, welcome, rank)

@@ -27,7 +27,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 import structlog
 
-from engined.client import ClientClosedError, EngineClient, EngineError
+from engined.client import ClientClosedError, DaemonLost, EngineClient, EngineError
 from engined.client.handoff import (
     CALL_TIMEOUT_S,
     Coordinator,
@@ -122,6 +122,8 @@ class RequestHandler:
                 yield chunk
         except RequestFailed as exc:
             raise _http_error(exc) from None
+        except DaemonLost:
+            raise  # migratable: the worker's gate (engined.dynamo.recovery.gated) says so
         except ClientClosedError:
             raise _http_error(RequestFailed(503, "the engined daemon went away")) from None
         finally:

@@ -16,37 +16,24 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
 import structlog
 
-from engined.client import ClientClosedError, EngineClient, EngineError
+from engined.client import EngineClient
 from engined.dynamo.args import DisaggregationMode, WorkerArgs, parse_args
+from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids, set_vocabulary
 from engined.dynamo.handler import Limits, RequestHandler
-from engined.dynamo.model import (
-    SetupError,
-    check_role,
-    context_length,
-    read_model,
-    reconcile_vocabulary,
-)
-from engined.dynamo.startup import (
-    bound_connection_waits,
-    check_system_port,
-    dynamo_step,
-    runtime_failure,
-)
+from engined.dynamo.model import SetupError, read_model
+from engined.dynamo.recovery import DaemonFollower, gated
+from engined.dynamo.startup import dynamo_step, runtime_failure
 from engined.logs import configure_logging
 from engined.wire.control import Load, Welcome
 
 log = structlog.get_logger(__name__)
 
 READY_LINE: Final = "engined dynamo-worker ready"
-# Liveness of the daemon: a DEALER never notices a dead peer by itself, so the worker pings.
-# Load and tokens are pushed by the daemon; only this question needs asking.
-PING_INTERVAL_S: Final = 2.0
-PING_TIMEOUT_S: Final = 5.0
 INSTALL_HINT: Final = (
     "engined dynamo-worker needs NVIDIA Dynamo's runtime: pip install 'engined[dynamo]' "
     "(ai-dynamo-runtime 1.6.1), or `python -m dynamo.frontend` users: pip install "
@@ -88,84 +75,6 @@ def _run(server: Serve, args: WorkerArgs) -> int:
         return asyncio.run(server(args))
     status: int = uvloop.run(server(args))
     return status
-
-
-async def connect_daemon(args: WorkerArgs) -> EngineClient:
-    check_system_port(os.environ)
-    bound_connection_waits(os.environ, args.connect_timeout)
-    try:
-        return await EngineClient.connect(args.control_endpoint)
-    except ValueError as error:  # the CURVE key files the environment names
-        raise SetupError(str(error)) from None
-
-
-async def _hello(client: EngineClient, args: WorkerArgs) -> Welcome:
-    try:
-        return await client.hello(timeout=args.connect_timeout)
-    except TimeoutError:
-        raise SetupError(
-            f"no engined daemon answered at {args.control_endpoint} within "
-            f"{args.connect_timeout:g} s: start one with `engined serve --control-endpoint "
-            f"{args.control_endpoint}` (or pass --control-endpoint)"
-        ) from None
-
-
-async def as_operator(
-    client: EngineClient,
-    welcome: Welcome,
-    control_endpoint: str,
-    what: str,
-    command: Callable[[EngineClient], Awaitable[object]],
-) -> None:
-    """Send an engine-wide command where the daemon takes it: its operator endpoint, which
-    admits this worker as operator when it runs as the daemon's user (protocol §1.5), else
-    the control connection (an ipc one, or one with an operator CURVE key).
-
-    Raises:
-        SetupError: the daemon refused it (`what` says what), or its operator endpoint did
-            not answer (another user's worker cannot connect there).
-    """
-    endpoint = welcome.operator_endpoint
-    try:
-        if endpoint is None or endpoint == control_endpoint:
-            await command(client)
-            return
-        async with await EngineClient.connect(endpoint) as operator:
-            await command(operator)
-    except EngineError as exc:
-        raise SetupError(f"the daemon refused {what}: {exc.message}") from None
-    except TimeoutError:
-        raise SetupError(
-            f"the daemon's operator endpoint {endpoint} did not answer for {what}: run the "
-            "worker as the daemon's user (docs/security.md §2)"
-        ) from None
-
-
-async def _attach(client: EngineClient, args: WorkerArgs) -> tuple[Welcome, int]:
-    """Check the daemon against the model and adapt its vocabulary; (welcome, context)."""
-    model = read_model(args.model_path)
-    welcome = await _hello(client, args)
-    check_role(args.disaggregation_mode.value, welcome)
-    if welcome.max_model_len is None or welcome.max_num_seqs is None:
-        raise SetupError(
-            f"the daemon at {args.control_endpoint} (engined {welcome.version}) is too old "
-            "for dynamo-worker: upgrade it"
-        )
-    vocabulary = reconcile_vocabulary(model, welcome)
-    if vocabulary.apply:
-        await as_operator(
-            client,
-            welcome,
-            args.control_endpoint,
-            "the model's vocabulary",
-            lambda c: c.set_vocabulary(vocabulary.vocab_size, vocabulary.excluded_token_ids),
-        )
-        log.info(
-            "vocabulary set on the daemon",
-            vocab_size=vocabulary.vocab_size,
-            excluded_token_ids=list(vocabulary.excluded_token_ids),
-        )
-    return welcome, context_length(model, welcome.max_model_len)
 
 
 def _runtime_config(welcome: Welcome, context: int) -> Any:
@@ -246,21 +155,6 @@ def rank_publishers(endpoint: Any, welcome: Welcome, rank: int) -> list[Any]:
     return made
 
 
-async def _watch_daemon(client: EngineClient, endpoint: str, gone: asyncio.Event) -> None:
-    misses = 0
-    while True:
-        await asyncio.sleep(PING_INTERVAL_S)
-        try:
-            await client.ping(timeout=PING_TIMEOUT_S)
-            misses = 0
-        except (TimeoutError, ClientClosedError):
-            misses += 1
-            if misses >= 2:
-                log.error("the engined daemon stopped answering; shutting down", endpoint=endpoint)
-                gone.set()
-                return
-
-
 async def serve(args: WorkerArgs) -> int:
     from dynamo.llm import WorkerMetricsPublisher
     from dynamo.runtime import DistributedRuntime
@@ -269,7 +163,7 @@ async def serve(args: WorkerArgs) -> int:
     publishers: list[Any] = []
     handler: RequestHandler | None = None
     try:
-        welcome, context = await _attach(client, args)
+        welcome, context = await attach(client, args)
         loop = asyncio.get_running_loop()
         try:
             runtime = DistributedRuntime(
@@ -280,14 +174,8 @@ async def serve(args: WorkerArgs) -> int:
         with dynamo_step(f"Dynamo refused the endpoint {args.endpoint_path}"):
             endpoint = runtime.endpoint(args.endpoint_path)
             worker_id = endpoint.connection_id()
-        # The planner joins FPM with this worker by the id dynamo.vllm stamps: the endpoint's.
-        await as_operator(
-            client,
-            welcome,
-            args.control_endpoint,
-            "the FPM worker id",
-            lambda c: c.set_fpm_worker_id(str(worker_id)),
-        )
+        fpm_ids: list[tuple[int | None, int]] = [(None, worker_id)]
+        await set_fpm_worker_ids(client, args, welcome, fpm_ids)
         name = args.served_model_name or welcome.model_name
         handler = RequestHandler(
             client,
@@ -311,11 +199,16 @@ async def serve(args: WorkerArgs) -> int:
         await client.watch_load(on_load)
         mode = args.disaggregation_mode
         await register(args, endpoint, name, welcome, _runtime_config(welcome, context))
-        gone = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runtime.shutdown)
-        watcher = asyncio.ensure_future(_watch_daemon(client, args.control_endpoint, gone))
-        shutdown_on_loss = asyncio.ensure_future(_shutdown_when(gone, runtime, client))
+
+        def republish(returned: Welcome) -> None:
+            shut_down(publishers)
+            publishers[:] = _publishers(endpoint, returned)
+
+        follower, ended = follow(client, args, [endpoint], welcome, fpm_ids, republish, on_load)
+        ended.add_done_callback(lambda _: runtime.shutdown())
+        following = asyncio.ensure_future(follower.run())
         log.info(
             READY_LINE,
             model=name,
@@ -329,20 +222,61 @@ async def serve(args: WorkerArgs) -> int:
         try:
             with dynamo_step(f"Dynamo stopped serving {args.endpoint_path}"):
                 await endpoint.serve_endpoint(
-                    handler.generate, graceful_shutdown=True, metrics_labels=[("model", name)]
+                    gated(handler.generate, follower),
+                    graceful_shutdown=True,
+                    metrics_labels=[("model", name)],
                 )
         finally:
-            watcher.cancel()
-            shutdown_on_loss.cancel()
+            following.cancel()
         log.info("engined dynamo-worker stopped", in_flight=handler.in_flight)
-        return 1 if gone.is_set() else 0
+        return 1 if ended.done() else 0
     finally:
-        for publisher in publishers:
-            with contextlib.suppress(Exception):
-                publisher.shutdown()
+        shut_down(publishers)
         if handler is not None:
             await handler.close()
         await client.close()
+
+
+def follow(
+    client: EngineClient,
+    args: WorkerArgs,
+    endpoints: Sequence[Any],
+    welcome: Welcome,
+    fpm_ids: Sequence[tuple[int | None, int]],
+    republish: Callable[[Welcome], None],
+    on_load: Callable[[Load], None],
+) -> tuple[DaemonFollower, asyncio.Future[str]]:
+    """The follower of the worker's daemon (one, however many Dynamo workers serve it), and
+    a future done, with the reason, when the worker must end: its daemon came back with
+    another shape than the one it registered."""
+    ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def setup(returned: Welcome) -> None:
+        await set_vocabulary(client, args, returned)
+        await set_fpm_worker_ids(client, args, returned, fpm_ids)
+
+    def end(reason: str) -> None:
+        log.error(reason)
+        if not ended.done():
+            ended.set_result(reason)
+
+    follower = DaemonFollower(
+        client,
+        endpoints,
+        welcome,
+        setup=setup,
+        republish=republish,
+        watch_load=lambda: client.watch_load(on_load),
+        end=end,
+    )
+    return follower, ended
+
+
+def shut_down(publishers: list[Any]) -> None:
+    """Stop KV event publishers and FPM relays (at exit, or replaced on a daemon restart)."""
+    for publisher in publishers:
+        with contextlib.suppress(Exception):
+            publisher.shutdown()
 
 
 async def register(
@@ -378,11 +312,3 @@ async def register(
             kv_cache_block_size=welcome.block_size,
             runtime_config=runtime_config,
         )
-
-
-async def _shutdown_when(gone: asyncio.Event, runtime: Any, client: EngineClient) -> None:
-    await gone.wait()
-    # Closing the client ends every stream with ClientClosedError (HTTP 503), so the drain
-    # does not wait for a daemon that is not there.
-    await client.close()
-    runtime.shutdown()

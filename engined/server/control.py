@@ -73,6 +73,7 @@ class ControlServer:
         *,
         welcome: Callable[[], wire.Welcome],
         settings: RuntimeSettings,
+        instance_id: str | None = None,
         max_queued_requests: int,
         handoff_timeout_s: float | None = None,
         deadlines: Deadlines | None = None,
@@ -90,8 +91,10 @@ class ControlServer:
         (`engined.server.budgets`); `unread_messages` and `unread_bytes` what it may leave
         unread (`ClientTable`). `metrics` answers `metrics` (None: the daemon keeps no
         metrics); `lifecycle_observer` sees every lifecycle event delivered (the metrics
-        count a destination's transferred tokens)."""
+        count a destination's transferred tokens). `instance_id` is the welcome's, repeated
+        in every `pong`."""
         self._welcome = welcome
+        self._instance_id = instance_id
         self._lifecycle_observer = lifecycle_observer
         self._handoff_timeout_s = handoff_timeout_s
         self._settings = settings
@@ -199,7 +202,7 @@ class ControlServer:
                 welcome.id = msg.id
                 self._reply(identity, welcome)
             case wire.Ping():
-                self._reply(identity, wire.Pong(id=msg.id))
+                self._reply(identity, wire.Pong(id=msg.id, instance_id=self._instance_id))
             case wire.Stats():
                 self._command(identity, self._answer(identity, self._reports.fresh_stats(msg.id)))
             case wire.WaitIdle():

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import math
 import os
+import secrets
 import signal
 import socket
 import time
@@ -36,8 +37,8 @@ from engined.server.control_socket import CONTROL_HWM, bind_control
 from engined.server.gatekeeper import Gatekeeper
 from engined.server.heap import trim_when_idle
 from engined.server.rank_handle import RankHandle
-from engined.server.rank_layouts import RankLayout, auto_rank_processes, rank_layout
-from engined.server.rank_process import RankWorkerDied, WorkerProcess, available_cores
+from engined.server.rank_layouts import RankLayout, rank_layout
+from engined.server.rank_process import RankWorkerDied, WorkerProcess
 from engined.server.ranks import start_collection
 from engined.server.realtime import enter_realtime
 from engined.server.settings import RuntimeSettings
@@ -55,7 +56,6 @@ from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
     from engined.server.api_servers import ApiServers
-    from engined.server.exposition import MetricsRequests
     from engined.server.http import HealthState
     from engined.server.metrics import VllmMetrics
     from engined.server.observability import Observability
@@ -82,15 +82,13 @@ class Daemon:
         blocks of ranks; AUTO_RANK_PROCESSES (-1) in one per core this process may run on,
         at most dp_size (`auto_rank_processes`)."""
         self.config = config
-        if rank_processes is None:
-            rank_processes = config.rank_processes
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-        if rank_processes < 0:
-            rank_processes = auto_rank_processes(config.engine.dp_size, available_cores())
-        self.rank_processes = rank_processes
+        # Unguessable, so that no client can take another start for this one (protocol §1.1).
+        self.instance_id = secrets.token_hex(16)
         self.ranks: RankLayout = rank_layout(
             config, rank_processes, worker_id=self.worker_id, watchdog_s=watchdog_s
         )
+        self.rank_processes = self.ranks.processes
         self._worker_died = False
         self.control: ControlServer | None = None
         self._ctx: zmq.asyncio.Context | None = None
@@ -106,11 +104,8 @@ class Daemon:
         self._watchdog_s = watchdog_s
         self._status = StatusLine()
         self.started = False
-        # The metrics, /metrics and /health (engined.server.observability), when
-        # `http_port` or `api_port` is set.
+        # The metrics, /metrics and /health, when `http_port` or `api_port` is set.
         self.observability: Observability | None = None
-        self.metrics: VllmMetrics | None = None
-        self._metrics_requests: MetricsRequests | None = None
         # The OpenAI API server processes (engined.server.api_servers), unless api_port is "".
         self.api: ApiServers | None = None
         self._collection: Collector | YoungGeneration | None = None
@@ -139,7 +134,14 @@ class Daemon:
         if cfg.realtime_priority:
             # First: every thread and process started from here on inherits it.
             enter_realtime(cfg.realtime_priority)
-        await self._start_http()
+        if cfg.http_port is not None or cfg.api_port is not None:
+            # Imported here: prometheus_client adds ~20 ms to a start-up without metrics.
+            from engined.server.observability import Observability
+
+            # First, so that /health answers 503 while the rest starts.
+            self.observability = Observability(cfg, self.ranks.handles)
+            if cfg.http_port is not None:
+                await self.observability.serve_http(cfg, self.health)
         self._ctx = ctx = zmq.asyncio.Context()
         self.gate = gate = Gatekeeper(ctx, gate_policy(cfg))
         self._registry = registry = SocketRegistry()
@@ -153,7 +155,15 @@ class Daemon:
         )
         control = ControlServer(
             control_sock,
-            welcome=partial(welcome_message, cfg, ranks.endpoints, settings, operator.advertised),
+            welcome=partial(
+                welcome_message,
+                cfg,
+                ranks.endpoints,
+                settings,
+                operator.advertised,
+                self.instance_id,
+            ),
+            instance_id=self.instance_id,
             settings=settings,
             max_queued_requests=cfg.max_queued_requests,
             handoff_timeout_s=engine.handoff_session_timeout_ms / 1000.0,
@@ -161,7 +171,7 @@ class Daemon:
             inflight_bytes=cfg.control_inflight_bytes,
             unread_messages=CONTROL_HWM,
             unread_bytes=cfg.control_unread_bytes,
-            metrics=self._metrics_requests,
+            metrics=None if self.observability is None else self.observability.requests,
             lifecycle_observer=None if self.metrics is None else self.metrics.on_lifecycle,
         )
         await ranks.start(ctx, registry, gate, control)
@@ -188,6 +198,7 @@ class Daemon:
         log_started(
             cfg,
             worker_id=self.worker_id,
+            instance_id=self.instance_id,
             ranks=ranks,
             max_message_bytes=max_message_bytes,
             api_port=None if self.api is None else self.api.port,
@@ -204,19 +215,9 @@ class Daemon:
         if self._on_ready is not None:
             self._on_ready(self)
 
-    async def _start_http(self) -> None:
-        """The metrics, and /metrics and /health when `http_port` is set (bound first, so
-        that /health answers 503 while the rest starts)."""
-        cfg = self.config
-        if cfg.http_port is None and cfg.api_port is None:
-            return
-        from engined.server.observability import Observability
-
-        self.observability = observed = Observability(cfg, self.ranks.handles)
-        self.metrics = observed.metrics
-        self._metrics_requests = observed.requests
-        if cfg.http_port is not None:
-            await observed.serve_http(cfg, self.health)
+    @property
+    def metrics(self) -> VllmMetrics | None:
+        return None if self.observability is None else self.observability.metrics
 
     @property
     def loops(self) -> list[RankHandle]:

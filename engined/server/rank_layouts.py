@@ -27,7 +27,7 @@ from engined.server.gatekeeper import Gatekeeper
 from engined.server.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.publisher_metrics import WatchedPublisher
 from engined.server.rank_handle import RankHandle
-from engined.server.rank_process import RankWorkerId, WorkerProcess, split_ranks
+from engined.server.rank_process import RankWorkerId, WorkerProcess, available_cores, split_ranks
 from engined.server.rank_sinks import Delivery
 from engined.server.ranks import Pacing, build_rank, shared_pacing
 from engined.server.settings import WorkerIdSink
@@ -66,6 +66,7 @@ class InProcessRanks:
     def __init__(self, config: DaemonConfig, *, worker_id: str) -> None:
         self._config = config
         self._worker_id = worker_id
+        self.processes = 0
         # What the paced ranks of this loop share (the control server reads the deadlines).
         self.pacing: Pacing | None = shared_pacing(config)
         self.handles: list[RankHandle] = []
@@ -142,7 +143,7 @@ class WorkerRanks:
         """`watchdog_s` (systemd's ping interval): heartbeats at least 4 times per
         interval, so one late frame is not yet a silent worker (`healthy`)."""
         self._config = config
-        self._processes = processes
+        self.processes = processes
         self._worker_id = worker_id
         self._watchdog_s = watchdog_s
         # Paced ranks share deadlines within their worker, not with the daemon's loop.
@@ -167,7 +168,7 @@ class WorkerRanks:
         cfg = self._config
         self._dir = tempfile.mkdtemp(prefix="engined-ranks-")
         paced = cfg.engine.speedup_ratio > 0
-        for index, ranks in enumerate(split_ranks(cfg.engine.dp_size, self._processes)):
+        for index, ranks in enumerate(split_ranks(cfg.engine.dp_size, self.processes)):
             self.workers.append(
                 WorkerProcess(
                     index,
@@ -241,9 +242,14 @@ def auto_rank_processes(dp_size: int, cores: int) -> int:
 
 
 def rank_layout(
-    config: DaemonConfig, processes: int, *, worker_id: str, watchdog_s: float | None
+    config: DaemonConfig, processes: int | None, *, worker_id: str, watchdog_s: float | None
 ) -> RankLayout:
-    """In process for `processes` 0, else in min(processes, dp_size) workers."""
+    """In process for `processes` 0, else in min(processes, dp_size) workers;
+    AUTO_RANK_PROCESSES (-1) resolved by `auto_rank_processes`, None: the config's."""
+    if processes is None:
+        processes = config.rank_processes
+    if processes < 0:
+        processes = auto_rank_processes(config.engine.dp_size, available_cores())
     if processes:
         return WorkerRanks(config, processes, worker_id=worker_id, watchdog_s=watchdog_s)
     return InProcessRanks(config, worker_id=worker_id)

@@ -20,6 +20,7 @@ def welcome_message(
     endpoints: RankEndpoints,
     settings: RuntimeSettings,
     operator_endpoint: str | None,
+    instance_id: str,
 ) -> wire.Welcome:
     engine = cfg.engine
     return wire.Welcome(
@@ -47,4 +48,5 @@ def welcome_message(
         fpm_worker_id=settings.fpm_worker_id,
         speedup_ratio=engine.speedup_ratio,
         operator_endpoint=operator_endpoint,
+        instance_id=instance_id,
     )

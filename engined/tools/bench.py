@@ -41,7 +41,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from engined.client import ClientClosedError, EngineClient, EngineError
+from engined.client import ClientClosedError, DaemonLost, EngineClient, EngineError
 from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.bench_report import Aborted, make_report, print_report
 from engined.tools.bench_types import BenchOptions as BenchOptions  # engined.cli reads it here
@@ -323,6 +323,9 @@ async def bench(options: BenchOptions, out: Output) -> int:
                 # Ctrl-C (asyncio.run cancels the main task): report what was measured.
                 print_report(out, report("interrupted", None))
                 raise
+            except DaemonLost:
+                # Noticed by the client's heartbeats before the probe: the same ending.
+                gone = True
             except ClientClosedError as error:
                 # The client's reader failed: every further request would fail the same way.
                 raise ToolError(f"lost the connection to the daemon: {error.__cause__!r}") from None

@@ -103,6 +103,7 @@ WELCOME: Final = control.Welcome(
     kv_events_endpoints=["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"],
     kv_replay_endpoints=[],
     fpm_endpoints=["tcp://127.0.0.1:20380", "tcp://127.0.0.1:20381"],
+    instance_id="9f86d081884c7d659a2feaa0c55ad015",
 )
 OUTPUT: Final = control.Output(
     dp_rank=0,

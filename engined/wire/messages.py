@@ -263,6 +263,9 @@ class Welcome(DirectReply, tag="welcome"):
     # Where a peer running as the daemon's user connects to act as operator (engine-wide
     # commands); None when there is no such endpoint (protocol §1.5).
     operator_endpoint: str | None = None
+    # Drawn at each daemon start: a client that reconnects and reads another one knows the
+    # daemon restarted and lost its requests, vocabulary and FPM worker id.
+    instance_id: str | None = None
 
 
 class Submitted(DirectReply, tag="submitted"):
@@ -317,7 +320,9 @@ class StatsReply(DirectReply, tag="stats"):
 
 
 class Pong(DirectReply, tag="pong"):
-    pass
+    """`instance_id` is the welcome's (added later in v1), so a ping alone tells a restart."""
+
+    instance_id: str | None = None
 
 
 class ErrorReply(DirectReply, tag="error"):

@@ -909,6 +909,18 @@ class EnginedDaemon(DynamoProcess):
                 )
         raise AssertionError(f"{self.name}: no free port after 5 attempts\n{self.describe()}")
 
+    def restart(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Start again on the same endpoints (after `stop()` or a kill) and wait until it
+        answers `ping`: a new daemon start, with a new `instance_id`, where the old one was."""
+        assert self.control, f"{self.name} was never started"
+        self._spawn()
+
+        def answers() -> bool:
+            self.check_alive()
+            return self._answers()
+
+        _poll_until(f"{self.name}: an answer after restarting", answers, timeout, self.describe)
+
 
 class EnginedWorker(Worker):
     """`python -m engined.dynamo` (the peers venv, with engined installed) serving `generate`

@@ -21,7 +21,11 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, TypeVar
+
+import zmq
+import zmq.asyncio
 
 from engined.client import EngineClient
 from engined.wire.control import RankStats, Welcome
@@ -40,6 +44,8 @@ BLOCK_SIZE: Final = 16
 BLOCK_ARGS: Final = ("--block-size", str(BLOCK_SIZE))
 FAST_ARGS: Final = (*BLOCK_ARGS, "--speedup-ratio", "0")
 CONTROL_TIMEOUT_S: Final = 5.0
+FPM_TIMEOUT_S: Final = 10.0
+DECODE_HELPER: Final = Path(__file__).with_name("dynamo_fpm_decode.py")
 
 T = TypeVar("T")
 
@@ -88,6 +94,40 @@ def rank_stats(daemon: EnginedDaemon) -> list[RankStats]:
     reply = _control(daemon.control, lambda c: c.stats(timeout=CONTROL_TIMEOUT_S))
     ranks: list[RankStats] = list(reply.ranks)
     return ranks
+
+
+async def _one_frame_per_rank(endpoints: list[str]) -> list[bytes]:
+    """The first FPM payload each rank's PUB sends a new subscriber (a heartbeat while idle)."""
+    ctx = zmq.asyncio.Context()
+    try:
+        subs = []
+        for endpoint in endpoints:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(endpoint)
+            subs.append(sub)
+        frames = await asyncio.wait_for(
+            asyncio.gather(*(sub.recv_multipart() for sub in subs)), FPM_TIMEOUT_S
+        )
+        return [payload for _topic, _seq, payload in frames]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def fpm_stamps(daemon: EnginedDaemon, peers_python: Path) -> list[tuple[str, int]]:
+    """(worker_id, dp_rank) of each rank's next FPM frame, as Dynamo's own decoder reads it."""
+    payloads = asyncio.run(_one_frame_per_rank(list(welcome(daemon).fpm_endpoints)))
+    decoded = subprocess.run(
+        [str(peers_python), str(DECODE_HELPER)],
+        input=json.dumps([p.hex() for p in payloads]),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    results = json.loads(decoded.stdout)["results"]
+    return [(r["metrics"]["worker_id"], r["metrics"]["dp_rank"]) for r in results]
 
 
 def busy(stats: Sequence[RankStats]) -> list[dict[str, int]]:
@@ -171,6 +211,37 @@ def add_worker(
         if frontend.namespace in (None, namespace):
             worker.wait_listed(frontend)
     return worker
+
+
+# What a prefill daemon's handoff costs in the P/D tests: a transfer long enough to be seen.
+HANDOFF_ARGS: Final = ("--kv-bytes-per-token", "131072", "--kv-transfer-bandwidth", "25")
+
+
+def add_pd_group(
+    cluster: DynamoCluster, namespace: str, daemon_args: Sequence[str]
+) -> EnginedGroup:
+    """A prefill and a decode daemon, each with its worker, serving `tiny-{namespace}`
+    (listed by every running frontend of the namespace)."""
+    model = f"tiny-{namespace}"
+    prefill = cluster.engined_daemon(
+        *daemon_args, "--worker-type", "prefill", *HANDOFF_ARGS, name=f"{namespace}-engined-prefill"
+    )
+    decode = cluster.engined_daemon(
+        *daemon_args, "--worker-type", "decode", name=f"{namespace}-engined-decode"
+    )
+    # The decode worker's model is listed only once a prefill worker is there.
+    workers = [
+        add_worker(
+            cluster,
+            daemon,
+            name=f"{namespace}-worker-{mode}",
+            model=model,
+            namespace=namespace,
+            disaggregation_mode=mode,
+        )
+        for daemon, mode in ((prefill, "prefill"), (decode, "decode"))
+    ]
+    return EnginedGroup(model, namespace, [prefill, decode], workers)
 
 
 def wait_routable(

@@ -15,17 +15,13 @@ each rank's heartbeat (sent every second while idle) arrives.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from tests.interop.dynamo_cluster import (
     READY_LINE,
@@ -41,10 +37,10 @@ from tests.interop.dynamo_worker_support import (
     FAST_ARGS,
     add_frontend,
     cached_after_full_repeat,
+    fpm_stamps,
     kv_events_applied,
     poll_until,
     wait_routable,
-    welcome,
 )
 from tests.interop.peers import require_peers
 from tests.interop.tiny_model import words
@@ -53,9 +49,7 @@ RANKS: Final = 4
 MODEL: Final = "tiny-ranks"
 NAMESPACE: Final = "ranks"
 EVENTS_TIMEOUT_S: Final = 20.0
-FPM_TIMEOUT_S: Final = 10.0
 PROMPT_TOKENS: Final = 128
-DECODE_HELPER: Final = Path(__file__).with_name("dynamo_fpm_decode.py")
 
 
 @dataclass
@@ -155,38 +149,7 @@ def test_each_instance_serves_on_its_rank_and_repeats_route_back(per_rank: PerRa
     assert not refused, f"events the frontend's indexer refused: {refused}"
 
 
-async def _one_frame_per_rank(endpoints: list[str]) -> list[bytes]:
-    """The first FPM payload each rank's PUB sends a new subscriber (a heartbeat while idle)."""
-    ctx = zmq.asyncio.Context()
-    try:
-        subs = []
-        for endpoint in endpoints:
-            sub = ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.connect(endpoint)
-            subs.append(sub)
-        frames = await asyncio.wait_for(
-            asyncio.gather(*(sub.recv_multipart() for sub in subs)), FPM_TIMEOUT_S
-        )
-        return [payload for _topic, _seq, payload in frames]
-    finally:
-        ctx.destroy(linger=0)
-
-
 def test_fpm_of_each_rank_carries_its_instance_id(per_rank: PerRank) -> None:
-    endpoints = welcome(per_rank.daemon).fpm_endpoints
-    assert len(endpoints) == RANKS, endpoints
-    payloads = asyncio.run(_one_frame_per_rank(endpoints))
-    decoded = subprocess.run(
-        [str(per_rank.peers_python), str(DECODE_HELPER)],
-        input=json.dumps([p.hex() for p in payloads]),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    results = json.loads(decoded.stdout)["results"]
-    assert [(r["metrics"]["worker_id"], r["metrics"]["dp_rank"]) for r in results] == [
+    assert fpm_stamps(per_rank.daemon, per_rank.peers_python) == [
         (str(instance_id), rank) for rank, instance_id in enumerate(per_rank.instance_ids)
     ]

@@ -41,6 +41,7 @@ from tests.interop.dynamo_worker_support import (
     BLOCK_SIZE,
     FAST_ARGS,
     EnginedGroup,
+    add_pd_group,
     add_worker,
     cached_after_full_repeat,
     kv_events_applied,
@@ -323,34 +324,9 @@ def test_prefill_and_decode_pairs_serve_with_the_prefill_routed_on_overlap(
 ) -> None:
     namespace = f"pd-{request_plane}-{event_plane}"
     cluster = scenario(request_plane, event_plane).cluster
-    model = f"tiny-{namespace}"
     frontend = cluster.frontend(namespace=namespace)
-    prefill = cluster.engined_daemon(
-        *FAST_ARGS,
-        "--worker-type",
-        "prefill",
-        "--kv-bytes-per-token",
-        "131072",
-        "--kv-transfer-bandwidth",
-        "25",
-        name=f"{namespace}-engined-prefill",
-    )
-    decode = cluster.engined_daemon(
-        *FAST_ARGS, "--worker-type", "decode", name=f"{namespace}-engined-decode"
-    )
-    # The decode worker's model is listed only once a prefill worker is there.
-    workers = [
-        add_worker(
-            cluster,
-            daemon,
-            name=f"{namespace}-worker-{mode}",
-            model=model,
-            namespace=namespace,
-            disaggregation_mode=mode,
-        )
-        for daemon, mode in ((prefill, "prefill"), (decode, "decode"))
-    ]
-    group = EnginedGroup(model, namespace, [prefill, decode], workers)
+    group = add_pd_group(cluster, namespace, FAST_ARGS)
+    model = group.model
     prefill_id, decode_id = group.worker_ids()
     wait_routable(frontend, [prefill_id, decode_id], prefill_model=model)
 

@@ -53,6 +53,7 @@ from tests.interop.dynamo_worker_support import (
     AbandonedStream,
     EnginedGroup,
     add_frontend,
+    add_pd_group,
     add_worker,
     busy,
     cached_after_full_repeat,
@@ -168,41 +169,8 @@ def paced_disagg(module: Module) -> EnginedGroup:
 
 
 def _pd_group(module: Module, namespace: str, daemon_args: tuple[str, ...]) -> EnginedGroup:
-    cluster, model = module.cluster, f"tiny-{namespace}"
-    prefill = cluster.engined_daemon(
-        *daemon_args,
-        "--worker-type",
-        "prefill",
-        "--kv-bytes-per-token",
-        "131072",
-        "--kv-transfer-bandwidth",
-        "25",
-        name=f"{namespace}-engined-prefill",
-    )
-    decode = cluster.engined_daemon(
-        *daemon_args, "--worker-type", "decode", name=f"{namespace}-engined-decode"
-    )
-    # The decode worker's model is listed only once a prefill worker is there.
-    workers = [
-        add_worker(
-            cluster,
-            prefill,
-            name=f"{namespace}-worker-prefill",
-            model=model,
-            namespace=namespace,
-            disaggregation_mode="prefill",
-        ),
-        add_worker(
-            cluster,
-            decode,
-            name=f"{namespace}-worker-decode",
-            model=model,
-            namespace=namespace,
-            disaggregation_mode="decode",
-        ),
-    ]
-    group = EnginedGroup(model, namespace, [prefill, decode], workers)
-    wait_routable(module.frontend, group.worker_ids(), prefill_model=model)
+    group = add_pd_group(module.cluster, namespace, daemon_args)
+    wait_routable(module.frontend, group.worker_ids(), prefill_model=group.model)
     return group
 
 

@@ -418,6 +418,14 @@ async def raw_dealer(
     return sock, monitor
 
 
+async def expected_pong(endpoint: str, ctx: zmq.asyncio.Context, message_id: int) -> Pong:
+    """The daemon's answer to a `ping` of `message_id`: with its start's `instance_id`, the
+    one its `welcome` names."""
+    async with await EngineClient.connect(endpoint, ctx=ctx) as client:
+        welcome = await client.hello()
+    return Pong(id=message_id, instance_id=welcome.instance_id)
+
+
 async def recv_frames(sock: zmq.asyncio.Socket) -> list[bytes]:
     frames: list[bytes] = await asyncio.wait_for(sock.recv_multipart(), WAIT_S)
     return frames
@@ -442,7 +450,7 @@ def test_req_style_envelope_is_answered_with_the_delimiter(daemon: DaemonProcess
                 return decoder.decode(frames[1])
 
             await sock.send_multipart([b"", encode({"type": "ping", "id": 1})])
-            assert await recv() == Pong(id=1)
+            assert await recv() == await expected_pong(daemon.control, ctx, 1)
             request = {"request_id": "req", "token_ids": [1, 2, 3], "max_tokens": 3}
             await sock.send_multipart([b"", encode({"type": "submit", "request": request})])
             tokens: list[int] = []
@@ -499,7 +507,7 @@ def test_garbage_envelope_gets_an_error(daemon: DaemonProcess, frames: list[byte
             assert "one body frame" in error.message
             await sock.send_multipart([encode({"type": "ping", "id": 2})])
             (body,) = await recv_frames(sock)
-            assert decoder.decode(body) == Pong(id=2)
+            assert decoder.decode(body) == await expected_pong(daemon.control, ctx, 2)
         finally:
             sock.close()
             ctx.term()
@@ -536,7 +544,7 @@ def test_body_over_the_message_limit_drops_the_connection(daemon: DaemonProcess)
             assert not await sock.poll(0)
             await sock.send_multipart([encode({"type": "ping", "id": 3})])
             (body,) = await recv_frames(sock)
-            assert decoder.decode(body) == Pong(id=3)
+            assert decoder.decode(body) == await expected_pong(daemon.control, ctx, 3)
             async with await EngineClient.connect(daemon.control, ctx=ctx) as client:
                 assert isinstance(await client.ping(), Pong)
                 assert_idle(await rank0(client))

@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from engined.client import EngineClient, EngineError, Generation
 from engined.config import DaemonConfig, load_config
-from engined.server import daemon as daemon_module
+from engined.server import rank_layouts
 from engined.server.daemon import EXIT_FAILURE, EXIT_OK, Daemon
 from engined.server.systemd import NullNotifier, keepalive
 from engined.wire.control import Applied, DestinationReservedEvent, ErrorReply, Load, Pong
@@ -651,7 +651,7 @@ def test_the_default_takes_a_worker_per_core_where_there_is_something_to_spread(
 ) -> None:
     """`rank_processes` -1 (the default): one worker per core the daemon may run on, at most
     one per rank; none for a single rank or a single core. Set, the number is taken as is."""
-    monkeypatch.setattr(daemon_module, "available_cores", lambda: cores)
+    monkeypatch.setattr(rank_layouts, "available_cores", lambda: cores)
     cfg = config(tmp_path, dp_size)
     assert cfg.rank_processes == -1
     assert Daemon(cfg).rank_processes == processes

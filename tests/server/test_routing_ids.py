@@ -12,6 +12,7 @@ counter (their READY held back too), then ordinary clients, all of whom must be 
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,13 @@ from tests.server.zmtp_peer import ZmtpPeer
 SOCKETS_PREDICTED = 6
 IDS_PER_SOCKET = 8
 ANONYMOUS = 48
+
+
+def _pong(reply: dict[str, object]) -> dict[str, object]:
+    """`reply` without its `instance_id`, which must be a daemon start's (PROTOCOL §1.5)."""
+    rest = dict(reply)
+    assert re.fullmatch(r"[0-9a-f]{32}", str(rest.pop("instance_id"))), reply
+    return rest
 
 
 def unseeded_starts(count: int) -> list[int]:
@@ -114,15 +122,15 @@ def test_peers_holding_the_predicted_ids_cannot_crash_the_control_socket(
     try:
         for k, peer in enumerate(anonymous):
             peer.send(msgspec.msgpack.encode({"type": "ping", "id": k}))
-            assert msgspec.msgpack.decode(peer.recv()[0]) == {"type": "pong", "id": k}
+            assert _pong(msgspec.msgpack.decode(peer.recv()[0])) == {"type": "pong", "id": k}
         clients = [ctx.socket(zmq.DEALER) for _ in range(ANONYMOUS)]
         for k, client in enumerate(clients):
             client.connect(endpoint)
-            assert ping(client, k) == {"type": "pong", "id": k}
+            assert _pong(ping(client, k)) == {"type": "pong", "id": k}
         assert daemon.proc.poll() is None
         for k, peer in enumerate(attackers):
             peer.send(msgspec.msgpack.encode({"type": "ping", "id": k}))
-            assert msgspec.msgpack.decode(peer.recv()[0]) == {"type": "pong", "id": k}
+            assert _pong(msgspec.msgpack.decode(peer.recv()[0])) == {"type": "pong", "id": k}
         for client in clients:
             client.close(linger=0)
     finally:
@@ -185,7 +193,7 @@ def test_a_departed_clients_routing_id_gets_nothing_of_it(daemon: DaemonProcess)
         for k, impostor in enumerate(impostors):
             impostor.send(msgspec.msgpack.encode({"type": "ping", "id": k}))
             # Its own pong is the first thing it gets: nothing of the victim's came before.
-            assert msgspec.msgpack.decode(impostor.recv()[0]) == {"type": "pong", "id": k}
+            assert _pong(msgspec.msgpack.decode(impostor.recv()[0])) == {"type": "pong", "id": k}
         witness.close(linger=0)
     finally:
         for impostor in impostors:

@@ -1,0 +1,148 @@
+"""`engined.client` notices a lost daemon within its liveness bound, and a restarted one.
+
+Real `engined serve` processes: one killed with SIGKILL (its connection drops at once), one
+stopped with SIGSTOP (it stops answering ZMTP heartbeats), one restarted on the same
+endpoints (a new `instance_id`). Every wait is a deadline on an event, never a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+
+from engined.client import (
+    ConnectionBack,
+    ConnectionLost,
+    DaemonLost,
+    EngineClient,
+)
+from tests.server.daemon_harness import DaemonProcess
+
+# Paced, so a long request is still streaming when the daemon dies.
+PACED = [
+    "--speedup-ratio",
+    "1",
+    "--perf-model",
+    "fixed",
+    "--fixed-decode-ms-per-pass",
+    "10",
+    "--block-size",
+    "16",
+]
+LIVENESS_S = 2.0
+# Generous: a restarted daemon's first handshake waits for its Python start-up.
+RESTART_TIMEOUT_S = 60.0
+
+
+def _daemon(tmp_path: Path, control: str | None = None) -> DaemonProcess:
+    daemon = DaemonProcess(tmp_path, list(PACED), None, control)
+    daemon.wait_ready()
+    return daemon
+
+
+def test_killed_daemon_ends_calls_and_streams_then_its_restart_is_reported(
+    tmp_path: Path,
+) -> None:
+    first = _daemon(tmp_path)
+
+    async def scenario() -> None:
+        async with await EngineClient.connect(first.control, liveness_s=LIVENESS_S) as client:
+            welcome = await client.hello()
+            assert welcome.instance_id is not None and len(welcome.instance_id) == 32
+            assert client.instance_id == welcome.instance_id
+            assert (await client.ping()).instance_id == welcome.instance_id
+            submitted = await client.submit([1, 2, 3, 4], 100_000, request_id="long")
+            stream = client.outputs(submitted.request_id, timeout=None)
+            first_entry = await anext(stream)
+            assert first_entry.request_id == "long"
+            idle = asyncio.ensure_future(client.wait_idle(timeout=None))
+
+            first.proc.kill()
+            assert first.proc.wait(30) == -signal.SIGKILL
+            lost = await client.next_connection_event(timeout=LIVENESS_S)
+            assert isinstance(lost, ConnectionLost)
+            with pytest.raises(DaemonLost):
+                await idle
+            with pytest.raises(DaemonLost):
+                async for _entry in stream:
+                    pass
+            assert client.daemon_lost
+            with pytest.raises(DaemonLost):
+                await client.ping(timeout=None)
+
+            second = await asyncio.to_thread(_daemon, tmp_path, first.control)
+            try:
+                back = await client.next_connection_event(timeout=RESTART_TIMEOUT_S)
+                assert isinstance(back, ConnectionBack)
+                assert back.restarted is True
+                assert back.welcome.instance_id not in (None, welcome.instance_id)
+                assert client.instance_id == back.welcome.instance_id
+                assert not client.daemon_lost
+                assert (await client.ping()).instance_id == back.welcome.instance_id
+                generation = await client.generate([5, 6, 7], 3)
+                assert len(generation.token_ids) == 3
+            finally:
+                await asyncio.to_thread(second.stop)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        first.stop()
+
+
+def test_stopped_daemon_is_lost_within_the_bound_and_back_as_the_same_start(
+    tmp_path: Path,
+) -> None:
+    daemon = _daemon(tmp_path)
+
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control, liveness_s=LIVENESS_S) as client:
+            welcome = await client.hello()
+            daemon.proc.send_signal(signal.SIGSTOP)
+            try:
+                pending = asyncio.ensure_future(client.ping(timeout=None))
+                lost = await client.next_connection_event(timeout=LIVENESS_S)
+                assert isinstance(lost, ConnectionLost)
+                with pytest.raises(DaemonLost):
+                    await pending
+            finally:
+                daemon.proc.send_signal(signal.SIGCONT)
+            back = await client.next_connection_event(timeout=RESTART_TIMEOUT_S)
+            assert isinstance(back, ConnectionBack)
+            assert back.restarted is False
+            assert back.welcome.instance_id == welcome.instance_id
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
+def test_without_a_bound_no_heartbeat_and_no_loss_is_reported(tmp_path: Path) -> None:
+    daemon = _daemon(tmp_path)
+
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control, liveness_s=None) as client:
+            await client.hello()
+            daemon.proc.kill()
+            daemon.proc.wait(30)
+            with pytest.raises(TimeoutError):
+                await client.next_connection_event(timeout=LIVENESS_S)
+            assert not client.daemon_lost
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("bound", [0.0, 0.05, float("nan")])
+def test_a_bound_below_a_tenth_of_a_second_is_refused(bound: float) -> None:
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match=r"liveness_s: expected at least 0\.1 s"):
+            await EngineClient.connect("ipc:///nonexistent/engined", liveness_s=bound)
+
+    asyncio.run(scenario())
