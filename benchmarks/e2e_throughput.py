@@ -120,7 +120,7 @@ def start(
     `__main__` (benchmarks/compare.py runs old revisions' code with this interpreter).
     """
     program = program or ["-c", "from engined.cli import main; main()"]
-    cmd = [sys.executable, *program, "serve", "--log-format", "json"]
+    cmd = [sys.executable, *program, "serve", "--log-format", "json", *no_api_server_flags()]
     for flag, value in endpoints.items():
         cmd += [flag, value]
     return subprocess.Popen(cmd + extra, stderr=subprocess.DEVNULL, env=env)
@@ -136,6 +136,14 @@ async def while_alive(proc: subprocess.Popen[bytes], work: Awaitable[T]) -> T:
             task.cancel()
             raise SystemExit(f"the daemon exited with code {proc.returncode} during the run")
     return task.result()
+
+
+def no_api_server_flags() -> list[str]:
+    """`--port ""` for a revision with an OpenAI API server (on port 8000 by default): the
+    benchmark drives the control socket only, and two runs at once would collide on the port."""
+    from engined.config import DaemonConfig
+
+    return ["--port", ""] if "api_port" in DaemonConfig.__struct_fields__ else []
 
 
 def rank_process_flags(processes: int) -> list[str]:
