@@ -1,11 +1,12 @@
 """asyncio client of the control protocol (v1), used by the CLI, the tests and the benchmarks.
 
-`api` holds `EngineClient`'s calls, `connection` its socket, reader and bookkeeping,
-`liveness` how a lost or restarted daemon is noticed, `errors` what the calls raise.
+`api` holds `EngineClient`'s calls, `connection` its socket and reader,
+`mailboxes` who waits for what the daemon sends, `liveness` how a lost or restarted daemon
+is noticed, `errors` what the calls raise.
 """
 
 from engined.client.api import EngineClient, Generation
-from engined.client.connection import DEFAULT_TIMEOUT, LIFECYCLE_FEED_SIZE
+from engined.client.connection import DEFAULT_TIMEOUT
 from engined.client.errors import (
     ClientClosedError,
     ConnectionRefused,
@@ -19,6 +20,7 @@ from engined.client.liveness import (
     ConnectionEvent,
     ConnectionLost,
 )
+from engined.client.mailboxes import LIFECYCLE_FEED_SIZE
 
 __all__ = [
     "DEFAULT_LIVENESS_S",

@@ -1,4 +1,4 @@
-"""The connection under `EngineClient`: one DEALER socket, one reader task, the bookkeeping.
+"""The connection under `EngineClient`: one DEALER socket and its reader task.
 
 Every message the client sends carries an int `id` it picked; the reader resolves the waiting
 call's future when the direct reply echoing that `id` arrives, and routes streamed messages by
@@ -8,19 +8,18 @@ output queue is registered before its submit is sent, and a message naming a req
 handoff without a queue creates one.
 
 The reader never dies silently: if it fails, the failure is logged, every waiting call and
-every stream raises it, and later calls raise `ClientClosedError`.
+every stream raises it, and later calls raise `ClientClosedError`. Who waits for what (the
+futures and queues) is `engined.client.mailboxes`'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
-from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from types import TracebackType
-from typing import Final, Self, TypeAlias, TypeVar
+from typing import Final, Self, TypeVar
 
 import structlog
 import zmq
@@ -39,6 +38,7 @@ from engined.client.liveness import (
     Liveness,
     heartbeat_ms,
 )
+from engined.client.mailboxes import Mailboxes, reply_tag
 from engined.config.certificates import client_keys_from_environment
 from engined.wire.control import (
     Applied,
@@ -51,11 +51,9 @@ from engined.wire.control import (
     Load,
     Noop,
     Output,
-    OutputEntry,
     ReplyDecoder,
     Welcome,
     WireError,
-    WireLifecycleEvent,
     encode_message,
 )
 from engined.zmq_sockets import CurveClientKeys, make_socket
@@ -65,34 +63,16 @@ log = structlog.get_logger()
 DEFAULT_TIMEOUT: Final = 30.0
 # A client reads everything at once into its queues, so these only bound bursts.
 _HWM: Final = 10_000
-# The general lifecycle feed keeps the newest events only: a caller that reads per handoff
-# never drains it.
-LIFECYCLE_FEED_SIZE: Final = 10_000
 
 R = TypeVar("R", bound=DirectReply)
-_T = TypeVar("_T")
 
 
-class _End(enum.Enum):
-    """Ends a stream once the client's own cancel was applied.
-
-    A current daemon sends the request's `cancelled` terminal before `applied`, so the
-    stream has ended on that entry already; an older one sends no terminal, and this marker
-    is what ends the stream.
-    """
-
-    END = enum.auto()
-
-
-_StreamItem: TypeAlias = OutputEntry | _End | BaseException
-_LifecycleItem: TypeAlias = WireLifecycleEvent | BaseException
-
-
-class Connection:
+class Connection(Mailboxes):
     """A DEALER to one daemon's control socket with its reader; `EngineClient` adds the calls.
 
     Build it with `await connect(...)`. The protocol calls live in the subclass so that this
-    class holds only what the reader and the calls share: pending futures and queues.
+    class holds only what the reader and the calls share: the socket, and the pending futures
+    and queues of `Mailboxes`.
     """
 
     def __init__(
@@ -107,20 +87,10 @@ class Connection:
         self._sock = sock
         self._ctx = ctx
         self._owns_ctx = owns_ctx
+        super().__init__()
         self._decoder = ReplyDecoder()
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[DirectReply]] = {}
-        # ids of calls that gave up (timeout, cancellation): their late replies are dropped
-        # instead of being taken for the reply to a raw message.
-        self._abandoned: set[int] = set()
-        # send_raw() callers, oldest first: they take the direct replies no call claims.
-        self._raw_waiters: deque[asyncio.Future[DirectReply]] = deque()
-        self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
-        self._handoffs: dict[str, asyncio.Queue[_LifecycleItem]] = {}
-        self._lifecycle: asyncio.Queue[_LifecycleItem] = asyncio.Queue(LIFECYCLE_FEED_SIZE)
         self._on_load: Callable[[Load], None] | None = None
-        self._failure: BaseException | None = None
-        self._closed = False
         self._reader = asyncio.get_running_loop().create_task(
             self._read(), name="engine-client-reader"
         )
@@ -289,7 +259,7 @@ class Connection:
     async def _call(self, msg: ClientMessage, expected: type[R], timeout: float | None) -> R:
         reply = await self._request(msg, timeout)
         if not isinstance(reply, expected):
-            raise ProtocolError(f"expected `{_tag(expected)}` reply, got {reply!r}")
+            raise ProtocolError(f"expected `{reply_tag(expected)}` reply, got {reply!r}")
         return reply
 
     async def _call_either(self, msg: ClientMessage, timeout: float | None) -> Applied | Noop:
@@ -323,71 +293,6 @@ class Connection:
         # After release/cancel/activate no lifecycle event can follow for this handoff.
         self._handoffs.pop(handoff_id, None)
         return reply
-
-    def _stream_queue(self, request_id: str) -> asyncio.Queue[_StreamItem]:
-        queue = self._streams.get(request_id)
-        if queue is None:
-            if self._failure is not None or self._closed:
-                self._check_usable()
-            queue = self._streams[request_id] = asyncio.Queue()
-        return queue
-
-    def _handoff_queue(self, handoff_id: str) -> asyncio.Queue[_LifecycleItem]:
-        queue = self._handoffs.get(handoff_id)
-        if queue is None:
-            if self._failure is not None or self._closed:
-                self._check_usable()
-            queue = self._handoffs[handoff_id] = asyncio.Queue()
-        return queue
-
-    async def _get(self, queue: asyncio.Queue[_T], timeout: float | None) -> _T:
-        if queue.empty():
-            # Nothing will ever arrive on a closed client: fail now rather than time out.
-            self._check_usable()
-        async with asyncio.timeout(timeout):
-            return await queue.get()
-
-    def _end_stream(self, request_id: str) -> None:
-        """End the stream of a request this client cancelled (see `_End`)."""
-        queue = self._streams.pop(request_id, None)
-        if queue is not None:
-            queue.put_nowait(_End.END)
-
-    async def _entries(
-        self, request_id: str, timeout: float | None, *, backlog: bool
-    ) -> AsyncGenerator[list[OutputEntry], None]:
-        """The request's output entries until its finished one, in lists.
-
-        With `backlog` each list is every entry that had arrived by then, else one entry: the
-        one loop behind `outputs` and `output_batches`, so both end, forget their queue and
-        hand on a reader failure alike. Entries still queued stay there for a later reader.
-        `timeout` bounds the wait for each list.
-        """
-        queue = self._stream_queue(request_id)
-        while True:
-            item = await self._get(queue, timeout)
-            batch: list[OutputEntry] = []
-            end = False
-            while True:
-                if isinstance(item, BaseException):
-                    if batch:
-                        yield batch
-                    raise item
-                if item is _End.END:
-                    end = True
-                    break
-                batch.append(item)
-                if item.finished or not backlog or queue.empty():
-                    end = item.finished
-                    break
-                item = queue.get_nowait()
-            # Once the stream is over, forget its queue so finished requests do not pile up.
-            if end and self._streams.get(request_id) is queue:
-                del self._streams[request_id]
-            if batch:
-                yield batch
-            if end:
-                return
 
     # --- the reader -----------------------------------------------------------------------
 
@@ -435,9 +340,7 @@ class Connection:
             asyncio.get_running_loop().call_soon(self._lose, lost)
             return
         self._fail_all(lost)
-        self._streams.clear()
-        self._handoffs.clear()
-        self._abandoned.clear()
+        self._forget_all()
 
     async def _greet(self) -> Welcome:
         timeout = self._liveness_s or DEFAULT_TIMEOUT
@@ -466,13 +369,8 @@ class Connection:
 
     def _dispatch(self, msg: DaemonMessage) -> None:
         match msg:
-            case Output():
-                for entry in msg.outputs:
-                    self._stream_queue(entry.request_id).put_nowait(entry)
-            case Lifecycle():
-                for event in msg.events:
-                    self._handoff_queue(event.handoff_id).put_nowait(event)
-                    _put_dropping_oldest(self._lifecycle, event)
+            case Output() | Lifecycle():
+                self._route(msg)
             case Load():
                 if self._on_load is not None:
                     self._on_load(msg)
@@ -480,47 +378,3 @@ class Connection:
                 if isinstance(msg, Welcome):
                     self._liveness.saw_welcome(msg)
                 self._resolve(msg)
-
-    def _resolve(self, reply: DirectReply) -> None:
-        message_id = reply.id
-        if isinstance(message_id, int):
-            future = self._pending.pop(message_id, None)
-            if future is not None:
-                if not future.done():
-                    future.set_result(reply)
-                return
-            if message_id in self._abandoned:
-                self._abandoned.discard(message_id)
-                log.debug("late reply dropped", id=message_id)
-                return
-        while self._raw_waiters:
-            waiter = self._raw_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(reply)
-                return
-        log.warning("unclaimed daemon reply", type=_tag(type(reply)), id=message_id)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        """Hand `exc` to every waiting call and every stream and lifecycle consumer."""
-        futures = [*self._pending.values(), *self._raw_waiters]
-        self._pending.clear()
-        self._raw_waiters.clear()
-        for future in futures:
-            if not future.done():
-                future.set_exception(exc)
-        for queue in self._streams.values():
-            queue.put_nowait(exc)
-        for handoff_queue in self._handoffs.values():
-            handoff_queue.put_nowait(exc)
-        _put_dropping_oldest(self._lifecycle, exc)
-
-
-def _put_dropping_oldest(queue: asyncio.Queue[_LifecycleItem], item: _LifecycleItem) -> None:
-    if queue.full():
-        queue.get_nowait()
-    queue.put_nowait(item)
-
-
-def _tag(cls: type[DirectReply]) -> str:
-    tag = cls.__struct_config__.tag
-    return tag if isinstance(tag, str) else cls.__name__
