@@ -1,7 +1,9 @@
 """The one socket factory and the one owner of every socket (style anchor §11).
 
 A neutral module: the daemon, the client, the tools and the Dynamo worker all make their
-sockets here, and it imports no other `engined` module (tests/test_architecture.py).
+sockets here, and it imports no `engined` module but the neutral `engined.ipc_paths` (who may
+bind an `ipc://` path, kept apart because it is about files and locks, not sockets;
+tests/test_architecture.py).
 
 Every option is explicit at the call site: whether a socket binds or connects is an argument,
 never guessed from the endpoint (vLLM binds when the endpoint contains `*`, which turns a typo
@@ -12,11 +14,7 @@ by accident.
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
 import os
-import socket
-import stat
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Final, Self, TypedDict, Unpack
@@ -24,6 +22,23 @@ from typing import Final, Self, TypedDict, Unpack
 import structlog
 import zmq
 import zmq.asyncio
+
+from engined.ipc_paths import IpcClaim, check_ipc_path, ipc_path
+
+__all__ = [
+    "CurveClientKeys",
+    "IpcClaim",
+    "SecurityOptions",
+    "SocketOptions",
+    "SocketRegistry",
+    "bound_endpoint",
+    "check_ipc_path",
+    "ipc_path",
+    "make_socket",
+    "nonblocking_sender",
+    "overflow_aware_sender",
+    "send_frames_nowait",
+]
 
 log = structlog.get_logger()
 
@@ -180,124 +195,6 @@ def _set_security(sock: zmq.asyncio.Socket, options: SecurityOptions) -> None:
         sock.setsockopt(zmq.HANDSHAKE_IVL, handshake_ivl)
     if monitor_endpoint is not None:
         sock.monitor(monitor_endpoint, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-
-
-def ipc_path(endpoint: str) -> str | None:
-    """The filesystem path of an `ipc://` endpoint; None for tcp, abstract (`@`) or wildcard
-    names, which the kernel or libzmq already keep unique."""
-    if not endpoint.startswith("ipc://"):
-        return None
-    path = endpoint.removeprefix("ipc://")
-    if not path or path.startswith("@") or "*" in path:
-        return None
-    return path
-
-
-def check_ipc_path(endpoint: str) -> None:
-    """Refuse to bind an `ipc://` path that a live socket owns, or that is not a socket.
-
-    libzmq unlinks whatever is at the path before binding there, so a second daemon given
-    the same endpoints would silently take them over from a running one (tcp refuses with
-    EADDRINUSE instead). A socket file nobody accepts on is stale (a killed daemon's) and
-    libzmq may replace it.
-
-    Raises:
-        OSError: EADDRINUSE when a process accepts connections there, EEXIST when the path
-            is not a socket (a file libzmq would delete).
-    """
-    path = ipc_path(endpoint)
-    if path is None:
-        return
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise OSError(errno.EEXIST, f"{endpoint}: {path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        return  # stale: nobody listens there
-    except OSError as exc:
-        # A full backlog (EAGAIN) or a timeout still means someone listens there.
-        raise OSError(errno.EADDRINUSE, f"{endpoint} is in use: {exc}") from None
-    finally:
-        probe.close()
-    raise OSError(errno.EADDRINUSE, f"{endpoint} is in use by another process")
-
-
-class IpcClaim:
-    """An exclusive lock on `<path>.lock` held while this process binds `path`.
-
-    `check_ipc_path` sees only a socket that is already listening; two daemons starting at
-    the same moment could both find the path free. The flock makes the check and the bind
-    one step per path. The lock file stays after exit (an unlocked one means nothing).
-
-    The lock lives beside the socket, often in a directory other local users can write
-    (`/tmp`): one of them could plant `<path>.lock` as a symlink to make the daemon create
-    and lock a file elsewhere, or as a FIFO or device whose open has effects. So the last
-    component is never followed and the file must be a regular file of the daemon's own
-    uid, or the bind is refused (OSError, a start-up failure like a live socket).
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path + ".lock"
-        self._fd: int | None = _open_lock(self.path)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.release()
-            raise OSError(
-                errno.EADDRINUSE,
-                f"ipc://{path} is in use by another process (it holds {self.path})",
-            ) from None
-
-    def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
-
-# NOFOLLOW: a planted symlink fails (ELOOP) instead of being followed; NONBLOCK and NOCTTY:
-# opening a FIFO or a terminal planted there neither waits for a writer nor adopts a tty.
-_LOCK_FLAGS: Final = (
-    os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
-)
-_FILE_KINDS: Final = {
-    stat.S_IFLNK: "a symbolic link",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFDIR: "a directory",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFCHR: "a device",
-}
-
-
-def _open_lock(path: str) -> int:
-    """A descriptor of the lock file at `path`, a regular file owned by our effective uid.
-
-    Raises:
-        OSError: EEXIST when the path is a symlink, anything but a regular file, or owned
-            by another uid; the message names the path and what is wrong with it.
-    """
-    try:
-        fd = os.open(path, _LOCK_FLAGS, 0o600)
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-            raise
-        status = os.lstat(path)
-    else:
-        status = os.fstat(fd)
-        if stat.S_ISREG(status.st_mode) and status.st_uid == os.geteuid():
-            return fd
-        os.close(fd)
-    kind = stat.S_IFMT(status.st_mode)
-    if kind == stat.S_IFREG:
-        problem = f"is owned by uid {status.st_uid}, not by this daemon's uid {os.geteuid()}"
-    else:
-        problem = f"is {_FILE_KINDS.get(kind, f'of file type {kind:o}')}, not a regular file"
-    raise OSError(errno.EEXIST, f"ipc lock file {path} {problem}: refusing it (remove it if stale)")
 
 
 def bound_endpoint(sock: zmq.asyncio.Socket, fallback: str) -> str:

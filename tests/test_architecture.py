@@ -10,12 +10,11 @@ reader). Packages are layered:
 
 A module may import its own package and the packages below it, never one above or beside
 it; `engined` itself imports the core, to check its build first. Beside the layers sit the
-neutral modules (`NEUTRAL`: the ZeroMQ socket factory, the logging set-up, and the reading of
-a model directory and the made-up logprob values that the Dynamo worker and the API server
-share), plumbing
-that every layer above the core may import and that imports no `engined` module itself; the
-core may not (it does no I/O). There is no allow-list: every upward import and every cycle
-fails.
+neutral modules (`NEUTRAL`: the ZeroMQ socket factory and its `ipc://` path checks, the
+logging set-up, and the reading of a model directory and the made-up logprob values that the
+Dynamo worker and the API server share), plumbing that every layer above the core may import
+and that imports no `engined` module but another neutral one; the core may not (it does no
+I/O). There is no allow-list: every upward import and every cycle fails.
 """
 
 from __future__ import annotations
@@ -29,7 +28,13 @@ ROOT = Path(__file__).resolve().parents[1] / "engined"
 
 # Top-level modules every layer above the core may import; they import no `engined` module.
 NEUTRAL = frozenset(
-    {"engined.zmq_sockets", "engined.logs", "engined.model_dir", "engined.logprob_values"}
+    {
+        "engined.zmq_sockets",
+        "engined.ipc_paths",
+        "engined.logs",
+        "engined.model_dir",
+        "engined.logprob_values",
+    }
 )
 
 # Package -> the packages its modules may import (besides its own).
