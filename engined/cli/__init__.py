@@ -5,7 +5,8 @@ the daemon in `engined.server.daemon`, the operator commands (submit, events, fp
 bench) in `engined.tools`. This package turns options into a flags dict or an options
 dataclass, errors into exit codes, and nothing more. Each subcommand is one function,
 registered on `app` here: `serve` (with its flag options) in `serve`, the operator commands
-in `tool_commands`, `dynamo-worker` in `dynamo_worker`.
+in `tool_commands` (the options they share in `tool_options`), `dynamo-worker` in
+`dynamo_worker`.
 """
 
 from __future__ import annotations

@@ -7,127 +7,35 @@ them (nor ZeroMQ or rich).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import typer
 
-from engined.config import (
-    ENV_PREFIX,
+from engined.cli.tool_options import (
+    CONNECTION_PANEL,
+    LOAD_PANEL,
+    OUTPUT_PANEL,
+    ControlEndpoint,
+    Count,
+    Duration,
+    JsonLines,
+    Rank,
+    Timeout,
+    checked_distribution,
+    checked_endpoint,
+    checked_seconds,
+    run_command,
 )
 from engined.tools.args import (
     DEFAULT_CONTROL_ENDPOINT,
     DEFAULT_TIMEOUT,
-    check_endpoint,
     parse_token_list,
-    positive_float,
 )
 from engined.tools.distributions import (
     DEFAULT_OUTPUT_LEN,
     DEFAULT_PROMPT_LEN,
     Distribution,
-    parse_distribution,
 )
-
-if TYPE_CHECKING:
-    from engined.tools.common import Output
-
-
-_CONNECTION = "Connection"
-_OUTPUT = "Output"
-_LOAD = "Load"
-
-
-def _checked(parse: Callable[[str], Any]) -> Callable[[Any], Any]:
-    """A typer `parser` from a ValueError-raising function: exit 2, naming the option.
-
-    typer also passes defaults through the parser; values that are not text are already parsed.
-    """
-
-    def parser(value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        try:
-            return parse(value)
-        except ValueError as error:
-            raise typer.BadParameter(str(error)) from None
-
-    return parser
-
-
-_endpoint = _checked(check_endpoint)
-_seconds = _checked(positive_float)
-_distribution = _checked(parse_distribution)
-
-ControlEndpoint = Annotated[
-    str,
-    typer.Option(
-        "--control-endpoint",
-        envvar=f"{ENV_PREFIX}CONTROL_ENDPOINT",
-        parser=_endpoint,
-        metavar="ENDPOINT",
-        help="The daemon's control socket; its other sockets are discovered from `welcome`.",
-        rich_help_panel=_CONNECTION,
-    ),
-]
-Timeout = Annotated[
-    float,
-    typer.Option(
-        "--timeout",
-        parser=_seconds,
-        metavar="SECONDS",
-        help="How long to wait for each reply of the daemon.",
-        rich_help_panel=_CONNECTION,
-    ),
-]
-JsonLines = Annotated[
-    bool,
-    typer.Option(
-        "--json",
-        help="One JSON object per line with stable keys (default: tables on a terminal, "
-        "plain text otherwise).",
-        rich_help_panel=_OUTPUT,
-    ),
-]
-# NOTE: `--dp-rank` is the protocol's name (`submit`'s `dp_rank`), used by every command;
-# `--rank`, the first spelling of `events` and `fpm`, stays as an alias (flags are a contract).
-Rank = Annotated[
-    int,
-    typer.Option(
-        "--dp-rank",
-        "--rank",
-        min=0,
-        help="Data-parallel rank to watch (alias: --rank).",
-        rich_help_panel=_CONNECTION,
-    ),
-]
-Count = Annotated[
-    int | None,
-    typer.Option("--count", min=1, metavar="N", help="Stop after N messages.", show_default=False),
-]
-Duration = Annotated[
-    float | None,
-    typer.Option(
-        "--duration",
-        parser=_seconds,
-        metavar="SECONDS",
-        help="Stop after this many seconds.",
-        show_default=False,
-    ),
-]
-
-
-def _run(json_lines: bool, main: Callable[[Output], Coroutine[Any, Any, int]]) -> None:
-    """Run a tool and exit with its code; its UsageError is reported as a bad option (2)."""
-    from engined.tools.common import Output, UsageError, run_tool
-
-    out = Output.pick(json_lines)
-    try:
-        code = run_tool(lambda: main(out), out)
-    except UsageError as error:
-        hint = " / ".join(f"'{option}'" for option in error.options)
-        raise typer.BadParameter(error.message, param_hint=hint) from None
-    raise typer.Exit(code)
 
 
 def submit(
@@ -193,7 +101,7 @@ def submit(
         dp_rank=dp_rank,
         timeout=timeout,
     )
-    _run(json_lines, lambda out: tool.submit(options, out))
+    run_command(json_lines, lambda out: tool.submit(options, out))
 
 
 def events(
@@ -222,27 +130,27 @@ def events(
             "--hash-format",
             help="Block hashes as hex or int (default: hex in text, int in JSON).",
             show_default=False,
-            rich_help_panel=_OUTPUT,
+            rich_help_panel=OUTPUT_PANEL,
         ),
     ] = None,
     kv_events_endpoint: Annotated[
         str | None,
         typer.Option(
             "--kv-events-endpoint",
-            parser=_endpoint,
+            parser=checked_endpoint,
             metavar="ENDPOINT",
             help="Subscribe here instead of asking the daemon (any vLLM publisher works).",
-            rich_help_panel=_CONNECTION,
+            rich_help_panel=CONNECTION_PANEL,
         ),
     ] = None,
     kv_replay_endpoint: Annotated[
         str | None,
         typer.Option(
             "--kv-replay-endpoint",
-            parser=_endpoint,
+            parser=checked_endpoint,
             metavar="ENDPOINT",
             help="Replay socket to use instead of the daemon's.",
-            rich_help_panel=_CONNECTION,
+            rich_help_panel=CONNECTION_PANEL,
         ),
     ] = None,
     control_endpoint: ControlEndpoint = DEFAULT_CONTROL_ENDPOINT,
@@ -269,14 +177,14 @@ def events(
         timeout=timeout,
         hash_format=hash_format,
     )
-    _run(json_lines, lambda out: tool.events(options, out))
+    run_command(json_lines, lambda out: tool.events(options, out))
 
 
 def fpm(
     rank: Rank = 0,
     all_ranks: Annotated[
         bool,
-        typer.Option("--all-ranks", help="Watch every rank.", rich_help_panel=_CONNECTION),
+        typer.Option("--all-ranks", help="Watch every rank.", rich_help_panel=CONNECTION_PANEL),
     ] = False,
     count: Count = None,
     duration: Duration = None,
@@ -284,10 +192,10 @@ def fpm(
         str | None,
         typer.Option(
             "--fpm-endpoint",
-            parser=_endpoint,
+            parser=checked_endpoint,
             metavar="ENDPOINT",
             help="Subscribe here instead of asking the daemon.",
-            rich_help_panel=_CONNECTION,
+            rich_help_panel=CONNECTION_PANEL,
         ),
     ] = None,
     control_endpoint: ControlEndpoint = DEFAULT_CONTROL_ENDPOINT,
@@ -306,7 +214,7 @@ def fpm(
         duration=duration,
         timeout=timeout,
     )
-    _run(json_lines, lambda out: tool.fpm(options, out))
+    run_command(json_lines, lambda out: tool.fpm(options, out))
 
 
 def stats(
@@ -317,7 +225,7 @@ def stats(
     """Show the daemon's per-rank counters: KV blocks, requests, preemptions, pass lateness."""
     from engined.tools import stats as tool
 
-    _run(json_lines, lambda out: tool.stats(control_endpoint, timeout, out))
+    run_command(json_lines, lambda out: tool.stats(control_endpoint, timeout, out))
 
 
 def bench(
@@ -328,18 +236,18 @@ def bench(
             min=1,
             help="Closed loop: requests kept in flight (default 8 unless --rate).",
             show_default=False,
-            rich_help_panel=_LOAD,
+            rich_help_panel=LOAD_PANEL,
         ),
     ] = None,
     rate: Annotated[
         float | None,
         typer.Option(
             "--rate",
-            parser=_seconds,
+            parser=checked_seconds,
             metavar="PER_S",
             help="Open loop: Poisson arrivals per second (seeded).",
             show_default=False,
-            rich_help_panel=_LOAD,
+            rich_help_panel=LOAD_PANEL,
         ),
     ] = None,
     requests: Annotated[
@@ -350,38 +258,38 @@ def bench(
             metavar="N",
             help="Requests to send (default 100 unless --duration; with both, the first limit).",
             show_default=False,
-            rich_help_panel=_LOAD,
+            rich_help_panel=LOAD_PANEL,
         ),
     ] = None,
     duration: Annotated[
         float | None,
         typer.Option(
             "--duration",
-            parser=_seconds,
+            parser=checked_seconds,
             metavar="SECONDS",
             help="Stop starting requests after this many seconds (in-flight ones finish).",
             show_default=False,
-            rich_help_panel=_LOAD,
+            rich_help_panel=LOAD_PANEL,
         ),
     ] = None,
     prompt_len: Annotated[
         Distribution,
         typer.Option(
             "--prompt-len",
-            parser=_distribution,
+            parser=checked_distribution,
             metavar="DIST",
             help="Prompt lengths: fixed:N, uniform:LO:HI or normal:MEAN:STD.",
-            rich_help_panel=_LOAD,
+            rich_help_panel=LOAD_PANEL,
         ),
     ] = DEFAULT_PROMPT_LEN,
     output_len: Annotated[
         Distribution,
         typer.Option(
             "--output-len",
-            parser=_distribution,
+            parser=checked_distribution,
             metavar="DIST",
             help="Output lengths (max_tokens), same syntax.",
-            rich_help_panel=_LOAD,
+            rich_help_panel=LOAD_PANEL,
         ),
     ] = DEFAULT_OUTPUT_LEN,
     shared_prefix_ratio: Annotated[
@@ -391,7 +299,7 @@ def bench(
             min=0.0,
             max=1.0,
             help="Fraction of each prompt taken from one of the shared prefixes.",
-            rich_help_panel=_LOAD,
+            rich_help_panel=LOAD_PANEL,
         ),
     ] = 0.0,
     prefix_groups: Annotated[
@@ -401,7 +309,7 @@ def bench(
             min=1,
             metavar="K",
             help="Number of distinct shared prefixes.",
-            rich_help_panel=_LOAD,
+            rich_help_panel=LOAD_PANEL,
         ),
     ] = 1,
     seed: Annotated[int, typer.Option("--seed", help="Seed of prompts, lengths and arrivals.")] = 0,
@@ -409,7 +317,7 @@ def bench(
         float | None,
         typer.Option(
             "--speedup-ratio",
-            parser=_seconds,
+            parser=checked_seconds,
             metavar="RATIO",
             help="Latencies are reported as wall x RATIO (modeled time); default: the "
             "speedup the daemon announces (1 at speedup 0).",
@@ -424,10 +332,10 @@ def bench(
         float,
         typer.Option(
             "--timeout",
-            parser=_seconds,
+            parser=checked_seconds,
             metavar="SECONDS",
             help="How long a request may wait for each reply or output before it fails.",
-            rich_help_panel=_CONNECTION,
+            rich_help_panel=CONNECTION_PANEL,
         ),
     ] = 60.0,
     json_lines: JsonLines = False,
@@ -460,4 +368,4 @@ def bench(
         dp_rank=dp_rank,
         timeout=timeout,
     )
-    _run(json_lines, lambda out: tool.bench(options, out))
+    run_command(json_lines, lambda out: tool.bench(options, out))
