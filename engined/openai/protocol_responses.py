@@ -6,7 +6,9 @@ only the fields its serving code set, nulls included when it set them to None; t
 usage chunk also drops every null. Here a field vLLM may leave out is `UNSET` by default
 (msgspec omits it) and None where vLLM always writes it, so a struct built with its defaults
 encodes as vLLM's common case, and the builders below give the other shapes. `ENCODE` is one
-reused encoder; `sse(data)` frames an event and `SSE_DONE` ends a stream.
+reused encoder; `sse(data)` frames an event and `SSE_DONE` ends a stream. The bodies of the
+endpoints that generate nothing are in `engined.openai.protocol_info_responses`, re-exported
+here.
 
 Usage: vLLM reports `prompt_tokens_details` only under `--enable-prompt-tokens-details`; chat
 then also reports `created_cache_tokens`, the prompt tokens the request itself wrote to the
@@ -17,11 +19,32 @@ completions leave it null.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Final, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
+
+from engined.openai.protocol_info_responses import (
+    DetokenizeResponse as DetokenizeResponse,
+)
+from engined.openai.protocol_info_responses import (
+    ModelCard as ModelCard,
+)
+from engined.openai.protocol_info_responses import (
+    ModelList as ModelList,
+)
+from engined.openai.protocol_info_responses import (
+    ModelPermission as ModelPermission,
+)
+from engined.openai.protocol_info_responses import (
+    TokenizeResponse as TokenizeResponse,
+)
+from engined.openai.protocol_info_responses import (
+    VersionResponse as VersionResponse,
+)
+from engined.openai.protocol_info_responses import (
+    model_card as model_card,
+)
 
 ENCODE: Final = msgspec.json.Encoder().encode
 SSE_DONE: Final = b"data: [DONE]\n\n"
@@ -354,63 +377,3 @@ def chat_usage_chunk(
         system_fingerprint=UNSET if system_fingerprint is None else system_fingerprint,
         kv_transfer_params=UNSET,
     )
-
-
-class ModelPermission(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "model_permission"
-    created: int
-    allow_create_engine: bool = False
-    allow_sampling: bool = True
-    allow_logprobs: bool = True
-    allow_search_indices: bool = False
-    allow_view: bool = True
-    allow_fine_tuning: bool = False
-    organization: str = "*"
-    group: str | None = None
-    is_blocking: bool = False
-
-
-class ModelCard(msgspec.Struct, kw_only=True):
-    """One served name: `root` is the model path vLLM was started with, `parent` null."""
-
-    id: str
-    object: str = "model"
-    created: int
-    owned_by: str = "vllm"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-    permission: list[ModelPermission] = []
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[ModelCard] = []
-
-
-def model_card(name: str, root: str, max_model_len: int, created: int) -> ModelCard:
-    """`/v1/models`' card for one served name, with vLLM's one default permission."""
-    permission = ModelPermission(id=f"modelperm-{uuid.uuid4().hex}", created=created)
-    return ModelCard(
-        id=name,
-        created=created,
-        root=root,
-        max_model_len=max_model_len,
-        permission=[permission],
-    )
-
-
-class TokenizeResponse(msgspec.Struct, kw_only=True):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(msgspec.Struct, kw_only=True):
-    prompt: str
-
-
-class VersionResponse(msgspec.Struct, kw_only=True):
-    version: str
