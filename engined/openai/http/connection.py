@@ -7,7 +7,8 @@ sends meanwhile wait unparsed (reading pauses past 64 KiB of them) and are parse
 once the response is written, so one handler runs per connection and every deadline runs
 only while the server waits for the client. Reading goes on during a handler and a stream,
 so a client that leaves is seen at once: its handler task is cancelled, its stream's
-iterator aclose()d.
+iterator aclose()d. The deadlines of a connection waiting for its client are
+`engined.openai.http.deadlines`'.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Literal, Protocol, cast
 import structlog
 
 import engined.openai.http.wire as wire
+from engined.openai.http.deadlines import WaitDeadline
 from engined.openai.http.limits import HttpLimits
 from engined.openai.http.parsing import Item, RequestReader
 from engined.openai.http.types import ErrorFactory, Handler, HttpResponse, StreamingResponse
@@ -57,8 +59,7 @@ class HttpConnection(asyncio.Protocol):
         self._backlog = bytearray()
         self._task: asyncio.Task[None] | None = None
         self._unwinding = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._deadline: float | None = None
+        self._deadline = WaitDeadline(self._loop, owner.limits, self._reader, self._expired)
         self._cut: asyncio.TimerHandle | None = None
         self._reading_paused = False
         self._write_paused = False
@@ -115,10 +116,10 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._reader.phase = "dead"
-        for handle in (self._timer, self._cut):
-            if handle is not None:
-                handle.cancel()
-        self._timer = self._cut = None
+        self._deadline.stop()
+        if self._cut is not None:
+            self._cut.cancel()
+        self._cut = None
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(ConnectionResetError("client went away"))
         if self._task is not None and not self._unwinding:
@@ -176,7 +177,7 @@ class HttpConnection(asyncio.Protocol):
             self._resume_reading()
         self._send_continue()
         if self._reader.items and self._task is None:
-            self._cancel_timer()
+            self._deadline.cancel()
             self._task = self._loop.create_task(self._run())
         elif self._task is None:
             self._arm()
@@ -334,7 +335,7 @@ class HttpConnection(asyncio.Protocol):
         if self._closing or self.closed or self._transport is None:
             return
         transport = self._transport
-        self._cancel_timer()
+        self._deadline.cancel()
         if linger and transport.can_write_eof():
             transport.write_eof()
             self._resume_reading()
@@ -359,42 +360,13 @@ class HttpConnection(asyncio.Protocol):
     # --- deadlines ----------------------------------------------------------------------------
 
     def _arm(self) -> None:
-        """A deadline only while the server waits for the client, on one lazy timer.
-
-        A timer that fires early re-arms for the deadline then in force, so a request on a
-        kept-alive connection costs no timer operation.
-        """
-        self._deadline = None
-        reader = self._reader
-        if self._task is not None or reader.items or self._closing or self.closed:
-            return
-        limits = self._limits
-        if reader.phase == "wait":
-            deadline = self._loop.time() + limits.keep_alive_s
-        elif reader.phase == "head":
-            deadline = reader.phase_since + limits.head_timeout_s
-        elif reader.phase == "body":
-            deadline = reader.phase_since + limits.body_timeout_s
+        """A deadline only while the server waits for the client (`WaitDeadline`)."""
+        if self._task is not None or self._reader.items or self._closing or self.closed:
+            self._deadline.cancel()
         else:
-            return
-        self._deadline = deadline
-        if self._timer is not None and self._timer.when() > deadline:
-            self._timer.cancel()
-            self._timer = None
-        if self._timer is None:
-            self._timer = self._loop.call_at(deadline, self._expired)
-
-    def _cancel_timer(self) -> None:
-        self._deadline = None
+            self._deadline.arm()
 
     def _expired(self) -> None:
-        self._timer = None
-        if self._deadline is None:
-            return
-        if self._loop.time() < self._deadline:
-            self._timer = self._loop.call_at(self._deadline, self._expired)
-            return
-        self._deadline = None
         if self._task is not None or self._reader.items or self._closing or self.closed:
             return
         phase = self._reader.phase
