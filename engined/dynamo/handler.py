@@ -12,7 +12,8 @@ Prefill/decode follows Dynamo 1.6.1's PrefillRouter: a prefill worker runs the p
 handoff source (`submit_handoff_prefill`, max_tokens 1) and returns `disaggregated_params`
 naming the handoff, its daemon and rank; the decode worker reserves a destination for it,
 waits out the modeled transfer, activates it, releases the source on the prefill daemon (as
-vLLM's decode side frees the prefill's blocks) and streams the decode.
+vLLM's decode side frees the prefill's blocks) and streams the decode. The request's fields
+are read and checked in `engined.dynamo.request_fields`.
 """
 
 from __future__ import annotations
@@ -36,17 +37,16 @@ from engined.client.handoff import (
     held_source,
     transfer_wait_s,
 )
-from engined.core.token_stream import SEED_MAX, SEED_MIN
 from engined.dynamo.args import DisaggregationMode
 from engined.dynamo.choices import (
     Choice,
     OutputOptions,
     RequestFailed,
     Usage,
-    field_map,
     merge,
     output_options,
 )
+from engined.dynamo.request_fields import core_fields, single_sample, stop_fields
 from engined.wire.control import DestinationReservedEvent, OutputEntry, TransferTiming
 
 log = structlog.get_logger(__name__)
@@ -132,8 +132,8 @@ class RequestHandler:
     # --- the three modes ------------------------------------------------------------------
 
     async def _aggregated(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
-        token_ids, max_tokens, dp_rank, seed = self._parse(request)
-        stop_token_ids, min_tokens = _stops(request)
+        token_ids, max_tokens, dp_rank, seed = core_fields(request, self._limits.context_length)
+        stop_token_ids, min_tokens = stop_fields(request)
         options = output_options(request)
         request_id = _request_id(context)
         usage = Usage(len(token_ids))
@@ -173,8 +173,8 @@ class RequestHandler:
         stop = request.get("stop_conditions") or {}
         if isinstance(stop, dict):
             request = {**request, "stop_conditions": {**stop, "max_tokens": 1, "min_tokens": 1}}
-        token_ids, _, dp_rank, seed = self._parse(request)
-        _single(request)
+        token_ids, _, dp_rank, seed = core_fields(request, self._limits.context_length)
+        single_sample(request)
         handoff_id = request_id = _request_id(context)
         submitted = await _refusing(
             self._client.submit_handoff_prefill(
@@ -218,9 +218,9 @@ class RequestHandler:
         yield last
 
     async def _decode(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
-        token_ids, max_tokens, dp_rank, seed = self._parse(request)
-        stop_token_ids, min_tokens = _stops(request)
-        options = _single(request)
+        token_ids, max_tokens, dp_rank, seed = core_fields(request, self._limits.context_length)
+        stop_token_ids, min_tokens = stop_fields(request)
+        options = single_sample(request)
         prefill_result = request["prefill_result"]
         params = _handoff_params(prefill_result)
         handoff_id = params["handoff_id"]
@@ -280,52 +280,6 @@ class RequestHandler:
         with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
             await self._client.cancel(request_id, timeout=CALL_TIMEOUT_S)
 
-    # --- request fields ---------------------------------------------------------------------
-
-    def _parse(self, request: dict[str, Any]) -> tuple[list[int], int, int | None, int | None]:
-        token_ids = request.get("token_ids")
-        if not isinstance(token_ids, list) or not token_ids:
-            raise RequestFailed(400, "token_ids: expected a non-empty list of token ids")
-        stop = field_map(request, "stop_conditions")
-        max_tokens = stop.get("max_tokens")
-        if max_tokens is None:
-            # vLLM's default: whatever room the context leaves.
-            max_tokens = max(self._limits.context_length - len(token_ids), 0)
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise RequestFailed(
-                400, f"stop_conditions.max_tokens: expected an int >= 0, got {max_tokens!r}"
-            )
-        min_tokens = stop.get("min_tokens")
-        if isinstance(min_tokens, int) and min_tokens > max_tokens:
-            raise RequestFailed(
-                400, f"stop_conditions.min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})"
-            )
-        routing = field_map(request, "routing")
-        dp_rank = routing.get("dp_rank")
-        if dp_rank is not None and (not isinstance(dp_rank, int) or dp_rank < 0):
-            raise RequestFailed(400, f"routing.dp_rank: expected an int >= 0, got {dp_rank!r}")
-        sampling = field_map(request, "sampling_options")
-        seed = sampling.get("seed")
-        if seed is not None and (
-            not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX
-        ):
-            raise RequestFailed(
-                400, f"sampling_options.seed: expected an int64 or null, got {seed!r}"
-            )
-        return token_ids, max_tokens, dp_rank, seed
-
-
-def _single(request: dict[str, Any]) -> OutputOptions:
-    """The output options of a P/D request, which carries one sample through the handoff."""
-    options = output_options(request)
-    if options.n != 1:
-        raise RequestFailed(
-            400,
-            f"sampling_options.n: a prefill/decode handoff carries one sample, got n={options.n}"
-            " (serve n > 1 from an aggregated worker)",
-        )
-    return options
-
 
 async def _interleaved(
     streams: list[AsyncGenerator[tuple[Chunk, OutputEntry], None]],
@@ -350,25 +304,6 @@ async def _interleaved(
         await asyncio.gather(*pending, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
-
-
-def _stops(request: dict[str, Any]) -> tuple[list[int] | None, int]:
-    """`stop_conditions.stop_token_ids_hidden` and `min_tokens`, as dynamo.vllm hands them to
-    vLLM's `SamplingParams` (the daemon judges the values, `_parse` the min/max order)."""
-    stop = field_map(request, "stop_conditions")
-    ids = stop.get("stop_token_ids_hidden")
-    if ids is not None and (
-        not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids)
-    ):
-        raise RequestFailed(
-            400, f"stop_conditions.stop_token_ids_hidden: expected token ids, got {ids!r}"[:200]
-        )
-    min_tokens = stop.get("min_tokens") or 0
-    if not isinstance(min_tokens, int) or min_tokens < 0:
-        raise RequestFailed(
-            400, f"stop_conditions.min_tokens: expected an int >= 0, got {min_tokens!r}"
-        )
-    return ids or None, min_tokens
 
 
 async def _refusing(call: Awaitable[T]) -> T:
