@@ -10,7 +10,8 @@ Two load shapes, because they answer different questions:
 Prompts and output lengths are drawn from seeded distributions (`engined.tools.distributions`),
 and `--shared-prefix-ratio` makes that fraction of every prompt the start of one of
 `--prefix-groups` shared prefixes, so prefix caching (and KV events) get exercised as a
-system prompt would. The same seed and options give the same requests in the same order.
+system prompt would. The same seed and options give the same requests in the same order
+(`engined.tools.bench_workload`).
 
 Latencies are measured at the client in wall time and reported in **modeled** time:
 `modeled = wall x ratio`, the ratio being the daemon's own speedup as its `welcome` announces
@@ -46,6 +47,7 @@ from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.bench_report import Aborted, make_report, print_report
 from engined.tools.bench_types import BenchOptions as BenchOptions  # engined.cli reads it here
 from engined.tools.bench_types import RequestResult
+from engined.tools.bench_workload import Workload as Workload  # tests read it here
 from engined.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -55,62 +57,13 @@ from engined.tools.common import (
     control_client,
     zmq_context,
 )
-from engined.tools.distributions import Distribution
 from engined.tools.stats import fetch_stats
-from engined.tools.submit import VOCAB_SIZE
 
 DEFAULT_CONCURRENCY: Final = 8
 DEFAULT_REQUESTS: Final = 100
 # Seconds between liveness pings while the load runs (each waits up to min(--timeout, 10 s)).
 LIVENESS_INTERVAL_S: Final = 1.0
 _CANCEL_TIMEOUT_S: Final = 2.0
-
-
-# --- workload -------------------------------------------------------------------------------
-
-
-class Workload:
-    """The request sequence: prompt tokens and max_tokens, reproducible from the seed.
-
-    A request's shared part is the first `round(ratio * prompt_len)` tokens of its group's
-    prefix; groups are one long token sequence each, so prompts of different lengths in one
-    group share the common start, as prompts sharing a system prompt do. The rest is random.
-    """
-
-    def __init__(
-        self,
-        prompt_len: Distribution,
-        output_len: Distribution,
-        shared_prefix_ratio: float,
-        prefix_groups: int,
-        seed: int,
-        vocab_size: int = VOCAB_SIZE,
-    ) -> None:
-        self._prompt_len = prompt_len
-        self._output_len = output_len
-        self._ratio = shared_prefix_ratio
-        self._vocab = vocab_size
-        self._rng = random.Random(f"engined-bench-{seed}")
-        self._groups = [
-            random.Random(f"engined-bench-{seed}-prefix-{g}") for g in range(prefix_groups)
-        ]
-        self._prefixes: list[list[int]] = [[] for _ in range(prefix_groups)]
-
-    def next(self) -> tuple[list[int], int]:
-        rng = self._rng
-        length = self._prompt_len.sample(rng)
-        max_tokens = self._output_len.sample(rng)
-        shared = min(length, round(length * self._ratio))
-        group = rng.randrange(len(self._groups))
-        prefix = self._prefix(group, shared)
-        return prefix + [rng.randrange(self._vocab) for _ in range(length - shared)], max_tokens
-
-    def _prefix(self, group: int, length: int) -> list[int]:
-        tokens = self._prefixes[group]
-        grow = self._groups[group]
-        while len(tokens) < length:
-            tokens.append(grow.randrange(self._vocab))
-        return tokens[:length]
 
 
 # --- running --------------------------------------------------------------------------------
