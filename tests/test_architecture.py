@@ -69,6 +69,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 # What the core may not import: clocks, I/O, randomness outside its seeded RNGs, the shell.
 BANNED_IN_CORE = ("time", "asyncio", "zmq", "os", "socket", "uuid", "threading", "subprocess")
 MAX_CORE_MODULE_LINES = 500
+MAX_MODULE_LINES = 400
 
 
 def module_name(path: Path) -> str:
@@ -206,3 +207,15 @@ def test_core_modules_stay_small() -> None:
         if package(module) == "core":
             lines = len(path.read_text().splitlines())
             assert lines <= MAX_CORE_MODULE_LINES, f"{module} has {lines} lines"
+
+
+def test_other_modules_stay_small() -> None:
+    """Issue 23: outside the core no module is over 400 lines; past that it holds more than
+    one concern, and the split says which."""
+    too_long = {
+        module: lines
+        for module, path in modules().items()
+        if package(module) != "core"
+        and (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert too_long == {}
