@@ -328,9 +328,10 @@ class EngineLoop:
             self.tokens_total += result.accept_length_output_tokens
             self._delivery.deliver_outputs(self.rank, result.outputs, result.decodes)
         fpm = result.fpm
-        wall_s = self._model_clock.reported_s(fpm.wall_time_secs)
-        if wall_s != fpm.wall_time_secs:
-            fpm = msgspec.structs.replace(fpm, wall_time_secs=wall_s)
+        if self._paced:
+            wall_s = self._model_clock.reported_s(fpm.wall_time_secs)
+            if wall_s != fpm.wall_time_secs:  # not at ratio 1
+                fpm = msgspec.structs.replace(fpm, wall_time_secs=wall_s)
         self._fpm.publish(fpm)
         if result.lifecycle_events:
             self._delivery.deliver_lifecycle(self.rank, result.lifecycle_events)
