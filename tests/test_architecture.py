@@ -12,7 +12,7 @@ A module may import its own package and the packages below it, never one above o
 it; `engined` itself imports the core, to check its build first. Beside the layers sit the
 neutral modules (`NEUTRAL`: the ZeroMQ socket factory, the logging set-up, and the reading of
 a model directory and the made-up logprob values that the Dynamo worker and the API server
-share), plumbing
+share, and the map between modelled and wall time), plumbing
 that every layer above the core may import and that imports no `engined` module itself; the
 core may not (it does no I/O). There is no allow-list: every upward import and every cycle
 fails.
@@ -29,7 +29,13 @@ ROOT = Path(__file__).resolve().parents[1] / "engined"
 
 # Top-level modules every layer above the core may import; they import no `engined` module.
 NEUTRAL = frozenset(
-    {"engined.zmq_sockets", "engined.logs", "engined.model_dir", "engined.logprob_values"}
+    {
+        "engined.zmq_sockets",
+        "engined.logs",
+        "engined.model_dir",
+        "engined.logprob_values",
+        "engined.model_clock",
+    }
 )
 
 # Package -> the packages its modules may import (besides its own).
