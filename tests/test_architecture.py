@@ -11,10 +11,11 @@ reader). Packages are layered:
 A module may import its own package and the packages below it, never one above or beside
 it; `engined` itself imports the core, to check its build first. Beside the layers sit the
 neutral modules (`NEUTRAL`: the ZeroMQ socket factory and its `ipc://` path checks, the
-logging set-up, and the reading of a model directory and the made-up logprob values that the
-Dynamo worker and the API server share), plumbing that every layer above the core may import
-and that imports no `engined` module but another neutral one; the core may not (it does no
-I/O). There is no allow-list: every upward import and every cycle fails.
+logging set-up, the reading of a model directory and the made-up logprob values that the
+Dynamo worker and the API server share, and the map between modelled and wall time), plumbing
+that every layer above the core may import and that imports no `engined` module but another
+neutral one; the core may not (it does no I/O). There is no allow-list: every upward import
+and every cycle fails.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ NEUTRAL = frozenset(
         "engined.logs",
         "engined.model_dir",
         "engined.logprob_values",
+        "engined.model_clock",
     }
 )
 
