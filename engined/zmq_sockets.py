@@ -113,7 +113,7 @@ def make_socket(
         immediate: queue messages only on a connection whose handshake completed, and drop
             what is queued when it ends (default False: queued messages wait for the next
             connection, which may be another peer at the same endpoint).
-        zap_domain: ask the process's ZAP handler (`engined.server.gatekeeper`) about every
+        zap_domain: ask the process's ZAP handler (`engined.server.security.gatekeeper`) about every
             connection; None (default) admits every peer unasked.
         curve_secret_key: be a CURVE server with this Z85 secret key (needs `zap_domain`
             for the keys it admits to be checked).

@@ -37,7 +37,7 @@ Route = Callable[[HttpRequest], Awaitable[Reply]]
 
 _NOT_FOUND = route_not_found()
 _NOT_ALLOWED = method_not_allowed()
-# vLLM's refusal, byte for byte (engined.server.http sends the same).
+# vLLM's refusal, byte for byte (engined.server.ops.http_endpoint sends the same).
 _UNAUTHORIZED = HttpResponse(401, b'{"error":"Unauthorized"}')
 
 
