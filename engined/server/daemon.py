@@ -56,8 +56,8 @@ from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
     from engined.server.api_servers import ApiServers
+    from engined.server.observability import Observability
     from engined.server.ops.http_endpoint import HealthState
-    from engined.server.ops.observability import Observability
     from engined.server.ops.prometheus_metrics import VllmMetrics
 
 log = structlog.get_logger(__name__)
@@ -136,7 +136,7 @@ class Daemon:
             enter_realtime(cfg.realtime_priority)
         if cfg.http_port is not None or cfg.api_port is not None:
             # Imported here: prometheus_client adds ~20 ms to a start-up without metrics.
-            from engined.server.ops.observability import Observability
+            from engined.server.observability import Observability
 
             # First, so that /health answers 503 while the rest starts.
             self.observability = Observability(cfg, self.ranks.handles)
