@@ -11,11 +11,8 @@ client what is in force (the engine-wide id: a rank's own id is its worker's to 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
-
-class WorkerIdSink(Protocol):
-    worker_id: str
+from engined.server.ranks.rank_sinks import WorkerIdSink
 
 
 class RuntimeSettings:

@@ -23,7 +23,6 @@ import msgspec
 import zmq.asyncio
 
 from engined.config import DaemonConfig
-from engined.server.control.settings import WorkerIdSink
 from engined.server.publish.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.publish.prometheus_publishers import WatchedPublisher
 from engined.server.ranks.rank_build import Pacing, build_rank, shared_pacing
@@ -34,7 +33,7 @@ from engined.server.ranks.rank_process import (
     available_cores,
     split_ranks,
 )
-from engined.server.ranks.rank_sinks import Delivery
+from engined.server.ranks.rank_sinks import Delivery, WorkerIdSink
 from engined.server.security.gatekeeper import Gatekeeper
 from engined.zmq_sockets import SocketRegistry
 

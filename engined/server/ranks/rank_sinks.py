@@ -29,6 +29,12 @@ class FpmSink(Protocol):
     def maybe_heartbeat(self, now: float) -> None: ...
 
 
+class WorkerIdSink(Protocol):
+    """A rank's FPM publisher (or its proxy): the Dynamo worker id it stamps, set by clients."""
+
+    worker_id: str
+
+
 class Delivery(Protocol):
     """Where a rank's results go: the control server routes them to clients."""
 
@@ -42,8 +48,8 @@ class Delivery(Protocol):
 # Told of every pass that changed something, right after it ran: (rank, pass start ms, report).
 # Before pacing, so no await separates the core's new state from what observers saw, and their
 # work fits in the pass's modeled time. Prometheus metrics (engined.server.ops.prometheus_metrics)
-# are one. A `PassReport`, not the `PassResult`: observers see a rank in a worker process the same
-# way.
+# are one. A `PassReport`, not the `PassResult`: observers see a rank in a worker process the
+# same way.
 PassObserver = Callable[[int, float, PassReport], None]
 # Told of every command applied without error: (rank, ms when `call` was made, or when it was
 # applied if that is earlier (`_core_ms`, catching up), command, effects).
