@@ -15,18 +15,18 @@ import typer
 from engined.config import (
     ENV_PREFIX,
 )
-from engined.tools.args import (
-    DEFAULT_CONTROL_ENDPOINT,
-    DEFAULT_TIMEOUT,
-    check_endpoint,
-    parse_token_list,
-    positive_float,
-)
 from engined.tools.distributions import (
     DEFAULT_OUTPUT_LEN,
     DEFAULT_PROMPT_LEN,
     Distribution,
     parse_distribution,
+)
+from engined.tools.option_values import (
+    DEFAULT_CONTROL_ENDPOINT,
+    DEFAULT_TIMEOUT,
+    check_endpoint,
+    parse_token_list,
+    positive_float,
 )
 
 if TYPE_CHECKING:
@@ -295,7 +295,7 @@ def fpm(
     json_lines: JsonLines = False,
 ) -> None:
     """Watch forward-pass metrics: a live table on a terminal, one line per pass otherwise."""
-    from engined.tools import fpm as tool
+    from engined.tools import fpm_watch as tool
 
     options = tool.FpmOptions(
         control_endpoint=control_endpoint,

@@ -5,14 +5,14 @@
 """
 
 from engined.client.api import EngineClient, Generation
-from engined.client.connection import DEFAULT_TIMEOUT, LIFECYCLE_FEED_SIZE
-from engined.client.errors import (
+from engined.client.client_errors import (
     ClientClosedError,
     ConnectionRefused,
     DaemonLost,
     EngineError,
     ProtocolError,
 )
+from engined.client.connection import DEFAULT_TIMEOUT, LIFECYCLE_FEED_SIZE
 from engined.client.liveness import (
     DEFAULT_LIVENESS_S,
     ConnectionBack,

@@ -12,8 +12,8 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from engined.client.client_errors import ClientClosedError
 from engined.client.connection import DEFAULT_TIMEOUT, Connection
-from engined.client.errors import ClientClosedError
 from engined.wire.control import (
     ActivateDestination,
     Applied,

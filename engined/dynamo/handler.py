@@ -37,7 +37,6 @@ from engined.client.handoff import (
     transfer_wait_s,
 )
 from engined.core.token_stream import SEED_MAX, SEED_MIN
-from engined.dynamo.args import DisaggregationMode
 from engined.dynamo.choices import (
     Choice,
     OutputOptions,
@@ -47,6 +46,7 @@ from engined.dynamo.choices import (
     merge,
     output_options,
 )
+from engined.dynamo.worker_args import DisaggregationMode
 from engined.wire.control import DestinationReservedEvent, OutputEntry, TransferTiming
 
 log = structlog.get_logger(__name__)

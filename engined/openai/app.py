@@ -15,7 +15,7 @@ import structlog
 from engined.client import EngineClient, EngineError
 from engined.config import DaemonConfig
 from engined.config.api_keys import BearerKeys
-from engined.openai.errors import (
+from engined.openai.api_errors import (
     ApiError,
     engine_dead,
     http_error,

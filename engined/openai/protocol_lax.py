@@ -21,7 +21,7 @@ from typing import Any, Final
 import msgspec
 import msgspec.inspect as mi
 
-from engined.openai.errors import KEPT_ERRORS, Errors, Loc, request_validation_error
+from engined.openai.api_errors import KEPT_ERRORS, Errors, Loc, request_validation_error
 
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1

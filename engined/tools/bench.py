@@ -42,7 +42,6 @@ from rich.progress import (
 )
 
 from engined.client import ClientClosedError, DaemonLost, EngineClient, EngineError
-from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.bench_report import Aborted, make_report, print_report
 from engined.tools.bench_types import BenchOptions as BenchOptions  # engined.cli reads it here
 from engined.tools.bench_types import RequestResult
@@ -56,6 +55,7 @@ from engined.tools.common import (
     zmq_context,
 )
 from engined.tools.distributions import Distribution
+from engined.tools.option_values import DEFAULT_TIMEOUT
 from engined.tools.stats import fetch_stats
 from engined.tools.submit import VOCAB_SIZE
 

@@ -27,7 +27,6 @@ from typing import Any, Final, Literal, TypeAlias
 import zmq
 import zmq.asyncio
 
-from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.common import (
     EXIT_OK,
     Output,
@@ -39,7 +38,7 @@ from engined.tools.common import (
     pick_rank,
     zmq_context,
 )
-from engined.wire.errors import WireError
+from engined.tools.option_values import DEFAULT_TIMEOUT
 from engined.wire.kv_events import (
     REPLAY_END_SEQ,
     WireKvEvent,
@@ -47,6 +46,7 @@ from engined.wire.kv_events import (
     read_seq,
     seq_bytes,
 )
+from engined.wire.protocol_errors import WireError
 from engined.zmq_sockets import make_socket
 
 # A subscriber that falls this far behind loses batches (as vLLM's consumers configure it).

@@ -14,7 +14,8 @@ from typing import Final
 
 from engined.core import types as core
 from engined.core.args import EngineType, WorkerType
-from engined.wire import control, fpm
+from engined.wire import control
+from engined.wire import fpm_schema as fpm
 from engined.wire.kv_events import KvEventEncoder
 
 DEFAULT_DIR: Final = Path(__file__).resolve().parents[2] / "proto" / "golden"

@@ -35,7 +35,7 @@ from engined.wire.constraints import (
     VocabSize,
     WorkerIdStr,
 )
-from engined.wire.errors import ErrorCode
+from engined.wire.protocol_errors import ErrorCode
 
 PROTOCOL_VERSION: Final = 1
 REQUEST_ID_MAX_BYTES: Final = 256

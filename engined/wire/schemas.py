@@ -16,7 +16,8 @@ from typing import Any, Final
 
 import msgspec
 
-from engined.wire import control, fpm, kv_events
+from engined.wire import control, kv_events
+from engined.wire import fpm_schema as fpm
 
 SCHEMA_DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
 DEFAULT_DIR: Final = Path(__file__).resolve().parents[2] / "proto" / "schemas"

@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from engined.core.types import FpmSnapshot
-from engined.wire import fpm
-from engined.wire.errors import WireError
+from engined.wire import fpm_schema as fpm
+from engined.wire.protocol_errors import WireError
 
 SNAPSHOT = FpmSnapshot(
     num_prefill_requests=2,
@@ -28,7 +28,7 @@ SNAPSHOT = FpmSnapshot(
 
 
 # Dynamo's `dynamo/common/forward_pass_metrics.py` v1 struct tree, restated independently of
-# engined.wire.fpm so a reordered or renamed field there fails the byte comparison below.
+# engined.wire.fpm_schema so a reordered or renamed field there fails the byte comparison below.
 class _DynScheduled(msgspec.Struct, frozen=True, gc=False):
     num_prefill_requests: int = 0
     sum_prefill_tokens: int = 0

@@ -7,7 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engined.wire import control, fpm, golden
+from engined.wire import control, golden
+from engined.wire import fpm_schema as fpm
 from engined.wire import kv_events as kv
 from tests.wire._paths import GOLDEN_DIR
 

@@ -20,7 +20,7 @@ from engined.server.control.clients import DELIMITER, ClientTable
 from engined.server.control.log_throttle import LogThrottle
 from engined.server.ranks.deadlines import Deadlines
 from engined.wire import control as wire
-from engined.wire.errors import WireError
+from engined.wire.protocol_errors import WireError
 
 log = structlog.get_logger(__name__)
 

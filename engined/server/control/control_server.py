@@ -38,7 +38,7 @@ from engined.server.ranks.rank_handle import RankHandle
 from engined.server.security.gatekeeper import ROLE_PROPERTY, Role
 from engined.wire import control as wire
 from engined.wire.convert import route_outputs, to_wire_lifecycle
-from engined.wire.errors import bound_message
+from engined.wire.protocol_errors import bound_message
 
 if TYPE_CHECKING:
     from engined.server.ops.exposition import MetricsRequests

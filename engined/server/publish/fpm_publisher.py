@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from engined.core.types import FpmSnapshot
 from engined.server.security.gatekeeper import Domain, Gatekeeper
-from engined.wire.fpm import encode_fpm, heartbeat
+from engined.wire.fpm_schema import encode_fpm, heartbeat
 from engined.wire.kv_events import seq_bytes
 from engined.zmq_sockets import SocketRegistry, bound_endpoint, nonblocking_sender
 

@@ -32,8 +32,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from engined.wire.errors import WireError
 from engined.wire.kv_events import REPLAY_END_FRAMES, read_seq, seq_bytes
+from engined.wire.protocol_errors import WireError
 
 log = structlog.get_logger()
 

@@ -13,7 +13,7 @@ from typing import Final
 import msgspec
 
 from engined.core.types import FpmSnapshot
-from engined.wire.errors import WireError
+from engined.wire.protocol_errors import WireError
 
 FPM_VERSION: Final = 1
 

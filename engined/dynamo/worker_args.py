@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engined.client.liveness import DEFAULT_LIVENESS_S, heartbeat_ms
-from engined.tools.args import DEFAULT_CONTROL_ENDPOINT, check_endpoint
+from engined.tools.option_values import DEFAULT_CONTROL_ENDPOINT, check_endpoint
 
 
 class DisaggregationMode(enum.StrEnum):

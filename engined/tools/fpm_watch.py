@@ -24,7 +24,6 @@ from rich import box
 from rich.live import Live
 from rich.table import Table
 
-from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.common import (
     EXIT_OK,
     Output,
@@ -34,8 +33,9 @@ from engined.tools.common import (
     pick_rank,
     zmq_context,
 )
-from engined.wire.errors import WireError
-from engined.wire.fpm import ForwardPassMetrics, decode_fpm
+from engined.tools.option_values import DEFAULT_TIMEOUT
+from engined.wire.fpm_schema import ForwardPassMetrics, decode_fpm
+from engined.wire.protocol_errors import WireError
 from engined.zmq_sockets import make_socket
 
 _SUB_HWM: Final = 100_000
