@@ -63,7 +63,6 @@ class SocketOptions(SecurityOptions, total=False):
     routing_id: bytes | None
     heartbeat_ivl: int | None
     heartbeat_timeout: int | None
-    immediate: bool
 
 
 # libzmq gives a ROUTER peer that sets no routing id `0x00` + a u32 counter whose start is
@@ -110,9 +109,6 @@ def make_socket(
             not is dead, stopped or cut off.
         heartbeat_timeout: ms after a PING without any traffic from the peer before the
             connection is dropped (DISCONNECTED on a monitor, then libzmq reconnects).
-        immediate: queue messages only on a connection whose handshake completed, and drop
-            what is queued when it ends (default False: queued messages wait for the next
-            connection, which may be another peer at the same endpoint).
         zap_domain: ask the process's ZAP handler (`engined.server.security.gatekeeper`) about every
             connection; None (default) admits every peer unasked.
         curve_secret_key: be a CURVE server with this Z85 secret key (needs `zap_domain`
@@ -133,7 +129,6 @@ def make_socket(
     routing_id = options.get("routing_id")
     heartbeat_ivl = options.get("heartbeat_ivl")
     heartbeat_timeout = options.get("heartbeat_timeout")
-    immediate = options.get("immediate", False)
     if router_mandatory and socket_type != zmq.ROUTER:
         raise ValueError(f"router_mandatory only applies to ROUTER sockets, not type {socket_type}")
     if bind:
@@ -155,8 +150,6 @@ def make_socket(
             sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ivl)
         if heartbeat_timeout is not None:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout)
-        if immediate:
-            sock.setsockopt(zmq.IMMEDIATE, 1)
         _set_security(sock, options)
         if bind:
             sock.bind(endpoint)

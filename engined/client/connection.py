@@ -192,8 +192,9 @@ class Connection:
                 curve_client=curve,
                 heartbeat_ivl=None if beats is None else beats[0],
                 heartbeat_timeout=None if beats is None else beats[1],
-                # What was sent to a lost daemon must not reach the one that replaces it.
-                immediate=beats is not None,
+                # Not ZMQ_IMMEDIATE: it would keep what is sent while the daemon is away from
+                # its successor, but it also drops what the daemon sent and this client has
+                # not read yet when the connection ends (a drained daemon's last outputs).
             )
         except BaseException:
             if owns_ctx:
@@ -269,8 +270,8 @@ class Connection:
 
     async def _send(self, frames: tuple[bytes], answered: asyncio.Future[DirectReply]) -> None:
         """Send at once when libzmq takes the message, else wait until it does or until
-        `answered` is failed: without a connection (a lost daemon, `immediate`) a send waits,
-        and the loss that fails the call must end that wait too."""
+        `answered` is failed: past the high-water mark a send waits, and the loss that fails
+        the call must end that wait too."""
         try:
             await self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
             return
@@ -424,7 +425,15 @@ class Connection:
 
     def _lose(self, lost: DaemonLost) -> None:
         """End everything of the lost connection: its requests and handoffs are gone with
-        it (a daemon that returns knows this connection no more), and so are their queues."""
+        it (a daemon that returns knows this connection no more), and so are their queues.
+
+        What the daemon sent before it went is delivered first. A daemon that drains at
+        SIGTERM sends its last outputs just before it exits, and libzmq keeps a closed
+        connection's messages readable; the monitor's DISCONNECTED can still be read before
+        the reader has taken them, so the loss waits while the DEALER has any to read."""
+        if not self._reader.done() and int(self._sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            asyncio.get_running_loop().call_soon(self._lose, lost)
+            return
         self._fail_all(lost)
         self._streams.clear()
         self._handoffs.clear()

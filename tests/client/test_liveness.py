@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from engined.client import (
     ConnectionBack,
@@ -91,6 +93,39 @@ def test_killed_daemon_ends_calls_and_streams_then_its_restart_is_reported(
         asyncio.run(scenario())
     finally:
         first.stop()
+
+
+def test_what_a_draining_daemon_sent_before_it_exited_comes_before_the_loss(
+    tmp_path: Path,
+) -> None:
+    """A daemon drains at SIGTERM: it sends a request's last outputs, then exits and its
+    connection ends. Both can wait on the client side at once (the client's loop was busy):
+    every output is read, the request finishes, and only then is the daemon lost."""
+    daemon = _daemon(tmp_path)
+    tokens = 40
+
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control, liveness_s=LIVENESS_S) as client:
+            await client.submit(list(range(1, 33)), tokens, request_id="last-words")
+            # The loop is held from here until the end of the connection is queued behind
+            # every output, as a busy client would be.
+            daemon.proc.send_signal(signal.SIGTERM)
+            assert daemon.proc.wait(30) == 0, daemon.log()
+            monitor = client._liveness._monitor
+            deadline = time.monotonic() + LIVENESS_S
+            while not int(monitor.get(zmq.EVENTS)) & zmq.POLLIN:
+                assert time.monotonic() < deadline, "libzmq never reported the disconnection"
+            received: list[int] = []
+            finish = None
+            async for entry in client.outputs("last-words", timeout=LIVENESS_S):
+                received += entry.token_ids
+                finish = entry.finish_reason
+            assert (len(received), finish) == (tokens, "length")
+            lost = await client.next_connection_event(timeout=LIVENESS_S)
+            assert isinstance(lost, ConnectionLost)
+
+    asyncio.run(scenario())
+    assert daemon.stop() == 0, daemon.log()
 
 
 def test_stopped_daemon_is_lost_within_the_bound_and_back_as_the_same_start(
