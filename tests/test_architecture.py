@@ -13,9 +13,9 @@ it (inside `engined/server/`, the same holds for its sub-packages, `SERVER_LAYER
 `engined` itself imports the core, to check its build first. Beside the layers sit the
 neutral modules (`NEUTRAL`: the ZeroMQ socket factory, the logging set-up, and the reading of
 a model directory and the made-up logprob values that the Dynamo worker and the API server
-share), plumbing that every layer above the core may import and that imports no `engined`
-module itself; the core may not (it does no I/O). There is no allow-list: every upward import
-and every cycle fails.
+share, and the map between modelled and wall time), plumbing that every layer above the core
+may import and that imports no `engined` module itself; the core may not (it does no I/O).
+There is no allow-list: every upward import and every cycle fails.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ ROOT = Path(__file__).resolve().parents[1] / "engined"
 
 # Top-level modules every layer above the core may import; they import no `engined` module.
 NEUTRAL = frozenset(
-    {"engined.zmq_sockets", "engined.logs", "engined.model_dir", "engined.logprob_values"}
+    {
+        "engined.zmq_sockets",
+        "engined.logs",
+        "engined.model_dir",
+        "engined.logprob_values",
+        "engined.model_clock",
+    }
 )
 
 # Package -> the packages its modules may import (besides its own).

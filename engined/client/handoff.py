@@ -19,6 +19,7 @@ from typing import Any, Final, TypeVar
 
 from engined.client.api import EngineClient
 from engined.client.client_errors import EngineError
+from engined.model_clock import ModelClock
 from engined.wire.control import (
     Applied,
     DestinationAccepted,
@@ -45,22 +46,23 @@ class HandoffFailed(Exception):
 def transfer_wait_s(
     timing: TransferTiming | None,
     handoff_delay_ms: float,
-    speedup_ratio: float,
+    source_clock: ModelClock,
     reserved: DestinationReservedEvent,
 ) -> float:
-    """The modelled KV transfer time in wall seconds (none at speedup 0).
+    """The modelled KV transfer time in wall seconds at the source daemon's pacing
+    (`source_clock`; none unpaced).
 
     With the source's `transfer_timing` (its `kv_transfer_timing_mode`) the delay is the
     coordinator's: `destination_missing` moves only what this destination's reservation
     lacks. Without it (an older prefill side) the prefill output's full-prompt delay.
     """
-    if speedup_ratio <= 0:
+    if not source_clock.paced:
         return 0.0
     if timing is None:
         delay_ms = handoff_delay_ms
     else:
         delay_ms = timing.delay_ms(reserved.transferable_prompt_tokens) or 0.0
-    return max(float(delay_ms), 0.0) / 1000.0 / float(speedup_ratio)
+    return source_clock.to_wall_s(max(float(delay_ms), 0.0))
 
 
 async def held_source(client: EngineClient, handoff_id: str) -> SourceHeldEvent | None:

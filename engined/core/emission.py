@@ -85,7 +85,9 @@ class TokenEmitter:
         self.block_size = args.block_size
         self.num_blocks = args.num_gpu_blocks
         self.is_prefill_worker = args.worker_type is WorkerType.PREFILL
-        self._decode_ratio = args.speedup_ratio * args.decode_speedup_ratio
+        # Modelled time, never paced: upstream multiplies `decode_speedup_ratio` into a
+        # positive `speedup_ratio` only, so an unpaced daemon's decode is the raw model's.
+        self._decode_ratio = args.decode_speedup_ratio if args.speedup_ratio > 0 else 0.0
         self._state = state
         self._kv = kv
         # The same KV as the mocker's pool (None on vLLM's): the inlined block-opening step

@@ -199,6 +199,7 @@ class Engine:
         # publishes KV events from `update_from_output`).
         kv_events = self._kv.take_events() if resolved else []
         queued = self._queued
+        # Modelled seconds, as every core time; the engine loop reports them as wall time.
         wall_time_secs = (end_ms - now_ms) / 1000.0
         fpm = build_snapshot(
             ctx.scheduled,

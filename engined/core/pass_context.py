@@ -103,13 +103,14 @@ class PassContext:
         self.batch_isl += prefix_tokens + prompt_tokens
         self.batch_prefix += prefix_tokens
 
-    def prefill_ms(self, perf: PerfModel, speedup_ratio: float) -> float:
-        """The modeled duration of the pass's prefill batch (0 without one)."""
+    def prefill_ms(self, perf: PerfModel) -> float:
+        """The modeled duration of the pass's prefill batch (0 without one), rounded to a
+        Rust `Duration` as upstream's is."""
         n = self.batch_count
         if not n:
             return 0.0
         raw = perf.prefill_ms(n, self.batch_isl // n, self.batch_prefix // n)
-        return scale_ms(raw, speedup_ratio)
+        return scale_ms(raw, 0.0)
 
     def unschedule(self, request_id: str, counts_prefill: bool) -> None:
         """A request scheduled earlier in this pass was preempted: its share goes back to the

@@ -1,9 +1,11 @@
 """Modeled duration of one engine pass, in milliseconds.
 
 The core asks twice per pass (prefill of the pass's chunks, then decode of the ready batch) and
-adds the scaled results to `now_ms`. Models return the raw, unscaled time; `scale_ms` applies the
-speedup with Rust `Duration` rounding, so pass end times match upstream to the nanosecond and two
-requests finishing in one pass get bit-identical timestamps.
+adds the results to `now_ms`. Everything is modelled time: the pacing against the wall
+(`speedup_ratio`) is the server's (engined.model_clock), never the core's. Models return the raw
+time; `scale_ms` rounds it to a Rust `Duration` (and applies decode's own `decode_speedup_ratio`),
+so pass end times match upstream's modelled durations to the nanosecond and two requests
+finishing in one pass get bit-identical timestamps.
 
 Everything here runs once per pass per rank, so the functions do plain float arithmetic and
 allocate nothing beyond the floats they return.
@@ -35,7 +37,7 @@ _DECODE_FLOOR_MS = 1.0
 
 
 class PerfModel(Protocol):
-    """What the core needs from a timing model: raw milliseconds, before speedup scaling."""
+    """What the core needs from a timing model: raw modelled milliseconds, before rounding."""
 
     def prefill_ms(self, batch: int, mean_isl: int, mean_prefix: int) -> float:
         """Time of one prefill pass over `batch` chunks of integer-mean shape."""
@@ -156,8 +158,8 @@ def scale_ms(ms: float, ratio: float) -> float:
     Mirrors upstream's `Duration::from_secs_f64(ms / 1000.0)` followed by
     `Duration::from_secs_f64(d.as_secs_f64() / ratio)` for `ratio > 0` and `d > 0`, so the
     rounding happens twice, exactly where Rust does it. `ratio <= 0` leaves the time unscaled
-    (the core's "speedup 0" mode). The core passes `speedup_ratio` for prefill and
-    `speedup_ratio * decode_speedup_ratio` for decode.
+    (the core's "speedup 0" mode). The core passes 0 for prefill (rounding only) and
+    `decode_speedup_ratio` for decode when the daemon is paced (engined.core.emission).
     """
     ns = _duration_ns(ms / 1000.0)
     if ratio > 0.0 and ns > 0:

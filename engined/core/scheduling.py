@@ -72,7 +72,6 @@ class Scheduler:
         "_perf",
         "_policy",
         "_preempter",
-        "_speedup_ratio",
         "_state",
         "block_size",
         "max_batched_tokens",
@@ -100,7 +99,6 @@ class Scheduler:
         self._chunked = args.enable_chunked_prefill
         # A decode worker's prompts arrive by transfer: their tokens cost no prefill time.
         self._counts_prefill = args.worker_type is not WorkerType.DECODE
-        self._speedup_ratio = args.speedup_ratio
         self._state = state
         self._kv = kv
         self._policy = policy
@@ -124,7 +122,7 @@ class Scheduler:
 
     def prefill_ms(self, ctx: PassContext) -> float:
         """The modeled duration of the pass's prefill batch (0 without one)."""
-        return ctx.prefill_ms(self._perf, self._speedup_ratio)
+        return ctx.prefill_ms(self._perf)
 
     def _schedule_running(self, ctx: PassContext) -> None:
         """Step 1 of the pass. Decoding requests (one dangling token inside an allocated

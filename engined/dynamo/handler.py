@@ -47,6 +47,7 @@ from engined.dynamo.choices import (
     output_options,
 )
 from engined.dynamo.worker_args import DisaggregationMode
+from engined.model_clock import ModelClock
 from engined.wire.control import DestinationReservedEvent, OutputEntry, TransferTiming
 
 log = structlog.get_logger(__name__)
@@ -426,7 +427,7 @@ def _transfer_wait_s(params: dict[str, Any], reserved: DestinationReservedEvent)
     return transfer_wait_s(
         wire_timing,
         float(delay_ms) if isinstance(delay_ms, int | float) else 0.0,
-        float(speedup),
+        ModelClock(float(speedup)),
         reserved,
     )
 

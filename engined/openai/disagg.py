@@ -37,6 +37,7 @@ from engined.client.handoff import (
     transfer_wait_s,
 )
 from engined.config.endpoints import WILDCARD_HOSTS, parse_endpoint
+from engined.model_clock import ModelClock
 from engined.openai.api_errors import ApiError, validation_error
 from engined.wire.control import DestinationAccepted, Submitted, TransferTiming
 
@@ -293,7 +294,7 @@ class Disaggregation:
                 peer,
                 request,
                 lambda reserved: transfer_wait_s(
-                    role.timing, role.handoff_delay_ms, role.speedup_ratio, reserved
+                    role.timing, role.handoff_delay_ms, ModelClock(role.speedup_ratio), reserved
                 ),
                 strict=True,
             )

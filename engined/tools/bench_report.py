@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from rich.table import Table
 
+from engined.model_clock import ModelClock
 from engined.tools.bench_types import BenchOptions, RequestResult
 from engined.tools.common import Output, table_text
 
@@ -59,7 +60,8 @@ def make_report(
     """
     ok = [r for r in results if r.error is None]
     errors = Counter(r.error for r in results if r.error is not None)
-    to_ms = (options.speedup_ratio or 1.0) * 1000.0
+    # A daemon at speedup 0 has no modelled clock: its latencies are reported as wall time.
+    to_ms = ModelClock(options.speedup_ratio or 1.0).to_modelled_ms(1.0)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     cached_tokens = sum(r.cached_tokens for r in ok)

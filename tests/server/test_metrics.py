@@ -59,7 +59,6 @@ from engined.server.ops.prometheus_metrics import (
     LatencyHistogram,
     RankMetrics,
     VllmMetrics,
-    modeled_seconds_per_ms,
 )
 from engined.server.ranks.engine_loop import EngineLoop
 from tests.server.daemon_harness import DaemonProcess, start_daemon
@@ -113,7 +112,7 @@ def make_core(**args: object) -> Engine:
 
 
 def tally(core: Engine, clock: Callable[[], float] = lambda: 0.0) -> RankMetrics:
-    return RankMetrics(0, gauges=core.metrics, now_ms=clock, seconds_per_ms=0.001)
+    return RankMetrics(0, gauges=core.metrics, now_ms=clock)
 
 
 def submit(
@@ -256,13 +255,6 @@ def test_buckets_are_vllms() -> None:
     assert (REQUEST_LATENCY_BUCKETS[0], REQUEST_LATENCY_BUCKETS[-1]) == (0.3, 7680.0)
     for bounds in (TTFT_BUCKETS, ITL_BUCKETS, REQUEST_LATENCY_BUCKETS):
         assert list(bounds) == sorted(set(bounds))
-
-
-def test_modeled_time_undoes_the_speedup() -> None:
-    # At speedup 0 the core's clock is modeled ms; at ratio r it is wall ms = modeled / r.
-    assert modeled_seconds_per_ms(0.0) == 0.001
-    assert modeled_seconds_per_ms(1.0) == 0.001
-    assert modeled_seconds_per_ms(4.0) == 0.004
 
 
 # --- RankMetrics with hand-made passes ----------------------------------------------------------
@@ -511,19 +503,17 @@ def test_real_core_passes_match_a_per_token_reference(name: str, args: dict[str,
 
 
 def test_latencies_are_modeled_time_at_any_speedup() -> None:
-    """At speedup 4 the core's clock runs 4x faster; the histograms must not notice."""
+    """The core's clock is modelled time at any speedup (pacing is the loop's ModelClock),
+    so the histograms of a core at speedup 4 are those of one at speedup 0, exactly."""
     sums = []
     for ratio in (0.0, 4.0):
         core = make_core(speedup_ratio=ratio, num_gpu_blocks=60)
-        metrics = RankMetrics(
-            0, gauges=core.metrics, now_ms=lambda: 0.0, seconds_per_ms=modeled_seconds_per_ms(ratio)
-        )
+        metrics = RankMetrics(0, gauges=core.metrics, now_ms=lambda: 0.0)
         run_core(core, metrics, count=20, seed=7)
         sums.append((metrics.ttft.sum, metrics.itl.sum, metrics.e2e.sum, metrics.itl.count))
     (ttft0, itl0, e2e0, n0), (ttft4, itl4, e2e4, n4) = sums
     assert n0 == n4
-    # Durations are rounded to whole nanoseconds twice at ratio 4 (as upstream does).
-    assert (ttft4, itl4, e2e4) == pytest.approx((ttft0, itl0, e2e0), rel=1e-6)
+    assert (ttft4, itl4, e2e4) == (ttft0, itl0, e2e0)
 
 
 # --- the collector ----------------------------------------------------------------------------
@@ -675,7 +665,7 @@ def served() -> Iterator[tuple[asyncio.AbstractEventLoop, HttpServer, list[Healt
     """An HttpServer on an ephemeral port with a settable health state, on its own loop."""
     loop = asyncio.new_event_loop()
     registry = CollectorRegistry()
-    metrics = VllmMetrics(model_name="m", speedup_ratio=0.0, cache_info={"block_size": "16"})
+    metrics = VllmMetrics(model_name="m", cache_info={"block_size": "16"})
     registry.register(metrics)
     state: list[HealthState] = ["serving"]
     server = HttpServer(metrics.registry, health=lambda: state[0])

@@ -407,11 +407,11 @@ def test_without_mtp_there_is_no_spec_decode_family() -> None:
 
 
 def test_residency_samples_become_modeled_seconds() -> None:
-    """At speedup 4 the core's milliseconds are a quarter of modeled ones."""
+    """The core's milliseconds are modelled ones at any speedup (here 4): seconds / 1000."""
     core = Engine(EngineArgs(block_size=4, num_gpu_blocks=8, speedup_ratio=4.0).normalized())
-    tallies = RankMetrics(0, gauges=core.metrics, now_ms=lambda: 0.0, seconds_per_ms=0.004)
+    tallies = RankMetrics(0, gauges=core.metrics, now_ms=lambda: 0.0)
     result = hand_pass(core, 10.0, [])
-    evictions = [KvBlockEviction(50.0, 20.0, (1.0, 2.0)), KvBlockEviction(3.0, 3.0, ())]
+    evictions = [KvBlockEviction(200.0, 80.0, (4.0, 8.0)), KvBlockEviction(12.0, 12.0, ())]
     tallies.on_pass(0, 0.0, msgspec.structs.replace(result, kv_block_evictions=evictions))
     same(tallies.block_lifetime, counts(KV_CACHE_RESIDENCY_BUCKETS, [0.2, 0.012]))
     same(tallies.block_idle, counts(KV_CACHE_RESIDENCY_BUCKETS, [0.08, 0.012]))

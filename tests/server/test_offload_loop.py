@@ -6,6 +6,8 @@ will come, and only the loop's deadline wake-up can land it and publish its STOR
 
 Paced runs use a virtual clock (tests/server/virtual_clock.py): the hop is exactly 1 ms of
 the loop's clock however loaded the machine is, so it is asserted exactly in both modes.
+The hop is modelled time: at speedup 4 it is still 1 ms for the core and a quarter of that
+on the loop's clock (one time base, engined/model_clock.py).
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ class Capture:
 
     def __init__(self) -> None:
         self.kv_events: list[KvEvent] = []
-        # The loop's clock when each event was published.
+        # The core's (modelled) clock when each event was published, and the loop's.
         self.published_at_ms: list[float] = []
+        self.published_at_s: list[float] = []
+        self.clock: VirtualClock | None = None
         self.finished: set[str] = set()
         self.loop: EngineLoop | None = None
 
@@ -51,6 +55,8 @@ class Capture:
             assert self.loop is not None
             self.kv_events.extend(events)
             self.published_at_ms.extend(self.loop.now_ms() for _ in events)
+            if self.clock is not None:
+                self.published_at_s.extend(self.clock() for _ in events)
 
     overflows = 0  # a KV sink's count of batches it could not publish
 
@@ -70,6 +76,14 @@ class Capture:
         (at,) = [
             t
             for e, t in zip(self.kv_events, self.published_at_ms, strict=True)
+            if isinstance(e, BlockStored) and e.medium is medium
+        ]
+        return at
+
+    def stored_at_s(self, medium: Medium) -> float:
+        (at,) = [
+            t
+            for e, t in zip(self.kv_events, self.published_at_s, strict=True)
             if isinstance(e, BlockStored) and e.medium is medium
         ]
         return at
@@ -116,7 +130,7 @@ class VirtualPacer:
 
 @pytest.mark.parametrize(
     ("speedup_ratio", "paced_by", "decode_ms"),
-    [(0.0, "sleep", 0.0), (1.0, "sleep", 0.0), (1.0, "pacer", 0.1)],
+    [(0.0, "sleep", 0.0), (1.0, "sleep", 0.0), (1.0, "pacer", 0.1), (4.0, "sleep", 0.0)],
 )
 def test_idle_core_wakes_at_the_offload_deadline(
     speedup_ratio: float, paced_by: str, decode_ms: float, monkeypatch: pytest.MonkeyPatch
@@ -132,6 +146,7 @@ def test_idle_core_wakes_at_the_offload_deadline(
     async def scenario() -> None:
         core = offload_core(speedup_ratio, decode_ms)
         capture = Capture()
+        capture.clock = clock
         loop = EngineLoop(
             core,
             kv=capture,
@@ -155,13 +170,16 @@ def test_idle_core_wakes_at_the_offload_deadline(
         # pass after it) and takes 1 ms; only the deadline wake-up can publish its landing.
         hop_ms = capture.stored_at_ms(Medium.STORAGE) - capture.stored_at_ms(Medium.CPU)
         assert hop_ms == pytest.approx(1.0)
+        if speedup_ratio > 0:
+            hop_s = capture.stored_at_s(Medium.STORAGE) - capture.stored_at_s(Medium.CPU)
+            assert hop_s == pytest.approx(0.001 / speedup_ratio)
         indexer = ReferenceIndexer(BLOCK_SIZE, lower_tier_edges=True)
         indexer.apply(capture.kv_events)
         indexer.assert_clean()
         assert indexer.tier_overlap([1, 2, 3, 4], Medium.CPU) == 1
         assert indexer.tier_overlap([1, 2, 3, 4], Medium.STORAGE) == 1
         if paced_by == "pacer":
-            landed_s = capture.stored_at_ms(Medium.STORAGE) / 1000.0
+            landed_s = capture.stored_at_s(Medium.STORAGE)
             assert any(d == pytest.approx(landed_s) for d in pacer.deadlines)
         loop.stop()
         await runner

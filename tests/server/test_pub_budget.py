@@ -189,7 +189,7 @@ class FakePublisher:
 
 
 def test_prometheus_shows_slow_reader_counters() -> None:
-    metrics = VllmMetrics(model_name="m", speedup_ratio=0.0, cache_info={})
+    metrics = VllmMetrics(model_name="m", cache_info={})
     without_replay = FakePublisher()
     without_replay.replay = None
     metrics.watch_publishers([FakePublisher(), without_replay])

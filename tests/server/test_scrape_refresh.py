@@ -18,6 +18,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from engined.core.types import EngineMetrics
+from engined.model_clock import ModelClock
 from engined.server.control.reports import Refresh
 from engined.server.ops import exposition as exposition_module
 from engined.server.ops.http_endpoint import HttpServer
@@ -45,7 +46,7 @@ class Link:
 
 def remote(link: Link) -> RankProxy:
     ready = w.RankReady(0, None, None, None, 64, 16, 1, 1, EngineMetrics(0, 0, 0, 64, 0.0, 0, 0, 0))
-    return RankProxy(link, ready, paced=False)  # type: ignore[arg-type]
+    return RankProxy(link, ready, model_clock=ModelClock(0.0))  # type: ignore[arg-type]
 
 
 def test_scrapes_meanwhile_share_one_refresh_and_a_later_one_asks_again() -> None:

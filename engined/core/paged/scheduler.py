@@ -62,7 +62,6 @@ class PagedScheduler:
         "_perf",
         "_policy",
         "_preempter",
-        "_speedup_ratio",
         "_state",
         "_vocab",
         "block_size",
@@ -94,7 +93,6 @@ class PagedScheduler:
         self._counts_prefill = args.worker_type is not WorkerType.DECODE
         self._full_isl = args.scheduler_reserve_full_isl
         self._by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
-        self._speedup_ratio = args.speedup_ratio
         self._state = state
         self._kv = kv
         self._policy = policy
@@ -123,7 +121,7 @@ class PagedScheduler:
 
     def prefill_ms(self, ctx: PassContext) -> float:
         """The modeled duration of the pass's prefill batch (0 without one)."""
-        return ctx.prefill_ms(self._perf, self._speedup_ratio)
+        return ctx.prefill_ms(self._perf)
 
     def _schedule_running(self, ctx: PassContext) -> None:
         running = self._state.running

@@ -27,10 +27,9 @@ daemon calls for every rank's events):
   request early is a command the loop applies and observes). Its per-request histograms are
   recorded then.
 
-Latencies are modeled time. The core's millisecond clock is modeled time at speedup 0
-(virtual clock); at speedup ratio r > 0 the core's times are wall time (modeled durations
-divided by r), so they are multiplied back by r: the histograms show what the modeled engine
-would have shown, whatever the pacing.
+Latencies are modeled time: the core's millisecond clock is modelled time at every speedup
+(engined.model_clock), so the histograms show what the modeled engine would have shown,
+whatever the pacing, with nothing to undo.
 """
 
 from __future__ import annotations
@@ -67,13 +66,7 @@ __all__ = [
     "RankMetrics",
     "VllmMetrics",
     "cache_config_info",
-    "modeled_seconds_per_ms",
 ]
-
-
-def modeled_seconds_per_ms(speedup_ratio: float) -> float:
-    """Modeled seconds per core millisecond: the core's clock is wall time / ratio when r > 0."""
-    return (speedup_ratio if speedup_ratio > 0 else 1.0) / 1000.0
 
 
 def cache_config_info(config: DaemonConfig) -> dict[str, str]:
@@ -115,7 +108,6 @@ class VllmMetrics(Collector):
 
     Args:
         model_name: the `model_name` label.
-        speedup_ratio: the engines' pacing, which latencies undo (`modeled_seconds_per_ms`).
         cache_info: the labels of `vllm:cache_config_info`.
         max_model_len: the longest prompt + output (the last token-count bucket).
         block_size: KV block size (a destination's transferred prompt tokens).
@@ -128,7 +120,6 @@ class VllmMetrics(Collector):
         self,
         *,
         model_name: str,
-        speedup_ratio: float,
         cache_info: Mapping[str, str],
         max_model_len: int = 1 << 16,
         block_size: int = 16,
@@ -137,7 +128,6 @@ class VllmMetrics(Collector):
         kv_residency: bool = False,
     ) -> None:
         self.model_name = model_name
-        self.seconds_per_ms = modeled_seconds_per_ms(speedup_ratio)
         self.cache_info = dict(cache_info)
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -165,7 +155,6 @@ class VllmMetrics(Collector):
         engine = config.engine
         return cls(
             model_name=config.model_name,
-            speedup_ratio=engine.speedup_ratio,
             cache_info=cache_config_info(config),
             max_model_len=context_length(
                 engine.num_gpu_blocks, engine.block_size, engine.max_model_len
@@ -183,7 +172,6 @@ class VllmMetrics(Collector):
             loop.rank,
             gauges=lambda: loop.gauges().metrics,
             now_ms=loop.now_ms,
-            seconds_per_ms=self.seconds_per_ms,
             max_model_len=self.max_model_len,
             spec_tokens=self.spec_tokens,
         )

@@ -102,7 +102,6 @@ class RankMetrics:
         rank: the data-parallel rank (the `engine` label).
         gauges: the rank's engine gauges now (`Engine.metrics`), read at scrape time.
         now_ms: the rank's clock (`EngineLoop.now_ms`), for requests a command ended.
-        seconds_per_ms: modeled seconds per core millisecond (`modeled_seconds_per_ms`).
         max_model_len: the longest prompt + output (the token histograms' last bucket).
         spec_tokens: MTP draft tokens per step on a rank that drafts (0: no spec decode).
     """
@@ -113,14 +112,14 @@ class RankMetrics:
         *,
         gauges: Callable[[], EngineMetrics],
         now_ms: Callable[[], float],
-        seconds_per_ms: float,
         max_model_len: int = 1 << 16,
         spec_tokens: int = 0,
     ) -> None:
         self.rank = rank
         self.gauges = gauges
         self._now_ms = now_ms
-        self._scale = seconds_per_ms
+        # Seconds per core millisecond: the core's times are modelled at any speedup.
+        self._scale = 0.001
         self.requests: dict[str, _Request] = {}
         # Requests that emitted a token in the latest pass that emitted any, its end and its
         # number (the epoch); a request leaves it when it finishes (a reused id starts afresh).

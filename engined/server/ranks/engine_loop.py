@@ -32,6 +32,11 @@ tiers, such a rank also wakes at the earliest tier-transfer deadline (paced: sle
 speedup 0: moves the virtual clock to it): a busy core then runs a pass, an empty one ticks
 its tiers (`Engine.advance_tiers`) and publishes what landed.
 
+The core's clock is modelled time at every speedup: paced, the loop gives it the loop's clock
+mapped through its `ModelClock` (engined.model_clock), and maps the core's pass ends and tier
+deadlines back to deadlines of the loop's clock the same way; unpaced, a virtual clock. The
+forward-pass metric's `wall_time` stays wall time on the wire (`ModelClock.reported_s`).
+
 The loop reads only what the engine returns (`CommandEffects`, `PassResult`, `TierAdvance`)
 and its public gauges, and tells its pass observers a `PassReport`; commands are
 `engined.core` commands, applied through the inbox by `call` (the caller awaits the effects)
@@ -45,6 +50,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import msgspec
 import structlog
 
 from engined.core.engine import Engine
@@ -54,6 +60,7 @@ from engined.core.types import (
     CommandEffects,
     PassResult,
 )
+from engined.model_clock import ModelClock
 from engined.server.ranks.collector import Collector
 from engined.server.ranks.deadlines import Deadlines
 from engined.server.ranks.lateness import LatenessWindow
@@ -112,7 +119,8 @@ class EngineLoop:
         self._kv = kv
         self._fpm = fpm
         self._delivery = delivery
-        self._paced = speedup_ratio > 0
+        self._model_clock = model_clock = ModelClock(speedup_ratio)
+        self._paced = model_clock.paced
         self._clock = clock
         self._timers = LoopTimers(clock, sleep, paced=self._paced)
         self._wall_clock = wall_clock
@@ -222,8 +230,9 @@ class EngineLoop:
     # --- the loop -----------------------------------------------------------------------
 
     def now_ms(self) -> float:
+        """The modelled time now (paced: the loop's clock since the start, mapped)."""
         if self._paced:
-            return (self._clock() - self._start) * 1000.0
+            return self._model_clock.to_modelled_ms(self._clock() - self._start)
         return self._virtual_ms
 
     def _core_ms(self) -> float:
@@ -235,7 +244,7 @@ class EngineLoop:
         planned = self._next_start
         if planned is None or now <= planned:
             return now
-        return max(planned, now - CATCH_UP_S * 1000.0)
+        return max(planned, now - self._model_clock.to_modelled_ms(CATCH_UP_S))
 
     async def run(self) -> None:
         try:
@@ -276,7 +285,8 @@ class EngineLoop:
 
     def _execute(self, start_ms: float) -> PassResult:
         if self._next_start is not None:
-            self.lateness.add(max(self.now_ms() - self._next_start, 0.0))
+            late_ms = max(self.now_ms() - self._next_start, 0.0)
+            self.lateness.add(self._model_clock.to_wall_s(late_ms) * 1000.0)
         result = self.engine.execute_pass(start_ms)
         self.passes_total += 1
         if result.kv_events:
@@ -290,7 +300,7 @@ class EngineLoop:
             await asyncio.sleep(0)
             return
         self._next_start = end_ms
-        deadline = self._start + end_ms / 1000.0
+        deadline = self._start + self._model_clock.to_wall_s(end_ms)
         if self._deadlines is not None:
             self._deadlines.set(self.rank, deadline)
         if self._collector is not None:
@@ -317,7 +327,12 @@ class EngineLoop:
         if result.outputs or result.decodes.request_ids:
             self.tokens_total += result.accept_length_output_tokens
             self._delivery.deliver_outputs(self.rank, result.outputs, result.decodes)
-        self._fpm.publish(result.fpm)
+        fpm = result.fpm
+        if self._paced:
+            wall_s = self._model_clock.reported_s(fpm.wall_time_secs)
+            if wall_s != fpm.wall_time_secs:  # not at ratio 1
+                fpm = msgspec.structs.replace(fpm, wall_time_secs=wall_s)
+        self._fpm.publish(fpm)
         if result.lifecycle_events:
             self._delivery.deliver_lifecycle(self.rank, result.lifecycle_events)
 
@@ -358,7 +373,7 @@ class EngineLoop:
         if not self._paced:
             self._virtual_ms = max(self._virtual_ms, deadline_ms)
             return 0.0
-        return (deadline_ms - self._core_ms()) / 1000.0
+        return self._model_clock.to_wall_s(deadline_ms - self._core_ms())
 
     def _advance_tiers(self) -> None:
         """Land the tier transfers due by now on an empty engine and publish their events."""

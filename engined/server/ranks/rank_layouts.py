@@ -23,6 +23,7 @@ import msgspec
 import zmq.asyncio
 
 from engined.config import DaemonConfig
+from engined.model_clock import ModelClock
 from engined.server.publish.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.publish.prometheus_publishers import WatchedPublisher
 from engined.server.ranks.rank_build import Pacing, build_rank, shared_pacing
@@ -171,7 +172,7 @@ class WorkerRanks:
         start-up failure, as a bind failure in process is)."""
         cfg = self._config
         self._dir = tempfile.mkdtemp(prefix="engined-ranks-")
-        paced = cfg.engine.speedup_ratio > 0
+        model_clock = ModelClock(cfg.engine.speedup_ratio)
         for index, ranks in enumerate(split_ranks(cfg.engine.dp_size, self.processes)):
             self.workers.append(
                 WorkerProcess(
@@ -181,7 +182,7 @@ class WorkerRanks:
                     registry=registry,
                     endpoint=f"ipc://{self._dir}/worker-{index}",
                     delivery=delivery,
-                    paced=paced,
+                    model_clock=model_clock,
                 )
             )
         heartbeat_s = min(WORKER_HEARTBEAT_S, (self._watchdog_s or math.inf) / 4)

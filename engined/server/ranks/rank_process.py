@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from engined.config import DaemonConfig
 from engined.core.types import Command, CommandEffects
+from engined.model_clock import ModelClock
 from engined.server.ranks import rank_wire as w
 from engined.server.ranks.rank_proxy import RankProxy
 from engined.server.ranks.rank_sinks import Delivery
@@ -57,7 +58,7 @@ class WorkerProcess:
         registry: SocketRegistry,
         endpoint: str,
         delivery: Delivery,
-        paced: bool,
+        model_clock: ModelClock,
     ) -> None:
         self.index = index
         self.ranks = list(ranks)
@@ -69,7 +70,7 @@ class WorkerProcess:
         self._send = w.pair_sender(self._sock)
         self._endpoint = endpoint
         self._delivery = delivery
-        self._paced = paced
+        self._model_clock = model_clock
         self._proc: subprocess.Popen[bytes] | None = None
         self._pidfd: int | None = None
         self._poller: asyncio.Future[None] | None = None
@@ -130,7 +131,9 @@ class WorkerProcess:
         assert isinstance(item, w.Ready), item
         self.ready = item
         for rank_ready in item.ranks:
-            self.proxies[rank_ready.rank] = RankProxy(self, rank_ready, paced=self._paced)
+            self.proxies[rank_ready.rank] = RankProxy(
+                self, rank_ready, model_clock=self._model_clock
+            )
         self.last_heard = time.monotonic()
 
     def _watch_exit(self, proc: subprocess.Popen[bytes]) -> None:

@@ -26,6 +26,7 @@ from engined.core.types import (
     EngineMetrics,
     RequestOutput,
 )
+from engined.model_clock import ModelClock
 from engined.server.ranks import rank_wire as w
 from engined.server.ranks.rank_gauges import RankGauges
 from engined.server.ranks.rank_sinks import CommandObserver, PassObserver
@@ -63,12 +64,12 @@ class WorkerLink(Protocol):
 class RankProxy:
     """One rank of a worker process, as a `RankHandle`."""
 
-    def __init__(self, worker: WorkerLink, ready: w.RankReady, *, paced: bool) -> None:
+    def __init__(self, worker: WorkerLink, ready: w.RankReady, *, model_clock: ModelClock) -> None:
         self._worker = worker
         self.rank = ready.rank
         self.capacity_tokens = ready.num_blocks * ready.block_size
         self._metrics: EngineMetrics = ready.metrics
-        self._paced = paced
+        self._model_clock = model_clock
         self.queued = 0  # commands sent and not yet applied (or refused)
         self._passes_total = 0
         self._tokens_total = 0
@@ -108,10 +109,8 @@ class RankProxy:
         return self.gauges()
 
     def now_ms(self) -> float:
-        """The rank's clock: when paced, its last report plus the wall time since."""
-        if self._paced:
-            return self._now_ms + (time.monotonic() - self._now_at) * 1000.0
-        return self._now_ms
+        """The rank's modelled clock: its last report plus, paced, the wall time since."""
+        return self._now_ms + self._model_clock.to_modelled_ms(time.monotonic() - self._now_at)
 
     def send(self, command: Command) -> None:
         self._worker.submit(self, command, None)
