@@ -19,13 +19,13 @@ from typing import NamedTuple
 
 import msgspec
 
+from engined.core.block_events import AllBlocksCleared as AllBlocksCleared
+from engined.core.block_events import BlockRemoved as BlockRemoved
+from engined.core.block_events import BlockStored as BlockStored
+from engined.core.block_events import KvEvent as KvEvent
+from engined.core.block_events import Medium as Medium
 from engined.core.gauges import EngineMetrics as EngineMetrics
 from engined.core.gauges import FpmSnapshot as FpmSnapshot
-from engined.core.kv_events import AllBlocksCleared as AllBlocksCleared
-from engined.core.kv_events import BlockRemoved as BlockRemoved
-from engined.core.kv_events import BlockStored as BlockStored
-from engined.core.kv_events import KvEvent as KvEvent
-from engined.core.kv_events import Medium as Medium
 from engined.core.kv_residency import KvBlockEviction
 from engined.core.pass_trace import PassTrace
 
