@@ -11,7 +11,7 @@ Registered in, and run by, benchmarks/abuse.py, on its harness (benchmarks/abuse
 * vanishing-rounds (4): 15 rounds of 1,000 clients that connect at once, submit, leave
   their outputs unread for half a second and disappear; the daemon's RSS after each round,
   idle once every dropped client has been forgotten (or after 90 s), and 35 s later (an
-  idle daemon trims its heap within 30 s, engined/server/heap.py).
+  idle daemon trims its heap within 30 s, engined/server/ops/heap.py).
 
     .venv/bin/python benchmarks/abuse.py sigterm-flood [--engined-root DIR]
 """

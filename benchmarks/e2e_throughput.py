@@ -408,7 +408,10 @@ def throughput(args: argparse.Namespace) -> None:
 # CLOCK_MONOTONIC is one clock for all processes, so the records merge by time.
 _PASS_RECORDER = """
 import atexit, collections, json, os, time
-from engined.server import engine_loop
+try:
+    from engined.server.ranks import engine_loop
+except ImportError:  # a revision from before engined/server/ had sub-packages
+    from engined.server import engine_loop
 
 lateness, states = [], []
 # The time this (the loop's) thread has waited on a CPU run queue while runnable, in ns:
@@ -465,9 +468,12 @@ _PACING_DAEMON = (
 import sys
 _dump_to(os.environ["E2E_BENCH_PASS_LOG"])
 try:
-    from engined.server import rank_process
+    from engined.server.ranks import rank_process
 except ImportError:
-    rank_process = None
+    try:
+        from engined.server import rank_process
+    except ImportError:
+        rank_process = None
 if rank_process is not None and hasattr(rank_process, "WORKER_COMMAND"):
     rank_process.WORKER_COMMAND = (sys.executable, "-c", _WORKER)
 from engined.cli import main
@@ -480,7 +486,10 @@ _PACING_WORKER = (
     + """
 import sys
 _dump_to(f"{os.environ['E2E_BENCH_PASS_LOG']}.{os.getpid()}")
-from engined.server.rank_worker import main
+try:
+    from engined.server.ranks.rank_worker import main
+except ImportError:
+    from engined.server.rank_worker import main
 sys.exit(main())
 """
 )

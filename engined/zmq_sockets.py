@@ -124,7 +124,7 @@ def make_socket(
             not is dead, stopped or cut off.
         heartbeat_timeout: ms after a PING without any traffic from the peer before the
             connection is dropped (DISCONNECTED on a monitor, then libzmq reconnects).
-        zap_domain: ask the process's ZAP handler (`engined.server.gatekeeper`) about every
+        zap_domain: ask the process's ZAP handler (`engined.server.security.gatekeeper`) about every
             connection; None (default) admits every peer unasked.
         curve_secret_key: be a CURVE server with this Z85 secret key (needs `zap_domain`
             for the keys it admits to be checked).

@@ -9,7 +9,8 @@ reader). Packages are layered:
     client < openai (the OpenAI API server: a control client; nothing below imports it)
 
 A module may import its own package and the packages below it, never one above or beside
-it; `engined` itself imports the core, to check its build first. Beside the layers sit the
+it (inside `engined/server/`, the same holds for its sub-packages, `SERVER_LAYERS`);
+`engined` itself imports the core, to check its build first. Beside the layers sit the
 neutral modules (`NEUTRAL`: the ZeroMQ socket factory and its `ipc://` path checks, the
 logging set-up, the reading of a model directory and the made-up logprob values that the
 Dynamo worker and the API server share, and the map between modelled and wall time), plumbing
@@ -67,6 +68,11 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         }
     ),
 }
+
+# engined/server/'s sub-packages, lowest first: a module may import its own sub-package and
+# those before it. The modules directly in engined/server/ (the daemon and what it assembles)
+# may import every sub-package and are imported by none.
+SERVER_LAYERS = ("security", "publish", "ranks", "ops", "control")
 
 # What the core may not import: clocks, I/O, randomness outside its seeded RNGs, the shell.
 BANNED_IN_CORE = ("time", "asyncio", "zmq", "os", "socket", "uuid", "threading", "subprocess")
@@ -184,6 +190,33 @@ def test_no_upward_import() -> None:
         if package(target) != package(module) and package(target) not in MAY_IMPORT[package(module)]
     }
     assert upward == set(), "imports of a package above or beside"
+
+
+def server_layer(module: str) -> int | None:
+    """The index in `SERVER_LAYERS` of a server module's sub-package; `len` for the top."""
+    parts = module.split(".")
+    if parts[:2] != ["engined", "server"] or len(parts) < 3:
+        return None
+    if len(parts) == 3 and parts[2] not in SERVER_LAYERS:
+        return len(SERVER_LAYERS)
+    return SERVER_LAYERS.index(parts[2])
+
+
+def test_server_sub_packages_are_layered() -> None:
+    assert {p.name for p in (ROOT / "server").iterdir() if (p / "__init__.py").exists()} == set(
+        SERVER_LAYERS
+    ), "every sub-package of engined/server/ has its place in SERVER_LAYERS"
+    assert server_layer("engined.server.daemon") == len(SERVER_LAYERS)
+    assert server_layer("engined.server.ranks.engine_loop") == SERVER_LAYERS.index("ranks")
+    upward = {
+        (module, target)
+        for module, targets in graph().items()
+        for target in targets
+        if (layer := server_layer(module)) is not None
+        and (target_layer := server_layer(target)) is not None
+        and target_layer > layer
+    }
+    assert upward == set(), "server sub-package imports of one above it"
 
 
 def test_the_neutral_modules_exist() -> None:

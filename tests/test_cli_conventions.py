@@ -23,7 +23,7 @@ import engined.core
 from engined.cli import app
 from engined.core import COMPILED_MODULES, core_build
 from engined.tools import events as events_tool
-from engined.tools import fpm as fpm_tool
+from engined.tools import fpm_watch as fpm_tool
 
 RUN_TIMEOUT_S = 60.0
 ROOT = Path(engined.__file__).resolve().parents[1]

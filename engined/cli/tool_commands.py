@@ -26,15 +26,15 @@ from engined.cli.tool_options import (
     checked_seconds,
     run_command,
 )
-from engined.tools.args import (
-    DEFAULT_CONTROL_ENDPOINT,
-    DEFAULT_TIMEOUT,
-    parse_token_list,
-)
 from engined.tools.distributions import (
     DEFAULT_OUTPUT_LEN,
     DEFAULT_PROMPT_LEN,
     Distribution,
+)
+from engined.tools.option_values import (
+    DEFAULT_CONTROL_ENDPOINT,
+    DEFAULT_TIMEOUT,
+    parse_token_list,
 )
 
 
@@ -203,7 +203,7 @@ def fpm(
     json_lines: JsonLines = False,
 ) -> None:
     """Watch forward-pass metrics: a live table on a terminal, one line per pass otherwise."""
-    from engined.tools import fpm as tool
+    from engined.tools import fpm_watch as tool
 
     options = tool.FpmOptions(
         control_endpoint=control_endpoint,

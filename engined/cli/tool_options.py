@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from engined.config import ENV_PREFIX
-from engined.tools.args import check_endpoint, positive_float
 from engined.tools.distributions import parse_distribution
+from engined.tools.option_values import check_endpoint, positive_float
 
 if TYPE_CHECKING:
     from engined.tools.common import Output

@@ -1,19 +1,19 @@
 """asyncio client of the control protocol (v1), used by the CLI, the tests and the benchmarks.
 
-`api` holds `EngineClient`'s calls, `connection` its socket and reader,
-`mailboxes` who waits for what the daemon sends, `liveness` how a lost or restarted daemon
-is noticed, `errors` what the calls raise.
+`api` holds `EngineClient`'s calls (the handoff ones in `handoff_calls`), `connection` its
+socket and reader, `mailboxes` who waits for what the daemon sends, `liveness` how a lost or
+restarted daemon is noticed, `client_errors` what the calls raise.
 """
 
 from engined.client.api import EngineClient, Generation
-from engined.client.connection import DEFAULT_TIMEOUT
-from engined.client.errors import (
+from engined.client.client_errors import (
     ClientClosedError,
     ConnectionRefused,
     DaemonLost,
     EngineError,
     ProtocolError,
 )
+from engined.client.connection import DEFAULT_TIMEOUT
 from engined.client.liveness import (
     DEFAULT_LIVENESS_S,
     ConnectionBack,

@@ -25,7 +25,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from engined.client.errors import (
+from engined.client.client_errors import (
     ClientClosedError,
     ConnectionRefused,
     DaemonLost,

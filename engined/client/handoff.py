@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from engined.client.api import EngineClient
-from engined.client.errors import EngineError
+from engined.client.client_errors import EngineError
 from engined.model_clock import ModelClock
 from engined.wire.control import (
     Applied,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
+from engined.client.client_errors import ClientClosedError
 from engined.client.connection import DEFAULT_TIMEOUT, Connection
-from engined.client.errors import ClientClosedError
 from engined.wire.control import (
     ActivateDestination,
     Applied,

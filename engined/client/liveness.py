@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from engined.client.errors import DaemonLost
+from engined.client.client_errors import DaemonLost
 from engined.wire.control import Welcome
 
 log = structlog.get_logger()

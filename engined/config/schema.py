@@ -116,7 +116,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         _help("Waiting requests per rank before `overloaded` (0 = no limit)."),
     ] = 4096
     # What the requests one control client has in flight may hold in the daemon, as
-    # engined.server.budgets charges them (state, prompt, planned ids); beyond it `submit`
+    # engined.server.control.budgets charges them (state, prompt, planned ids); beyond it `submit`
     # answers `overloaded`. The default holds ~26M prompt tokens: a router that keeps every
     # rank of an 8-rank default daemon full (8M tokens) and as much again queued fits twice
     # over (README "Limits and guarantees").
@@ -147,7 +147,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         _help("Worker processes for the ranks (0 = the daemon's own, -1 = one per core)."),
     ] = -1
     # SCHED_FIFO at this priority for every thread of the daemon and of its rank workers
-    # (engined.server.realtime), so that a paced pass starts on time on a busy machine. Needs
+    # (engined.server.ranks.realtime), so that a paced pass starts on time on a busy machine. Needs
     # CAP_SYS_NICE or an RLIMIT_RTPRIO at least as high; only with engine.speedup_ratio > 0.
     realtime_priority: Annotated[
         int,
@@ -166,8 +166,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         _help("Address the /metrics and /health server listens on."),
     ] = "127.0.0.1"
     # Bearer keys of the HTTP server, vLLM's `--api-key`: required on the paths vLLM guards
-    # (engined.server.http), and on /metrics with `api_key_metrics`. The text forms (flag,
-    # ENGINED_API_KEY, and VLLM_API_KEY when no other layer gives a key) are one key each;
+    # (engined.server.ops.http_endpoint), and on /metrics with `api_key_metrics`. The text forms
+    # (flag, ENGINED_API_KEY, and VLLM_API_KEY when no other layer gives a key) are one key each;
     # TOML takes one key or a list. Loading puts the keys of `api_key_file` here.
     api_key: (
         Annotated[

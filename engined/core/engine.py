@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 
+from engined.core import inspection
 from engined.core.args import EngineArgs, EngineType
 from engined.core.assembly import EngineParts, assemble
 from engined.core.errors import UnsupportedError
@@ -38,7 +39,6 @@ from engined.core.fpm import build_snapshot
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.pass_context import PassContext
-from engined.core.state import RequestState
 from engined.core.types import (
     Command,
     CommandEffects,
@@ -51,7 +51,7 @@ from engined.core.types import (
     RequestOutput,
     TierAdvance,
 )
-from engined.core.views import DestinationStage, HandoffView, QueueView, RequestPlace, RequestView
+from engined.core.views import HandoffView, QueueView, RequestView
 
 _UNBOUNDED = sys.maxsize
 _MASK64 = (1 << 64) - 1
@@ -319,88 +319,16 @@ class Engine:
             deferred,
         )
 
-    # --- inspection ---------------------------------------------------------------------
+    # --- inspection (engined/core/inspection.py) ------------------------------------------
 
     def inspect(self, request_id: str) -> RequestView | None:
         """A snapshot of one request, wherever the engine holds it; None if it does not."""
-        state = self._state
-        req = state.requests.get(request_id)
-        if req is not None:
-            if request_id in state.running_members:
-                place = RequestPlace.RUNNING
-            elif request_id in self._parking:
-                place = RequestPlace.PARKED
-            else:
-                place = RequestPlace.WAITING
-            return self._view(req, place)
-        book = self._book
-        handoff_id = book.pending.by_request.get(request_id)
-        if handoff_id is not None:
-            return self._view(
-                book.pending.queue[handoff_id].request, RequestPlace.PENDING_DESTINATION
-            )
-        handoff_id = book.held.by_request.get(request_id)
-        if handoff_id is not None:
-            return self._view(
-                book.held.by_handoff[handoff_id].request, RequestPlace.RESERVED_DESTINATION
-            )
-        return None
-
-    def _view(self, req: RequestState, place: RequestPlace) -> RequestView:
-        seq = req.seq
-        return RequestView(
-            request_id=req.request_id,
-            place=place,
-            status=req.status,
-            prompt_tokens=seq.num_input_tokens,
-            num_tokens=len(seq.tokens),
-            output_tokens=seq.generated,
-            max_output_tokens=seq.max_output_tokens,
-            num_computed_tokens=req.num_computed_tokens,
-            num_allocated_tokens=seq.num_allocated_tokens,
-            num_preemptions=req.num_preemptions,
-            cached_prefix_tokens=req.cached_prefix_tokens,
-            offload_wait=req.offload_wait,
-            block_ids=self._kv.active_block_ids(seq),
-            block_hashes=list(seq.hashes),
-            block_keys=list(seq.keys),
-            block_parent_keys=[seq.parent_key(pos) for pos in range(len(seq.hashes))],
-        )
+        return inspection.inspect_request(self._parts, request_id)
 
     def inspect_handoff(self, handoff_id: str) -> HandoffView | None:
         """A snapshot of one handoff this engine takes part in; None if it has no record."""
-        book = self._book
-        source = source_request = destination = destination_request = None
-        reserved: list[int] = []
-        hold = book.sources.by_handoff.get(handoff_id)
-        if hold is not None:
-            source, source_request = hold.stage, hold.request_id
-        pending = book.pending.queue.get(handoff_id)
-        held = book.held.by_handoff.get(handoff_id)
-        active = book.active.by_handoff.get(handoff_id)
-        if pending is not None:
-            destination, destination_request = DestinationStage.PENDING, pending.request.request_id
-        elif held is not None:
-            destination, destination_request = DestinationStage.RESERVED, held.request.request_id
-            reserved = held.reservation.block_ids()
-        elif active is not None:
-            destination, destination_request = DestinationStage.ACTIVE, active
-        if source is None and destination is None:
-            return None
-        return HandoffView(
-            handoff_id=handoff_id,
-            source=source,
-            source_request_id=source_request,
-            destination=destination,
-            destination_request_id=destination_request,
-            reserved_block_ids=reserved,
-        )
+        return inspection.inspect_handoff(self._parts, handoff_id)
 
     def queues(self) -> QueueView:
         """The waiting queue, the running list and the parked requests, in order."""
-        return QueueView(
-            waiting=list(self._state.waiting),
-            running=[req.request_id for req in self._state.running],
-            parked=[parked.request_id for parked in self._parking.parked],
-            pending_destinations=list(self._book.pending.queue),
-        )
+        return inspection.queues(self._parts)

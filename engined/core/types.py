@@ -19,6 +19,13 @@ from typing import NamedTuple
 
 import msgspec
 
+from engined.core.block_events import AllBlocksCleared as AllBlocksCleared
+from engined.core.block_events import BlockRemoved as BlockRemoved
+from engined.core.block_events import BlockStored as BlockStored
+from engined.core.block_events import KvEvent as KvEvent
+from engined.core.block_events import Medium as Medium
+from engined.core.gauges import EngineMetrics as EngineMetrics
+from engined.core.gauges import FpmSnapshot as FpmSnapshot
 from engined.core.kv_residency import KvBlockEviction
 from engined.core.pass_trace import PassTrace
 
@@ -29,14 +36,6 @@ from engined.core.transfer_timing import kv_transfer_ms as kv_transfer_ms
 
 RequestId = str
 HandoffId = str
-
-
-class Medium(enum.StrEnum):
-    """Storage tier of a KV event, spelled as vLLM spells `medium`."""
-
-    GPU = "GPU"
-    CPU = "CPU"
-    STORAGE = "STORAGE"
 
 
 class RequestStatus(enum.Enum):
@@ -327,89 +326,6 @@ class Admission(msgspec.Struct, frozen=True, gc=False):
 
     request_id: RequestId
     reused_input_tokens: int
-
-
-class BlockStored(msgspec.Struct, frozen=True, gc=False):
-    """Blocks became matchable on this rank.
-
-    `block_hashes` are sequence hashes (the router's block identity), `local_hashes` the
-    per-block content hashes, `token_ids` the blocks' tokens flattened
-    (`len(block_hashes) * block_size` ids). `parent_hash` is the sequence hash of the block
-    before the first one, None at the root.
-    """
-
-    event_id: int
-    dp_rank: int
-    parent_hash: int | None
-    block_hashes: list[int]
-    local_hashes: list[int]
-    token_ids: list[int]
-    block_size: int
-    medium: Medium = Medium.GPU
-    extra_keys: list[tuple[str, ...] | None] | None = None  # per block as vLLM's, None: none
-
-
-class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
-    """Blocks were evicted from `medium` and can no longer be matched there."""
-
-    event_id: int
-    dp_rank: int
-    block_hashes: list[int]
-    medium: Medium = Medium.GPU
-
-
-class AllBlocksCleared(msgspec.Struct, frozen=True, gc=False):
-    event_id: int
-    dp_rank: int
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class FpmSnapshot(msgspec.Struct, frozen=True, gc=False):
-    """Forward-pass metrics of one pass (Dynamo's `ForwardPassSnapshot`).
-
-    Variances are population variances (Welford). Scheduled prefills are measured over the
-    full prompt length, queued decodes over the tokens whose KV they will need.
-    """
-
-    num_prefill_requests: int = 0
-    sum_prefill_tokens: int = 0
-    var_prefill_length: float = 0.0
-    sum_prefill_kv_tokens: int = 0
-    num_decode_requests: int = 0
-    sum_decode_kv_tokens: int = 0
-    var_decode_kv_tokens: float = 0.0
-    num_queued_prefill: int = 0
-    sum_queued_prefill_tokens: int = 0
-    var_queued_prefill_length: float = 0.0
-    num_queued_decode: int = 0
-    sum_queued_decode_kv_tokens: int = 0
-    var_queued_decode_kv_tokens: float = 0.0
-    wall_time_secs: float = 0.0
-
-
-class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
-    """Load gauges of one rank (Dynamo's `MockerMetrics`, plus the inactive pool size)."""
-
-    dp_rank: int
-    active_blocks: int
-    inactive_blocks: int
-    total_blocks: int
-    kv_cache_usage: float
-    running: int
-    waiting: int
-    preemptions_total: int
-    # Lower tiers (zero without them): G2 host and G3 disk pools, as the G1 fields above.
-    g2_active_blocks: int = 0
-    g2_inactive_blocks: int = 0
-    g2_total_blocks: int = 0
-    g3_active_blocks: int = 0
-    g3_inactive_blocks: int = 0
-    g3_total_blocks: int = 0
-    # Of `waiting`, those blocked on a KV load rather than on capacity: reserved destinations
-    # awaiting their transfer and requests parked on an onboard (vLLM's deferred waiting).
-    waiting_deferred: int = 0
 
 
 class TierAdvance(msgspec.Struct, frozen=True):

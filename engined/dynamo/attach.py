@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from engined.client import EngineClient, EngineError
-from engined.dynamo.args import WorkerArgs
 from engined.dynamo.model import (
     SetupError,
     check_role,
@@ -22,6 +21,7 @@ from engined.dynamo.model import (
     reconcile_vocabulary,
 )
 from engined.dynamo.startup import bound_connection_waits, check_system_port
+from engined.dynamo.worker_args import WorkerArgs
 from engined.wire.control import Welcome
 
 log = structlog.get_logger(__name__)

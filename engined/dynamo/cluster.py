@@ -28,7 +28,6 @@ from typing import Any
 import structlog
 
 from engined.client import EngineClient
-from engined.dynamo.args import WorkerArgs
 from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids
 from engined.dynamo.handler import Chunk, Context, Limits, RequestHandler
 from engined.dynamo.recovery import gated
@@ -41,6 +40,7 @@ from engined.dynamo.worker import (
     shut_down,
     warn_without_kv_events,
 )
+from engined.dynamo.worker_args import WorkerArgs
 from engined.wire.control import Load, Welcome
 
 log = structlog.get_logger(__name__)

@@ -37,7 +37,6 @@ from engined.client.handoff import (
     held_source,
     transfer_wait_s,
 )
-from engined.dynamo.args import DisaggregationMode
 from engined.dynamo.choices import (
     Choice,
     OutputOptions,
@@ -47,6 +46,7 @@ from engined.dynamo.choices import (
     output_options,
 )
 from engined.dynamo.request_fields import core_fields, single_sample, stop_fields
+from engined.dynamo.worker_args import DisaggregationMode
 from engined.model_clock import ModelClock
 from engined.wire.control import DestinationReservedEvent, OutputEntry, TransferTiming
 

@@ -14,8 +14,8 @@ import math
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Final
 
-from engined.dynamo.args import WorkerArgs
 from engined.dynamo.model import SetupError
+from engined.dynamo.worker_args import WorkerArgs
 
 # Dynamo's own defaults when the variables are unset.
 ETCD_DEFAULT: Final = "http://localhost:2379"

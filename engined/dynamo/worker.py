@@ -22,12 +22,12 @@ from typing import Any, Final
 import structlog
 
 from engined.client import EngineClient
-from engined.dynamo.args import DisaggregationMode, WorkerArgs, parse_args
 from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids, set_vocabulary
 from engined.dynamo.handler import Limits, RequestHandler
 from engined.dynamo.model import SetupError, read_model
 from engined.dynamo.recovery import DaemonFollower, gated
 from engined.dynamo.startup import dynamo_step, runtime_failure
+from engined.dynamo.worker_args import DisaggregationMode, WorkerArgs, parse_args
 from engined.logs import configure_logging
 from engined.wire.control import Load, Welcome
 

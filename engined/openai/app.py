@@ -15,7 +15,7 @@ import structlog
 from engined.client import EngineClient, EngineError
 from engined.config import DaemonConfig
 from engined.config.api_keys import BearerKeys
-from engined.openai.errors import (
+from engined.openai.api_errors import (
     ApiError,
     engine_dead,
     http_error,
@@ -37,7 +37,7 @@ Route = Callable[[HttpRequest], Awaitable[Reply]]
 
 _NOT_FOUND = route_not_found()
 _NOT_ALLOWED = method_not_allowed()
-# vLLM's refusal, byte for byte (engined.server.http sends the same).
+# vLLM's refusal, byte for byte (engined.server.ops.http_endpoint sends the same).
 _UNAUTHORIZED = HttpResponse(401, b'{"error":"Unauthorized"}')
 
 

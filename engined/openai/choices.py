@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from engined.openai.errors import generation_error
+from engined.openai.api_errors import generation_error
 from engined.openai.generation import Delta, Generation
 from engined.openai.text import ChoiceText
 

@@ -38,7 +38,7 @@ from engined.client.handoff import (
 )
 from engined.config.endpoints import WILDCARD_HOSTS, parse_endpoint
 from engined.model_clock import ModelClock
-from engined.openai.errors import ApiError, validation_error
+from engined.openai.api_errors import ApiError, validation_error
 from engined.wire.control import DestinationAccepted, Submitted, TransferTiming
 
 # The extra key of engined's own parameters inside `kv_transfer_params`.

@@ -28,7 +28,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from engined.openai import protocol_checks as checks
-from engined.openai.errors import Errors, request_validation_error
+from engined.openai.api_errors import Errors, request_validation_error
 from engined.openai.protocol_json import parse_body
 from engined.openai.protocol_lax import (
     FAIL,

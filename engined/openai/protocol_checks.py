@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from engined.openai.errors import validation_error
+from engined.openai.api_errors import validation_error
 
 MAX_COMPLETION_PROMPTS: Final = 1024
 MAX_CACHE_SALT_CHARS: Final = 128

@@ -21,7 +21,7 @@ from typing import Final
 
 import msgspec
 
-from engined.openai.errors import (
+from engined.openai.api_errors import (
     Errors,
     body_parse_error,
     request_validation_error,

@@ -20,7 +20,7 @@ from typing import Any, Final
 import msgspec
 import msgspec.inspect as mi
 
-from engined.openai.errors import KEPT_ERRORS, Errors, Loc, request_validation_error
+from engined.openai.api_errors import KEPT_ERRORS, Errors, Loc, request_validation_error
 
 # Re-exported: the request models register their literals and test for FAIL through here.
 from engined.openai.protocol_lax_scalars import FAIL as FAIL

@@ -16,7 +16,7 @@ from typing import Any, Final
 import msgspec
 import msgspec.inspect as mi
 
-from engined.openai.errors import Errors, Loc
+from engined.openai.api_errors import Errors, Loc
 
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1

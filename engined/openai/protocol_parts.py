@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from engined.openai.errors import Errors, Loc, request_validation_error, validation_error
+from engined.openai.api_errors import Errors, Loc, request_validation_error, validation_error
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from typing import Final
 
-from engined.openai.errors import ApiError, validation_error
+from engined.openai.api_errors import ApiError, validation_error
 from engined.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_N_SEQUENCES: Final = 16384

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from engined.client import EngineClient, EngineError
 from engined.client.handoff import Coordinator
 from engined.config import DaemonConfig
-from engined.openai.disagg import Disaggregation, advertised, parse_role
-from engined.openai.errors import (
+from engined.openai.api_errors import (
     ApiError,
     context_length_error,
     engine_overloaded,
@@ -25,6 +24,7 @@ from engined.openai.errors import (
     model_not_found,
     validation_error,
 )
+from engined.openai.disagg import Disaggregation, advertised, parse_role
 from engined.openai.generation import Sample, Transfer
 from engined.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engined.openai.protocol_sampling import (

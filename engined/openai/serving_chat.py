@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engined.client import EngineError
+from engined.openai.api_errors import ApiError
 from engined.openai.choices import Choice, steps
-from engined.openai.errors import ApiError
 from engined.openai.generation import Generation
 from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
 from engined.openai.logprobs import chat_logprobs

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engined.client import EngineError
+from engined.openai.api_errors import ApiError
 from engined.openai.choices import Choice, Step, steps
-from engined.openai.errors import ApiError
 from engined.openai.generation import Generation
 from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
 from engined.openai.logprobs import completion_logprobs

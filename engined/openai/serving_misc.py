@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from engined.config import DaemonConfig
-from engined.openai.errors import validation_error
+from engined.openai.api_errors import validation_error
 from engined.openai.http.types import HttpRequest, HttpResponse
 from engined.openai.protocol import (
     TokenizeChatRequest,

@@ -1,5 +1,5 @@
 """Start-up, serving and shutdown of the daemon: one asyncio loop, its ranks placed by a
-layout (`engined.server.rank_layouts`: in this loop, or in worker processes, where a worker
+layout (`engined.server.ranks.rank_layouts`: in this loop, or in worker processes, where a worker
 that dies ends the daemon non-zero); the control ROUTER and this lifecycle are the same.
 
 `Daemon.serve()` reads as the lifecycle: start up (bind every socket, or fail with
@@ -30,20 +30,13 @@ import zmq.asyncio
 
 from engined.config import DaemonConfig
 from engined.logs import configure_logging
-from engined.server.access import AccessError, gate_policy
-from engined.server.collector import Collector, YoungGeneration
-from engined.server.control import ControlServer
-from engined.server.control_socket import CONTROL_HWM, bind_control
-from engined.server.gatekeeper import Gatekeeper
-from engined.server.heap import trim_when_idle
-from engined.server.rank_handle import RankHandle
-from engined.server.rank_layouts import RankLayout, rank_layout
-from engined.server.rank_process import RankWorkerDied, WorkerProcess
-from engined.server.ranks import start_collection
-from engined.server.realtime import enter_realtime
-from engined.server.settings import RuntimeSettings
-from engined.server.startup_log import log_started
-from engined.server.systemd import (
+from engined.server.control.control_server import ControlServer
+from engined.server.control.control_socket import CONTROL_HWM, bind_control
+from engined.server.control.settings import RuntimeSettings
+from engined.server.control.welcome import welcome_message
+from engined.server.ops.heap import trim_when_idle
+from engined.server.ops.startup_log import log_started
+from engined.server.ops.systemd import (
     AnyNotifier,
     Notifier,
     NullNotifier,
@@ -51,14 +44,21 @@ from engined.server.systemd import (
     keepalive,
     watchdog_interval,
 )
-from engined.server.welcome import welcome_message
+from engined.server.ranks.collector import Collector, YoungGeneration
+from engined.server.ranks.rank_build import start_collection
+from engined.server.ranks.rank_handle import RankHandle
+from engined.server.ranks.rank_layouts import RankLayout, rank_layout
+from engined.server.ranks.rank_process import RankWorkerDied, WorkerProcess
+from engined.server.ranks.realtime import enter_realtime
+from engined.server.security.access import AccessError, gate_policy
+from engined.server.security.gatekeeper import Gatekeeper
 from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
     from engined.server.api_servers import ApiServers
-    from engined.server.http import HealthState
-    from engined.server.metrics import VllmMetrics
     from engined.server.observability import Observability
+    from engined.server.ops.http_endpoint import HealthState
+    from engined.server.ops.prometheus_metrics import VllmMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -93,13 +93,13 @@ class Daemon:
         self.control: ControlServer | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._registry: SocketRegistry | None = None
-        # The ZAP handler of every socket bound here (engined.server.gatekeeper).
+        # The ZAP handler of every socket bound here (engined.server.security.gatekeeper).
         self.gate: Gatekeeper | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._force = False
         self._on_ready = on_ready
-        # systemd: READY/STATUS/WATCHDOG/STOPPING (engined.server.systemd); a no-op outside it.
+        # systemd: READY/STATUS/WATCHDOG/STOPPING (engined.server.ops.systemd); a no-op outside it.
         self._notifier = notifier or NullNotifier()
         self._watchdog_s = watchdog_s
         self._status = StatusLine()

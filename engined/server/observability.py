@@ -13,14 +13,14 @@ from collections.abc import Callable, Sequence
 import engined
 from engined.config import DaemonConfig
 from engined.core import running as running_core
-from engined.server.build_info import BuildInfo
-from engined.server.control import ControlServer
-from engined.server.exposition import Exposition, MetricsRequests
-from engined.server.http import HealthState, HttpServer
-from engined.server.metrics import VllmMetrics
-from engined.server.publisher_metrics import WatchedPublisher
-from engined.server.rank_handle import RankHandle
-from engined.server.reports import Refresh
+from engined.server.control.control_server import ControlServer
+from engined.server.control.reports import Refresh
+from engined.server.ops.build_info import BuildInfo
+from engined.server.ops.exposition import Exposition, MetricsRequests
+from engined.server.ops.http_endpoint import HealthState, HttpServer
+from engined.server.ops.prometheus_metrics import VllmMetrics
+from engined.server.publish.prometheus_publishers import WatchedPublisher
+from engined.server.ranks.rank_handle import RankHandle
 
 
 class Observability:

@@ -43,7 +43,6 @@ from rich.progress import (
 )
 
 from engined.client import ClientClosedError, DaemonLost, EngineClient, EngineError
-from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.bench_report import Aborted, make_report, print_report
 from engined.tools.bench_types import BenchOptions as BenchOptions  # engined.cli reads it here
 from engined.tools.bench_types import RequestResult
@@ -57,6 +56,7 @@ from engined.tools.common import (
     control_client,
     zmq_context,
 )
+from engined.tools.option_values import DEFAULT_TIMEOUT
 from engined.tools.stats import fetch_stats
 
 DEFAULT_CONCURRENCY: Final = 8

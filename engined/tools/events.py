@@ -26,7 +26,6 @@ from typing import Any, Final, Literal
 import zmq
 import zmq.asyncio
 
-from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.common import (
     EXIT_OK,
     Output,
@@ -47,11 +46,12 @@ from engined.tools.kv_stream import (
     Restart,
     StreamItem,
 )
-from engined.wire.errors import WireError
+from engined.tools.option_values import DEFAULT_TIMEOUT
 from engined.wire.kv_events import (
     WireKvEvent,
     decode_batch,
 )
+from engined.wire.protocol_errors import WireError
 
 # Hashes shown per event in text mode; JSON always has all of them.
 _TEXT_HASHES: Final = 4

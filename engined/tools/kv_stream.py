@@ -18,12 +18,12 @@ import zmq
 import zmq.asyncio
 
 from engined.tools.common import ToolError
-from engined.wire.errors import WireError
 from engined.wire.kv_events import (
     REPLAY_END_SEQ,
     read_seq,
     seq_bytes,
 )
+from engined.wire.protocol_errors import WireError
 from engined.zmq_sockets import make_socket
 
 # A subscriber that falls this far behind loses batches (as vLLM's consumers configure it).

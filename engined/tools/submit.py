@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from engined.client import EngineClient, EngineError
-from engined.tools.args import DEFAULT_TIMEOUT
 from engined.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -30,6 +29,7 @@ from engined.tools.common import (
     no_answer,
     zmq_context,
 )
+from engined.tools.option_values import DEFAULT_TIMEOUT
 from engined.wire.control import OutputEntry
 
 # Random prompts draw from a Llama-sized vocabulary; the value only matters for realism.

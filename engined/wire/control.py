@@ -14,10 +14,6 @@ from typing import Final, TypeAlias
 import msgspec
 
 from engined.wire.constraints import CACHE_SALT_MAX_BYTES
-
-# Re-exported: callers of ControlDecoder catch WireError from here.
-from engined.wire.errors import ErrorCode as ErrorCode
-from engined.wire.errors import WireError as WireError
 from engined.wire.messages import (
     CLIENT_MESSAGE_TAGS as CLIENT_MESSAGE_TAGS,
 )
@@ -166,6 +162,10 @@ from engined.wire.messages import (
     WireRequest as WireRequest,
 )
 from engined.wire.probe import probe_id
+
+# Re-exported: callers of ControlDecoder catch WireError from here.
+from engined.wire.protocol_errors import ErrorCode as ErrorCode
+from engined.wire.protocol_errors import WireError as WireError
 
 # --- rules Meta cannot express --------------------------------------------------------------
 

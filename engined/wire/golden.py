@@ -14,7 +14,7 @@ from typing import Final
 
 from engined.core import types as core
 from engined.core.args import EngineType, WorkerType
-from engined.wire import control, fpm
+from engined.wire import control, fpm_schema
 from engined.wire.kv_events import KvEventEncoder
 
 DEFAULT_DIR: Final = Path(__file__).resolve().parents[2] / "proto" / "golden"
@@ -174,10 +174,12 @@ def golden_frames() -> dict[str, bytes]:
     return {
         "engined_kv_vllm.bin": KvEventEncoder("vllm").encode_batch(TS, KV_EVENTS, 1),
         "engined_kv_vllm_array.bin": KvEventEncoder("vllm-array").encode_batch(TS, KV_EVENTS, 1),
-        "engined_fpm_pass.bin": fpm.encode_fpm(
+        "engined_fpm_pass.bin": fpm_schema.encode_fpm(
             FPM_SNAPSHOT, worker_id="worker-a", dp_rank=1, counter_id=41
         ),
-        "engined_fpm_heartbeat.bin": fpm.heartbeat(worker_id="worker-a", dp_rank=1, counter_id=42),
+        "engined_fpm_heartbeat.bin": fpm_schema.heartbeat(
+            worker_id="worker-a", dp_rank=1, counter_id=42
+        ),
         "engined_control_submit.bin": control.encode_message(SUBMIT),
         "engined_control_submit_stops.bin": control.encode_message(SUBMIT_STOPS),
         "engined_control_reserve_destination.bin": control.encode_message(RESERVE_DESTINATION),

@@ -22,7 +22,7 @@ from msgspec import Meta
 
 from engined.core import types as core
 from engined.wire.constraints import U32_LIMIT, U64_LIMIT
-from engined.wire.errors import WireError
+from engined.wire.protocol_errors import WireError
 
 KvEventFormat = Literal["vllm", "vllm-array"]
 

@@ -88,7 +88,7 @@ from engined.wire.client_messages import (
 from engined.wire.constraints import (
     MessageId,
 )
-from engined.wire.errors import ErrorCode
+from engined.wire.protocol_errors import ErrorCode
 
 PROTOCOL_VERSION: Final = 1
 REQUEST_ID_MAX_BYTES: Final = 256

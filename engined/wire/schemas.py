@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
-from engined.wire import control, fpm, kv_events
+from engined.wire import control, fpm_schema, kv_events
 
 SCHEMA_DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
 DEFAULT_DIR: Final = Path(__file__).resolve().parents[2] / "proto" / "schemas"
@@ -50,7 +50,7 @@ _DOCUMENTS: Final[dict[str, tuple[Any, str, str]]] = {
         "[ts, events, data_parallel_rank]; each event is an array whose element 0 is the tag.",
     ),
     "fpm.json": (
-        fpm.ForwardPassMetrics,
+        fpm_schema.ForwardPassMetrics,
         "Dynamo ForwardPassMetrics v1",
         "One msgpack map per executed pass, every key present in this order; all zeros with "
         "wall_time 0.0 is an idle heartbeat.",

@@ -12,8 +12,8 @@ import pytest
 
 from engined.client import EngineClient
 from engined.core.token_stream import token_bits
-from engined.dynamo.args import DisaggregationMode
 from engined.dynamo.handler import RequestFailed, RequestHandler
+from engined.dynamo.worker_args import DisaggregationMode
 from engined.openai.logprobs import position_logprobs
 from tests.dynamo.test_sampling_seed import FLAGS, PROMPT, chunks, tokens, with_handler
 from tests.server.daemon_harness import start_daemon

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from engined.dynamo.args import DisaggregationMode, parse_args
 from engined.dynamo.model import (
     SetupError,
     check_role,
@@ -17,6 +16,7 @@ from engined.dynamo.model import (
     reconcile_vocabulary,
 )
 from engined.dynamo.worker import publishes_kv_events
+from engined.dynamo.worker_args import DisaggregationMode, parse_args
 from engined.wire.control import Welcome
 
 

@@ -17,8 +17,8 @@ import zmq.asyncio
 
 from engined.client import EngineClient
 from engined.core.token_stream import token_bits
-from engined.dynamo.args import DisaggregationMode
 from engined.dynamo.handler import Limits, RequestFailed, RequestHandler
+from engined.dynamo.worker_args import DisaggregationMode
 from tests.server.daemon_harness import DaemonProcess, start_daemon
 from tests.support import run
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from engined.dynamo.args import parse_args
 from engined.dynamo.model import SetupError
 from engined.dynamo.startup import (
     bound_connection_waits,
@@ -15,6 +14,7 @@ from engined.dynamo.startup import (
     nats_users,
     runtime_failure,
 )
+from engined.dynamo.worker_args import parse_args
 
 SYSTEM_PORT_HINT = (
     ": Dynamo 1.6.1 reads it as a 16-bit signed integer, so the system server's port must be "

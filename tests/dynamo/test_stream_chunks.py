@@ -24,8 +24,8 @@ import zmq.asyncio
 
 from engined.client import EngineClient
 from engined.core.types import Decodes, RequestOutput
-from engined.dynamo.args import DisaggregationMode
 from engined.dynamo.handler import Limits, RequestHandler
+from engined.dynamo.worker_args import DisaggregationMode
 from tests.dynamo.test_sampling_seed import FLAGS, PROMPT, Context, tokens, with_handler
 from tests.server.daemon_harness import start_daemon
 from tests.server.inprocess import serve

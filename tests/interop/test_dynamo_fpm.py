@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient
-from engined.wire.fpm import ForwardPassMetrics, decode_fpm
+from engined.wire.fpm_schema import ForwardPassMetrics, decode_fpm
 from engined.wire.kv_events import read_seq
 from tests.interop.peers import peer_env
 from tests.server.daemon_harness import DaemonProcess, start_daemon

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engined.openai.errors import (
+from engined.openai.api_errors import (
     ApiError,
     engine_overloaded,
     generation_error,

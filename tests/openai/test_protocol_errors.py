@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engined.openai.errors import ApiError, context_length_error
+from engined.openai.api_errors import ApiError, context_length_error
 from engined.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

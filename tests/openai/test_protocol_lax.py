@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engined.openai import protocol_checks as checks
-from engined.openai.errors import ApiError, Errors, request_validation_error
+from engined.openai.api_errors import ApiError, Errors, request_validation_error
 from engined.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engined.openai.protocol import decode_chat_request as decode_chat
 from engined.openai.protocol import decode_completion_request as decode_completion

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engined.openai.errors import (
+from engined.openai.api_errors import (
     ApiError,
     beam_search_stream,
     body_parse_error,

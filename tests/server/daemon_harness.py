@@ -25,7 +25,7 @@ import zmq.asyncio
 from engined.client import EngineClient
 from engined.core import types as core
 from engined.core.types import KvEvent
-from engined.wire.fpm import ForwardPassMetrics, decode_fpm
+from engined.wire.fpm_schema import ForwardPassMetrics, decode_fpm
 from engined.wire.kv_events import (
     REPLAY_END_SEQ,
     ArrayBlockRemoved,

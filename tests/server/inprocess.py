@@ -21,14 +21,14 @@ import zmq.asyncio
 from engined.config.schema import CONTROL_UNREAD_BYTES
 from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
-from engined.server.control import ControlServer
-from engined.server.deadlines import Deadlines
-from engined.server.engine_loop import EngineLoop
-from engined.server.fpm_publisher import NullFpmPublisher
-from engined.server.kv_publisher import NullKvPublisher
-from engined.server.rank_sinks import Delivery, FpmSink, KvSink, Sleep
-from engined.server.ranks import Pacing
-from engined.server.settings import RuntimeSettings
+from engined.server.control.control_server import ControlServer
+from engined.server.control.settings import RuntimeSettings
+from engined.server.publish.fpm_publisher import NullFpmPublisher
+from engined.server.publish.kv_publisher import NullKvPublisher
+from engined.server.ranks.deadlines import Deadlines
+from engined.server.ranks.engine_loop import EngineLoop
+from engined.server.ranks.rank_build import Pacing
+from engined.server.ranks.rank_sinks import Delivery, FpmSink, KvSink, Sleep
 from engined.wire import control as wire
 from engined.zmq_sockets import make_socket
 

@@ -34,7 +34,7 @@ import structlog
 import zmq.asyncio
 
 from engined.config.schema import CONTROL_UNREAD_BYTES
-from engined.server import clients
+from engined.server.control import clients
 from engined.wire.control import (
     DaemonMessage,
     Output,

@@ -65,7 +65,7 @@ FAST = (
 # Paced at 10 ms per decode pass: a request of n tokens streams for about n * 10 ms.
 PACED = ("--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "10")
 # The control ROUTER's MAXMSGSIZE, derived from the pool: 2 x 65,536 tokens at 5 bytes,
-# 1 KiB of ids, a 1 MiB margin (engined.server.budgets).
+# 1 KiB of ids, a 1 MiB margin (engined.server.control.budgets).
 MAX_MESSAGE_BYTES = 2 * BLOCK_SIZE * NUM_BLOCKS * 5 + 1024 + 1024 * 1024
 
 # The `daemon` fixture (tests/server/conftest.py): one fast daemon (speedup 0, a 4096-block

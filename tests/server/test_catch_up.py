@@ -1,4 +1,4 @@
-"""Paced passes keep their absolute schedule (engined/server/engine_loop.py `_core_ms`).
+"""Paced passes keep their absolute schedule (engined/server/ranks/engine_loop.py `_core_ms`).
 
 While requests run back to back, a pass starts for the core at the previous pass's modeled
 end, however late it actually ran, so the pass after a late one waits less (or not at all)
@@ -24,10 +24,10 @@ from engined.core.types import (
     Submit,
 )
 from engined.core.types import Request as CoreRequest
-from engined.server.collector import Collector
-from engined.server.deadlines import Deadlines
-from engined.server.engine_loop import CATCH_UP_S, EngineLoop
-from engined.server.ranks import Pacing
+from engined.server.ranks.collector import Collector
+from engined.server.ranks.deadlines import Deadlines
+from engined.server.ranks.engine_loop import CATCH_UP_S, EngineLoop
+from engined.server.ranks.rank_build import Pacing
 from tests.server.inprocess import engine_loop
 from tests.server.virtual_clock import ManualClock
 from tests.support import run, until

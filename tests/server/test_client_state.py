@@ -32,7 +32,7 @@ import structlog.testing
 import zmq
 
 from engined.client import EngineClient
-from engined.server import clients, episodes
+from engined.server.control import clients, episodes
 from engined.wire.control import DaemonMessage, Output, Pong, ReplyDecoder
 from tests.server.inprocess import Served, serve
 from tests.support import run, until

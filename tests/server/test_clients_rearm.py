@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from engined.server.clients import ClientTable
+from engined.server.control.clients import ClientTable
 from engined.wire import control as wire
 from tests.support import run
 

@@ -1,4 +1,4 @@
-"""Garbage collection between passes (engined/server/collector.py).
+"""Garbage collection between passes (engined/server/ranks/collector.py).
 
 The collector is driven through a fake of the `gc` module (counts, thresholds, and which
 generation each collection took) and a manual clock, so every decision is exact: whether
@@ -18,9 +18,9 @@ from typing import NamedTuple
 import pytest
 
 from engined.core.types import Request, Submit
-from engined.server.collector import HARD_LIMIT, INITIAL_COST_S, Collector
-from engined.server.deadlines import Deadlines
-from engined.server.ranks import Pacing
+from engined.server.ranks.collector import HARD_LIMIT, INITIAL_COST_S, Collector
+from engined.server.ranks.deadlines import Deadlines
+from engined.server.ranks.rank_build import Pacing
 from tests.server.inprocess import engine_loop
 from tests.server.support import FinishedDelivery, ipc_config, read_while_serving
 from tests.server.virtual_clock import VirtualClock

@@ -1,4 +1,4 @@
-"""The deadlines the paced ranks of one event loop share (engined/server/deadlines.py)."""
+"""The deadlines the paced ranks of one event loop share (engined/server/ranks/deadlines.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import asyncio
 
 from engined.core.pass_report import PassReport
 from engined.core.types import Cancel, Request, Submit
-from engined.server.collector import Collector
-from engined.server.deadlines import Deadlines
-from engined.server.ranks import Pacing
+from engined.server.ranks.collector import Collector
+from engined.server.ranks.deadlines import Deadlines
+from engined.server.ranks.rank_build import Pacing
 from tests.server.inprocess import engine_loop
 from tests.server.support import FinishedDelivery
 from tests.server.virtual_clock import VirtualClock

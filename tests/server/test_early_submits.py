@@ -1,6 +1,6 @@
 """Submissions that arrive while a pass is paced are applied on arrival, not at its deadline.
 
-engined/server/engine_loop.py `_pace`: at the deadline they would run first and hold the due
+engined/server/ranks/engine_loop.py `_pace`: at the deadline they would run first and hold the due
 pass (a burst hashes its prompts). Only submissions at the head of the inbox go early;
 anything else keeps its place at the boundary, and so does whatever queues behind it, and
 nothing starts within EARLY_MARGIN_S of the deadline. Time is a manual clock
@@ -15,10 +15,10 @@ import contextlib
 from engined.core.pass_report import PassReport
 from engined.core.types import Cancel, Command, CommandEffects, Submit
 from engined.core.types import Request as CoreRequest
-from engined.server.collector import Collector
-from engined.server.deadlines import Deadlines
-from engined.server.rank_inbox import EARLY_MARGIN_S
-from engined.server.ranks import Pacing
+from engined.server.ranks.collector import Collector
+from engined.server.ranks.deadlines import Deadlines
+from engined.server.ranks.rank_build import Pacing
+from engined.server.ranks.rank_inbox import EARLY_MARGIN_S
 from tests.server.inprocess import engine_loop
 from tests.server.support import FinishedDelivery
 from tests.server.virtual_clock import ManualClock

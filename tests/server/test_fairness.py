@@ -32,11 +32,11 @@ import zmq.asyncio
 from engined.client import EngineClient
 from engined.core.pass_report import PassReport
 from engined.core.types import Decodes, LifecycleEvent, Request, RequestOutput, Submit
-from engined.server.control import ControlServer
-from engined.server.control_reader import CONTROL_TURN_MESSAGES
-from engined.server.control_socket import CONTROL_HWM
-from engined.server.deadlines import Deadlines
-from engined.server.systemd import NullNotifier, keepalive
+from engined.server.control.control_reader import CONTROL_TURN_MESSAGES
+from engined.server.control.control_server import ControlServer
+from engined.server.control.control_socket import CONTROL_HWM
+from engined.server.ops.systemd import NullNotifier, keepalive
+from engined.server.ranks.deadlines import Deadlines
 from engined.wire import control as wire
 from tests.server.daemon_harness import DaemonProcess
 from tests.server.inprocess import Served, engine_loop, serve
@@ -153,7 +153,7 @@ def test_a_ping_burst_yields_to_passes_and_to_other_clients(tmp_path: Path) -> N
 
 
 def test_a_due_rank_cuts_the_control_readers_turn_to_one_message(tmp_path: Path) -> None:
-    """With a paced rank of the loop already due (engined.server.deadlines), the reader
+    """With a paced rank of the loop already due (engined.server.ranks.deadlines), the reader
     yields after every message: between two passes of the streaming rank it handles a
     message or two, where the same burst without a due rank fills whole turns."""
 

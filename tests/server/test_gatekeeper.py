@@ -15,8 +15,16 @@ import zmq
 import zmq.auth
 
 from engined.client import ConnectionRefused, EngineClient, EngineError
-from engined.server.access import AccessError, read_authorized_keys, read_secret_key
-from engined.server.gatekeeper import DENIED, REFUSED, Domain, GatePolicy, Role, Verdict, decide
+from engined.server.security.access import AccessError, read_authorized_keys, read_secret_key
+from engined.server.security.gatekeeper import (
+    DENIED,
+    REFUSED,
+    Domain,
+    GatePolicy,
+    Role,
+    Verdict,
+    decide,
+)
 from engined.wire.control import Applied
 from engined.zmq_sockets import CurveClientKeys
 from tests.server.daemon_harness import ENGINED, DaemonProcess, free_tcp_port, start_daemon

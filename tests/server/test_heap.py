@@ -20,8 +20,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engined.server import clients, heap
+from engined.server.control import clients
 from engined.server.daemon import EXIT_OK, Daemon
+from engined.server.ops import heap
 from tests.server.support import ipc_config
 from tests.support import run, until
 

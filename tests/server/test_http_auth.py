@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from engined.server import http as http_module
-from engined.server.http import HttpServer
+from engined.server.ops import http_endpoint as http_module
+from engined.server.ops.http_endpoint import HttpServer
 from tests.server.daemon_harness import DaemonProcess, start_daemon
 from tests.server.test_metrics import Response, http_raw, parse
 from tests.server.test_rank_processes import config, serving

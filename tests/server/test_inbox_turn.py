@@ -1,11 +1,11 @@
-"""A burst of commands cannot hold a due pass (engined/server/engine_loop.py `_drain_inbox`).
+"""A burst of commands cannot hold a due pass (engined/server/ranks/engine_loop.py `_drain_inbox`).
 
 Paced with requests running, a pass boundary applies queued commands for at most
 INBOX_TURN_S of the loop's clock and leaves the rest to the next boundary. Time is a
 virtual clock (tests/server/virtual_clock.py) that each applied command moves on by 0.4 ms,
 so the number of commands per boundary is exact whatever the machine: three (0.4, 0.8, 1.2
 ms; the third ends the 1 ms turn), and one when another rank of the loop is already due
-(engined/server/deadlines.py: its pass goes first). Unpaced, a boundary applies them all.
+(engined/server/ranks/deadlines.py: its pass goes first). Unpaced, a boundary applies them all.
 
 Submissions that arrive while a pass is paced are applied in the wait (`_pace`) up to
 EARLY_MARGIN_S before its deadline, so the counts below are of commands applied before
@@ -25,10 +25,10 @@ import pytest
 from engined.core.pass_report import PassReport
 from engined.core.types import Command, CommandEffects, Submit
 from engined.core.types import Request as CoreRequest
-from engined.server.collector import Collector
-from engined.server.deadlines import Deadlines
-from engined.server.rank_inbox import EARLY_MARGIN_S, INBOX_TURN_S
-from engined.server.ranks import Pacing
+from engined.server.ranks.collector import Collector
+from engined.server.ranks.deadlines import Deadlines
+from engined.server.ranks.rank_build import Pacing
+from engined.server.ranks.rank_inbox import EARLY_MARGIN_S, INBOX_TURN_S
 from tests.server.inprocess import engine_loop
 from tests.server.support import FinishedDelivery
 from tests.server.virtual_clock import VirtualClock

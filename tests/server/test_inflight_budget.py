@@ -3,7 +3,7 @@
 A real daemon with `--control-inflight-bytes 40000`, paced at 1 ms a decode pass so a request
 with a large `max_tokens` stays in flight. A request is charged 1,024 bytes, 10 a prompt
 token, 40 a planned output id, 64 a stop id and a cache salt's bytes
-(`engined.server.budgets`): a 1,000-token prompt costs 11,024, with 500 planned ids 31,024,
+(`engined.server.control.budgets`): a 1,000-token prompt costs 11,024, with 500 planned ids 31,024,
 with 256 stop ids and a 1,024-byte salt 28,432. A `submit` that would take its client past
 the budget is answered `overloaded` naming the budget and the figures, changes nothing, and
 costs no other client anything; a cancel or a finish gives the bytes back.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from engined.client import EngineClient, EngineError
-from engined.server.budgets import request_bytes
+from engined.server.control.budgets import request_bytes
 from tests.server.daemon_harness import start_daemon
 from tests.support import run
 

@@ -7,7 +7,7 @@ passes' lateness is never hidden behind a summary taken before them. The clock i
 
 from __future__ import annotations
 
-from engined.server.lateness import (
+from engined.server.ranks.lateness import (
     LATENESS_CHEAP_SORT,
     LATENESS_SUMMARY_TTL_S,
     LatenessWindow,

@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from engined.client import EngineClient, Generation
 from engined.wire.control import RankStats, Submitted
-from engined.wire.fpm import ForwardPassMetrics, decode_fpm
+from engined.wire.fpm_schema import ForwardPassMetrics, decode_fpm
 from engined.wire.kv_events import (
     REPLAY_END_SEQ,
     ArrayBlockStored,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engined.server.log_throttle import MAX_KEYS, LogThrottle
+from engined.server.control.log_throttle import MAX_KEYS, LogThrottle
 
 
 class Clock:

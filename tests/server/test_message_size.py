@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient
-from engined.server.budgets import MESSAGE_MARGIN_BYTES
+from engined.server.control.budgets import MESSAGE_MARGIN_BYTES
 from engined.wire.control import DaemonMessage, DirectReply, ErrorReply, Pong, ReplyDecoder
 from tests.server.daemon_harness import DaemonProcess, start_daemon
 from tests.support import run

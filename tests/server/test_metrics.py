@@ -1,4 +1,5 @@
-"""Prometheus `/metrics` and `/health` (engined.server.metrics, engined.server.http).
+"""Prometheus `/metrics` and `/health` (engined.server.ops.prometheus_metrics,
+engined.server.ops.http_endpoint).
 
 Three layers: `RankMetrics` fed with hand-made PassReports (each rule on its own) and with a
 real core's passes checked against a brute-force, per-token reference; the HTTP server in
@@ -48,11 +49,10 @@ from engined.core.types import (
     Submit,
     SubmitHandoffPrefill,
 )
-from engined.server import http as http_module
 from engined.server.daemon import Daemon
-from engined.server.engine_loop import EngineLoop
-from engined.server.http import HealthState, HttpServer
-from engined.server.metrics import (
+from engined.server.ops import http_endpoint as http_module
+from engined.server.ops.http_endpoint import HealthState, HttpServer
+from engined.server.ops.prometheus_metrics import (
     ITL_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
@@ -60,6 +60,7 @@ from engined.server.metrics import (
     RankMetrics,
     VllmMetrics,
 )
+from engined.server.ranks.engine_loop import EngineLoop
 from tests.server.daemon_harness import DaemonProcess, start_daemon
 from tests.support import free_tcp_port
 

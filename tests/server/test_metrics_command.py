@@ -21,16 +21,16 @@ from engined.config import DaemonConfig
 from engined.core.args import EngineArgs, WorkerType
 from engined.core.core_build import CoreBuild
 from engined.core.engine import Engine
-from engined.server import exposition as exposition_module
-from engined.server.build_info import BuildInfo
-from engined.server.engine_loop import EngineLoop
-from engined.server.exposition import (
+from engined.server.ops import exposition as exposition_module
+from engined.server.ops.build_info import BuildInfo
+from engined.server.ops.exposition import (
     METRICS_CLIENT_LIMIT,
     METRICS_LIMIT,
     Exposition,
     MetricsRequests,
 )
-from engined.server.metrics import VllmMetrics
+from engined.server.ops.prometheus_metrics import VllmMetrics
+from engined.server.ranks.engine_loop import EngineLoop
 from engined.wire import control as wire
 from engined.wire.control import ErrorReply, MetricsReply
 from tests.server.test_metrics import _Sinks, http_get, run_core

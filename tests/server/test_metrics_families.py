@@ -34,10 +34,7 @@ from engined.core.types import (
     ReserveDestination,
     Submit,
 )
-from engined.server.engine_loop import EngineLoop
-from engined.server.metrics import VllmMetrics
-from engined.server.metrics_rank import RankMetrics
-from engined.server.metrics_spec import (
+from engined.server.ops.prometheus_families import (
     ITERATION_TOKENS_BUCKETS,
     ITL_BUCKETS,
     KV_CACHE_RESIDENCY_BUCKETS,
@@ -48,6 +45,9 @@ from engined.server.metrics_spec import (
     LatencyHistogram,
     request_tokens_buckets,
 )
+from engined.server.ops.prometheus_metrics import VllmMetrics
+from engined.server.ops.prometheus_rank import RankMetrics
+from engined.server.ranks.engine_loop import EngineLoop
 from tests.server.test_metrics import _Sinks, hand_pass, parse, value
 from tests.server.test_rank_processes import config, run, serving
 from tests.support import free_tcp_port

@@ -29,8 +29,8 @@ from engined.core.types import (
     RequestOutput,
     Submit,
 )
-from engined.server import pacer as pacer_module
-from engined.server.engine_loop import EngineLoop
+from engined.server.ranks import pacer as pacer_module
+from engined.server.ranks.engine_loop import EngineLoop
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.virtual_clock import VirtualClock
 from tests.support import until

@@ -39,7 +39,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from engined.client import EngineClient
 from engined.core.types import Cancel, EndedRequest, FinishReason
-from engined.server.ownership import HandoffRoute, Ownership
+from engined.server.control.ownership import HandoffRoute, Ownership
 from engined.wire.control import (
     Applied,
     DaemonMessage,

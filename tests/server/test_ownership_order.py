@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from engined.core.types import Cancel
-from engined.server.ownership import Ownership
+from engined.server.control.ownership import Ownership
 
 
 class _Loop:

@@ -1,4 +1,4 @@
-"""engined.server.pacer: the timerfd fires for deadlines past, present and future, re-arming
+"""engined.server.ranks.pacer: the timerfd fires for deadlines past, present and future, re-arming
 replaces the deadline, close releases the fd, and waiting does not spin the event loop.
 
 No test waits on wall-clock intervals as synchronisation or asserts how long anything took:
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from engined.server import pacer as pacer_mod
-from engined.server.pacer import Pacer, SleepPacer, TimerfdPacer, open_pacer
+from engined.server.ranks import pacer as pacer_mod
+from engined.server.ranks.pacer import Pacer, SleepPacer, TimerfdPacer, open_pacer
 
 linux_only = pytest.mark.skipif(
     pacer_mod._timerfd_backend() is None, reason="no timerfd on this platform"
@@ -261,8 +261,8 @@ def test_a_paced_engine_loop_sleeps_on_one_timerfd_and_closes_it(
     from engined.core.args import EngineArgs
     from engined.core.engine import Engine
     from engined.core.types import Request, Submit
-    from engined.server import pacer as pacer_module
-    from engined.server.engine_loop import EngineLoop
+    from engined.server.ranks import pacer as pacer_module
+    from engined.server.ranks.engine_loop import EngineLoop
 
     created: list[Pacer] = []
 

@@ -27,8 +27,8 @@ from engined.core import types as core
 from engined.core.args import EngineArgs
 from engined.core.engine import Engine
 from engined.core.types import Request, Submit
-from engined.server.kv_publisher import KvPublisher, max_batch_bytes, messages_within
-from engined.server.metrics import VllmMetrics
+from engined.server.ops.prometheus_metrics import VllmMetrics
+from engined.server.publish.kv_publisher import KvPublisher, max_batch_bytes, messages_within
 from engined.wire.kv_events import KvEventEncoder, KvEventFormat, read_seq
 from engined.zmq_sockets import SocketRegistry
 

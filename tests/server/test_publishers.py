@@ -20,9 +20,9 @@ import zmq.asyncio
 
 from engined.core import types as core
 from engined.core.types import FpmSnapshot
-from engined.server.fpm_publisher import FpmPublisher, NullFpmPublisher
-from engined.server.kv_publisher import KvPublisher, NullKvPublisher
-from engined.wire.fpm import ForwardPassMetrics, decode_fpm
+from engined.server.publish.fpm_publisher import FpmPublisher, NullFpmPublisher
+from engined.server.publish.kv_publisher import KvPublisher, NullKvPublisher
+from engined.wire.fpm_schema import ForwardPassMetrics, decode_fpm
 from engined.wire.kv_events import (
     REPLAY_END_SEQ,
     ArrayBlockStored,

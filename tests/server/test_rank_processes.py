@@ -27,9 +27,9 @@ import zmq.asyncio
 
 from engined.client import EngineClient, EngineError, Generation
 from engined.config import DaemonConfig, load_config
-from engined.server import rank_layouts
 from engined.server.daemon import EXIT_FAILURE, EXIT_OK, Daemon
-from engined.server.systemd import NullNotifier, keepalive
+from engined.server.ops.systemd import NullNotifier, keepalive
+from engined.server.ranks import rank_layouts
 from engined.wire.control import Applied, DestinationReservedEvent, ErrorReply, Load, Pong
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import KvStream, assert_each_prompt_on_its_rank, to_core_events

@@ -17,7 +17,7 @@ from engined.core.args import EngineArgs
 from engined.core.engine import Engine
 from engined.core.errors import CoreFailure
 from engined.core.pass_report import PassReport
-from engined.server import rank_wire as w
+from engined.server.ranks import rank_wire as w
 
 REQUEST = core.Request(token_ids=[1, 2, 3], max_tokens=4, request_id="r", seed=7)
 COMMANDS: list[core.Command] = [

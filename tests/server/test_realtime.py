@@ -21,7 +21,11 @@ from engined.client import EngineClient
 from engined.config import load_config
 from engined.server import daemon as daemon_module
 from engined.server.daemon import STARTUP_FAILURE, Daemon
-from engined.server.realtime import RealtimeUnavailable, enter_realtime, threads_of_this_process
+from engined.server.ranks.realtime import (
+    RealtimeUnavailable,
+    enter_realtime,
+    threads_of_this_process,
+)
 from tests.server.daemon_harness import DaemonProcess, start_daemon
 
 SCHED_FIFO = getattr(os, "SCHED_FIFO", 1)

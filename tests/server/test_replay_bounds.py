@@ -28,9 +28,9 @@ import zmq.asyncio
 
 from engined.client import EngineClient
 from engined.core import types as core
-from engined.server import kv_replay
-from engined.server.kv_publisher import KvPublisher
-from engined.server.kv_replay import ReplayBuffer
+from engined.server.publish import kv_replay
+from engined.server.publish.kv_publisher import KvPublisher
+from engined.server.publish.kv_replay import ReplayBuffer
 from engined.wire.kv_events import REPLAY_END_SEQ, read_seq, seq_bytes
 from engined.zmq_sockets import SocketRegistry
 from tests.server.daemon_harness import DaemonProcess

@@ -18,7 +18,7 @@ import zmq.asyncio
 from engined.client import EngineClient, EngineError
 from engined.core.vocab import EXCLUDED_TOKEN_IDS_MAX
 from engined.wire.control import ErrorReply, Load
-from engined.wire.fpm import decode_fpm
+from engined.wire.fpm_schema import decode_fpm
 from tests.server.daemon_harness import DaemonProcess, read_fpm, start_daemon
 from tests.support import run
 

@@ -19,12 +19,12 @@ from prometheus_client import CollectorRegistry
 
 from engined.core.types import EngineMetrics
 from engined.model_clock import ModelClock
-from engined.server import exposition as exposition_module
-from engined.server import rank_layouts
-from engined.server import rank_wire as w
-from engined.server.http import HttpServer
-from engined.server.rank_proxy import RankProxy
-from engined.server.reports import Refresh
+from engined.server.control.reports import Refresh
+from engined.server.ops import exposition as exposition_module
+from engined.server.ops.http_endpoint import HttpServer
+from engined.server.ranks import rank_layouts
+from engined.server.ranks import rank_wire as w
+from engined.server.ranks.rank_proxy import RankProxy
 from engined.wire.kv_events import seq_bytes
 from tests.server.test_metrics import http_get
 from tests.server.test_rank_processes import config, run, serving

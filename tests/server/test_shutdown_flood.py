@@ -33,10 +33,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from engined.server import control_reader as control_module
-from engined.server.control import ControlServer
-from engined.server.engine_loop import EngineLoop
-from engined.server.settings import RuntimeSettings
+from engined.server.control import control_reader as control_module
+from engined.server.control.control_server import ControlServer
+from engined.server.control.settings import RuntimeSettings
+from engined.server.ranks.engine_loop import EngineLoop
 from engined.wire.control import (
     DaemonMessage,
     ErrorReply,

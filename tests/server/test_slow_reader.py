@@ -40,7 +40,7 @@ import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient
-from engined.server import clients, episodes
+from engined.server.control import clients, episodes
 from engined.wire.control import (
     DaemonMessage,
     DirectReply,

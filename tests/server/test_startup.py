@@ -1,9 +1,9 @@
 """What a daemon does once it serves: it has frozen its start-up heap, and logged its bounds.
 
 Full collections skip everything built at start-up, as vLLM's engine core arranges with
-`gc.freeze()` (`engined.server.ranks.freeze_startup_heap`): the long pauses they caused were
-the largest pass-start lateness seen. The "engined started" line carries the bounds in force
-(`engined.server.startup_log`), so an operator reads them from the journal.
+`gc.freeze()` (`engined.server.ranks.rank_build.freeze_startup_heap`): the long pauses they caused
+were the largest pass-start lateness seen. The "engined started" line carries the bounds in force
+(`engined.server.ops.startup_log`), so an operator reads them from the journal.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_the_start_up_log_names_the_bounds_in_force(tmp_path: Path) -> None:
     limits = started["limits"]
     assert isinstance(limits, dict)
     assert limits["max_queued_requests"] == 77
-    # Derived from the pool (engined.server.budgets): 16,384 blocks of 64 tokens, a prompt
+    # Derived from the pool (engined.server.control.budgets): 16,384 blocks of 64 tokens, a prompt
     # of them all and as many planned ids at 5 bytes each, 1 KiB of ids, 1 MiB of margin.
     assert limits["control_max_message_bytes"] == 2 * 16384 * 64 * 5 + 1024 + 1024 * 1024
     assert limits["control_inflight_bytes"] == 256 * 1024 * 1024

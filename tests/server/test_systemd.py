@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from engined.client import EngineClient
 from engined.config import FLAGS, load_config
-from engined.server.systemd import Notifier, NullNotifier, keepalive, watchdog_interval
+from engined.server.ops.systemd import Notifier, NullNotifier, keepalive, watchdog_interval
 from tests.server import daemon_harness
 from tests.server.daemon_harness import DaemonProcess, read_fpm, start_daemon
 from tests.support import free_tcp_port

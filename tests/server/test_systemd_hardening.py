@@ -7,7 +7,7 @@
 2. `systemd-analyze security --offline=true` rates the daemon units 1.1 at most (1.2 before
    this issue) and the worker 1.2 at most; the same check fails a unit that drops the IP
    filter, so the threshold is not vacuous.
-3. The heap trim (engined/server/heap.py) runs under the units' system call filter.
+3. The heap trim (engined/server/ops/heap.py) runs under the units' system call filter.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_the_heap_trim_passes_the_units_system_call_filter() -> None:
     systemd_analyze()  # expands the syscall groups
     if not mdwe_supported():
         pytest.skip("kernel without PR_SET_MDWE (Linux < 6.3): cannot apply MemoryDenyWriteExecute")
-    trim = "from engined.server.heap import trim; trim(); print('trimmed')"
+    trim = "from engined.server.ops.heap import trim; trim(); print('trimmed')"
     result = subprocess.run(
         [sys.executable, SANDBOX, UNITS / "engined.service", "--", sys.executable, "-c", trim],
         capture_output=True,

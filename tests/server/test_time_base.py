@@ -1,5 +1,5 @@
 """One time base: the core's times are modelled at every speedup; the loop's `ModelClock`
-alone maps them to the wall (engined/model_clock.py, engined/server/engine_loop.py).
+alone maps them to the wall (engined/model_clock.py, engined/server/ranks/engine_loop.py).
 
 The same requests on the same fixed perf model, run unpaced and paced at speedup 4 on a
 virtual clock (tests/server/virtual_clock.py): the modelled pass times are identical, every
@@ -18,7 +18,7 @@ from engined.core.args import EngineArgs, PerfModelKind
 from engined.core.engine import Engine
 from engined.core.pass_report import PassReport
 from engined.core.types import Decodes, FpmSnapshot, Request, RequestOutput, Submit
-from engined.server.engine_loop import EngineLoop
+from engined.server.ranks.engine_loop import EngineLoop
 from tests.server.virtual_clock import VirtualClock
 from tests.support import until
 

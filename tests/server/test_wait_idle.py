@@ -17,7 +17,7 @@ import pytest
 
 from engined.client import EngineClient, EngineError
 from engined.core.args import PerfModelKind
-from engined.server.reports import WAIT_IDLE_CLIENT_LIMIT, WAIT_IDLE_LIMIT
+from engined.server.control.reports import WAIT_IDLE_CLIENT_LIMIT, WAIT_IDLE_LIMIT
 from tests.server.inprocess import serve
 from tests.server.support import assert_idle
 from tests.support import run

@@ -1,4 +1,4 @@
-"""The wider young generation of unpaced processes (engined/server/collector.py).
+"""The wider young generation of unpaced processes (engined/server/ranks/collector.py).
 
 `YoungGeneration` is driven through a fake of the two `gc` functions it uses, so what it sets
 and puts back is exact; then a daemon shows which processes get it: an unpaced one while it
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engined.server.collector import UNPACED_YOUNG_THRESHOLD, YoungGeneration
+from engined.server.ranks.collector import UNPACED_YOUNG_THRESHOLD, YoungGeneration
 from tests.server.support import ipc_config, read_while_serving
 from tests.support import run
 

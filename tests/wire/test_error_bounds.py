@@ -18,8 +18,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engined.wire.control import ControlDecoder, ReplyDecoder, WireError
-from engined.wire.errors import ECHO_MAX_BYTES, MESSAGE_MAX_BYTES, bound_message, truncate_utf8
 from engined.wire.probe import SCAN_BUDGET, probe_id
+from engined.wire.protocol_errors import (
+    ECHO_MAX_BYTES,
+    MESSAGE_MAX_BYTES,
+    bound_message,
+    truncate_utf8,
+)
 
 DECODER = ControlDecoder()
 encode = msgspec.msgpack.encode

@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from engined.core.types import FpmSnapshot
-from engined.wire import fpm
-from engined.wire.errors import WireError
+from engined.wire import fpm_schema
+from engined.wire.protocol_errors import WireError
 
 SNAPSHOT = FpmSnapshot(
     num_prefill_requests=2,
@@ -28,7 +28,7 @@ SNAPSHOT = FpmSnapshot(
 
 
 # Dynamo's `dynamo/common/forward_pass_metrics.py` v1 struct tree, restated independently of
-# engined.wire.fpm so a reordered or renamed field there fails the byte comparison below.
+# engined.wire.fpm_schema so a reordered or renamed field there fails the byte comparison below.
 class _DynScheduled(msgspec.Struct, frozen=True, gc=False):
     num_prefill_requests: int = 0
     sum_prefill_tokens: int = 0
@@ -69,19 +69,19 @@ def test_bytes_equal_dynamos_struct_for_the_same_values() -> None:
             queued_requests=_DynQueued(1, 128, 4.0, 5, 640, 8.0),
         )
     )
-    assert fpm.encode_fpm(SNAPSHOT, worker_id="w", dp_rank=1, counter_id=7) == expected
+    assert fpm_schema.encode_fpm(SNAPSHOT, worker_id="w", dp_rank=1, counter_id=7) == expected
 
 
 def test_heartbeat_equals_dynamos_default_struct() -> None:
     expected = msgspec.msgpack.encode(
         _DynForwardPassMetrics(worker_id="w", dp_rank=2, counter_id=9)
     )
-    assert fpm.heartbeat(worker_id="w", dp_rank=2, counter_id=9) == expected
+    assert fpm_schema.heartbeat(worker_id="w", dp_rank=2, counter_id=9) == expected
 
 
 def test_key_order_is_the_schemas() -> None:
     payload = msgspec.msgpack.decode(
-        fpm.encode_fpm(SNAPSHOT, worker_id="w", dp_rank=0, counter_id=0)
+        fpm_schema.encode_fpm(SNAPSHOT, worker_id="w", dp_rank=0, counter_id=0)
     )
     assert list(payload) == [
         "version",
@@ -112,14 +112,16 @@ def test_key_order_is_the_schemas() -> None:
 
 
 def test_snapshot_maps_onto_the_nested_schema() -> None:
-    metrics = fpm.decode_fpm(fpm.encode_fpm(SNAPSHOT, worker_id="w", dp_rank=1, counter_id=7))
-    assert metrics == fpm.ForwardPassMetrics(
+    metrics = fpm_schema.decode_fpm(
+        fpm_schema.encode_fpm(SNAPSHOT, worker_id="w", dp_rank=1, counter_id=7)
+    )
+    assert metrics == fpm_schema.ForwardPassMetrics(
         version=1,
         worker_id="w",
         dp_rank=1,
         counter_id=7,
         wall_time=0.0125,
-        scheduled_requests=fpm.ScheduledRequestMetrics(
+        scheduled_requests=fpm_schema.ScheduledRequestMetrics(
             num_prefill_requests=2,
             sum_prefill_tokens=300,
             var_prefill_length=2500.0,
@@ -128,7 +130,7 @@ def test_snapshot_maps_onto_the_nested_schema() -> None:
             sum_decode_kv_tokens=1200,
             var_decode_kv_tokens=12.5,
         ),
-        queued_requests=fpm.QueuedRequestMetrics(
+        queued_requests=fpm_schema.QueuedRequestMetrics(
             num_prefill_requests=1,
             sum_prefill_tokens=128,
             var_prefill_length=4.0,
@@ -142,7 +144,7 @@ def test_snapshot_maps_onto_the_nested_schema() -> None:
 def test_float_fields_are_float64_even_when_the_core_gives_ints() -> None:
     snapshot = FpmSnapshot(var_prefill_length=0, wall_time_secs=1, var_queued_decode_kv_tokens=3)
     payload = msgspec.msgpack.decode(
-        fpm.encode_fpm(snapshot, worker_id="", dp_rank=0, counter_id=0)
+        fpm_schema.encode_fpm(snapshot, worker_id="", dp_rank=0, counter_id=0)
     )
     floats = [
         payload["wall_time"],
@@ -155,14 +157,14 @@ def test_float_fields_are_float64_even_when_the_core_gives_ints() -> None:
 
 
 def test_heartbeat_is_all_zeros() -> None:
-    metrics = fpm.decode_fpm(fpm.heartbeat(worker_id="w", dp_rank=3, counter_id=12))
-    assert metrics == fpm.ForwardPassMetrics(worker_id="w", dp_rank=3, counter_id=12)
+    metrics = fpm_schema.decode_fpm(fpm_schema.heartbeat(worker_id="w", dp_rank=3, counter_id=12))
+    assert metrics == fpm_schema.ForwardPassMetrics(worker_id="w", dp_rank=3, counter_id=12)
     assert metrics.wall_time == 0.0
-    assert metrics.version == fpm.FPM_VERSION == 1
+    assert metrics.version == fpm_schema.FPM_VERSION == 1
 
 
 def test_heartbeat_equals_an_empty_snapshot() -> None:
-    assert fpm.heartbeat(worker_id="w", dp_rank=0, counter_id=1) == fpm.encode_fpm(
+    assert fpm_schema.heartbeat(worker_id="w", dp_rank=0, counter_id=1) == fpm_schema.encode_fpm(
         FpmSnapshot(), worker_id="w", dp_rank=0, counter_id=1
     )
 
@@ -178,16 +180,16 @@ def test_heartbeat_equals_an_empty_snapshot() -> None:
 )
 def test_decode_refuses_malformed_payloads(payload: bytes, match: str) -> None:
     with pytest.raises(WireError, match=match) as info:
-        fpm.decode_fpm(payload)
+        fpm_schema.decode_fpm(payload)
     assert info.value.code == "bad_message"
 
 
 @pytest.mark.parametrize(
     "value",
     [
-        fpm.ScheduledRequestMetrics(1, 2, 3.5, 4, 5, 6, 7.5),
-        fpm.QueuedRequestMetrics(1, 2, 3.5, 4, 5, 6.5),
-        fpm.make_fpm(SNAPSHOT, worker_id="w", dp_rank=1, counter_id=2),
+        fpm_schema.ScheduledRequestMetrics(1, 2, 3.5, 4, 5, 6, 7.5),
+        fpm_schema.QueuedRequestMetrics(1, 2, 3.5, 4, 5, 6.5),
+        fpm_schema.make_fpm(SNAPSHOT, worker_id="w", dp_rank=1, counter_id=2),
     ],
     ids=lambda v: type(v).__name__,
 )

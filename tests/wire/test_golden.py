@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engined.wire import control, fpm, golden
+from engined.wire import control, fpm_schema, golden
 from engined.wire import kv_events as kv
 from tests.wire._paths import GOLDEN_DIR
 
@@ -59,12 +59,14 @@ def test_kv_golden_decodes_to_its_inputs(fmt: kv.KvEventFormat) -> None:
 
 
 def test_fpm_golden_decodes_to_its_inputs() -> None:
-    metrics = fpm.decode_fpm(FRAMES["engined_fpm_pass.bin"])
-    assert metrics == fpm.make_fpm(
+    metrics = fpm_schema.decode_fpm(FRAMES["engined_fpm_pass.bin"])
+    assert metrics == fpm_schema.make_fpm(
         golden.FPM_SNAPSHOT, worker_id="worker-a", dp_rank=1, counter_id=41
     )
-    heartbeat = fpm.decode_fpm(FRAMES["engined_fpm_heartbeat.bin"])
-    assert heartbeat == fpm.ForwardPassMetrics(worker_id="worker-a", dp_rank=1, counter_id=42)
+    heartbeat = fpm_schema.decode_fpm(FRAMES["engined_fpm_heartbeat.bin"])
+    assert heartbeat == fpm_schema.ForwardPassMetrics(
+        worker_id="worker-a", dp_rank=1, counter_id=42
+    )
 
 
 def test_control_golden_decodes_to_its_inputs() -> None:

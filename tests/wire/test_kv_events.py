@@ -7,7 +7,7 @@ import pytest
 
 from engined.core import types as core
 from engined.wire import kv_events as kv
-from engined.wire.errors import WireError
+from engined.wire.protocol_errors import WireError
 from tests.wire._paths import read_golden
 
 TS = 1757500000.25

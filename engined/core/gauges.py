@@ -1,0 +1,56 @@
+"""A rank's gauges as the core reports them: per pass (`FpmSnapshot`, Dynamo's forward-pass
+metrics) and on demand (`EngineMetrics`, its load).
+
+Apart from types.py (which re-exports them): the daemon's metrics, load and FPM publishers
+read these and nothing else of the core's values.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class FpmSnapshot(msgspec.Struct, frozen=True, gc=False):
+    """Forward-pass metrics of one pass (Dynamo's `ForwardPassSnapshot`).
+
+    Variances are population variances (Welford). Scheduled prefills are measured over the
+    full prompt length, queued decodes over the tokens whose KV they will need.
+    """
+
+    num_prefill_requests: int = 0
+    sum_prefill_tokens: int = 0
+    var_prefill_length: float = 0.0
+    sum_prefill_kv_tokens: int = 0
+    num_decode_requests: int = 0
+    sum_decode_kv_tokens: int = 0
+    var_decode_kv_tokens: float = 0.0
+    num_queued_prefill: int = 0
+    sum_queued_prefill_tokens: int = 0
+    var_queued_prefill_length: float = 0.0
+    num_queued_decode: int = 0
+    sum_queued_decode_kv_tokens: int = 0
+    var_queued_decode_kv_tokens: float = 0.0
+    wall_time_secs: float = 0.0
+
+
+class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
+    """Load gauges of one rank (Dynamo's `MockerMetrics`, plus the inactive pool size)."""
+
+    dp_rank: int
+    active_blocks: int
+    inactive_blocks: int
+    total_blocks: int
+    kv_cache_usage: float
+    running: int
+    waiting: int
+    preemptions_total: int
+    # Lower tiers (zero without them): G2 host and G3 disk pools, as the G1 fields above.
+    g2_active_blocks: int = 0
+    g2_inactive_blocks: int = 0
+    g2_total_blocks: int = 0
+    g3_active_blocks: int = 0
+    g3_inactive_blocks: int = 0
+    g3_total_blocks: int = 0
+    # Of `waiting`, those blocked on a KV load rather than on capacity: reserved destinations
+    # awaiting their transfer and requests parked on an onboard (vLLM's deferred waiting).
+    waiting_deferred: int = 0

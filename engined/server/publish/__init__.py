@@ -1,0 +1,1 @@
+"""What a rank publishes: KV events with their replay, FPM, and their Prometheus counters."""
