@@ -8,7 +8,7 @@ once the response is written, so one handler runs per connection and every deadl
 only while the server waits for the client. Reading goes on during a handler and a stream,
 so a client that leaves is seen at once: its handler task is cancelled, its stream's
 iterator aclose()d. The deadlines of a connection waiting for its client are
-`engined.openai.http.deadlines`'.
+`engined.openai.http.wait_deadline`'.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Literal, Protocol, cast
 import structlog
 
 import engined.openai.http.wire as wire
-from engined.openai.http.deadlines import WaitDeadline
 from engined.openai.http.limits import HttpLimits
 from engined.openai.http.parsing import Item, RequestReader
 from engined.openai.http.types import ErrorFactory, Handler, HttpResponse, StreamingResponse
+from engined.openai.http.wait_deadline import WaitDeadline
 
 log = structlog.get_logger(__name__)
 
