@@ -31,6 +31,7 @@ from engined.client import EngineClient
 from engined.wire.control import RankStats, Welcome
 from tests.interop.dynamo_cluster import (
     POLL_S,
+    READY_LINE,
     READY_TIMEOUT_S,
     DynamoCluster,
     EnginedDaemon,
@@ -211,6 +212,28 @@ def add_worker(
         if frontend.namespace in (None, namespace):
             worker.wait_listed(frontend)
     return worker
+
+
+def start_worker_per_rank(
+    cluster: DynamoCluster, daemon: EnginedDaemon, *, name: str, model: str, namespace: str
+) -> tuple[EnginedWorker, list[int]]:
+    """A started `--worker-per-rank` worker for `daemon`, and its ranks' instance ids in
+    rank order (its ready line's `worker_ids`)."""
+    worker = EnginedWorker(
+        cluster.python,
+        cluster.workdir,
+        cluster.store,
+        cluster.model_path,
+        daemon.control,
+        model_name=model,
+        name=name,
+        namespace=namespace,
+        extra_args=["--worker-per-rank"],
+    )
+    cluster.processes.append(worker)  # stopped (and its exit status kept) by cluster.close()
+    worker.start()
+    ready = json.loads(worker.wait_for_log(READY_LINE))
+    return worker, [int(i) for i in ready["worker_ids"]]
 
 
 # What a prefill daemon's handoff costs in the P/D tests: a transfer long enough to be seen.

@@ -15,7 +15,6 @@ each rank's heartbeat (sent every second while idle) arrives.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,6 @@ from typing import Final
 import pytest
 
 from tests.interop.dynamo_cluster import (
-    READY_LINE,
     EnginedDaemon,
     EnginedWorker,
     Frontend,
@@ -40,6 +38,7 @@ from tests.interop.dynamo_worker_support import (
     fpm_stamps,
     kv_events_applied,
     poll_until,
+    start_worker_per_rank,
     wait_routable,
 )
 from tests.interop.peers import require_peers
@@ -68,21 +67,9 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PerRank]:
         # A frontend that sees this namespace only: its KV event counters are these ranks'.
         frontend = add_frontend(cluster, name="frontend", namespace=NAMESPACE)
         daemon = cluster.engined_daemon(*FAST_ARGS, "--data-parallel-size", str(RANKS))
-        worker = EnginedWorker(
-            cluster.python,
-            cluster.workdir,
-            cluster.store,
-            cluster.model_path,
-            daemon.control,
-            model_name=MODEL,
-            name="engined-worker-per-rank",
-            namespace=NAMESPACE,
-            extra_args=["--worker-per-rank"],
+        worker, instance_ids = start_worker_per_rank(
+            cluster, daemon, name="engined-worker-per-rank", model=MODEL, namespace=NAMESPACE
         )
-        cluster.processes.append(worker)
-        worker.start()
-        ready = json.loads(worker.wait_for_log(READY_LINE))
-        instance_ids = [int(i) for i in ready["worker_ids"]]
         wait_routable(frontend, instance_ids)
         yield PerRank(frontend, daemon, worker, instance_ids, python)
         codes = cluster.close()

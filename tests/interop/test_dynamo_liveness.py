@@ -16,7 +16,6 @@ frontend's route lines), never a sleep.
 
 from __future__ import annotations
 
-import json
 import signal
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +25,6 @@ from typing import Any, Final
 import pytest
 
 from tests.interop.dynamo_cluster import (
-    READY_LINE,
     TOKEN_IDS_NVEXT,
     DynamoCluster,
     EnginedDaemon,
@@ -47,6 +45,7 @@ from tests.interop.dynamo_worker_support import (
     kv_events_applied,
     poll_until,
     rank_stats,
+    start_worker_per_rank,
     wait_routable,
     welcome,
 )
@@ -267,20 +266,9 @@ def test_worker_per_rank_streams_migrate_and_every_rank_is_set_up_again(pairs: P
     daemon = cluster.engined_daemon(
         *BLOCK_ARGS, *PACING, DECODE_MS, "--data-parallel-size", str(RANKS), name="ranks"
     )
-    worker = EnginedWorker(
-        cluster.python,
-        cluster.workdir,
-        cluster.store,
-        cluster.model_path,
-        daemon.control,
-        model_name=RANKS_MODEL,
-        name="ranks-worker",
-        namespace=RANKS_NAMESPACE,
-        extra_args=["--worker-per-rank"],
+    worker, ids = start_worker_per_rank(
+        cluster, daemon, name="ranks-worker", model=RANKS_MODEL, namespace=RANKS_NAMESPACE
     )
-    cluster.processes.append(worker)
-    worker.start()
-    ids = [int(i) for i in json.loads(worker.wait_for_log(READY_LINE))["worker_ids"]]
     plain_daemon = cluster.engined_daemon(*BLOCK_ARGS, *PACING, DECODE_MS, name="ranks-plain")
     plain = add_worker(
         cluster,
