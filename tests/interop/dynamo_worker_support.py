@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import itertools
 import json
 import socket
 import subprocess
@@ -38,6 +39,7 @@ from tests.interop.dynamo_cluster import (
     EnginedWorker,
     Frontend,
 )
+from tests.interop.tiny_model import words
 
 BLOCK_SIZE: Final = 16
 # Every daemon has the block size the tests count in; all but the paced one run as fast as
@@ -212,6 +214,15 @@ def add_worker(
         if frontend.namespace in (None, namespace):
             worker.wait_listed(frontend)
     return worker
+
+
+# Prompts of distinct first words share no KV block: every caller draws its own.
+_starts = itertools.count(0, 17)
+
+
+def fresh_prompt(n: int) -> str:
+    """`n` words no earlier prompt of this process began with."""
+    return words(n, start=next(_starts))
 
 
 def start_worker_per_rank(

@@ -15,7 +15,6 @@ daemons' `stats`.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from tests.interop.dynamo_worker_support import (
     add_pd_group,
     add_worker,
     cached_after_full_repeat,
+    fresh_prompt,
     kv_events_applied,
     poll_until,
     rank_stats,
@@ -52,7 +52,7 @@ from tests.interop.dynamo_worker_support import (
 )
 from tests.interop.etcd_nats import CLEAN_EXIT, INSTALL_LINE, EtcdNats, MissingServer, find_binary
 from tests.interop.peers import require_peers
-from tests.interop.tiny_model import build_tiny_model, word, words
+from tests.interop.tiny_model import build_tiny_model, word
 
 EVENTS_TIMEOUT_S: Final = 20.0
 IDLE_TIMEOUT_S: Final = 10.0
@@ -72,14 +72,6 @@ PACING: Final = (
     "--fixed-decode-ms-per-pass",
     "20",
 )
-
-# Prompts of distinct first words share no KV block: every request draws its own.
-_starts = itertools.count(0, 17)
-
-
-def fresh_prompt(n: int) -> str:
-    return words(n, start=next(_starts))
-
 
 # --- the module's servers and each test's cluster -------------------------------------------
 

@@ -24,7 +24,6 @@ repeated only once the frontend's indexer has applied the `stored` event of its 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from tests.interop.dynamo_worker_support import (
     busy,
     cached_after_full_repeat,
     completion_words,
+    fresh_prompt,
     kv_events_applied,
     poll_until,
     rank_stats,
@@ -67,7 +67,7 @@ from tests.interop.dynamo_worker_support import (
     welcome,
 )
 from tests.interop.peers import require_peers
-from tests.interop.tiny_model import EOS_ID, word, words
+from tests.interop.tiny_model import EOS_ID, word
 
 VOCAB_SIZE: Final = 1000  # the tiny model's config.json
 SPECIAL_IDS: Final = [0, 1, 2]  # <unk> <s> </s>
@@ -78,13 +78,6 @@ STREAM_TIMEOUT_S: Final = 20.0
 CONNECT_TIMEOUT_S: Final = 2.0
 # A cold import of Dynamo on a busy 2-core machine, on top of the worker's connect timeout.
 EXIT_MARGIN_S: Final = 30.0
-
-# Prompts of distinct first words share no KV block: every test draws its own.
-_starts = itertools.count(0, 17)
-
-
-def fresh_prompt(n: int) -> str:
-    return words(n, start=next(_starts))
 
 
 @dataclass
