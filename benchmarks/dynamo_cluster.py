@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.dynamo_e2e import (  # noqa: E402
     MODEL,
     add_peers_arguments,
+    engine_flags,
     loadgen_result,
     peers_and_model,
     run_loadgen,
@@ -124,16 +125,7 @@ def run_backend(
 ) -> dict[str, Any]:
     from tests.interop.dynamo_cluster import DynamoCluster
 
-    engine = [
-        "--block-size",
-        str(args.block_size),
-        "--num-gpu-blocks",
-        str(args.num_gpu_blocks),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-    ]
+    engine = engine_flags(args)
     tag = f"[{backend}]"
     result: dict[str, Any] = {}
     with DynamoCluster(python, workdir / backend, model_path=model, model_name=MODEL) as cluster:

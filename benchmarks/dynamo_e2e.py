@@ -319,12 +319,10 @@ def loadgen_result(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return result
 
 
-def run_backend(
-    backend: str, args: argparse.Namespace, python: Path, model: Path, workdir: Path
-) -> dict[str, Any] | None:
-    from tests.interop.dynamo_cluster import DynamoCluster
-
-    engine = [
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine's shape as both backends take it: block size and pool first (the mocker
+    takes those as arguments of its own), then `max_num_seqs` and `max_num_batched_tokens`."""
+    return [
         "--block-size",
         str(args.block_size),
         "--num-gpu-blocks",
@@ -334,6 +332,14 @@ def run_backend(
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
     ]
+
+
+def run_backend(
+    backend: str, args: argparse.Namespace, python: Path, model: Path, workdir: Path
+) -> dict[str, Any] | None:
+    from tests.interop.dynamo_cluster import DynamoCluster
+
+    engine = engine_flags(args)
     tag = f"[{backend}]"
     with DynamoCluster(python, workdir / backend, model_path=model, model_name=MODEL) as cluster:
         try:
