@@ -169,17 +169,21 @@ def run(engine: Engine, ops: list[tuple[str, int, int]]) -> list[object]:
     return record
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_inlined_decode_steps_give_identical_results(
-    workload: tuple[EngineArgs, list[tuple[str, int, int]]],
-) -> None:
-    args, ops = workload
+def assert_fast_equals_slow(args: EngineArgs, ops: list[tuple[str, int, int]]) -> None:
+    """The engine with and without its hand-inlined paths gives equal results, one by one."""
     fast = run(Engine(args), ops)
     slow = run(Engine(args, fast_paths=False), ops)
     assert len(fast) == len(slow)
     for index, (a, b) in enumerate(zip(fast, slow, strict=True)):
         assert a == b, f"result {index} differs"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_inlined_decode_steps_give_identical_results(
+    workload: tuple[EngineArgs, list[tuple[str, int, int]]],
+) -> None:
+    assert_fast_equals_slow(*workload)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -187,12 +191,7 @@ def test_inlined_decode_steps_give_identical_results(
 def test_fused_decode_sampling_gives_identical_results(
     workload: tuple[EngineArgs, list[tuple[str, int, int]]],
 ) -> None:
-    args, ops = workload
-    fast = run(Engine(args), ops)
-    slow = run(Engine(args, fast_paths=False), ops)
-    assert len(fast) == len(slow)
-    for index, (a, b) in enumerate(zip(fast, slow, strict=True)):
-        assert a == b, f"result {index} differs"
+    assert_fast_equals_slow(*workload)
 
 
 def test_a_long_vllm_decode_workload_is_identical() -> None:
