@@ -20,6 +20,7 @@ from prometheus_client.samples import Sample
 from engined.client import EngineClient, EngineError
 from engined.config import DaemonConfig
 from engined.core.args import EngineArgs, PerfModelKind, WorkerType
+from engined.core.command_report import CommandReport
 from engined.core.engine import Engine
 from engined.core.kv_residency import KvBlockEviction
 from engined.core.pass_report import PassReport
@@ -81,7 +82,7 @@ class Driver:
     def command(self, command: Command, at: float) -> None:
         self.now = at
         effects = self.core.apply(command, now_ms=at)
-        self.tallies.on_command(0, at, command, effects)
+        self.tallies.on_command(0, at, command, CommandReport.of(effects))
         if effects.lifecycle_events:
             self.metrics.on_lifecycle(0, effects.lifecycle_events)
 

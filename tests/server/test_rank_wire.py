@@ -14,6 +14,7 @@ import pytest
 from engined.core import errors
 from engined.core import types as core
 from engined.core.args import EngineArgs
+from engined.core.command_report import CommandReport
 from engined.core.engine import Engine
 from engined.core.errors import CoreFailure
 from engined.core.pass_report import PassReport
@@ -53,11 +54,11 @@ def test_an_order_arrives_as_it_was_sent(order: w.Order) -> None:
 
 @pytest.mark.parametrize("result", RESULTS)
 def test_a_reply_carries_the_core_result(result: core.CommandResult) -> None:
-    reply = w.Reply(3, 1, 12.5, result, [], [], True, METRICS)
+    reply = w.Reply(3, 1, 12.5, CommandReport(result), METRICS)
     (decoded,) = w.item_decoder.decode(w.encoder.encode([reply]))
     assert isinstance(decoded, w.Reply)
-    assert type(decoded.result) is type(result)
-    assert decoded.result == result
+    assert type(decoded.report.result) is type(result)
+    assert decoded.report.result == result
     assert decoded == reply
 
 
@@ -121,3 +122,31 @@ def test_a_pass_arrives_with_the_report_its_worker_took() -> None:
     assert decoded == item
     assert isinstance(decoded, w.Pass)
     assert decoded.report.admissions == [core.Admission("r", 0)]
+
+
+def test_a_command_report_is_the_command_effects_fields_of_the_same_name() -> None:
+    """Every field of a report means what the `CommandEffects` field of its name means; what
+    only the rank's own process uses (its KV and lifecycle events, `progressed`) is left out,
+    so a worker's reply cannot carry it empty."""
+    report_hints = get_type_hints(CommandReport)
+    effects_hints = get_type_hints(core.CommandEffects)
+    assert {name: effects_hints[name] for name in report_hints} == report_hints
+    assert set(effects_hints) - set(report_hints) == {
+        "lifecycle_events",
+        "kv_events",
+        "progressed",
+    }
+
+
+def test_a_reply_arrives_with_the_report_its_worker_took() -> None:
+    engine = Engine(EngineArgs(block_size=4, num_gpu_blocks=16).normalized())
+    engine.apply(core.Submit(REQUEST), now_ms=0.0)
+    effects = engine.apply(core.Cancel("r"), now_ms=1.0)
+    report = CommandReport.of(effects)
+    assert (report.result, report.ended) == (effects.result, effects.ended)
+    item = w.Reply(5, 0, 1.0, report, METRICS)
+    (decoded,) = w.item_decoder.decode(w.encoder.encode([item]))
+    assert decoded == item
+    assert isinstance(decoded, w.Reply)
+    assert decoded.report.result == core.Applied()
+    assert [ended.request_id for ended in decoded.report.ended] == ["r"]

@@ -39,9 +39,9 @@ forward-pass metric's `wall_time` stays wall time on the wire (`ModelClock.repor
 
 The loop reads only what the engine returns (`CommandEffects`, `PassResult`, `TierAdvance`)
 and its public gauges, and tells its pass observers a `PassReport`; commands are
-`engined.core` commands, applied through the inbox by `call` (the caller awaits the effects)
-or `send` (fire and forget, e.g. a cancel for a vanished client). Either way the command
-observers see the effects, so every request that ends is seen ending.
+`engined.core` commands, applied through the inbox by `call` (the caller awaits the
+command's `CommandReport`) or `send` (fire and forget, e.g. a cancel for a vanished client).
+Either way the command observers see the report, so every request that ends is seen ending.
 """
 
 from __future__ import annotations
@@ -53,13 +53,10 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
+from engined.core.command_report import CommandReport
 from engined.core.engine import Engine
 from engined.core.pass_report import PassReport
-from engined.core.types import (
-    Command,
-    CommandEffects,
-    PassResult,
-)
+from engined.core.types import Command, PassResult
 from engined.model_clock import ModelClock
 from engined.server.ranks.collector import Collector
 from engined.server.ranks.deadlines import Deadlines
@@ -167,9 +164,9 @@ class EngineLoop:
         self._needed_now()
         self._wake.set()
 
-    async def call(self, command: Command) -> CommandEffects:
+    async def call(self, command: Command) -> CommandReport:
         """Apply a command at the next boundary; raises its CoreError if it failed."""
-        future: asyncio.Future[CommandEffects] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[CommandReport] = asyncio.get_running_loop().create_future()
         self._inbox.append((command, self.now_ms(), future))
         self._needed_now()
         self._wake.set()

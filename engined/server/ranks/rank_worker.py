@@ -35,15 +35,10 @@ import zmq
 import zmq.asyncio
 
 from engined.config import DaemonConfig
+from engined.core.command_report import CommandReport
 from engined.core.errors import CoreError, CoreFailure
 from engined.core.pass_report import PassReport
-from engined.core.types import (
-    Command,
-    CommandEffects,
-    Decodes,
-    LifecycleEvent,
-    RequestOutput,
-)
+from engined.core.types import Command, Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
 from engined.server.publish.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.publish.kv_publisher import AnyKvPublisher, max_batch_bytes
@@ -249,22 +244,11 @@ class RankWorker:
         outbox.add(w.Pass(rank, start_ms, report), rank)
 
     def _on_command(
-        self, rank: int, arrived_ms: float, command: Command, effects: CommandEffects
+        self, rank: int, arrived_ms: float, command: Command, report: CommandReport
     ) -> None:
         corr = self._pending.pop(id(command), 0)
-        self._outbox.add(
-            w.Reply(
-                corr,
-                rank,
-                arrived_ms,
-                effects.result,
-                effects.ended,
-                effects.lifecycle_events,
-                effects.progressed,
-                self._loops[rank].engine.metrics(),
-            ),
-            rank,
-        )
+        metrics = self._loops[rank].engine.metrics()
+        self._outbox.add(w.Reply(corr, rank, arrived_ms, report, metrics), rank)
 
     # --- the daemon's messages ------------------------------------------------------------
 
