@@ -50,6 +50,7 @@ from engined.core.types import (
     Submit,
     SubmitHandoffPrefill,
 )
+from engined.model_clock import ModelClock
 from engined.server.daemon import Daemon
 from engined.server.ops import http_endpoint as http_module
 from engined.server.ops.http_endpoint import HealthState, HttpServer
@@ -365,7 +366,7 @@ def test_a_sent_cancel_reaches_the_metrics_through_the_loop() -> None:
         metrics = VllmMetrics.from_config(config)
         sinks = _Sinks()
         loop = EngineLoop(
-            Engine(config.engine), kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0
+            Engine(config.engine), kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(0.0)
         )
         tallies = metrics.attach(loop)
         runner = asyncio.create_task(loop.run())
@@ -528,7 +529,7 @@ def test_collector_exposes_vllm_names_and_labels_per_rank() -> None:
     sinks = _Sinks()
     for dp_rank in range(2):
         core = Engine(config.engine, dp_rank=dp_rank)
-        loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0)
+        loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(0.0))
         tallies = metrics.attach(loop)
         assert loop.pass_observers == [tallies.on_pass]
         assert loop.command_observers == [tallies.on_command]
@@ -588,7 +589,7 @@ def test_offload_tiers_are_exposed_per_tier_and_state() -> None:
     metrics = VllmMetrics.from_config(config)
     sinks = _Sinks()
     core = Engine(config.engine)
-    loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0)
+    loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(0.0))
     run_core(core, metrics.attach(loop), count=12, seed=3)
     gauges = core.metrics()
     assert gauges.g2_total_blocks == 10 and gauges.g3_total_blocks == 30
@@ -623,7 +624,9 @@ def test_scrapes_at_every_await_point_see_no_phantom_aborts() -> None:
         engine = EngineArgs(block_size=16, num_gpu_blocks=24, speedup_ratio=100.0).normalized()
         metrics = VllmMetrics.from_config(DaemonConfig(engine=engine))
         sinks = _Sinks()
-        loop = EngineLoop(Engine(engine), kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=100.0)
+        loop = EngineLoop(
+            Engine(engine), kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(100.0)
+        )
         tallies = metrics.attach(loop)
         runner = asyncio.create_task(loop.run())
         finished = asyncio.Event()

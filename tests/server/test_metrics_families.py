@@ -35,6 +35,7 @@ from engined.core.types import (
     ReserveDestination,
     Submit,
 )
+from engined.model_clock import ModelClock
 from engined.server.ops.prometheus_families import (
     ITERATION_TOKENS_BUCKETS,
     ITL_BUCKETS,
@@ -73,7 +74,9 @@ class Driver:
         self.engine = EngineArgs(**{**FIXED, **args}).normalized()  # type: ignore[arg-type]
         self.core = Engine(self.engine)
         sinks = _Sinks()
-        loop = EngineLoop(self.core, kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0)
+        loop = EngineLoop(
+            self.core, kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(0.0)
+        )
         self.metrics = metrics
         self.tallies = metrics.attach(loop)
         self.tallies._now_ms = lambda: self.now  # a command's end is the rank's clock

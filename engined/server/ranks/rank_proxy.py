@@ -64,7 +64,7 @@ class RankProxy:
         self.rank = ready.rank
         self.capacity_tokens = ready.num_blocks * ready.block_size
         self._metrics: EngineMetrics = ready.metrics
-        self._model_clock = model_clock
+        self.model_clock = model_clock
         self.queued = 0  # commands sent and not yet applied (or refused)
         self._passes_total = 0
         self._tokens_total = 0
@@ -105,7 +105,7 @@ class RankProxy:
 
     def now_ms(self) -> float:
         """The rank's modelled clock: its last report plus, paced, the wall time since."""
-        return self._now_ms + self._model_clock.to_modelled_ms(time.monotonic() - self._now_at)
+        return self._now_ms + self.model_clock.to_modelled_ms(time.monotonic() - self._now_at)
 
     def send(self, command: Command) -> None:
         self._worker.submit(self, command, None)

@@ -40,6 +40,7 @@ from engined.core.errors import CoreError, CoreFailure
 from engined.core.pass_report import PassReport
 from engined.core.types import Command, Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
+from engined.model_clock import ModelClock
 from engined.server.publish.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.publish.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.ranks import rank_wire as w
@@ -141,7 +142,11 @@ class RankWorker:
         self._pending: dict[int, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: asyncio.Future[BaseException] | None = None
-        self._pacing = shared_pacing(config)
+        # This process's one map of modelled time to the wall, for all its ranks: built from
+        # the daemon's config, as the daemon builds its own (another process, so not shared),
+        # so both map at the same ratio.
+        self._model_clock = ModelClock(config.engine.speedup_ratio)
+        self._pacing = shared_pacing(self._model_clock)
         self._collection: Collector | YoungGeneration | None = None
 
     async def serve(self) -> int:
@@ -164,7 +169,7 @@ class RankWorker:
             await self._close()
             return EXIT_STARTUP
         outbox.send_now([ready])
-        self._collection = start_collection(self._config, self._pacing)
+        self._collection = start_collection(self._model_clock, self._pacing)
         for kv in self._kvs:
             kv.start()
         runs = {
@@ -212,6 +217,7 @@ class RankWorker:
                 worker_id=self._init.worker_id,
                 delivery=delivery,
                 batch_bytes=batch_bytes,
+                model_clock=self._model_clock,
                 pacing=self._pacing,
                 gate=gate,
             )
