@@ -92,18 +92,26 @@ def test_an_error_kind_this_build_does_not_know_is_not_decoded() -> None:
         w.item_decoder.decode(frame)
 
 
-def test_a_pass_report_is_the_pass_results_fields_of_the_same_name() -> None:
-    """Every field of a report means what the `PassResult` field of its name means."""
-    report_hints = get_type_hints(PassReport)
-    result_hints = get_type_hints(core.PassResult)
-    assert {name: result_hints[name] for name in report_hints} == report_hints
-    assert set(result_hints) - set(report_hints) == {
-        "lifecycle_events",
-        "kv_events",
-        "fpm",
-        "progressed",
-        "trace",
-    }
+@pytest.mark.parametrize(
+    ("report", "source", "left_out"),
+    [
+        (
+            PassReport,
+            core.PassResult,
+            {"lifecycle_events", "kv_events", "fpm", "progressed", "trace"},
+        ),
+        (CommandReport, core.CommandEffects, {"lifecycle_events", "kv_events", "progressed"}),
+    ],
+)
+def test_a_report_is_the_engine_values_fields_of_the_same_name(
+    report: type, source: type, left_out: set[str]
+) -> None:
+    """Every field of a report means what the field of its name in the engine's value means;
+    what only the rank's own process uses is left out, so a worker cannot send it empty."""
+    report_hints = get_type_hints(report)
+    source_hints = get_type_hints(source)
+    assert {name: source_hints[name] for name in report_hints} == report_hints
+    assert set(source_hints) - set(report_hints) == left_out
 
 
 def test_a_pass_arrives_with_the_report_its_worker_took() -> None:
@@ -122,20 +130,6 @@ def test_a_pass_arrives_with_the_report_its_worker_took() -> None:
     assert decoded == item
     assert isinstance(decoded, w.Pass)
     assert decoded.report.admissions == [core.Admission("r", 0)]
-
-
-def test_a_command_report_is_the_command_effects_fields_of_the_same_name() -> None:
-    """Every field of a report means what the `CommandEffects` field of its name means; what
-    only the rank's own process uses (its KV and lifecycle events, `progressed`) is left out,
-    so a worker's reply cannot carry it empty."""
-    report_hints = get_type_hints(CommandReport)
-    effects_hints = get_type_hints(core.CommandEffects)
-    assert {name: effects_hints[name] for name in report_hints} == report_hints
-    assert set(effects_hints) - set(report_hints) == {
-        "lifecycle_events",
-        "kv_events",
-        "progressed",
-    }
 
 
 def test_a_reply_arrives_with_the_report_its_worker_took() -> None:
