@@ -126,6 +126,13 @@ class _Delivery:
 
 
 class RankWorker:
+    """The ranks of one worker process and their link to the daemon.
+
+    Its `ModelClock` is its own, built from the daemon's config as the daemon builds its
+    one (a clock cannot be shared across processes; the same config makes them map at the
+    same ratio), and every rank of the process is paced by it.
+    """
+
     def __init__(self, init: w.RankInit, config: DaemonConfig) -> None:
         self._init = init
         self._config = config
@@ -142,9 +149,6 @@ class RankWorker:
         self._pending: dict[int, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: asyncio.Future[BaseException] | None = None
-        # This process's one map of modelled time to the wall, for all its ranks: built from
-        # the daemon's config, as the daemon builds its own (another process, so not shared),
-        # so both map at the same ratio.
         self._model_clock = ModelClock(config.engine.speedup_ratio)
         self._pacing = shared_pacing(self._model_clock)
         self._collection: Collector | YoungGeneration | None = None
