@@ -184,9 +184,9 @@ class PagedKvManager:
         else:
             h = self._hasher.block_hash(parent, token_ids, None)
         ext = int.from_bytes(h[-8:], "big")
-        pool.cache(table[pos], seq.keys[pos], h, ext)
+        pool.cache(table[pos], seq.keys[pos], h)
         self._num_cached[seq] = pos + 1
-        self.log.stored_blocks(pool.event_hash_of[parent_block], [ext], [seq.local[pos]], token_ids)
+        self.log.stored_blocks(pool.event_hash(parent_block), [ext], [seq.local[pos]], token_ids)
 
     def _cache_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         """Cache the blocks whose every token is scheduled: vLLM hashes each (chained to the
@@ -224,10 +224,10 @@ class PagedKvManager:
                 hashes.append(parent)
                 stored.append(int.from_bytes(parent[-8:], "big"))
                 extra = None
-        pool.cache_run(table[done:full], seq.keys[done:full], hashes, stored)
+        pool.cache_run(table[done:full], seq.keys[done:full], hashes)
         self._num_cached[seq] = full
         self.log.stored_blocks(
-            pool.event_hash_of[table[done - 1]] if done else None,
+            pool.event_hash(table[done - 1]) if done else None,
             stored,
             seq.local[done:full],
             token_ids,
