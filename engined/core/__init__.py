@@ -21,7 +21,9 @@ from engined.core.core_build import CoreBuild
 # Every module the hot path runs, by measurement (benchmarks/core_throughput.py --profile).
 COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.assembly",
+    "engined.core.block_moves",
     "engined.core.block_pool",
+    "engined.core.burst_emission",
     "engined.core.capacity",
     "engined.core.commands",
     "engined.core.emission",

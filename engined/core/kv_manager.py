@@ -22,36 +22,17 @@ copied to G2 before their slots can be reused, and the allocation may have to wa
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
+from engined.core.block_moves import Deref, Promote, Use
 from engined.core.block_pool import BlockPool
 from engined.core.hashing import hash_of_key
+from engined.core.kv_cache import DestinationReservation
 from engined.core.kv_event_log import KvEventLog
 from engined.core.kv_registry import BlockRegistry
 from engined.core.offload.g1_glue import G1Glue
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.prefix_hit import PrefillCost, PrefixHit
-from engined.core.sequence import BlockMove, Deref, Promote, Sequence, Use
+from engined.core.sequence import BlockMove, Sequence
 from engined.core.types import KvEvent, OffloadWait
-
-
-class ResidentPrefix(NamedTuple):
-    blocks: int
-    active: int
-
-
-class DestinationReservation:
-    """KV held for an incoming transfer: a pinned cached prefix plus fresh unpublished slots."""
-
-    __slots__ = ("prefix", "slots", "use")
-
-    def __init__(self, prefix: list[int], slots: list[int], use: Use | None) -> None:
-        self.prefix = prefix
-        self.slots = slots
-        self.use = use
-
-    def block_ids(self) -> list[int]:
-        return self.prefix + self.slots
 
 
 class KvManager:
@@ -83,7 +64,7 @@ class KvManager:
         self.prefix_hit = prefix_hit
         self.block_size = block_size
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=publish)
-        self.registry = BlockRegistry(num_blocks)
+        self.registry = BlockRegistry(num_blocks, self.pool.registered)
         # The registry's maps, bound here for the hot paths.
         self.active_partial = self.registry.active_partial
         self.holders = self.registry.holders
@@ -129,37 +110,10 @@ class KvManager:
 
     def prefill_cost(self, seq: Sequence) -> PrefillCost:
         """The cost under the core's prefix-hit rule (engined/core/prefix_hit.py)."""
-        return self.prefix_hit.cost(seq, *self._resident_prefix(seq))
-
-    def _resident_prefix(self, seq: Sequence) -> ResidentPrefix:
-        """The leading blocks of `seq` resident here, and how many of them are active."""
-        overlap = active = 0
-        if seq.caching:
-            registered = self.registered
-            holders = self.holders
-            for key in seq.keys:
-                slot = registered.get(key)
-                if slot is None:
-                    break
-                overlap += 1
-                if holders[slot]:
-                    active += 1
-        return ResidentPrefix(overlap, active)
-
-    def held_slot(self, key: int) -> int | None:
-        """The slot of the full block registered under `key` if requests hold it, else None."""
-        slot = self.registered.get(key)
-        return slot if slot is not None and self.holders[slot] else None
+        return self.prefix_hit.cost(seq, *self.registry.resident_prefix(seq))
 
     def active_block_ids(self, seq: Sequence) -> list[int]:
-        ids: list[int] = []
-        for key in seq.keys:
-            slot = self.held_slot(key)
-            if slot is not None:
-                ids.append(slot)
-        if seq.partial is not None and seq.partial in self.active_partial:
-            ids.append(self.active_partial[seq.partial])
-        return ids
+        return self.registry.active_block_ids(seq)
 
     # --- moves --------------------------------------------------------------------------
 
@@ -352,7 +306,7 @@ class KvManager:
             # The blocks beyond the hit are transferred like missing ones (vLLM's decode side
             # asks the connector for everything after its own capped hit); activation then
             # finds the resident copy and publishes nothing for it.
-            resident = self._resident_prefix(seq)[0]
+            resident = self.registry.resident_prefix(seq)[0]
             keys = keys[: self.prefix_hit.hit_blocks(resident, seq)]
         for key in keys:
             # Pinned: a handle, whether requests hold the block or it was inactive.

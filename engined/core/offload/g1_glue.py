@@ -28,6 +28,7 @@ allocation or published run, so an engine without offload tiers pays nothing per
 
 from __future__ import annotations
 
+from engined.core.block_moves import Use
 from engined.core.block_pool import BlockPool
 from engined.core.hashing import hash_of_key
 from engined.core.kv_event_log import KvEventLog
@@ -38,7 +39,7 @@ from engined.core.offload.types import (
     TickEffects,
     TierEventKind,
 )
-from engined.core.sequence import Sequence, Use
+from engined.core.sequence import Sequence
 from engined.core.types import BlockStored, OffloadWait
 
 

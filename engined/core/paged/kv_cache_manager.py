@@ -25,8 +25,8 @@ import hashlib
 import pickle
 from typing import Final
 
+from engined.core.kv_cache import DestinationReservation
 from engined.core.kv_event_log import KvEventLog
-from engined.core.kv_manager import DestinationReservation
 from engined.core.offload.g1_glue import G1Glue
 from engined.core.paged.block_pool import PagedBlockPool
 from engined.core.paged.residency import BlockResidency

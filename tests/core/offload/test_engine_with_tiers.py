@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from engined.core.args import WorkerType
+from engined.core.block_moves import Deref
 from engined.core.engine import Engine
 from engined.core.errors import CoreError
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.tier_engine import TierEngine
-from engined.core.sequence import Deref
 from engined.core.state import RequestStatus
 from engined.core.types import (
     APPLIED,
