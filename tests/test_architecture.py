@@ -221,7 +221,7 @@ def test_server_sub_packages_are_layered() -> None:
 def test_the_neutral_modules_exist() -> None:
     """`NEUTRAL` names real modules, each its own package (a typo would exempt nothing)."""
     assert graph().keys() >= NEUTRAL
-    assert "engined.zmq_sockets" in graph()["engined.client.connection"]
+    assert "engined.zmq_sockets" in graph()["engined.client.dealer_connection"]
 
 
 def test_the_core_is_pure() -> None:
@@ -245,3 +245,14 @@ def test_modules_stay_small() -> None:
         if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert too_long == {}
+
+
+def test_module_basenames_are_unique() -> None:
+    """Issue 23: a module's file name alone says which module it is (in a traceback, a
+    profile, a grep), so no two modules under engined/ share one; a package's `__init__.py`
+    and `__main__.py` are named by their package."""
+    by_name: dict[str, list[str]] = {}
+    for module, path in modules().items():
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, []).append(module)
+    assert {name: found for name, found in by_name.items() if len(found) > 1} == {}

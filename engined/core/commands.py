@@ -21,7 +21,7 @@ from engined.core.errors import (
     handoff_repr,
 )
 from engined.core.finish import Finisher
-from engined.core.handoff import HandoffBook, HeldDestination
+from engined.core.handoff_book import HandoffBook, HeldDestination
 from engined.core.intake import RequestIntake
 from engined.core.kv_cache import KvCache
 from engined.core.policy import AdmissionPolicy

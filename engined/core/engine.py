@@ -23,7 +23,7 @@ advance the engine retries the head of its pending destinations itself.
 The engine is composed of parts that get their collaborators when built here, and never the
 engine: the request intake, the scheduler (engined/core/scheduling.py) with its preempter,
 the token emitter (emission.py), the finisher (finish.py), the commands (commands.py), the
-handoff book (handoff.py), the onboard parking (offload/parking.py), and the KV manager
+handoff book (handoff_book.py), the onboard parking (offload/parking.py), and the KV manager
 (kv_manager.py) with its event log and, with offload tiers, the tier engine's G1 glue.
 """
 

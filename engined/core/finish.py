@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from engined.core.args import EngineArgs, WorkerType
 from engined.core.capacity import CapacityGeneration
-from engined.core.handoff import HandoffBook
+from engined.core.handoff_book import HandoffBook
 from engined.core.kv_cache import KvCache
 from engined.core.offload.parking import OnboardParking
 from engined.core.pass_context import PassContext

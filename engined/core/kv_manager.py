@@ -23,11 +23,11 @@ copied to G2 before their slots can be reused, and the allocation may have to wa
 from __future__ import annotations
 
 from engined.core.block_moves import Deref, Promote, Use
-from engined.core.block_pool import BlockPool
 from engined.core.hashing import hash_of_key
 from engined.core.kv_cache import DestinationReservation
 from engined.core.kv_event_log import KvEventLog
 from engined.core.kv_registry import BlockRegistry
+from engined.core.lineage_pool import BlockPool
 from engined.core.offload.g1_glue import G1Glue
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.prefix_hit import PrefillCost, PrefixHit

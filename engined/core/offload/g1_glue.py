@@ -29,11 +29,11 @@ allocation or published run, so an engine without offload tiers pays nothing per
 from __future__ import annotations
 
 from engined.core.block_moves import Use
-from engined.core.block_pool import BlockPool
 from engined.core.hashing import hash_of_key
 from engined.core.kv_event_log import KvEventLog
+from engined.core.lineage_pool import BlockPool
 from engined.core.offload.tier_engine import TierEngine
-from engined.core.offload.types import (
+from engined.core.offload.tier_values import (
     BlockMeta,
     EvictedBlock,
     TickEffects,

@@ -21,7 +21,7 @@ import enum
 from engined.core.capacity import CapacityGeneration
 from engined.core.kv_cache import KvCache
 from engined.core.offload.g1_glue import G1Glue
-from engined.core.offload.types import OnboardState
+from engined.core.offload.tier_values import OnboardState
 from engined.core.prefix_hit import PrefillCost
 from engined.core.state import RequestState, SchedulerState
 
