@@ -74,7 +74,7 @@ class BurstEmitter:
                 length = len(seq.tokens)
                 burst = min(max_burst, seq.max_output_tokens - seq.generated)
                 required += -(-(length + burst) // bs) - -(-length // bs)
-            reservation = kv.reserve_slots(required)
+            reservation = kv.reserve_slots(required, ctx.now_ms)
             if reservation is not None:
                 break
             if offload:
@@ -106,6 +106,7 @@ class BurstEmitter:
             for req in ready
         ]
         emitted = 0
+        now_ms = ctx.now_ms
         for req, burst in bursts:
             seq = req.seq
             done = False
@@ -118,7 +119,11 @@ class BurstEmitter:
                     if type(move) is Deref and done:
                         cleanup.append(move)
                         continue
-                    ok = kv.use(move, reservation) if isinstance(move, Use) else kv.apply(move)
+                    ok = (
+                        kv.use(move, now_ms, reservation)
+                        if isinstance(move, Use)
+                        else kv.apply(move, now_ms)
+                    )
                     assert ok, "reserved decode allocation must be infallible"
                 if not done:
                     seq.num_allocated_tokens = len(seq.tokens)

@@ -288,7 +288,7 @@ class TokenEmitter:
                 if completed:
                     cleanup = [m for m in moves if type(m) is Deref or type(m) is Release]
                     moves = [m for m in moves if type(m) is not Deref and type(m) is not Release]
-                if not moves or kv.apply_all(moves):
+                if not moves or kv.apply_all(moves, ctx.now_ms):
                     if moves and not completed:
                         seq.num_allocated_tokens = len(seq.tokens)
                     sampled = True

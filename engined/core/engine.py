@@ -193,7 +193,7 @@ class Engine:
             if deadline is not None:
                 end_ms = max(deadline, now_ms)
         lifecycle = ctx.lifecycle
-        lifecycle += self._commands.retry_pending_destinations()
+        lifecycle += self._commands.retry_pending_destinations(now_ms)
         metrics = self.metrics()
         # Async scheduling: a pass that resolved no batch publishes nothing yet (vLLM
         # publishes KV events from `update_from_output`).
@@ -247,7 +247,7 @@ class Engine:
         lifecycle = []
         if self._kv.offload is not None:
             self._parking.advance(now_ms)
-            lifecycle = self._commands.retry_pending_destinations()
+            lifecycle = self._commands.retry_pending_destinations(now_ms)
         return TierAdvance(self._kv.take_events(), lifecycle)
 
     def next_deadline(self) -> float | None:

@@ -108,8 +108,7 @@ class Finisher:
         handoff_id = self._book.sources.hold(request_id, release_moves)
         held = None
         if handoff_id is None:
-            ok = self._kv.apply_all(release_moves)
-            assert ok, "completion cleanup must be infallible"
+            self._kv.free_all(release_moves)
         else:
             held = SourceHeld(
                 handoff_id, request_id, self.transfer_timing(req.seq.num_input_tokens)
@@ -132,8 +131,7 @@ class Finisher:
         if parking.by_request:
             parking.drop(request_id)
         improved = req.seq.num_allocated_tokens > 0 or request_id in self._state.running_members
-        ok = kv.apply_all(req.seq.free_moves())
-        assert ok, "request drop cleanup must be infallible"
+        kv.free_all(req.seq.free_moves())
         self._book.sources.discard_request(request_id)
         self._book.active.discard_request(request_id)
         self._state.take(request_id)

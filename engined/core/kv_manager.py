@@ -117,10 +117,14 @@ class KvManager:
 
     # --- moves --------------------------------------------------------------------------
 
-    def apply(self, move: BlockMove) -> bool:
-        """Apply one move; False only when a Use cannot get its fresh blocks (nothing changed)."""
+    def apply(self, move: BlockMove, now_ms: float) -> bool:
+        """Apply one move; False only when a Use cannot get its fresh blocks (nothing changed).
+
+        `now_ms` is the time of the engine call applying it: with offload tiers, the blocks a
+        Use evicts start their offload then (`G1Glue.settle`).
+        """
         if type(move) is Use:
-            return self.use(move)
+            return self.use(move, now_ms)
         if type(move) is Deref:
             self.deref(move)
         else:
@@ -128,15 +132,22 @@ class KvManager:
             self.promote(move)
         return True
 
-    def apply_all(self, moves: list[BlockMove]) -> bool:
+    def apply_all(self, moves: list[BlockMove], now_ms: float) -> bool:
         """Apply in order, stopping at the first failure (earlier moves stay applied)."""
         # NOTE: a loop, not all() over a generator: mypyc compiles generators to objects.
         for move in moves:  # noqa: SIM110
-            if not self.apply(move):
+            if not self.apply(move, now_ms):
                 return False
         return True
 
-    def use(self, move: Use, reservation: list[int] | None = None) -> bool:
+    def free_all(self, moves: list[BlockMove]) -> None:
+        """Apply a request's freeing moves (`Sequence.free_moves`: Derefs). Freeing evicts
+        nothing, so it needs no time and cannot fail."""
+        for move in moves:
+            assert type(move) is Deref, "freeing moves are Derefs on the mocker's pool"
+            self.deref(move)
+
+    def use(self, move: Use, now_ms: float, reservation: list[int] | None = None) -> bool:
         if not move.hashes and reservation is None and self.offload is None:
             return self.use_partial(move.partial)
         pool = self.pool
@@ -172,7 +183,7 @@ class KvManager:
                 return self._exhausted()
             slots, evicted = got
             if evicted and self.offload is not None:
-                settled = self.offload.settle(slots, evicted)
+                settled = self.offload.settle(slots, evicted, now_ms)
                 if settled is None:
                     for block_id in matched:
                         pool.release(block_id)
@@ -275,8 +286,9 @@ class KvManager:
 
     # --- speculative decode reservations ------------------------------------------------
 
-    def reserve_slots(self, count: int) -> list[int] | None:
-        """Mutable slots set aside for a pass's MTP bursts; evictions are published now."""
+    def reserve_slots(self, count: int, now_ms: float) -> list[int] | None:
+        """Mutable slots set aside for a pass's MTP bursts (the pass at `now_ms`); evictions
+        are published now."""
         got = self.pool.allocate(count)
         if got is None:
             self._exhausted()
@@ -284,7 +296,7 @@ class KvManager:
         slots, evicted = got
         if evicted:
             if self.offload is not None:
-                return self.offload.settle(slots, evicted)
+                return self.offload.settle(slots, evicted, now_ms)
             self._evictions(evicted)
         return slots
 
@@ -294,8 +306,9 @@ class KvManager:
 
     # --- destinations -------------------------------------------------------------------
 
-    def reserve_destination(self, seq: Sequence) -> DestinationReservation | None:
-        """Pin the cached prompt prefix and reserve fresh slots for the rest; no Stored yet."""
+    def reserve_destination(self, seq: Sequence, now_ms: float) -> DestinationReservation | None:
+        """Pin the cached prompt prefix and reserve fresh slots for the rest; no Stored yet.
+        An offload this evicts starts at `now_ms`."""
         use = seq.prepare_allocation(seq.num_input_tokens)
         if use is None:
             return DestinationReservation([], [], None)
@@ -323,7 +336,7 @@ class KvManager:
         slots, evicted = got
         if evicted:
             if self.offload is not None:
-                settled = self.offload.settle(slots, evicted)
+                settled = self.offload.settle(slots, evicted, now_ms)
                 if settled is None:
                     for block_id in prefix:
                         pool.release(block_id)

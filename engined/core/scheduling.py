@@ -262,7 +262,7 @@ class Scheduler:
             if target <= seq.num_allocated_tokens:
                 break
             use = seq.prepare_allocation(target)
-            if use is None or kv.use(use):
+            if use is None or kv.use(use, ctx.now_ms):
                 seq.num_allocated_tokens = target
                 break
             wait = kv.take_offload_wait()

@@ -95,7 +95,7 @@ class OnboardParking:
         if plan is None:
             glue.release_pins(pins)
             return ParkOutcome.NO_HIT
-        slots = glue.allocate(plan.block_count)
+        slots = glue.allocate(plan.block_count, now_ms)
         if slots is None:
             engine.abandon_onboard(plan)
             glue.release_pins(pins)
