@@ -176,19 +176,10 @@ class KvManager:
                 return False
             slots = [reservation.pop() for _ in range(fresh)]
         else:
-            got = pool.allocate(fresh)
+            got = self._allocate(fresh, matched, now_ms)
             if got is None:
-                for block_id in matched:
-                    pool.release(block_id)
-                return self._exhausted()
+                return False
             slots, evicted = got
-            if evicted and self.offload is not None:
-                settled = self.offload.settle(slots, evicted, now_ms)
-                if settled is None:
-                    for block_id in matched:
-                        pool.release(block_id)
-                    return False
-                slots, evicted = settled, []
         self._commit_use(move, prepared, slots)
         if fresh_partial:
             assert partial is not None
@@ -196,6 +187,27 @@ class KvManager:
         if evicted:
             self._evictions(evicted)
         return True
+
+    def _allocate(
+        self, count: int, pinned: list[int], now_ms: float
+    ) -> tuple[list[int], list[int]] | None:
+        """`count` mutable slots and the keys they evicted whose Removed events the caller
+        publishes (after its own Stored ones); with tiers the glue has offered those to G2
+        from `now_ms` and published them. None when the slots cannot be had: then the
+        `pinned` handles the caller took are given back."""
+        got = self.pool.allocate(count)
+        if got is not None:
+            slots, evicted = got
+            if not evicted or self.offload is None:
+                return got
+            settled = self.offload.settle(slots, evicted, now_ms)
+            if settled is not None:
+                return settled, []
+        else:
+            self._exhausted()
+        for block_id in pinned:
+            self.pool.release(block_id)
+        return None
 
     def use_partial(self, partial: int | None) -> bool:
         """`use` of a Use without full blocks: the block a decode token opens (its partial).
@@ -289,14 +301,11 @@ class KvManager:
     def reserve_slots(self, count: int, now_ms: float) -> list[int] | None:
         """Mutable slots set aside for a pass's MTP bursts (the pass at `now_ms`); evictions
         are published now."""
-        got = self.pool.allocate(count)
+        got = self._allocate(count, [], now_ms)
         if got is None:
-            self._exhausted()
             return None
         slots, evicted = got
         if evicted:
-            if self.offload is not None:
-                return self.offload.settle(slots, evicted, now_ms)
             self._evictions(evicted)
         return slots
 
@@ -327,21 +336,11 @@ class KvManager:
             if block_id is None:
                 break
             prefix.append(block_id)
-        got = pool.allocate(use.num_blocks - len(prefix))
+        got = self._allocate(use.num_blocks - len(prefix), prefix, now_ms)
         if got is None:
-            for block_id in prefix:
-                pool.release(block_id)
-            self._exhausted()
             return None
         slots, evicted = got
         if evicted:
-            if self.offload is not None:
-                settled = self.offload.settle(slots, evicted, now_ms)
-                if settled is None:
-                    for block_id in prefix:
-                        pool.release(block_id)
-                    return None
-                return DestinationReservation(prefix, settled, use)
             self._evictions(evicted)
         return DestinationReservation(prefix, slots, use)
 
