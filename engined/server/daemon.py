@@ -194,7 +194,7 @@ class Daemon:
             await self.api.start()
             self._tasks.append(asyncio.create_task(self.api.watch(), name="api-servers"))
         self.started = True
-        self._collection = start_collection(cfg, ranks.pacing)
+        self._collection = start_collection(ranks.model_clock, ranks.pacing)
         log_started(
             cfg,
             worker_id=self.worker_id,

@@ -21,6 +21,7 @@ import zmq.asyncio
 from engined.config.schema import CONTROL_UNREAD_BYTES
 from engined.core.args import EngineArgs, EngineType, PerfModelKind, WorkerType
 from engined.core.engine import Engine
+from engined.model_clock import ModelClock
 from engined.server.control.control_server import ControlServer
 from engined.server.control.settings import RuntimeSettings
 from engined.server.publish.fpm_publisher import NullFpmPublisher
@@ -109,7 +110,7 @@ def engine_loop(
         kv=NullKvPublisher() if kv is None else kv,
         fpm=NullFpmPublisher() if fpm is None else fpm,
         delivery=delivery,
-        speedup_ratio=speedup_ratio,
+        model_clock=ModelClock(speedup_ratio),
         clock=time.monotonic if clock is None else clock,
         sleep=sleep,
         deadlines=None if pacing is None else pacing.deadlines,

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from engined.core.command_report import CommandReport
 from engined.core.pass_report import PassReport
 from engined.core.types import (
     Cancel,
     Command,
-    CommandEffects,
     Decodes,
     LifecycleEvent,
     RequestOutput,
@@ -52,7 +52,7 @@ class Timeline:
         self.starts.append(round(start_ms, 3))
         self.ran_at.append(self.now())
 
-    def on_command(self, rank: int, at: float, command: Command, effects: CommandEffects) -> None:
+    def on_command(self, rank: int, at: float, command: Command, report: CommandReport) -> None:
         if isinstance(command, Submit):
             self.arrivals.append((command.request.request_id or "?", round(at, 3)))
 

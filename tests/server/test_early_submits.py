@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from engined.core.command_report import CommandReport
 from engined.core.pass_report import PassReport
-from engined.core.types import Cancel, Command, CommandEffects, Submit
+from engined.core.types import Cancel, Command, Submit
 from engined.core.types import Request as CoreRequest
 from engined.server.ranks.collector import Collector
 from engined.server.ranks.deadlines import Deadlines
@@ -52,7 +53,7 @@ def test_submissions_apply_on_arrival_and_others_wait_for_the_boundary() -> None
         applied: list[tuple[str, float]] = []  # (command, clock ms when applied)
         starts: list[float] = []  # pass starts, ms
 
-        def on_command(rank: int, at: float, command: Command, effects: CommandEffects) -> None:
+        def on_command(rank: int, at: float, command: Command, report: CommandReport) -> None:
             applied.append((label(command), round(clock() * 1000, 3)))
 
         def on_pass(rank: int, start_ms: float, result: PassReport) -> None:

@@ -22,8 +22,9 @@ import asyncio
 
 import pytest
 
+from engined.core.command_report import CommandReport
 from engined.core.pass_report import PassReport
-from engined.core.types import Command, CommandEffects, Submit
+from engined.core.types import Command, Submit
 from engined.core.types import Request as CoreRequest
 from engined.server.ranks.collector import Collector
 from engined.server.ranks.deadlines import Deadlines
@@ -74,7 +75,7 @@ def test_a_burst_is_applied_a_turn_per_pass(
         applied: list[str] = []
         boundaries: list[int] = []  # commands of the burst applied before each pass
 
-        def on_command(rank: int, at: float, command: Command, effects: CommandEffects) -> None:
+        def on_command(rank: int, at: float, command: Command, report: CommandReport) -> None:
             request_id = command.request.request_id if isinstance(command, Submit) else None
             if request_id is not None and request_id != "long":
                 applied.append(request_id)

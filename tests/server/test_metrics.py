@@ -31,6 +31,7 @@ from prometheus_client.samples import Sample
 from engined.client import EngineClient, Generation
 from engined.config import DaemonConfig
 from engined.core.args import EngineArgs
+from engined.core.command_report import CommandReport
 from engined.core.engine import Engine
 from engined.core.pass_report import PassReport
 from engined.core.types import (
@@ -49,6 +50,7 @@ from engined.core.types import (
     Submit,
     SubmitHandoffPrefill,
 )
+from engined.model_clock import ModelClock
 from engined.server.daemon import Daemon
 from engined.server.ops import http_endpoint as http_module
 from engined.server.ops.http_endpoint import HealthState, HttpServer
@@ -122,7 +124,7 @@ def submit(
     command = Submit(
         Request(token_ids=list(range(prompt)), max_tokens=max_tokens, request_id=request_id)
     )
-    metrics.on_command(0, at, command, core.apply(command, now_ms=at))
+    metrics.on_command(0, at, command, CommandReport.of(core.apply(command, now_ms=at)))
 
 
 def hand_pass(
@@ -301,7 +303,7 @@ def test_a_reused_request_id_starts_afresh() -> None:
     submit(core, metrics, "a", 10, 5, at=10.0)
     metrics.on_pass(0, 10.0, hand_pass(core, 20.0, [token("a"), token("b")], ("a",)))
     cancel = Cancel("b")
-    metrics.on_command(0, 20.0, cancel, core.apply(cancel, now_ms=20.0))
+    metrics.on_command(0, 20.0, cancel, CommandReport.of(core.apply(cancel, now_ms=20.0)))
     submit(core, metrics, "b", 10, 5, at=20.0)
     metrics.on_pass(0, 20.0, hand_pass(core, 30.0, [token("a"), token("b")], ("b",)))
     assert_same(metrics.ttft, reference([10.0, 10.0, 10.0, 10.0], TTFT_BUCKETS))
@@ -345,14 +347,14 @@ def test_every_command_that_ends_a_request_ends_it_as_abort() -> None:
     for at, request_id in ((5.0, "c"), (7.0, "gone"), (30.0, "shutdown")):
         clock[0] = at
         cancel = Cancel(request_id)
-        metrics.on_command(0, at, cancel, core.apply(cancel, now_ms=at))
+        metrics.on_command(0, at, cancel, CommandReport.of(core.apply(cancel, now_ms=at)))
     assert metrics.finished == {"stop": 0, "length": 0, "abort": 3}
     assert_same(metrics.e2e, reference([5.0, 7.0, 30.0], REQUEST_LATENCY_BUCKETS))
     assert metrics.requests == {}
     # A Cancel that found nothing ends nothing.
     effects = core.apply(Cancel("c"), now_ms=31.0)
     assert effects.ended == []
-    metrics.on_command(0, 31.0, Cancel("c"), effects)
+    metrics.on_command(0, 31.0, Cancel("c"), CommandReport.of(effects))
     assert metrics.finished["abort"] == 3
 
 
@@ -364,7 +366,7 @@ def test_a_sent_cancel_reaches_the_metrics_through_the_loop() -> None:
         metrics = VllmMetrics.from_config(config)
         sinks = _Sinks()
         loop = EngineLoop(
-            Engine(config.engine), kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0
+            Engine(config.engine), kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(0.0)
         )
         tallies = metrics.attach(loop)
         runner = asyncio.create_task(loop.run())
@@ -387,7 +389,7 @@ def test_handoff_sides_are_tracked_until_they_end() -> None:
     metrics = tally(decode)
 
     def command(core: Engine, tallies: RankMetrics, at: float, cmd: Command) -> None:
-        tallies.on_command(0, at, cmd, core.apply(cmd, now_ms=at))
+        tallies.on_command(0, at, cmd, CommandReport.of(core.apply(cmd, now_ms=at)))
 
     for handoff_id in ("h1", "h2"):
         request = Request(token_ids=list(range(40)), max_tokens=5, request_id=f"d-{handoff_id}")
@@ -527,7 +529,7 @@ def test_collector_exposes_vllm_names_and_labels_per_rank() -> None:
     sinks = _Sinks()
     for dp_rank in range(2):
         core = Engine(config.engine, dp_rank=dp_rank)
-        loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0)
+        loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(0.0))
         tallies = metrics.attach(loop)
         assert loop.pass_observers == [tallies.on_pass]
         assert loop.command_observers == [tallies.on_command]
@@ -587,7 +589,7 @@ def test_offload_tiers_are_exposed_per_tier_and_state() -> None:
     metrics = VllmMetrics.from_config(config)
     sinks = _Sinks()
     core = Engine(config.engine)
-    loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0)
+    loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(0.0))
     run_core(core, metrics.attach(loop), count=12, seed=3)
     gauges = core.metrics()
     assert gauges.g2_total_blocks == 10 and gauges.g3_total_blocks == 30
@@ -622,7 +624,9 @@ def test_scrapes_at_every_await_point_see_no_phantom_aborts() -> None:
         engine = EngineArgs(block_size=16, num_gpu_blocks=24, speedup_ratio=100.0).normalized()
         metrics = VllmMetrics.from_config(DaemonConfig(engine=engine))
         sinks = _Sinks()
-        loop = EngineLoop(Engine(engine), kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=100.0)
+        loop = EngineLoop(
+            Engine(engine), kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(100.0)
+        )
         tallies = metrics.attach(loop)
         runner = asyncio.create_task(loop.run())
         finished = asyncio.Event()

@@ -21,6 +21,7 @@ from engined.config import DaemonConfig
 from engined.core.args import EngineArgs, WorkerType
 from engined.core.core_build import CoreBuild
 from engined.core.engine import Engine
+from engined.model_clock import ModelClock
 from engined.server.ops import exposition as exposition_module
 from engined.server.ops.build_info import BuildInfo
 from engined.server.ops.exposition import (
@@ -76,7 +77,7 @@ def populated(model_name: str) -> VllmMetrics:
     sinks = _Sinks()
     for rank in range(2):
         core = Engine(engine, dp_rank=rank)
-        loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0)
+        loop = EngineLoop(core, kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(0.0))
         run_core(core, metrics.attach(loop), count=12, seed=rank)
     return metrics
 

@@ -20,6 +20,7 @@ from prometheus_client.samples import Sample
 from engined.client import EngineClient, EngineError
 from engined.config import DaemonConfig
 from engined.core.args import EngineArgs, PerfModelKind, WorkerType
+from engined.core.command_report import CommandReport
 from engined.core.engine import Engine
 from engined.core.kv_residency import KvBlockEviction
 from engined.core.pass_report import PassReport
@@ -34,6 +35,7 @@ from engined.core.types import (
     ReserveDestination,
     Submit,
 )
+from engined.model_clock import ModelClock
 from engined.server.ops.prometheus_families import (
     ITERATION_TOKENS_BUCKETS,
     ITL_BUCKETS,
@@ -72,7 +74,9 @@ class Driver:
         self.engine = EngineArgs(**{**FIXED, **args}).normalized()  # type: ignore[arg-type]
         self.core = Engine(self.engine)
         sinks = _Sinks()
-        loop = EngineLoop(self.core, kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=0.0)
+        loop = EngineLoop(
+            self.core, kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(0.0)
+        )
         self.metrics = metrics
         self.tallies = metrics.attach(loop)
         self.tallies._now_ms = lambda: self.now  # a command's end is the rank's clock
@@ -81,7 +85,7 @@ class Driver:
     def command(self, command: Command, at: float) -> None:
         self.now = at
         effects = self.core.apply(command, now_ms=at)
-        self.tallies.on_command(0, at, command, effects)
+        self.tallies.on_command(0, at, command, CommandReport.of(effects))
         if effects.lifecycle_events:
             self.metrics.on_lifecycle(0, effects.lifecycle_events)
 

@@ -29,6 +29,7 @@ from engined.core.types import (
     RequestOutput,
     Submit,
 )
+from engined.model_clock import ModelClock
 from engined.server.ranks import pacer as pacer_module
 from engined.server.ranks.engine_loop import EngineLoop
 from tests.reference_indexer import ReferenceIndexer
@@ -152,7 +153,7 @@ def test_idle_core_wakes_at_the_offload_deadline(
             kv=capture,
             fpm=capture,
             delivery=capture,
-            speedup_ratio=speedup_ratio,
+            model_clock=ModelClock(speedup_ratio),
             clock=clock,
             sleep=clock.sleep if paced_by == "sleep" else None,
         )

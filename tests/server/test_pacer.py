@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from engined.model_clock import ModelClock
 from engined.server.ranks import pacer as pacer_mod
 from engined.server.ranks.pacer import Pacer, SleepPacer, TimerfdPacer, open_pacer
 
@@ -291,7 +292,9 @@ def test_a_paced_engine_loop_sleeps_on_one_timerfd_and_closes_it(
     async def scenario() -> None:
         engine = EngineArgs(block_size=16, num_gpu_blocks=64, speedup_ratio=1.0).normalized()
         sinks = Sinks()
-        loop = EngineLoop(Engine(engine), kv=sinks, fpm=sinks, delivery=sinks, speedup_ratio=1.0)
+        loop = EngineLoop(
+            Engine(engine), kv=sinks, fpm=sinks, delivery=sinks, model_clock=ModelClock(1.0)
+        )
         before = open_fds()
         runner = asyncio.create_task(loop.run())
         await asyncio.gather(

@@ -30,6 +30,8 @@ from engined.config import DaemonConfig, load_config
 from engined.server.daemon import EXIT_FAILURE, EXIT_OK, Daemon
 from engined.server.ops.systemd import NullNotifier, keepalive
 from engined.server.ranks import rank_layouts
+from engined.server.ranks.engine_loop import EngineLoop
+from engined.server.ranks.rank_proxy import RankProxy
 from engined.wire.control import Applied, DestinationReservedEvent, ErrorReply, Load, Pong
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import KvStream, assert_each_prompt_on_its_rank, to_core_events
@@ -657,3 +659,23 @@ def test_the_default_takes_a_worker_per_core_where_there_is_something_to_spread(
     assert Daemon(cfg).rank_processes == processes
     assert Daemon(config(tmp_path, dp_size, rank_processes=0)).rank_processes == 0
     assert Daemon(cfg, rank_processes=1).rank_processes == 1
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_every_rank_of_a_daemon_maps_time_with_the_layouts_one_clock(
+    tmp_path: Path, processes: int
+) -> None:
+    """One `ModelClock` per daemon: its layout's, built from the config, is what every rank
+    handle (an `EngineLoop`, or a proxy's `now_ms`) maps modelled time to the wall with."""
+
+    async def scenario() -> None:
+        cfg = config(tmp_path, 2, **{"engine.speedup_ratio": 4})
+        async with serving(cfg, processes) as running:
+            layout = running.daemon.ranks
+            assert layout.model_clock.speedup_ratio == 4.0
+            kind = EngineLoop if processes == 0 else RankProxy
+            for handle in layout.handles:
+                assert isinstance(handle, kind)
+                assert handle.model_clock is layout.model_clock
+
+    run(scenario())

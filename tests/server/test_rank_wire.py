@@ -14,6 +14,7 @@ import pytest
 from engined.core import errors
 from engined.core import types as core
 from engined.core.args import EngineArgs
+from engined.core.command_report import CommandReport
 from engined.core.engine import Engine
 from engined.core.errors import CoreFailure
 from engined.core.pass_report import PassReport
@@ -53,11 +54,11 @@ def test_an_order_arrives_as_it_was_sent(order: w.Order) -> None:
 
 @pytest.mark.parametrize("result", RESULTS)
 def test_a_reply_carries_the_core_result(result: core.CommandResult) -> None:
-    reply = w.Reply(3, 1, 12.5, result, [], [], True, METRICS)
+    reply = w.Reply(3, 1, 12.5, CommandReport(result), METRICS)
     (decoded,) = w.item_decoder.decode(w.encoder.encode([reply]))
     assert isinstance(decoded, w.Reply)
-    assert type(decoded.result) is type(result)
-    assert decoded.result == result
+    assert type(decoded.report.result) is type(result)
+    assert decoded.report.result == result
     assert decoded == reply
 
 
@@ -91,18 +92,26 @@ def test_an_error_kind_this_build_does_not_know_is_not_decoded() -> None:
         w.item_decoder.decode(frame)
 
 
-def test_a_pass_report_is_the_pass_results_fields_of_the_same_name() -> None:
-    """Every field of a report means what the `PassResult` field of its name means."""
-    report_hints = get_type_hints(PassReport)
-    result_hints = get_type_hints(core.PassResult)
-    assert {name: result_hints[name] for name in report_hints} == report_hints
-    assert set(result_hints) - set(report_hints) == {
-        "lifecycle_events",
-        "kv_events",
-        "fpm",
-        "progressed",
-        "trace",
-    }
+@pytest.mark.parametrize(
+    ("report", "source", "left_out"),
+    [
+        (
+            PassReport,
+            core.PassResult,
+            {"lifecycle_events", "kv_events", "fpm", "progressed", "trace"},
+        ),
+        (CommandReport, core.CommandEffects, {"lifecycle_events", "kv_events", "progressed"}),
+    ],
+)
+def test_a_report_is_the_engine_values_fields_of_the_same_name(
+    report: type, source: type, left_out: set[str]
+) -> None:
+    """Every field of a report means what the field of its name in the engine's value means;
+    what only the rank's own process uses is left out, so a worker cannot send it empty."""
+    report_hints = get_type_hints(report)
+    source_hints = get_type_hints(source)
+    assert {name: source_hints[name] for name in report_hints} == report_hints
+    assert set(source_hints) - set(report_hints) == left_out
 
 
 def test_a_pass_arrives_with_the_report_its_worker_took() -> None:
@@ -121,3 +130,17 @@ def test_a_pass_arrives_with_the_report_its_worker_took() -> None:
     assert decoded == item
     assert isinstance(decoded, w.Pass)
     assert decoded.report.admissions == [core.Admission("r", 0)]
+
+
+def test_a_reply_arrives_with_the_report_its_worker_took() -> None:
+    engine = Engine(EngineArgs(block_size=4, num_gpu_blocks=16).normalized())
+    engine.apply(core.Submit(REQUEST), now_ms=0.0)
+    effects = engine.apply(core.Cancel("r"), now_ms=1.0)
+    report = CommandReport.of(effects)
+    assert (report.result, report.ended) == (effects.result, effects.ended)
+    item = w.Reply(5, 0, 1.0, report, METRICS)
+    (decoded,) = w.item_decoder.decode(w.encoder.encode([item]))
+    assert decoded == item
+    assert isinstance(decoded, w.Reply)
+    assert decoded.report.result == core.Applied()
+    assert [ended.request_id for ended in decoded.report.ended] == ["r"]

@@ -18,6 +18,7 @@ from engined.core.args import EngineArgs, PerfModelKind
 from engined.core.engine import Engine
 from engined.core.pass_report import PassReport
 from engined.core.types import Decodes, FpmSnapshot, Request, RequestOutput, Submit
+from engined.model_clock import ModelClock
 from engined.server.ranks.engine_loop import EngineLoop
 from tests.server.virtual_clock import VirtualClock
 from tests.support import until
@@ -73,7 +74,7 @@ def run(speedup_ratio: float) -> Recorder:
             kv=recorder,
             fpm=recorder,
             delivery=recorder,
-            speedup_ratio=speedup_ratio,
+            model_clock=ModelClock(speedup_ratio),
             clock=clock,
             sleep=clock.sleep,
         )

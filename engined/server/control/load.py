@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from engined.core.command_report import CommandReport
 from engined.core.pass_report import PassReport
-from engined.core.types import Command, CommandEffects, EngineMetrics
+from engined.core.types import Command, EngineMetrics
 from engined.server.ranks.rank_handle import RankHandle
 from engined.wire import control as wire
 from engined.wire.convert import load_message
@@ -60,7 +61,7 @@ class LoadWatch:
             self._announce(rank, result.metrics)
 
     def _after_command(
-        self, rank: int, called_ms: float, command: Command, effects: CommandEffects
+        self, rank: int, called_ms: float, command: Command, report: CommandReport
     ) -> None:
         if self._watchers:
             self._announce(rank, self._loops[rank].gauges().metrics)

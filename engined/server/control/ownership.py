@@ -280,10 +280,10 @@ class Ownership:
                         continue
                     route.deadline = None
                     loop = self._loops[route.rank]
-                    effects = await loop.call(command(handoff_id))
-                    if isinstance(effects.result, core.Applied) and routes.get(handoff_id) is route:
+                    report = await loop.call(command(handoff_id))
+                    if isinstance(report.result, core.Applied) and routes.get(handoff_id) is route:
                         self.drop_route(routes, handoff_id)
-                        self.end_ended(route.rank, effects.ended)
+                        self.end_ended(route.rank, report.ended)
                         log.warning(
                             "handoff timed out", handoff_id=handoff_id, request_id=route.request_id
                         )

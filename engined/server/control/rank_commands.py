@@ -3,7 +3,7 @@ prefix-cache resets and vocabularies, each checked, applied on its rank and answ
 
 Apart from the control server, which reads, dispatches and delivers: these handlers are what
 a command means to the ranks and to ownership (`engined.server.control.ownership`), and each awaits
-its rank's effects before it answers.
+its rank's report of it (`CommandReport`) before it answers.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class RankCommands:
             new_route = HandoffRoute(rank, identity, request_id)
             ownership.add_route(routes, handoff_id, new_route)
         try:
-            effects = await loop.call(command)
+            report = await loop.call(command)
         except CoreError as exc:
             ownership.disown(rank, core_id, identity)
             self._ids.forget(core_id)
@@ -158,7 +158,7 @@ class RankCommands:
                 ownership.drop_route(routes, handoff_id)
             self._error(identity, msg.id, exc.code, str(exc))
             return
-        if isinstance(effects.result, core.DestinationAccepted):
+        if isinstance(report.result, core.DestinationAccepted):
             self._reply(
                 identity, wire.DestinationAccepted(id=msg.id, request_id=request_id, dp_rank=rank)
             )
@@ -178,8 +178,8 @@ class RankCommands:
         for rank in ownership.ranks_owning(request_id):
             if not operator and ownership.owner(rank, request_id) != identity:
                 continue
-            effects = await self._ranks[rank].call(cancel)
-            if isinstance(effects.result, core.Applied):
+            report = await self._ranks[rank].call(cancel)
+            if isinstance(report.result, core.Applied):
                 self._ownership.end(rank, request_id)
                 self._reply(identity, wire.Applied(id=msg.id))
                 return
@@ -205,14 +205,14 @@ class RankCommands:
         command = to_core_command(msg)
         assert command is not None
         loop = self._ranks[route.rank]
-        effects = await loop.call(command)
-        applied = isinstance(effects.result, core.Applied)
+        report = await loop.call(command)
+        applied = isinstance(report.result, core.Applied)
         if applied and isinstance(msg, wire.ActivateDestination):
             route.deadline = None
         if applied and not isinstance(msg, wire.ActivateDestination):
             if routes.get(msg.handoff_id) is route:
                 self._ownership.drop_route(routes, msg.handoff_id)
-            self._ownership.end_ended(route.rank, effects.ended)
+            self._ownership.end_ended(route.rank, report.ended)
         self._reply(identity, wire.Applied(id=msg.id) if applied else wire.Noop(id=msg.id))
 
     async def reset_prefix_cache(self, identity: bytes, msg: wire.ResetPrefixCache) -> None:
@@ -225,8 +225,8 @@ class RankCommands:
         refused = []
         reset = to_core_command(msg)
         for rank in ranks:
-            effects = await self._ranks[rank].call(reset)
-            if not isinstance(effects.result, core.Applied):
+            report = await self._ranks[rank].call(reset)
+            if not isinstance(report.result, core.Applied):
                 refused.append(rank)
         if refused:
             self._error(

@@ -23,7 +23,7 @@ daemon calls for every rank's events):
 * gauges and `vllm:num_preemptions_total` are read from the engines' `metrics()` at scrape
   time, so scraping adds no work to passes;
 * a request's record ends when a result says it ended: `PassReport.ended` (finished,
-  rejected) or `CommandEffects.ended` (cancelled by any path, since every path that ends a
+  rejected) or `CommandReport.ended` (cancelled by any path, since every path that ends a
   request early is a command the loop applies and observes). Its per-request histograms are
   recorded then.
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engined.core.command_report import CommandReport
 from engined.core.pass_report import PassReport
 from engined.core.types import (
     ActivateDestination,
     Applied,
     CancelDestination,
     Command,
-    CommandEffects,
     DestinationAccepted,
     DestinationReserved,
     EngineMetrics,
@@ -168,10 +168,10 @@ class RankMetrics:
     # --- observers ----------------------------------------------------------------------
 
     def on_command(
-        self, rank: int, arrival_ms: float, command: Command, effects: CommandEffects
+        self, rank: int, arrival_ms: float, command: Command, report: CommandReport
     ) -> None:
         """A command was applied: a new request starts its clock; a dropped one ends."""
-        result = effects.result
+        result = report.result
         if isinstance(result, Submitted | DestinationAccepted) and isinstance(
             command, Submit | SubmitHandoffPrefill | ReserveDestination
         ):
@@ -184,9 +184,9 @@ class RankMetrics:
             activated = isinstance(result, Applied) and isinstance(command, ActivateDestination)
             if request_id is not None and activated:
                 self.fetched.add(request_id)
-        if effects.ended:
+        if report.ended:
             now_ms = self._now_ms()
-            for ended in effects.ended:
+            for ended in report.ended:
                 self._finish(ended.request_id, now_ms, "abort")
 
     def on_lifecycle(self, events: list[LifecycleEvent], block_size: int) -> None:

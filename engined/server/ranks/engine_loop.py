@@ -39,9 +39,9 @@ forward-pass metric's `wall_time` stays wall time on the wire (`ModelClock.repor
 
 The loop reads only what the engine returns (`CommandEffects`, `PassResult`, `TierAdvance`)
 and its public gauges, and tells its pass observers a `PassReport`; commands are
-`engined.core` commands, applied through the inbox by `call` (the caller awaits the effects)
-or `send` (fire and forget, e.g. a cancel for a vanished client). Either way the command
-observers see the effects, so every request that ends is seen ending.
+`engined.core` commands, applied through the inbox by `call` (the caller awaits the
+command's `CommandReport`) or `send` (fire and forget, e.g. a cancel for a vanished client).
+Either way the command observers see the report, so every request that ends is seen ending.
 """
 
 from __future__ import annotations
@@ -53,13 +53,10 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
+from engined.core.command_report import CommandReport
 from engined.core.engine import Engine
 from engined.core.pass_report import PassReport
-from engined.core.types import (
-    Command,
-    CommandEffects,
-    PassResult,
-)
+from engined.core.types import Command, PassResult
 from engined.model_clock import ModelClock
 from engined.server.ranks.collector import Collector
 from engined.server.ranks.deadlines import Deadlines
@@ -97,19 +94,23 @@ class EngineLoop:
         kv: KvSink,
         fpm: FpmSink,
         delivery: Delivery,
-        speedup_ratio: float,
+        model_clock: ModelClock,
         clock: Callable[[], float] = time.monotonic,
         sleep: Sleep | None = None,
         wall_clock: Callable[[], float] = time.time,
         deadlines: Deadlines | None = None,
         collector: Collector | None = None,
     ) -> None:
-        """`clock` (seconds) and `sleep` (waits that many seconds of `clock`) are the loop's
+        """`model_clock` is the process's one map of modelled time to the wall (the rank
+        layout's in the daemon; a worker process builds its own from the same config), so
+        every rank and consumer of the process maps at one ratio.
+
+        `clock` (seconds) and `sleep` (waits that many seconds of `clock`) are the loop's
         time; the defaults are the monotonic clock and the event loop's timers, and a test
         passes a virtual clock and its sleep to run paced passes without waiting. Without a
-        `sleep`, passes are paced by an `engined.server.ranks.pacer` opened on the first paced wait
-        (a timerfd for the default clock on Linux, else the event loop's timers) and closed
-        when `run` ends. A paced loop records in `deadlines` (shared by the ranks of one
+        `sleep`, passes are paced by an `engined.server.ranks.pacer` opened on the first
+        paced wait (a timerfd for the default clock on Linux, else the event loop's timers)
+        and closed when `run` ends. A paced loop records in `deadlines` (shared by the ranks of one
         event loop, on the same clock) when it next needs the loop, cuts its inbox turn
         short for a rank already due, and offers `collector` every wait
         (engined.server.ranks.deadlines, engined.server.ranks.collector).
@@ -119,7 +120,7 @@ class EngineLoop:
         self._kv = kv
         self._fpm = fpm
         self._delivery = delivery
-        self._model_clock = model_clock = ModelClock(speedup_ratio)
+        self.model_clock = model_clock
         self._paced = model_clock.paced
         self._clock = clock
         self._timers = LoopTimers(clock, sleep, paced=self._paced)
@@ -167,9 +168,9 @@ class EngineLoop:
         self._needed_now()
         self._wake.set()
 
-    async def call(self, command: Command) -> CommandEffects:
+    async def call(self, command: Command) -> CommandReport:
         """Apply a command at the next boundary; raises its CoreError if it failed."""
-        future: asyncio.Future[CommandEffects] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[CommandReport] = asyncio.get_running_loop().create_future()
         self._inbox.append((command, self.now_ms(), future))
         self._needed_now()
         self._wake.set()
@@ -232,7 +233,7 @@ class EngineLoop:
     def now_ms(self) -> float:
         """The modelled time now (paced: the loop's clock since the start, mapped)."""
         if self._paced:
-            return self._model_clock.to_modelled_ms(self._clock() - self._start)
+            return self.model_clock.to_modelled_ms(self._clock() - self._start)
         return self._virtual_ms
 
     def _core_ms(self) -> float:
@@ -244,7 +245,7 @@ class EngineLoop:
         planned = self._next_start
         if planned is None or now <= planned:
             return now
-        return max(planned, now - self._model_clock.to_modelled_ms(CATCH_UP_S))
+        return max(planned, now - self.model_clock.to_modelled_ms(CATCH_UP_S))
 
     async def run(self) -> None:
         try:
@@ -286,7 +287,7 @@ class EngineLoop:
     def _execute(self, start_ms: float) -> PassResult:
         if self._next_start is not None:
             late_ms = max(self.now_ms() - self._next_start, 0.0)
-            self.lateness.add(self._model_clock.to_wall_s(late_ms) * 1000.0)
+            self.lateness.add(self.model_clock.to_wall_s(late_ms) * 1000.0)
         result = self.engine.execute_pass(start_ms)
         self.passes_total += 1
         if result.kv_events:
@@ -300,7 +301,7 @@ class EngineLoop:
             await asyncio.sleep(0)
             return
         self._next_start = end_ms
-        deadline = self._start + self._model_clock.to_wall_s(end_ms)
+        deadline = self._start + self.model_clock.to_wall_s(end_ms)
         if self._deadlines is not None:
             self._deadlines.set(self.rank, deadline)
         if self._collector is not None:
@@ -329,7 +330,7 @@ class EngineLoop:
             self._delivery.deliver_outputs(self.rank, result.outputs, result.decodes)
         fpm = result.fpm
         if self._paced:
-            wall_s = self._model_clock.reported_s(fpm.wall_time_secs)
+            wall_s = self.model_clock.reported_s(fpm.wall_time_secs)
             if wall_s != fpm.wall_time_secs:  # not at ratio 1
                 fpm = msgspec.structs.replace(fpm, wall_time_secs=wall_s)
         self._fpm.publish(fpm)
@@ -373,7 +374,7 @@ class EngineLoop:
         if not self._paced:
             self._virtual_ms = max(self._virtual_ms, deadline_ms)
             return 0.0
-        return self._model_clock.to_wall_s(deadline_ms - self._core_ms())
+        return self.model_clock.to_wall_s(deadline_ms - self._core_ms())
 
     def _advance_tiers(self) -> None:
         """Land the tier transfers due by now on an empty engine and publish their events."""

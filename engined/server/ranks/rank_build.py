@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from engined.config import DaemonConfig, endpoint_for_rank
 from engined.core.engine import Engine
+from engined.model_clock import ModelClock
 from engined.server.publish.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.publish.kv_publisher import AnyKvPublisher, KvPublisher, NullKvPublisher
 from engined.server.ranks.collector import Collector, YoungGeneration
@@ -41,11 +42,12 @@ def build_rank(
     worker_id: str,
     delivery: Delivery,
     batch_bytes: int,
+    model_clock: ModelClock,
     pacing: Pacing | None = None,
     gate: Gatekeeper | None = None,
 ) -> RankParts:
     """Bind rank `rank`'s KV PUB (+ replay ROUTER) and FPM PUB, each unless turned off, and
-    build its core and loop.
+    build its core and loop, paced by the process's one `model_clock`.
 
     Raises zmq.ZMQError or OSError when a socket cannot be bound (the caller reports a
     start-up failure).
@@ -94,7 +96,7 @@ def build_rank(
         kv=kv,
         fpm=fpm,
         delivery=delivery,
-        speedup_ratio=engine.speedup_ratio,
+        model_clock=model_clock,
         deadlines=None if pacing is None else pacing.deadlines,
         collector=None if pacing is None else pacing.collector,
     )
@@ -113,7 +115,7 @@ def freeze_startup_heap() -> None:
 
 
 def start_collection(
-    cfg: DaemonConfig, pacing: Pacing | None
+    model_clock: ModelClock, pacing: Pacing | None
 ) -> Collector | YoungGeneration | None:
     """Freeze the start-up heap, then collect as the process's ranks need; `close()` what it
     returns (if anything) to hand collection back to CPython.
@@ -126,7 +128,7 @@ def start_collection(
     collection: Collector | YoungGeneration | None = None
     if pacing is not None:
         collection = pacing.collector
-    elif cfg.engine.speedup_ratio <= 0:
+    elif not model_clock.paced:
         collection = YoungGeneration()
     if collection is not None:
         collection.start()
@@ -141,10 +143,10 @@ class Pacing(NamedTuple):
     collector: Collector
 
 
-def shared_pacing(cfg: DaemonConfig) -> Pacing | None:
+def shared_pacing(model_clock: ModelClock) -> Pacing | None:
     """The `Pacing` of a process whose ranks are paced; None at speedup 0, where nothing
     waits for a deadline and CPython's own collection stays (engined.server.ranks.collector)."""
-    if cfg.engine.speedup_ratio <= 0:
+    if not model_clock.paced:
         return None
     deadlines = Deadlines()
     return Pacing(deadlines, Collector(deadlines))

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engined.core.types import Command, CommandEffects
+from engined.core.command_report import CommandReport
+from engined.core.types import Command
 from engined.server.ranks.rank_gauges import RankGauges
 from engined.server.ranks.rank_sinks import CommandObserver, PassObserver
 
@@ -22,7 +23,7 @@ from engined.server.ranks.rank_sinks import CommandObserver, PassObserver
 class RankHandle(Protocol):
     """One data-parallel rank as the daemon drives it.
 
-    `call` awaits a command's effects (raising its `CoreError`), `send` fires and forgets;
+    `call` awaits a command's report (raising its `CoreError`), `send` fires and forgets;
     observers are told of every pass that progressed and every command applied, in the order
     the rank did them; `stop` asks the rank to end once drained and `run` returns when it has.
     """
@@ -59,7 +60,7 @@ class RankHandle(Protocol):
 
     def send(self, command: Command) -> None: ...
 
-    async def call(self, command: Command) -> CommandEffects: ...
+    async def call(self, command: Command) -> CommandReport: ...
 
     async def until_idle(self) -> None: ...
 

@@ -2,8 +2,8 @@
 
 Commands reach a rank through its inbox and are applied between passes (or, submissions
 only, while a pass is paced), so a command never sees half a pass. Each caller is answered
-as its command is applied, after the command observers saw the effects; a command nobody
-awaits that the core refuses is logged.
+as its command is applied, after the command observers saw its report (`CommandReport`, the
+same value the caller gets); a command nobody awaits that the core refuses is logged.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from collections.abc import Callable
 
 import structlog
 
+from engined.core.command_report import CommandReport
 from engined.core.engine import Engine
 from engined.core.errors import CoreError
-from engined.core.types import Command, CommandEffects, KvEvent, Submit
+from engined.core.types import Command, KvEvent, Submit
 from engined.server.ranks.deadlines import Deadlines
 from engined.server.ranks.rank_sinks import CommandObserver, Delivery, KvSink
 
@@ -31,7 +32,7 @@ EARLY_MARGIN_S = 0.0003
 
 # A command waiting for the next pass boundary: the command, the `now_ms` of its arrival,
 # and the future of its caller (None: sent, nobody awaits its effects).
-Entry = tuple[Command, float, "asyncio.Future[CommandEffects] | None"]
+Entry = tuple[Command, float, "asyncio.Future[CommandReport] | None"]
 
 
 class RankInbox:
@@ -127,10 +128,11 @@ class RankInbox:
                 future.set_exception(exc)
             return []
         arrived_ms = min(arrived_ms, applied_ms)
+        report = CommandReport.of(effects)
         for observer in self._observers:
-            observer(self.rank, arrived_ms, command, effects)
+            observer(self.rank, arrived_ms, command, report)
         if future is not None and not future.done():
-            future.set_result(effects)
+            future.set_result(report)
         if effects.lifecycle_events:
             self._delivery.deliver_lifecycle(self.rank, effects.lifecycle_events)
         return effects.kv_events

@@ -72,8 +72,10 @@ class InProcessRanks:
         self._config = config
         self._worker_id = worker_id
         self.processes = 0
+        # The daemon's one map of modelled time to the wall, for every rank and consumer.
+        self.model_clock = ModelClock(config.engine.speedup_ratio)
         # What the paced ranks of this loop share (the control server reads the deadlines).
-        self.pacing: Pacing | None = shared_pacing(config)
+        self.pacing: Pacing | None = shared_pacing(self.model_clock)
         self.handles: list[RankHandle] = []
         self.endpoints = RankEndpoints()
         self.fpm_sinks: list[WorkerIdSink] = []
@@ -105,6 +107,7 @@ class InProcessRanks:
                 worker_id=self._worker_id,
                 delivery=delivery,
                 batch_bytes=batch_bytes,
+                model_clock=self.model_clock,
                 pacing=self.pacing,
                 gate=gate,
             )
@@ -151,6 +154,9 @@ class WorkerRanks:
         self.processes = processes
         self._worker_id = worker_id
         self._watchdog_s = watchdog_s
+        # The daemon's one map of modelled time to the wall: its proxies' `now_ms` (each
+        # worker builds its own from the same config, for its ranks).
+        self.model_clock = ModelClock(config.engine.speedup_ratio)
         # Paced ranks share deadlines within their worker, not with the daemon's loop.
         self.pacing: Pacing | None = None
         self.handles: list[RankHandle] = []
@@ -172,7 +178,6 @@ class WorkerRanks:
         start-up failure, as a bind failure in process is)."""
         cfg = self._config
         self._dir = tempfile.mkdtemp(prefix="engined-ranks-")
-        model_clock = ModelClock(cfg.engine.speedup_ratio)
         for index, ranks in enumerate(split_ranks(cfg.engine.dp_size, self.processes)):
             self.workers.append(
                 WorkerProcess(
@@ -182,7 +187,7 @@ class WorkerRanks:
                     registry=registry,
                     endpoint=f"ipc://{self._dir}/worker-{index}",
                     delivery=delivery,
-                    model_clock=model_clock,
+                    model_clock=self.model_clock,
                 )
             )
         heartbeat_s = min(WORKER_HEARTBEAT_S, (self._watchdog_s or math.inf) / 4)

@@ -24,7 +24,8 @@ import zmq
 import zmq.asyncio
 
 from engined.config import DaemonConfig
-from engined.core.types import Command, CommandEffects
+from engined.core.command_report import CommandReport
+from engined.core.types import Command
 from engined.model_clock import ModelClock
 from engined.server.ranks import rank_wire as w
 from engined.server.ranks.rank_proxy import RankProxy
@@ -43,7 +44,7 @@ class RankWorkerDied(RuntimeError):
     """A rank worker process exited without being told to stop (crash, kill, bug)."""
 
 
-_Pending = tuple[RankProxy, Command, "asyncio.Future[CommandEffects] | None"]
+_Pending = tuple[RankProxy, Command, "asyncio.Future[CommandReport] | None"]
 
 
 class WorkerProcess:
@@ -248,7 +249,7 @@ class WorkerProcess:
         self,
         proxy: RankProxy,
         command: Command,
-        future: asyncio.Future[CommandEffects] | None,
+        future: asyncio.Future[CommandReport] | None,
     ) -> None:
         corr = next(self._corr)
         self._pending[corr] = (proxy, command, future)

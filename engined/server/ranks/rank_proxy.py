@@ -19,13 +19,8 @@ from typing import Protocol
 
 import structlog
 
-from engined.core.types import (
-    Command,
-    CommandEffects,
-    Decodes,
-    EngineMetrics,
-    RequestOutput,
-)
+from engined.core.command_report import CommandReport
+from engined.core.types import Command, Decodes, EngineMetrics, RequestOutput
 from engined.model_clock import ModelClock
 from engined.server.ranks import rank_wire as w
 from engined.server.ranks.rank_gauges import RankGauges
@@ -51,7 +46,7 @@ class WorkerLink(Protocol):
     def finished(self) -> asyncio.Future[None]: ...
 
     def submit(
-        self, proxy: RankProxy, command: Command, future: asyncio.Future[CommandEffects] | None
+        self, proxy: RankProxy, command: Command, future: asyncio.Future[CommandReport] | None
     ) -> None: ...
 
     async def until_idle(self, rank: int) -> None: ...
@@ -69,7 +64,7 @@ class RankProxy:
         self.rank = ready.rank
         self.capacity_tokens = ready.num_blocks * ready.block_size
         self._metrics: EngineMetrics = ready.metrics
-        self._model_clock = model_clock
+        self.model_clock = model_clock
         self.queued = 0  # commands sent and not yet applied (or refused)
         self._passes_total = 0
         self._tokens_total = 0
@@ -110,13 +105,13 @@ class RankProxy:
 
     def now_ms(self) -> float:
         """The rank's modelled clock: its last report plus, paced, the wall time since."""
-        return self._now_ms + self._model_clock.to_modelled_ms(time.monotonic() - self._now_at)
+        return self._now_ms + self.model_clock.to_modelled_ms(time.monotonic() - self._now_at)
 
     def send(self, command: Command) -> None:
         self._worker.submit(self, command, None)
 
-    async def call(self, command: Command) -> CommandEffects:
-        future: asyncio.Future[CommandEffects] = asyncio.get_running_loop().create_future()
+    async def call(self, command: Command) -> CommandReport:
+        future: asyncio.Future[CommandReport] = asyncio.get_running_loop().create_future()
         self._worker.submit(self, command, future)
         return await future
 
@@ -137,23 +132,18 @@ class RankProxy:
         self,
         item: w.Reply,
         command: Command,
-        future: asyncio.Future[CommandEffects] | None,
+        future: asyncio.Future[CommandReport] | None,
     ) -> None:
         self.queued -= 1
         self._metrics = item.metrics
-        effects = CommandEffects(
-            result=item.result,
-            lifecycle_events=item.lifecycle_events,
-            ended=item.ended,
-            progressed=item.progressed,
-        )
+        report = item.report
         for observer in self.command_observers:
-            observer(self.rank, item.arrived_ms, command, effects)
+            observer(self.rank, item.arrived_ms, command, report)
         if future is not None and not future.done():
-            future.set_result(effects)
+            future.set_result(report)
 
     def on_failure(
-        self, item: w.Failure, command: Command, future: asyncio.Future[CommandEffects] | None
+        self, item: w.Failure, command: Command, future: asyncio.Future[CommandReport] | None
     ) -> None:
         self.queued -= 1
         if future is None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from engined.core.command_report import CommandReport
 from engined.core.pass_report import PassReport
-from engined.core.types import Command, CommandEffects, Decodes, LifecycleEvent, RequestOutput
+from engined.core.types import Command, Decodes, LifecycleEvent, RequestOutput
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -52,5 +53,6 @@ class Delivery(Protocol):
 # same way.
 PassObserver = Callable[[int, float, PassReport], None]
 # Told of every command applied without error: (rank, ms when `call` was made, or when it was
-# applied if that is earlier (`_core_ms`, catching up), command, effects).
-CommandObserver = Callable[[int, float, Command, CommandEffects], None]
+# applied if that is earlier (`_core_ms`, catching up), command, report). A `CommandReport`,
+# not the `CommandEffects`, for the same reason: a worker keeps its KV events.
+CommandObserver = Callable[[int, float, Command, CommandReport], None]

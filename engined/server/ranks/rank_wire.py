@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from engined.core import types as core
+from engined.core.command_report import CommandReport
 from engined.core.errors import CoreFailure
 from engined.core.pass_report import PassReport
 
@@ -84,13 +85,13 @@ class StartupFailed(msgspec.Struct, frozen=True, tag="startup_failed", array_lik
 
 
 class Reply(msgspec.Struct, frozen=True, tag="reply", array_like=True, gc=False):
+    """A command's report, as the worker's command observer took it (its KV events and
+    lifecycle events stay in the worker: its publishers and `Lifecycle` carry them)."""
+
     corr: int
     rank: int
     arrived_ms: float
-    result: core.CommandResult
-    ended: list[core.EndedRequest]
-    lifecycle_events: list[core.LifecycleEvent]
-    progressed: bool
+    report: CommandReport
     metrics: core.EngineMetrics  # after the command: the command observers read them
 
 

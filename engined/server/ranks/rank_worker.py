@@ -35,16 +35,12 @@ import zmq
 import zmq.asyncio
 
 from engined.config import DaemonConfig
+from engined.core.command_report import CommandReport
 from engined.core.errors import CoreError, CoreFailure
 from engined.core.pass_report import PassReport
-from engined.core.types import (
-    Command,
-    CommandEffects,
-    Decodes,
-    LifecycleEvent,
-    RequestOutput,
-)
+from engined.core.types import Command, Decodes, LifecycleEvent, RequestOutput
 from engined.logs import configure_logging
+from engined.model_clock import ModelClock
 from engined.server.publish.fpm_publisher import FpmPublisher, NullFpmPublisher
 from engined.server.publish.kv_publisher import AnyKvPublisher, max_batch_bytes
 from engined.server.ranks import rank_wire as w
@@ -130,6 +126,13 @@ class _Delivery:
 
 
 class RankWorker:
+    """The ranks of one worker process and their link to the daemon.
+
+    Its `ModelClock` is its own, built from the daemon's config as the daemon builds its
+    one (a clock cannot be shared across processes; the same config makes them map at the
+    same ratio), and every rank of the process is paced by it.
+    """
+
     def __init__(self, init: w.RankInit, config: DaemonConfig) -> None:
         self._init = init
         self._config = config
@@ -146,7 +149,8 @@ class RankWorker:
         self._pending: dict[int, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: asyncio.Future[BaseException] | None = None
-        self._pacing = shared_pacing(config)
+        self._model_clock = ModelClock(config.engine.speedup_ratio)
+        self._pacing = shared_pacing(self._model_clock)
         self._collection: Collector | YoungGeneration | None = None
 
     async def serve(self) -> int:
@@ -169,7 +173,7 @@ class RankWorker:
             await self._close()
             return EXIT_STARTUP
         outbox.send_now([ready])
-        self._collection = start_collection(self._config, self._pacing)
+        self._collection = start_collection(self._model_clock, self._pacing)
         for kv in self._kvs:
             kv.start()
         runs = {
@@ -217,6 +221,7 @@ class RankWorker:
                 worker_id=self._init.worker_id,
                 delivery=delivery,
                 batch_bytes=batch_bytes,
+                model_clock=self._model_clock,
                 pacing=self._pacing,
                 gate=gate,
             )
@@ -249,22 +254,11 @@ class RankWorker:
         outbox.add(w.Pass(rank, start_ms, report), rank)
 
     def _on_command(
-        self, rank: int, arrived_ms: float, command: Command, effects: CommandEffects
+        self, rank: int, arrived_ms: float, command: Command, report: CommandReport
     ) -> None:
         corr = self._pending.pop(id(command), 0)
-        self._outbox.add(
-            w.Reply(
-                corr,
-                rank,
-                arrived_ms,
-                effects.result,
-                effects.ended,
-                effects.lifecycle_events,
-                effects.progressed,
-                self._loops[rank].engine.metrics(),
-            ),
-            rank,
-        )
+        metrics = self._loops[rank].engine.metrics()
+        self._outbox.add(w.Reply(corr, rank, arrived_ms, report, metrics), rank)
 
     # --- the daemon's messages ------------------------------------------------------------
 
