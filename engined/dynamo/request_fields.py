@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from engined.core.token_stream import SEED_MAX, SEED_MIN
-from engined.dynamo.choices import OutputOptions, RequestFailed, field_map, output_options
+from engined.dynamo.engine_outputs import OutputOptions, RequestFailed, field_map, output_options
 
 
 def core_fields(

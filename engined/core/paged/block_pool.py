@@ -1,6 +1,6 @@
 """vLLM 0.33's block pool: a null block, an LRU free queue, and a hash map that allows twins.
 
-The observable rules (vllm/v1/core/block_pool.py), which routers and the parity harness see:
+The observable rules (vllm/v1/core/lineage_pool.py), which routers and the parity harness see:
 
 * Block 0 is the null block: never handed out, so `num_gpu_blocks - 1` blocks are usable.
 * Free blocks wait in one queue, initially in id order. Allocation takes from the front and
