@@ -21,6 +21,7 @@ from typing import Any, Final
 
 import structlog
 
+from engined import event_loop
 from engined.client import EngineClient
 from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids, set_vocabulary
 from engined.dynamo.handler import Limits, RequestHandler
@@ -69,12 +70,7 @@ def main(argv: Sequence[str] | None = None, *, serve_per_rank: Serve | None = No
 
 
 def _run(server: Serve, args: WorkerArgs) -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - ai-dynamo-runtime depends on uvloop
-        return asyncio.run(server(args))
-    status: int = uvloop.run(server(args))
-    return status
+    return event_loop.run(server(args))
 
 
 def _runtime_config(welcome: Welcome, context: int) -> Any:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import msgspec
 import structlog
 
+from engined import event_loop
 from engined.client import EngineClient
 from engined.config import DaemonConfig
 from engined.config.endpoints import WILDCARD_HOSTS, parse_endpoint
@@ -102,8 +103,4 @@ def main(argv: Sequence[str]) -> int:
     _die_with_parent(args.parent_pid)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=DaemonConfig)
     configure_logging(config.log_format, config.log_level)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(serve(config, args.listen_fd, args.index))
-    return int(uvloop.run(serve(config, args.listen_fd, args.index)))
+    return event_loop.run(serve(config, args.listen_fd, args.index))

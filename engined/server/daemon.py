@@ -28,6 +28,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from engined import event_loop
 from engined.config import DaemonConfig
 from engined.logs import configure_logging
 from engined.server.control.control_server import ControlServer
@@ -394,4 +395,4 @@ async def _serve(config: DaemonConfig) -> int:
 def run(config: DaemonConfig) -> int:
     """Run the daemon in the foreground; returns the process exit code."""
     configure_logging(config.log_format, config.log_level)
-    return asyncio.run(_serve(config))
+    return event_loop.run(_serve(config))

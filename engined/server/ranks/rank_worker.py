@@ -34,6 +34,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from engined import event_loop
 from engined.config import DaemonConfig
 from engined.core.command_report import CommandReport
 from engined.core.errors import CoreError, CoreFailure
@@ -371,7 +372,7 @@ def main() -> int:
     config = msgspec.json.decode(init.config, type=DaemonConfig)
     configure_logging(config.log_format, config.log_level)
     structlog.contextvars.bind_contextvars(rank_worker=os.getpid(), ranks=init.ranks)
-    return asyncio.run(RankWorker(init, config).serve())
+    return event_loop.run(RankWorker(init, config).serve())
 
 
 if __name__ == "__main__":
