@@ -144,9 +144,13 @@ class Choice:
         self.vocab_size = vocab_size
         self.prompt = prompt
         self.sent = 0
+        # The last `handoff_delay_ms` an entry carried: a prefill's `disaggregated_params`.
+        self.handoff_delay_ms = 0.0
 
     def chunk(self, entry: OutputEntry) -> Chunk:
         self.usage.add(entry)
+        if entry.handoff_delay_ms is not None:
+            self.handoff_delay_ms = entry.handoff_delay_ms
         ids = entry.token_ids
         chunk: Chunk = {"token_ids": ids, "index": self.index}
         k = self.options.logprobs

@@ -58,10 +58,11 @@ class RankWorker:
     metrics: Any = None
     publishers: list[Any] = field(default_factory=list)
 
-    async def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+    def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
         """The handler's, on this rank: the router names it (the registered range is this
         rank alone), and a request that names none or another goes here too, as dynamo.vllm
-        falls back on a rank out of its range."""
+        falls back on a rank out of its range. Not a generator of its own: the gate calls it
+        once it lets the request through, and every chunk then skips a re-yield."""
         routing = request.get("routing")
         if not isinstance(routing, dict):
             routing = request["routing"] = {}
@@ -69,8 +70,7 @@ class RankWorker:
         if asked is not None and asked != self.rank:
             log.warning("request for another rank served here", dp_rank=asked, rank=self.rank)
         routing["dp_rank"] = self.rank
-        async for chunk in self.handler.generate(request, context):
-            yield chunk
+        return self.handler.generate(request, context)
 
 
 class Runtimes:
