@@ -23,7 +23,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -42,10 +42,17 @@ from engined.dynamo.choices import (
     OutputOptions,
     RequestFailed,
     Usage,
+    http_error,
     merge,
     output_options,
 )
-from engined.dynamo.request_fields import core_fields, single_sample, stop_fields
+from engined.dynamo.request_fields import (
+    core_fields,
+    pin_rank,
+    prefill_cached_tokens,
+    single_sample,
+    stop_fields,
+)
 from engined.dynamo.worker_args import DisaggregationMode
 from engined.model_clock import ModelClock
 from engined.wire.control import DestinationReservedEvent, TransferTiming
@@ -75,7 +82,17 @@ def refusal(exc: EngineError) -> RequestFailed:
 
 Context = Any  # dynamo._core.Context: id(), async_killed_or_stopped(), is_stopped()
 Chunk = dict[str, Any]
-__all__ = ["Limits", "RequestFailed", "RequestHandler", "refusal"]
+__all__ = ["Gate", "Limits", "RequestFailed", "RequestHandler", "refusal"]
+
+
+class Gate(Protocol):
+    """Whether requests may reach the daemon now (`engined.dynamo.recovery`'s follower)."""
+
+    @property
+    def serving(self) -> bool: ...
+
+    def refusal(self) -> Exception:
+        """What a request gets while not `serving`, and a stream when the daemon goes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +116,13 @@ class RequestHandler:
         limits: Limits,
         *,
         connect: Callable[[str], Awaitable[EngineClient]],
+        rank: int | None = None,
     ) -> None:
         self._client = client
+        # `--worker-per-rank`: every request goes to this rank (`pin_rank`).
+        self._rank = rank
+        # Set once the worker follows its daemon; not a wrapping generator (a re-yield per chunk).
+        self.gate: Gate | None = None
         self._mode = mode
         self._limits = limits
         self._handoffs = Coordinator(client, connect)
@@ -110,12 +132,18 @@ class RequestHandler:
         await self._handoffs.close()
 
     async def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
-        """Dynamo's handler: an async generator of `LLMEngineOutput` chunks."""
+        """Dynamo's handler: an async generator of `LLMEngineOutput` chunks. Behind a `gate`,
+        refused while the daemon is gone or not set up again, and ended so when the daemon
+        goes mid-stream: a request never reaches a daemon without its vocabulary, and never
+        hangs on one that is gone."""
+        gate = self.gate
+        if gate is not None and not gate.serving:
+            raise gate.refusal()
+        if self._rank is not None:
+            pin_rank(request, self._rank)
         self.in_flight += 1
         try:
-            # The streaming modes set up (submit, pull) here and hand back the request's own
-            # chunk generator: every chunk passes one generator fewer (the worker's CPU per
-            # streamed token is mostly generator resumptions).
+            # Set up here, so each chunk passes one re-yielding generator fewer.
             source: AsyncIterator[Chunk] | None
             if self._mode is DisaggregationMode.PREFILL:
                 source = self._prefill(request, context)
@@ -128,11 +156,13 @@ class RequestHandler:
             async for chunk in source:
                 yield chunk
         except RequestFailed as exc:
-            raise _http_error(exc) from None
+            raise http_error(exc) from None
         except DaemonLost:
-            raise  # migratable: the worker's gate (engined.dynamo.recovery.gated) says so
+            if gate is None:
+                raise
+            raise gate.refusal() from None  # migratable (engined.dynamo.recovery)
         except ClientClosedError:
-            raise _http_error(RequestFailed(503, "the engined daemon went away")) from None
+            raise http_error(RequestFailed(503, "the engined daemon went away")) from None
         finally:
             self.in_flight -= 1
 
@@ -250,7 +280,7 @@ class RequestHandler:
         if accepted is None:
             return None
         usage = Usage(len(token_ids))
-        usage.cached_tokens = _prefill_cached_tokens(prefill_result)
+        usage.cached_tokens = prefill_cached_tokens(prefill_result)
         choice = Choice(0, usage, options, self._limits.vocab_size, token_ids)
         return self._entries(accepted.request_id, choice, context)
 
@@ -367,28 +397,3 @@ def _transfer_wait_s(params: dict[str, Any], reserved: DestinationReservedEvent)
         ModelClock(float(speedup)),
         reserved,
     )
-
-
-def _prefill_cached_tokens(prefill_result: Any) -> int:
-    details = (prefill_result or {}).get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) and cached >= 0 else 0
-
-
-def _http_error(exc: RequestFailed) -> Exception:
-    """The Dynamo exception that reaches the HTTP client with the daemon's message.
-
-    Across the request plane Dynamo 1.6.1 keeps only an `HttpError`'s status, not its
-    message; `InvalidArgument` keeps the message and answers 400, as dynamo.vllm raises
-    for a request the engine refuses. Other statuses keep `HttpError`, so a 503 stays a 503.
-    """
-    try:
-        from dynamo.llm.exceptions import HttpError, InvalidArgument
-    except ImportError:  # pragma: no cover - the worker always runs with Dynamo
-        return exc
-    error: Exception = (
-        InvalidArgument(exc.message)
-        if 400 <= exc.status < 500
-        else HttpError(exc.status, exc.message)
-    )
-    return error
