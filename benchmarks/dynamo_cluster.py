@@ -161,6 +161,9 @@ def run_backend(
         pids = [p for pid in backend_pids if pid is not None for p in tree_pids(pid)]
         assert frontend.pid is not None
         result["rss_mb"] = rss_mb(pids)
+        result["rss_by_process"] = {
+            pid: rss_mb(tree_pids(pid)) for pid in backend_pids if pid is not None
+        }
         result["frontend_rss_mb"] = rss_mb([frontend.pid])
         result["processes"] = len(pids)
         print(f"{tag} idle phase, {load_average()}")
@@ -190,6 +193,8 @@ def report(backend: str, args: argparse.Namespace, r: dict[str, Any]) -> None:
         f"{tag}   RSS MB idle       {r['rss_mb']:>9.1f}  ({r['rss_mb'] / n:.2f} per worker); "
         f"after load {r['loaded_rss_mb']:.1f}; frontend {r['frontend_rss_mb']:.1f}"
     )
+    split = ", ".join(f"{mb:.1f}" for mb in r["rss_by_process"].values())
+    print(f"{tag}   RSS MB idle by backend process tree: {split}")
     print(
         f"{tag}   idle CPU          {r['idle_cpu_pct']:>9.2f} % of a core over {args.idle:g} s "
         f"(frontend {r['frontend_idle_cpu_pct']:.2f} %)"

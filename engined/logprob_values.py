@@ -1,7 +1,7 @@
 """The made-up logprob values of a simulated engine, by request key, position and token.
 
 Shared by engined's OpenAI server (`engined.openai.logprobs`, which shapes them as vLLM's
-APIs do) and the Dynamo worker (`engined.dynamo.choices`, as dynamo.vllm's chunks carry
+APIs do) and the Dynamo worker (`engined.dynamo.engine_outputs`, as dynamo.vllm's chunks carry
 them): one rule, so both answer a request alike. The distribution is described there.
 """
 

@@ -1,6 +1,6 @@
 """asyncio client of the control protocol (v1), used by the CLI, the tests and the benchmarks.
 
-`api` holds `EngineClient`'s calls (the handoff ones in `handoff_calls`), `connection` its
+`api` holds `EngineClient`'s calls (the handoff ones in `handoff_calls`), `dealer_connection` its
 socket and reader, `mailboxes` who waits for what the daemon sends, `liveness` how a lost or
 restarted daemon is noticed, `client_errors` what the calls raise.
 """
@@ -13,7 +13,7 @@ from engined.client.client_errors import (
     EngineError,
     ProtocolError,
 )
-from engined.client.connection import DEFAULT_TIMEOUT
+from engined.client.dealer_connection import DEFAULT_TIMEOUT
 from engined.client.liveness import (
     DEFAULT_LIVENESS_S,
     ConnectionBack,

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
-from engined.client.connection import DEFAULT_TIMEOUT
+from engined.client.dealer_connection import DEFAULT_TIMEOUT
 from engined.client.handoff_calls import HandoffCalls, wire_request
 from engined.wire.control import (
     Applied,

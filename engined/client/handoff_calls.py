@@ -2,7 +2,8 @@
 and the lifecycle events that report on them (protocol §1.7).
 
 Apart from `EngineClient`'s other calls because only a prefill/decode split uses them (the
-Dynamo worker, `engined.client.handoff`, the handoff tools); `EngineClient` inherits them.
+Dynamo worker, `engined.client.handoff_coordinator`, the handoff tools); `EngineClient`
+inherits them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 from engined.client.client_errors import ClientClosedError
-from engined.client.connection import DEFAULT_TIMEOUT, Connection
+from engined.client.dealer_connection import DEFAULT_TIMEOUT, Connection
 from engined.wire.control import (
     ActivateDestination,
     Applied,

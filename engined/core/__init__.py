@@ -21,19 +21,21 @@ from engined.core.core_build import CoreBuild
 # Every module the hot path runs, by measurement (benchmarks/core_throughput.py --profile).
 COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.assembly",
-    "engined.core.block_pool",
+    "engined.core.block_moves",
+    "engined.core.burst_emission",
     "engined.core.capacity",
     "engined.core.commands",
     "engined.core.emission",
     "engined.core.engine",
     "engined.core.finish",
     "engined.core.fpm",
-    "engined.core.handoff",
+    "engined.core.handoff_book",
     "engined.core.hashing",
     "engined.core.intake",
     "engined.core.kv_event_log",
     "engined.core.kv_manager",
     "engined.core.kv_registry",
+    "engined.core.lineage_pool",
     "engined.core.pass_context",
     "engined.core.perf_model",
     "engined.core.policy",
@@ -58,7 +60,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.offload.tier",
     "engined.core.offload.tier_engine",
     "engined.core.offload.tier_onboard",
-    "engined.core.offload.types",
+    "engined.core.offload.tier_values",
     # The daemon's per-token conversion of a pass's outputs (`route_outputs`).
     "engined.wire.convert",
 )

@@ -18,7 +18,7 @@ from engined.core.commands import Commands
 from engined.core.emission import TokenEmitter
 from engined.core.errors import InvalidArgsError
 from engined.core.finish import Finisher
-from engined.core.handoff import HandoffBook
+from engined.core.handoff_book import HandoffBook
 from engined.core.intake import RequestIntake
 from engined.core.kv_manager import KvManager
 from engined.core.offload.config import OffloadConfig

@@ -21,7 +21,7 @@ from engined.core.errors import (
     handoff_repr,
 )
 from engined.core.finish import Finisher
-from engined.core.handoff import HandoffBook, HeldDestination
+from engined.core.handoff_book import HandoffBook, HeldDestination
 from engined.core.intake import RequestIntake
 from engined.core.kv_cache import KvCache
 from engined.core.policy import AdmissionPolicy
@@ -114,12 +114,6 @@ class Commands:
         Without offload tiers time plays no part in a command; with them, an offload the
         command causes (a reservation's eviction) starts at `now_ms`.
         """
-        glue = self._kv.offload
-        if glue is not None:
-            glue.now_ms = now_ms
-        return self._apply(command)
-
-    def _apply(self, command: Command) -> CommandOutcome:
         ended: list[EndedRequest] = []
         result: CommandResult
         match command:
@@ -145,7 +139,7 @@ class Commands:
                 result = APPLIED if self._kv.reset_prefix_cache() else Refused(_BLOCKS_IN_USE)
         lifecycle: list[LifecycleEvent] = []
         if isinstance(result, Applied | DestinationAccepted):
-            lifecycle = self.retry_pending_destinations()
+            lifecycle = self.retry_pending_destinations(now_ms)
         return CommandOutcome(result, lifecycle, ended)
 
     # --- requests -----------------------------------------------------------------------
@@ -196,8 +190,7 @@ class Commands:
         if hold is None:
             return NOOP
         if hold.release_moves is not None:
-            ok = self._kv.apply_all(hold.release_moves)
-            assert ok, "source release must be infallible"
+            self._kv.free_all(hold.release_moves)
             self._capacity.bump()
         elif drop_pending and self._finisher.drop(hold.request_id):
             ended.append(EndedRequest(hold.request_id, _CANCELLED))
@@ -223,8 +216,9 @@ class Commands:
         book.pending.push(handoff_id, state)
         return request_id
 
-    def retry_pending_destinations(self) -> list[LifecycleEvent]:
-        """Try to reserve KV for the head of the pending FIFO (at most one per call)."""
+    def retry_pending_destinations(self, now_ms: float) -> list[LifecycleEvent]:
+        """Try to reserve KV for the head of the pending FIFO (at most one per call), at the
+        `now_ms` of the pass, tier advance or command that retries."""
         generation = self._capacity.value
         pending = self._book.pending
         if len(self._state.running_members) >= self._max_num_seqs:
@@ -237,7 +231,7 @@ class Commands:
         if head.request.offload_wait_live(kv.refresh_offload_wait):
             pending.mark_front_attempted(generation)
             return []
-        reservation = kv.reserve_destination(head.request.seq)
+        reservation = kv.reserve_destination(head.request.seq, now_ms)
         pending.mark_front_attempted(generation)
         if reservation is None:
             wait = kv.take_offload_wait()

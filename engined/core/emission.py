@@ -9,6 +9,8 @@ prefill: upstream 1.3.0 never completed such requests, a defect fixed later, and
 fix. A token that is one of the request's stop ids ends it too, as vLLM's `check_stop` does
 (engined/core/stops.py): the token is emitted, the request freed in the same pass, and an MTP
 burst ends at it, the rest of the burst dropped as vLLM drops the draft tokens after a stop.
+MTP bursts reserve their blocks first and are emitted by burst_emission.py; a request's last
+output is the finisher's (finish.py).
 
 Each request that emitted or finished gets exactly one output per pass (all of an MTP
 burst's tokens in one `RequestOutput`), as vLLM's engine core reports a step; a plain decode
@@ -24,22 +26,21 @@ from array import array
 from typing import Any
 
 from engined.core.args import EngineArgs, WorkerType
+from engined.core.block_moves import Deref
+from engined.core.burst_emission import BurstEmitter
 from engined.core.finish import Finisher
 from engined.core.kv_cache import KvCache
 from engined.core.kv_manager import KvManager
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import PerfModel, scale_ms
 from engined.core.preemption import Preempter
-from engined.core.sequence import BlockMove, Deref, Release, Use
+from engined.core.sequence import BlockMove, Release
 from engined.core.speculative import SpeculativeSampler
 from engined.core.state import RequestState, SchedulerState
 from engined.core.types import (
-    EndedRequest,
     FinishReason,
-    KvTransferTimingMode,
     RequestOutput,
     RequestStatus,
-    TransferTiming,
 )
 from engined.core.vocab import Vocabulary
 
@@ -52,14 +53,15 @@ _RUNNING = RequestStatus.RUNNING
 class TokenEmitter:
     __slots__ = (
         "_args",
+        "_bursts",
         "_decode_ratio",
         "_fast_paths",
         "_finisher",
         "_kv",
         "_mocker_kv",
+        "_mtp",
         "_perf",
         "_preempter",
-        "_sampler",
         "_state",
         "_vocab",
         "block_size",
@@ -95,29 +97,24 @@ class TokenEmitter:
         self._mocker_kv = mocker_kv
         self._preempter = preempter
         self._finisher = finisher
-        self._sampler = sampler
+        # MTP's bursts, on the mocker's pool only (asserted when a burst is due, as before).
+        self._mtp = sampler is not None
+        self._bursts: BurstEmitter | None = None
+        if sampler is not None and mocker_kv is not None:
+            self._bursts = BurstEmitter(
+                sampler,
+                state=state,
+                kv=mocker_kv,
+                preempter=preempter,
+                finisher=finisher,
+                decode_ms=self._decode_ms,
+            )
         self._vocab = vocab
         self._perf = perf
         # Off only in the equivalence test of the hand-inlined decode step.
         self._fast_paths = fast_paths
 
     # --- helpers ------------------------------------------------------------------------
-
-    def handoff_delay_ms(self, prompt_len: int) -> float | None:
-        """KV transfer time of a prefill worker's finished request (always the full prompt).
-
-        Upstream's `compute_prefill_handoff_delay_ms`: the output's delay does not follow
-        `kv_transfer_timing_mode`; only the coordinator's transfer does (`SourceHeld`).
-        """
-        if not self.is_prefill_worker:
-            return None
-        args = self._args
-        return TransferTiming(
-            KvTransferTimingMode.FULL_PROMPT,
-            prompt_len,
-            args.kv_bytes_per_token,
-            args.kv_transfer_bandwidth,
-        ).delay_ms(prompt_len)
 
     def _decode_ms(self, batch: int, total_len: int, reserved: int = 0) -> float:
         if self.is_prefill_worker:
@@ -140,29 +137,7 @@ class TokenEmitter:
         self, ctx: PassContext, req: RequestState, tokens: list[int], cleanup: list[BlockMove]
     ) -> None:
         """`req` ends with `tokens` (async scheduling's resolution of a batch)."""
-        self._finish(ctx, req, tokens, cleanup)
-
-    def _finish(
-        self, ctx: PassContext, req: RequestState, tokens: list[int], cleanup: list[BlockMove]
-    ) -> None:
-        """`req` produced its last tokens: its last output, then its KV freed or held."""
-        request_id = req.request_id
-        stop_reason = req.seq.stop_reason
-        reason = _LENGTH if stop_reason is None else _STOP
-        ctx.add_output(
-            RequestOutput(
-                request_id,
-                tokens,
-                reason,
-                req.take_cached_tokens(),
-                self.handoff_delay_ms(req.seq.num_input_tokens),
-                stop_reason,
-            )
-        )
-        ctx.ended.append(EndedRequest(request_id, reason))
-        held = self._finisher.complete(req, cleanup)
-        if held is not None:
-            ctx.lifecycle.append(held)
+        self._finisher.finish(ctx, req, tokens, cleanup)
 
     # --- the emission -------------------------------------------------------------------
 
@@ -202,7 +177,7 @@ class TokenEmitter:
             ctx.decoded_ids = []
             ctx.decoded_tokens = []
         for req in finished:
-            self._finish(ctx, req, [], req.seq.free_moves())
+            self._finisher.finish(ctx, req, [], req.seq.free_moves())
         if not ready:
             if not fused:
                 return 0.0
@@ -212,8 +187,10 @@ class TokenEmitter:
             ctx.output_tokens += fused
             ctx.decode_forwards += fused
             return self._decode_ms(fused, total_len)
-        if self._sampler is not None:
-            return self._emit_speculative(ctx, ready)
+        if self._mtp:
+            bursts = self._bursts
+            assert bursts is not None, "MTP runs on the mocker's pool"
+            return bursts.emit(ctx, ready)
         decode_ms = self._decode_ms(len(ready) + fused, total_len)
         running_members = state.running_members
         kv = self._kv
@@ -311,7 +288,7 @@ class TokenEmitter:
                 if completed:
                     cleanup = [m for m in moves if type(m) is Deref or type(m) is Release]
                     moves = [m for m in moves if type(m) is not Deref and type(m) is not Release]
-                if not moves or kv.apply_all(moves):
+                if not moves or kv.apply_all(moves, ctx.now_ms):
                     if moves and not completed:
                         seq.num_allocated_tokens = len(seq.tokens)
                     sampled = True
@@ -328,7 +305,7 @@ class TokenEmitter:
             if not sampled:
                 continue
             if completed:
-                self._finish(ctx, req, [token], cleanup)
+                self._finisher.finish(ctx, req, [token], cleanup)
                 continue
             cached = req.take_cached_tokens()
             if cached is None:
@@ -343,88 +320,3 @@ class TokenEmitter:
         ctx.output_tokens += emitted
         ctx.decode_forwards += emitted
         return decode_ms if emitted else 0.0
-
-    def _emit_speculative(self, ctx: PassContext, ready: list[RequestState]) -> float:
-        """MTP: reserve blocks for every ready request's largest burst, then sample the bursts."""
-        sampler = self._sampler
-        assert sampler is not None
-        state = self._state
-        kv = self._mocker_kv
-        assert kv is not None, "MTP runs on the mocker's pool"
-        bs = self.block_size
-        max_burst = 1 if self.is_prefill_worker else len(sampler.rates) + 1
-        offload = kv.offload is not None
-        refresh = kv.refresh_offload_wait
-        if offload and any(req.offload_wait_live(refresh) for req in ready):
-            return 0.0
-        while True:
-            required = 0
-            for req in ready:
-                seq = req.seq
-                length = len(seq.tokens)
-                burst = min(max_burst, seq.max_output_tokens - seq.generated)
-                required += -(-(length + burst) // bs) - -(-length // bs)
-            reservation = kv.reserve_slots(required)
-            if reservation is not None:
-                break
-            if offload:
-                wait = kv.take_offload_wait()
-                if wait is not None:
-                    # The reservation evicted blocks still being copied out: nobody bursts.
-                    for req in ready:
-                        req.offload_wait = wait
-                    return 0.0
-            if self._preempter.preempt() is None:
-                return 0.0
-            ready = [
-                r
-                for r in state.running
-                if r.num_computed_tokens == len(r.seq.tokens)
-                and r.seq.generated < r.seq.max_output_tokens
-            ]
-            if not ready:
-                return 0.0
-        total_len = sum(len(req.seq.tokens) for req in ready)
-        decode_ms = self._decode_ms(len(ready), total_len, len(reservation))
-        bursts = [
-            (
-                req,
-                min(req.seq.max_output_tokens - req.seq.generated, 1)
-                if self.is_prefill_worker
-                else sampler.sample_output_tokens(req.seq.max_output_tokens - req.seq.generated),
-            )
-            for req in ready
-        ]
-        emitted = 0
-        for req, burst in bursts:
-            seq = req.seq
-            done = False
-            cleanup: list[BlockMove] = []
-            tokens: list[int] = []
-            for _ in range(burst):
-                token, moves = seq.generate_token()
-                done = seq.finished()
-                for move in moves:
-                    if type(move) is Deref and done:
-                        cleanup.append(move)
-                        continue
-                    ok = kv.use(move, reservation) if isinstance(move, Use) else kv.apply(move)
-                    assert ok, "reserved decode allocation must be infallible"
-                if not done:
-                    seq.num_allocated_tokens = len(seq.tokens)
-                tokens.append(token)
-                if done:
-                    break
-            emitted += len(tokens)
-            if done:
-                self._finish(ctx, req, tokens, cleanup)
-            else:
-                if tokens:
-                    ctx.add_output(
-                        RequestOutput(req.request_id, tokens, None, req.take_cached_tokens())
-                    )
-                req.num_computed_tokens = len(seq.tokens) - 1
-        kv.release_slots(reservation)
-        ctx.output_tokens += emitted
-        ctx.decode_forwards += len(bursts)
-        return decode_ms

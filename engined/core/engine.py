@@ -23,7 +23,7 @@ advance the engine retries the head of its pending destinations itself.
 The engine is composed of parts that get their collaborators when built here, and never the
 engine: the request intake, the scheduler (engined/core/scheduling.py) with its preempter,
 the token emitter (emission.py), the finisher (finish.py), the commands (commands.py), the
-handoff book (handoff.py), the onboard parking (offload/parking.py), and the KV manager
+handoff book (handoff_book.py), the onboard parking (offload/parking.py), and the KV manager
 (kv_manager.py) with its event log and, with offload tiers, the tier engine's G1 glue.
 """
 
@@ -193,7 +193,7 @@ class Engine:
             if deadline is not None:
                 end_ms = max(deadline, now_ms)
         lifecycle = ctx.lifecycle
-        lifecycle += self._commands.retry_pending_destinations()
+        lifecycle += self._commands.retry_pending_destinations(now_ms)
         metrics = self.metrics()
         # Async scheduling: a pass that resolved no batch publishes nothing yet (vLLM
         # publishes KV events from `update_from_output`).
@@ -247,7 +247,7 @@ class Engine:
         lifecycle = []
         if self._kv.offload is not None:
             self._parking.advance(now_ms)
-            lifecycle = self._commands.retry_pending_destinations()
+            lifecycle = self._commands.retry_pending_destinations(now_ms)
         return TierAdvance(self._kv.take_events(), lifecycle)
 
     def next_deadline(self) -> float | None:

@@ -8,7 +8,7 @@ off nothing is published and ids never advance.
 
 from __future__ import annotations
 
-from engined.core.sequence import Promote, Use
+from engined.core.block_moves import Promote, Use
 from engined.core.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Medium
 
 

@@ -22,36 +22,17 @@ copied to G2 before their slots can be reused, and the allocation may have to wa
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-from engined.core.block_pool import BlockPool
+from engined.core.block_moves import Deref, Promote, Use
 from engined.core.hashing import hash_of_key
+from engined.core.kv_cache import DestinationReservation
 from engined.core.kv_event_log import KvEventLog
 from engined.core.kv_registry import BlockRegistry
+from engined.core.lineage_pool import BlockPool
 from engined.core.offload.g1_glue import G1Glue
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.prefix_hit import PrefillCost, PrefixHit
-from engined.core.sequence import BlockMove, Deref, Promote, Sequence, Use
+from engined.core.sequence import BlockMove, Sequence
 from engined.core.types import KvEvent, OffloadWait
-
-
-class ResidentPrefix(NamedTuple):
-    blocks: int
-    active: int
-
-
-class DestinationReservation:
-    """KV held for an incoming transfer: a pinned cached prefix plus fresh unpublished slots."""
-
-    __slots__ = ("prefix", "slots", "use")
-
-    def __init__(self, prefix: list[int], slots: list[int], use: Use | None) -> None:
-        self.prefix = prefix
-        self.slots = slots
-        self.use = use
-
-    def block_ids(self) -> list[int]:
-        return self.prefix + self.slots
 
 
 class KvManager:
@@ -83,7 +64,7 @@ class KvManager:
         self.prefix_hit = prefix_hit
         self.block_size = block_size
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=publish)
-        self.registry = BlockRegistry(num_blocks)
+        self.registry = BlockRegistry(num_blocks, self.pool.registered)
         # The registry's maps, bound here for the hot paths.
         self.active_partial = self.registry.active_partial
         self.holders = self.registry.holders
@@ -129,44 +110,21 @@ class KvManager:
 
     def prefill_cost(self, seq: Sequence) -> PrefillCost:
         """The cost under the core's prefix-hit rule (engined/core/prefix_hit.py)."""
-        return self.prefix_hit.cost(seq, *self._resident_prefix(seq))
-
-    def _resident_prefix(self, seq: Sequence) -> ResidentPrefix:
-        """The leading blocks of `seq` resident here, and how many of them are active."""
-        overlap = active = 0
-        if seq.caching:
-            registered = self.registered
-            holders = self.holders
-            for key in seq.keys:
-                slot = registered.get(key)
-                if slot is None:
-                    break
-                overlap += 1
-                if holders[slot]:
-                    active += 1
-        return ResidentPrefix(overlap, active)
-
-    def held_slot(self, key: int) -> int | None:
-        """The slot of the full block registered under `key` if requests hold it, else None."""
-        slot = self.registered.get(key)
-        return slot if slot is not None and self.holders[slot] else None
+        return self.prefix_hit.cost(seq, *self.registry.resident_prefix(seq))
 
     def active_block_ids(self, seq: Sequence) -> list[int]:
-        ids: list[int] = []
-        for key in seq.keys:
-            slot = self.held_slot(key)
-            if slot is not None:
-                ids.append(slot)
-        if seq.partial is not None and seq.partial in self.active_partial:
-            ids.append(self.active_partial[seq.partial])
-        return ids
+        return self.registry.active_block_ids(seq)
 
     # --- moves --------------------------------------------------------------------------
 
-    def apply(self, move: BlockMove) -> bool:
-        """Apply one move; False only when a Use cannot get its fresh blocks (nothing changed)."""
+    def apply(self, move: BlockMove, now_ms: float) -> bool:
+        """Apply one move; False only when a Use cannot get its fresh blocks (nothing changed).
+
+        `now_ms` is the time of the engine call applying it: with offload tiers, the blocks a
+        Use evicts start their offload then (`G1Glue.settle`).
+        """
         if type(move) is Use:
-            return self.use(move)
+            return self.use(move, now_ms)
         if type(move) is Deref:
             self.deref(move)
         else:
@@ -174,15 +132,22 @@ class KvManager:
             self.promote(move)
         return True
 
-    def apply_all(self, moves: list[BlockMove]) -> bool:
+    def apply_all(self, moves: list[BlockMove], now_ms: float) -> bool:
         """Apply in order, stopping at the first failure (earlier moves stay applied)."""
         # NOTE: a loop, not all() over a generator: mypyc compiles generators to objects.
         for move in moves:  # noqa: SIM110
-            if not self.apply(move):
+            if not self.apply(move, now_ms):
                 return False
         return True
 
-    def use(self, move: Use, reservation: list[int] | None = None) -> bool:
+    def free_all(self, moves: list[BlockMove]) -> None:
+        """Apply a request's freeing moves (`Sequence.free_moves`: Derefs). Freeing evicts
+        nothing, so it needs no time and cannot fail."""
+        for move in moves:
+            assert type(move) is Deref, "freeing moves are Derefs on the mocker's pool"
+            self.deref(move)
+
+    def use(self, move: Use, now_ms: float, reservation: list[int] | None = None) -> bool:
         if not move.hashes and reservation is None and self.offload is None:
             return self.use_partial(move.partial)
         pool = self.pool
@@ -211,19 +176,10 @@ class KvManager:
                 return False
             slots = [reservation.pop() for _ in range(fresh)]
         else:
-            got = pool.allocate(fresh)
+            got = self._allocate(fresh, matched, now_ms)
             if got is None:
-                for block_id in matched:
-                    pool.release(block_id)
-                return self._exhausted()
+                return False
             slots, evicted = got
-            if evicted and self.offload is not None:
-                settled = self.offload.settle(slots, evicted)
-                if settled is None:
-                    for block_id in matched:
-                        pool.release(block_id)
-                    return False
-                slots, evicted = settled, []
         self._commit_use(move, prepared, slots)
         if fresh_partial:
             assert partial is not None
@@ -231,6 +187,27 @@ class KvManager:
         if evicted:
             self._evictions(evicted)
         return True
+
+    def _allocate(
+        self, count: int, pinned: list[int], now_ms: float
+    ) -> tuple[list[int], list[int]] | None:
+        """`count` mutable slots and the keys they evicted whose Removed events the caller
+        publishes (after its own Stored ones); with tiers the glue has offered those to G2
+        from `now_ms` and published them. None when the slots cannot be had: then the
+        `pinned` handles the caller took are given back."""
+        got = self.pool.allocate(count)
+        if got is not None:
+            slots, evicted = got
+            if not evicted or self.offload is None:
+                return got
+            settled = self.offload.settle(slots, evicted, now_ms)
+            if settled is not None:
+                return settled, []
+        else:
+            self._exhausted()
+        for block_id in pinned:
+            self.pool.release(block_id)
+        return None
 
     def use_partial(self, partial: int | None) -> bool:
         """`use` of a Use without full blocks: the block a decode token opens (its partial).
@@ -321,16 +298,14 @@ class KvManager:
 
     # --- speculative decode reservations ------------------------------------------------
 
-    def reserve_slots(self, count: int) -> list[int] | None:
-        """Mutable slots set aside for a pass's MTP bursts; evictions are published now."""
-        got = self.pool.allocate(count)
+    def reserve_slots(self, count: int, now_ms: float) -> list[int] | None:
+        """Mutable slots set aside for a pass's MTP bursts (the pass at `now_ms`); evictions
+        are published now."""
+        got = self._allocate(count, [], now_ms)
         if got is None:
-            self._exhausted()
             return None
         slots, evicted = got
         if evicted:
-            if self.offload is not None:
-                return self.offload.settle(slots, evicted)
             self._evictions(evicted)
         return slots
 
@@ -340,8 +315,9 @@ class KvManager:
 
     # --- destinations -------------------------------------------------------------------
 
-    def reserve_destination(self, seq: Sequence) -> DestinationReservation | None:
-        """Pin the cached prompt prefix and reserve fresh slots for the rest; no Stored yet."""
+    def reserve_destination(self, seq: Sequence, now_ms: float) -> DestinationReservation | None:
+        """Pin the cached prompt prefix and reserve fresh slots for the rest; no Stored yet.
+        An offload this evicts starts at `now_ms`."""
         use = seq.prepare_allocation(seq.num_input_tokens)
         if use is None:
             return DestinationReservation([], [], None)
@@ -352,7 +328,7 @@ class KvManager:
             # The blocks beyond the hit are transferred like missing ones (vLLM's decode side
             # asks the connector for everything after its own capped hit); activation then
             # finds the resident copy and publishes nothing for it.
-            resident = self._resident_prefix(seq)[0]
+            resident = self.registry.resident_prefix(seq)[0]
             keys = keys[: self.prefix_hit.hit_blocks(resident, seq)]
         for key in keys:
             # Pinned: a handle, whether requests hold the block or it was inactive.
@@ -360,21 +336,11 @@ class KvManager:
             if block_id is None:
                 break
             prefix.append(block_id)
-        got = pool.allocate(use.num_blocks - len(prefix))
+        got = self._allocate(use.num_blocks - len(prefix), prefix, now_ms)
         if got is None:
-            for block_id in prefix:
-                pool.release(block_id)
-            self._exhausted()
             return None
         slots, evicted = got
         if evicted:
-            if self.offload is not None:
-                settled = self.offload.settle(slots, evicted)
-                if settled is None:
-                    for block_id in prefix:
-                        pool.release(block_id)
-                    return None
-                return DestinationReservation(prefix, settled, use)
             self._evictions(evicted)
         return DestinationReservation(prefix, slots, use)
 

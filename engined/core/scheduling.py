@@ -25,7 +25,7 @@ from typing import NamedTuple
 from engined.core.args import EngineArgs, WorkerType
 from engined.core.finish import Finisher
 from engined.core.fpm import ScheduledWork
-from engined.core.handoff import PendingDestinations
+from engined.core.handoff_book import PendingDestinations
 from engined.core.kv_manager import KvManager
 from engined.core.offload.parking import OnboardParking, ParkOutcome
 from engined.core.pass_context import PassContext
@@ -262,7 +262,7 @@ class Scheduler:
             if target <= seq.num_allocated_tokens:
                 break
             use = seq.prepare_allocation(target)
-            if use is None or kv.use(use):
+            if use is None or kv.use(use, ctx.now_ms):
                 seq.num_allocated_tokens = target
                 break
             wait = kv.take_offload_wait()

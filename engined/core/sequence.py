@@ -3,8 +3,9 @@
 This is Dynamo's `ActiveSequence`: the sequence knows which blocks it consists of (full blocks
 by sequence hash, at most one trailing partial block by a private id) and how far its KV has
 been allocated; it never touches the pool itself. It describes what must happen as `Use`,
-`Deref` and `Promote` moves that the KV manager applies, so a failed allocation can be undone
-by the caller (`pop`) without the sequence knowing about capacity.
+`Deref` and `Promote` moves (engined/core/block_moves.py) that the KV manager applies, so a
+failed allocation can be undone by the caller (`pop`) without the sequence knowing about
+capacity. vLLM's pool takes a single `Release`, which names the sequence and so lives here.
 
 Allocation is eager: the token that opens a new block immediately asks for that block (and
 promotes the block it completed), exactly as mocker 1.3.0 does. Block counts observed by the
@@ -18,6 +19,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
+from engined.core.block_moves import Deref, Promote, Use
 from engined.core.hashing import (
     array_block_hash,
     block_hashes,
@@ -29,83 +31,6 @@ from engined.core.hashing import (
 from engined.core.stops import StopRule
 from engined.core.token_stream import TokenBits
 from engined.core.vocab import Vocabulary
-
-
-class Use:
-    """Take (or re-take) the blocks `[first, first + len(hashes))`, then `partial` if set.
-
-    Fresh full blocks are registered (and published as Stored) at once, even before their
-    tokens are computed: that is the 1.3.0 behaviour routers see.
-    """
-
-    __slots__ = ("first", "hashes", "keys", "local", "parent", "partial", "tokens")
-
-    def __init__(
-        self,
-        first: int,
-        hashes: list[int],
-        keys: list[int],
-        local: list[int] | None,
-        partial: int | None,
-        parent: int | None,
-        tokens: array[int] | None,
-    ) -> None:
-        self.first = first
-        self.hashes = hashes
-        self.keys = keys
-        self.local = local
-        self.partial = partial
-        self.parent = parent
-        self.tokens = tokens
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.hashes) + (self.partial is not None)
-
-    def parent_key(self, i: int) -> int | None:
-        """The lineage parent of the move's block `i` (`local` is None without caching)."""
-        if self.local is not None:
-            return self.hashes[i - 1] if i else self.parent
-        return parent_lineage_key(self.first + i)
-
-
-class Deref:
-    """Drop the request's hold on blocks: the partial (tail) first, then full blocks (by
-    lineage key) tail-first.
-
-    Tail-first release gives the tail the older inactive tick, so eviction takes leaves before
-    their parents.
-    """
-
-    __slots__ = ("keys", "partial")
-
-    def __init__(self, partial: int | None, keys: list[int]) -> None:
-        self.partial = partial
-        self.keys = keys
-
-
-class Promote:
-    """The partial block `partial` just filled up: it becomes full block `hash`."""
-
-    __slots__ = ("hash", "key", "local", "parent", "parent_key", "partial", "tokens")
-
-    def __init__(
-        self,
-        partial: int,
-        hash_: int,
-        parent: int | None,
-        local: int | None,
-        key: int,
-        parent_key: int | None,
-        tokens: list[int] | None,
-    ) -> None:
-        self.partial = partial
-        self.hash = hash_
-        self.parent = parent
-        self.local = local
-        self.key = key
-        self.parent_key = parent_key
-        self.tokens = tokens
 
 
 class Release:

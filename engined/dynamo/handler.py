@@ -29,7 +29,7 @@ import msgspec
 import structlog
 
 from engined.client import ClientClosedError, DaemonLost, EngineClient, EngineError
-from engined.client.handoff import (
+from engined.client.handoff_coordinator import (
     CALL_TIMEOUT_S,
     Coordinator,
     DestinationRequest,
@@ -37,7 +37,7 @@ from engined.client.handoff import (
     held_source,
     transfer_wait_s,
 )
-from engined.dynamo.choices import (
+from engined.dynamo.engine_outputs import (
     Choice,
     OutputOptions,
     RequestFailed,
@@ -373,7 +373,7 @@ def _handoff_params(prefill_result: Any) -> dict[str, Any]:
 
 
 def _transfer_wait_s(params: dict[str, Any], reserved: DestinationReservedEvent) -> float:
-    """The modeled KV transfer time (engined.client.handoff) from the prefill worker's
+    """The modeled KV transfer time (engined.client.handoff_coordinator) from the prefill worker's
     params; a malformed `transfer_timing` is a 400 naming it."""
     speedup = params.get("speedup_ratio") or 0.0
     if not isinstance(speedup, int | float) or speedup <= 0:

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from engined.client import ConnectionBack, ConnectionLost, EngineClient
-from engined.dynamo.choices import RequestFailed
+from engined.dynamo.engine_outputs import RequestFailed
 from engined.dynamo.model import SetupError
 from engined.wire.control import Welcome
 

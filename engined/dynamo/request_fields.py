@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from engined.core.token_stream import SEED_MAX, SEED_MIN
-from engined.dynamo.choices import OutputOptions, RequestFailed, field_map, output_options
+from engined.dynamo.engine_outputs import OutputOptions, RequestFailed, field_map, output_options
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ from engined.openai.api_errors import (
     method_not_allowed,
     route_not_found,
 )
-from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
+from engined.openai.http.http_messages import HttpRequest, HttpResponse, StreamingResponse
 from engined.openai.serving import ServingContext, engine_refusal
 from engined.openai.serving_chat import ChatServer
 from engined.openai.serving_completion import CompletionServer

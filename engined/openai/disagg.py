@@ -5,7 +5,7 @@ false` and `kv_transfer_params: {"do_remote_decode": true}`, then sends the deco
 original request with the `kv_transfer_params` the prefill's response carried. vLLM's NIXL
 connector answers the prefill with what the decode side needs to pull the prompt's blocks
 (`remote_request_id`, `remote_host`, `remote_port`, ...). engined maps that onto its handoff
-(protocol §1.7, engined.client.handoff): the prefill runs as a handoff source, and the
+(protocol §1.7, engined.client.handoff_coordinator): the prefill runs as a handoff source, and the
 `remote_*` keys name the handoff and the prefill daemon's control endpoint; the decode
 reserves a destination, waits out the modelled transfer, releases the source and decodes.
 
@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from engined.client import EngineClient
-from engined.client.handoff import (
+from engined.client.handoff_coordinator import (
     Coordinator,
     DestinationRequest,
     HandoffFailed,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engined.client import EngineClient, EngineError
-from engined.client.handoff import DestinationRequest
+from engined.client.handoff_coordinator import DestinationRequest
 from engined.openai.disagg import DecodeRole, Disaggregation, PrefillRole, Role
 from engined.wire.control import OutputEntry, Submitted
 

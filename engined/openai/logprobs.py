@@ -16,7 +16,7 @@ completions keep the first `k + 1` (keyed by token text, so two ids of one text 
 chat the first `k`, so a chat `top_logprobs` list starts with the sampled token even when it
 was not the most likely. Token text comes from the caller's `decode(ids)`, one string per
 id, as vLLM decodes each id on its own. The values themselves are `engined.logprob_values`'s,
-which the Dynamo worker (engined/dynamo/choices.py) sends by token id for Dynamo's frontend
+which the Dynamo worker (engined/dynamo/engine_outputs.py) sends by token id for Dynamo's frontend
 to render.
 """
 

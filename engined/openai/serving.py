@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engined.client import EngineClient, EngineError
-from engined.client.handoff import Coordinator
+from engined.client.handoff_coordinator import Coordinator
 from engined.config import DaemonConfig
 from engined.openai.api_errors import (
     ApiError,

@@ -17,9 +17,9 @@ import msgspec
 
 from engined.client import EngineError
 from engined.openai.api_errors import ApiError
-from engined.openai.choices import Choice, steps
+from engined.openai.choice_steps import Choice, steps
 from engined.openai.generation import Generation
-from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
+from engined.openai.http.http_messages import HttpRequest, HttpResponse, StreamingResponse
 from engined.openai.logprobs import chat_logprobs
 from engined.openai.protocol import ChatCompletionRequest, decode_chat_request
 from engined.openai.protocol_responses import (

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from engined.client import EngineError
 from engined.openai.api_errors import ApiError
-from engined.openai.choices import Choice, Step, steps
+from engined.openai.choice_steps import Choice, Step, steps
 from engined.openai.generation import Generation
-from engined.openai.http.types import HttpRequest, HttpResponse, StreamingResponse
+from engined.openai.http.http_messages import HttpRequest, HttpResponse, StreamingResponse
 from engined.openai.logprobs import completion_logprobs
 from engined.openai.protocol import CompletionRequest, decode_completion_request
 from engined.openai.protocol_responses import (

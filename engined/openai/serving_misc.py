@@ -8,7 +8,7 @@ import msgspec
 
 from engined.config import DaemonConfig
 from engined.openai.api_errors import validation_error
-from engined.openai.http.types import HttpRequest, HttpResponse
+from engined.openai.http.http_messages import HttpRequest, HttpResponse
 from engined.openai.protocol import (
     TokenizeChatRequest,
     decode_detokenize_request,

@@ -226,20 +226,20 @@ def test_running_request_catches_up_decode_tail_before_promote() -> None:
     seq = parts.intake.build(request(rid, range(6), 16), rid, RequestStatus.RUNNING).seq
     creation = seq.prepare_allocation(len(seq))
     assert creation is not None and creation.num_blocks == 2
-    assert lineage_kv(core).use(creation)
+    assert lineage_kv(core).use(creation, 0.0)
     seq.num_allocated_tokens = len(seq)
     for _ in range(6):
         _, moves = seq.generate_token()
-        assert parts.kv.apply_all(moves)
+        assert parts.kv.apply_all(moves, 0.0)
         if seq.generated < seq.max_output_tokens:
             seq.num_allocated_tokens = len(seq)
     assert seq.num_allocated_tokens == 12
     assert active_blocks(core) == 3
-    assert parts.kv.apply_all(seq.reset_with_moves())
+    assert parts.kv.apply_all(seq.reset_with_moves(), 0.0)
     assert active_blocks(core) == 0
     prompt_only = seq.prepare_allocation(seq.num_input_tokens)
     assert prompt_only is not None and prompt_only.num_blocks == 2
-    assert lineage_kv(core).use(prompt_only)
+    assert lineage_kv(core).use(prompt_only, 0.0)
     seq.num_allocated_tokens = seq.num_input_tokens
     assert active_blocks(core) == 2
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engined.core.block_pool import LineageIndex
+from engined.core.lineage_pool import LineageIndex
 
 _KEYS = 40
 

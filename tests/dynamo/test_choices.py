@@ -1,5 +1,5 @@
 """`n`, `logprobs` and `prompt_logprobs` through the Dynamo worker's handler, against a real
-daemon (engined/dynamo/choices.py): n engine requests named and seeded as vLLM's
+daemon (engined/dynamo/engine_outputs.py): n engine requests named and seeded as vLLM's
 ParentRequest names its children, the made-up logprobs of engined.openai.logprobs by position
 and choice, and a 400 naming the field for what engined cannot honour."""
 

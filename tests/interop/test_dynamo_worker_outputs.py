@@ -2,10 +2,10 @@
 
 The frontend hands the worker `sampling_options.n` / `best_of` and `output_options.logprobs`
 (completions' `logprobs`, chat's `top_logprobs`); `echo` arrives as `prompt_logprobs: 1`. The
-worker answers as dynamo.vllm does (engined/dynamo/choices.py): n choices by index, the made-up
-logprobs of `engined.openai.logprobs` keyed by the choice's index, and a 400 naming the field
-for what it cannot honour. The tiny model's words are one token each ("wN" is id N + 3), so the
-expected values follow from the text.
+worker answers as dynamo.vllm does (engined/dynamo/engine_outputs.py): n choices by index,
+the made-up logprobs of `engined.openai.logprobs` keyed by the choice's index, and a 400
+naming the field for what it cannot honour. The tiny model's words are one token each ("wN"
+is id N + 3), so the expected values follow from the text.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from engined.client import EngineClient
-from engined.client.handoff import Coordinator, DestinationRequest
+from engined.client.handoff_coordinator import Coordinator, DestinationRequest
 from engined.openai.disagg import (
     HANDSHAKE_TIMEOUT_S,
     Advertised,

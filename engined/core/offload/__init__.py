@@ -2,7 +2,7 @@
 
 Glossary (one word per thing, used in every module, test and message of this package):
 
-* **G1** the GPU block pool (`engined/core/block_pool.py`, owned by the KV manager);
+* **G1** the GPU block pool (`engined/core/lineage_pool.py`, owned by the KV manager);
   **G2** the host tier, **G3** the disk tier (`tier.py`). Lower tiers exist only with
   `num_g2_blocks` and `kv_bytes_per_token` (`OffloadConfig.from_args`).
 * **offload** copying blocks down: G1 -> G2 when a G1 allocation evicts registered blocks,
@@ -23,7 +23,7 @@ named the same way):
 * tier engine, pure G2/G3 and links, never touching G1: `tier_engine.py` (`TierEngine`,
   upstream's `MockOffloadEngine`) built from `tier.py` (one lower tier's pool),
   `tier_onboard.py` (the engine's onboard transfers), `pipeline.py` (batched offload
-  transfers), `lanes.py` and `link.py` (bandwidth-shared links); `types.py` holds the values
+  transfers), `lanes.py` and `link.py` (bandwidth-shared links); `tier_values.py` holds the values
   the engine exchanges with G1.
 * G1 glue: `g1_glue.py`, owned by the KV manager and built from its pool and its event log
   (never the manager itself): evictions offered to G2, tick effects

@@ -28,24 +28,25 @@ allocation or published run, so an engine without offload tiers pays nothing per
 
 from __future__ import annotations
 
-from engined.core.block_pool import BlockPool
+from engined.core.block_moves import Use
 from engined.core.hashing import hash_of_key
 from engined.core.kv_event_log import KvEventLog
+from engined.core.lineage_pool import BlockPool
 from engined.core.offload.tier_engine import TierEngine
-from engined.core.offload.types import (
+from engined.core.offload.tier_values import (
     BlockMeta,
     EvictedBlock,
     TickEffects,
     TierEventKind,
 )
-from engined.core.sequence import Sequence, Use
+from engined.core.sequence import Sequence
 from engined.core.types import BlockStored, OffloadWait
 
 
 class G1Glue:
     """An attached tier engine plus the G1 bookkeeping it needs."""
 
-    __slots__ = ("engine", "log", "meta", "now_ms", "pool", "wait")
+    __slots__ = ("engine", "log", "meta", "pool", "wait")
 
     def __init__(self, engine: TierEngine, pool: BlockPool, log: KvEventLog) -> None:
         self.engine = engine
@@ -53,11 +54,6 @@ class G1Glue:
         self.log = log
         # Router metadata of published G1 blocks, by lineage key (publishing on only).
         self.meta: dict[int, BlockMeta] = {}
-        # Worker time: that of the pass, tier advance or command being applied, so the
-        # offloads its allocations cause start then. A pass or tier advance sets it by
-        # ticking the tiers first; a command sets it without ticking (landing transfers is
-        # for passes and tier advances), and no allocation runs before one of them has.
-        self.now_ms = 0.0
         # The offload wait of the last failed allocation; the caller takes it.
         self.wait: OffloadWait | None = None
 
@@ -104,8 +100,9 @@ class G1Glue:
 
     # --- evicting allocations -----------------------------------------------------------
 
-    def allocate(self, count: int) -> list[int] | None:
-        """`count` mutable G1 slots, offloading what they evict; None if they cannot be had.
+    def allocate(self, count: int, now_ms: float) -> list[int] | None:
+        """`count` mutable G1 slots, offloading what they evict from `now_ms` on; None if
+        they cannot be had.
 
         On None, `wait` says whether an offload is in flight (wait for it) or the pool is
         simply full (preempt or give up).
@@ -115,21 +112,26 @@ class G1Glue:
             self.wait = None
             return None
         slots, evicted = got
-        return self.settle(slots, evicted) if evicted else slots
+        return self.settle(slots, evicted, now_ms) if evicted else slots
 
-    def settle(self, slots: list[int], evicted: list[int]) -> list[int] | None:
+    def settle(self, slots: list[int], evicted: list[int], now_ms: float) -> list[int] | None:
         """Offer the registered blocks an allocation evicted to G2 (docs/upstream/dynamo-mocker.md
         §6.1).
 
         `slots` is what `BlockPool.allocate` returned and `evicted` (not empty) the keys it
         evicted: their slots are its tail, in eviction order; the pool evicts registered
-        blocks only. Returns the retried allocation's slots, or None with every slot and hit
-        given back: then `wait` holds the offload to wait for, if any.
+        blocks only. The offload starts at `now_ms`, the time of the engine call that
+        allocates (a pass, a tier advance, a command), which the caller passes down: the
+        tiers are ticked to that time at a pass or advance, and a command does not tick them.
+        Returns the retried allocation's slots, or None with every slot and hit given back:
+        then `wait` holds the offload to wait for, if any.
         """
         self.wait = None
-        return self._settle(slots, evicted, retry=True)
+        return self._settle(slots, evicted, now_ms, retry=True)
 
-    def _settle(self, slots: list[int], evicted: list[int], *, retry: bool) -> list[int] | None:
+    def _settle(
+        self, slots: list[int], evicted: list[int], now_ms: float, *, retry: bool
+    ) -> list[int] | None:
         pool = self.pool
         meta = self.meta
         base = len(slots) - len(evicted)
@@ -145,7 +147,7 @@ class G1Glue:
         for slot in slots:
             if slot not in sources:
                 pool.release_mutable(slot)
-        outcome = self.engine.enqueue_g1_evictions(offered, self.now_ms)
+        outcome = self.engine.enqueue_g1_evictions(offered, now_ms)
         if isinstance(outcome, OffloadWait):
             self.wait = outcome
             return None
@@ -158,14 +160,13 @@ class G1Glue:
             return None
         retried, evicted_again = got
         if evicted_again:
-            return self._settle(retried, evicted_again, retry=False)
+            return self._settle(retried, evicted_again, now_ms, retry=False)
         return retried
 
     # --- ticks --------------------------------------------------------------------------
 
     def tick(self, now_ms: float) -> None:
         """Advance the engine to `now_ms` and apply what finished."""
-        self.now_ms = now_ms
         self.apply(self.engine.tick(now_ms))
 
     def apply(self, effects: TickEffects) -> None:

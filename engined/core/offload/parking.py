@@ -21,7 +21,7 @@ import enum
 from engined.core.capacity import CapacityGeneration
 from engined.core.kv_cache import KvCache
 from engined.core.offload.g1_glue import G1Glue
-from engined.core.offload.types import OnboardState
+from engined.core.offload.tier_values import OnboardState
 from engined.core.prefix_hit import PrefillCost
 from engined.core.state import RequestState, SchedulerState
 
@@ -95,7 +95,7 @@ class OnboardParking:
         if plan is None:
             glue.release_pins(pins)
             return ParkOutcome.NO_HIT
-        slots = glue.allocate(plan.block_count)
+        slots = glue.allocate(plan.block_count, now_ms)
         if slots is None:
             engine.abandon_onboard(plan)
             glue.release_pins(pins)

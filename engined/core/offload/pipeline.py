@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from engined.core.offload.lanes import Lane
 from engined.core.offload.tier import Tier
-from engined.core.offload.types import BlockMeta
+from engined.core.offload.tier_values import BlockMeta
 
 
 class Item:

@@ -17,8 +17,8 @@ Events go to the engine's shared buffer in the order they happen.
 
 from __future__ import annotations
 
-from engined.core.block_pool import BlockPool
-from engined.core.offload.types import BlockMeta, TierEvent, TierEventKind
+from engined.core.lineage_pool import BlockPool
+from engined.core.offload.tier_values import BlockMeta, TierEvent, TierEventKind
 from engined.core.types import Medium
 
 

@@ -56,7 +56,7 @@ from engined.core.offload.link import BandwidthLink
 from engined.core.offload.pipeline import Batch, Item, TransferPipeline
 from engined.core.offload.tier import Tier
 from engined.core.offload.tier_onboard import OnboardPlan, Onboards
-from engined.core.offload.types import (
+from engined.core.offload.tier_values import (
     EvictedBlock,
     LandedOnboard,
     OffloadOutcome,

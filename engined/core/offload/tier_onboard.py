@@ -24,7 +24,12 @@ from __future__ import annotations
 
 from engined.core.offload.lanes import LanePair
 from engined.core.offload.tier import Tier
-from engined.core.offload.types import LandedOnboard, OnboardState, OnboardStatus, ReapedOnboard
+from engined.core.offload.tier_values import (
+    LandedOnboard,
+    OnboardState,
+    OnboardStatus,
+    ReapedOnboard,
+)
 
 
 class OnboardPlan:

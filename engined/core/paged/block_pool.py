@@ -1,6 +1,6 @@
 """vLLM 0.33's block pool: a null block, an LRU free queue, and a hash map that allows twins.
 
-The observable rules (vllm/v1/core/block_pool.py), which routers and the parity harness see:
+The observable rules (vllm/v1/core/lineage_pool.py), which routers and the parity harness see:
 
 * Block 0 is the null block: never handed out, so `num_gpu_blocks - 1` blocks are usable.
 * Free blocks wait in one queue, initially in id order. Allocation takes from the front and
@@ -39,7 +39,6 @@ class PagedBlockPool:
         "_twins",
         "cached",
         "caching",
-        "event_hash_of",
         "key_of",
         "log",
         "num_blocks",
@@ -63,12 +62,13 @@ class PagedBlockPool:
         self.caching = caching
         self.log = log
         # The free queue as a doubly linked list over block ids, between two sentinels.
-        # Links and handle counts are machine ints (arrays): lists would hold an int object
-        # per block, and a host simulating 64 ranks of 16384 blocks would pay 32 MB for them.
+        # Links and handle counts are 32-bit machine ints (arrays), and what only cached
+        # blocks have lives in a dict: lists would hold a slot per block from the start, and
+        # a host simulating 64 ranks of 16384 blocks would pay for every one while idle.
         head = self._head = num_blocks
         tail = self._tail = num_blocks + 1
-        self._next = array("q", range(1, num_blocks + 3))
-        self._prev = array("q", range(-1, num_blocks + 1))
+        self._next = array("i", range(1, num_blocks + 3))
+        self._prev = array("i", range(-1, num_blocks + 1))
         self._next[head] = 1
         self._next[num_blocks - 1] = tail
         self._prev[1] = head
@@ -76,13 +76,12 @@ class PagedBlockPool:
         self.num_free = num_blocks - 1
         # Free blocks that still cache a prefix: hits that revive them, and eviction fodder.
         self.num_cached_free = 0
-        self.refs = array("q", bytes(8 * num_blocks))
+        self.refs = array("i", bytes(4 * num_blocks))
         self.refs[NULL_BLOCK] = 1
         self.key_of = [-1] * num_blocks
-        # What a cached block is to the outside: vLLM's hash of it (the next block's parent)
-        # and that hash as KV events carry it (engined/core/vllm_hashing.py).
-        self.vllm_hash_of: list[bytes] = [b""] * num_blocks
-        self.event_hash_of = [0] * num_blocks
+        # What a cached block is to the outside: vLLM's hash of it (the next block's parent);
+        # KV events carry its `event_hash` (engined/core/vllm_hashing.py).
+        self.vllm_hash_of: dict[int, bytes] = {}
         # Lineage key -> the first block cached under it; later twins in `_twins`, in order.
         self.cached: dict[int, int] = {}
         self._twins: dict[int, list[int]] = {}
@@ -133,11 +132,15 @@ class PagedBlockPool:
         self.num_cached_free -= evicted
         return taken
 
+    def event_hash(self, block: int) -> int:
+        """A cached block's hash as KV events carry it: the last 8 bytes of vLLM's."""
+        return int.from_bytes(self.vllm_hash_of[block][-8:], "big")
+
     def _evict(self, block: int) -> None:
         key = self.key_of[block]
         self.key_of[block] = -1
         self._uncache(key, block)
-        self.log.removed([self.event_hash_of[block]])
+        self.log.removed([int.from_bytes(self.vllm_hash_of.pop(block)[-8:], "big")])
 
     def _uncache(self, key: int, block: int) -> None:
         twins = self._twins.get(key)
@@ -151,30 +154,23 @@ class PagedBlockPool:
         if not twins:
             del self._twins[key]
 
-    def cache(self, block: int, key: int, vllm_hash: bytes, event_hash: int) -> None:
+    def cache(self, block: int, key: int, vllm_hash: bytes) -> None:
         """Cache a held block just filled, under `key` (a twin when another block has it)."""
         self.key_of[block] = key
         self.vllm_hash_of[block] = vllm_hash
-        self.event_hash_of[block] = event_hash
         if key in self.cached:
             self._twins.setdefault(key, []).append(block)
         else:
             self.cached[key] = block
 
-    def cache_run(
-        self, blocks: list[int], keys: list[int], vllm_hashes: list[bytes], event_hashes: list[int]
-    ) -> None:
+    def cache_run(self, blocks: list[int], keys: list[int], vllm_hashes: list[bytes]) -> None:
         """`cache` of each of `blocks` in turn (a request's run, filled together)."""
         key_of = self.key_of
         vllm_hash_of = self.vllm_hash_of
-        event_hash_of = self.event_hash_of
         cached = self.cached
-        for block, key, vllm_hash, event_hash in zip(
-            blocks, keys, vllm_hashes, event_hashes, strict=True
-        ):
+        for block, key, vllm_hash in zip(blocks, keys, vllm_hashes, strict=True):
             key_of[block] = key
             vllm_hash_of[block] = vllm_hash
-            event_hash_of[block] = event_hash
             if key in cached:
                 self._twins.setdefault(key, []).append(block)
             else:
@@ -237,6 +233,7 @@ class PagedBlockPool:
         self.cached.clear()
         self._twins.clear()
         self.key_of = [-1] * self.num_blocks
+        self.vllm_hash_of.clear()
         self.num_cached_free = 0
         if self.residency is not None:
             self.residency.reset()

@@ -13,10 +13,10 @@ What a vLLM scheduler asks of its `KVCacheManager`, with vLLM's rules
   after the `BlockRemoved` of whatever the allocation evicted.
 * `free`: a request's blocks go back tail first.
 
-It also answers the engine's shared KV interface (`apply_all` of `Release` moves, the
+It also answers the engine's shared KV interface (`free_all` of `Release` moves, the
 gauges, the event log), so the preempter, the finisher and the token emitter work over it
 unchanged. Offload tiers stay on the mocker pool (README "Faithfulness"): here `offload` is
-always None.
+always None, and the `now_ms` an allocation takes for an offload is not needed.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import hashlib
 import pickle
 from typing import Final
 
+from engined.core.kv_cache import DestinationReservation
 from engined.core.kv_event_log import KvEventLog
-from engined.core.kv_manager import DestinationReservation
 from engined.core.offload.g1_glue import G1Glue
 from engined.core.paged.block_pool import PagedBlockPool
 from engined.core.paged.residency import BlockResidency
@@ -184,9 +184,9 @@ class PagedKvManager:
         else:
             h = self._hasher.block_hash(parent, token_ids, None)
         ext = int.from_bytes(h[-8:], "big")
-        pool.cache(table[pos], seq.keys[pos], h, ext)
+        pool.cache(table[pos], seq.keys[pos], h)
         self._num_cached[seq] = pos + 1
-        self.log.stored_blocks(pool.event_hash_of[parent_block], [ext], [seq.local[pos]], token_ids)
+        self.log.stored_blocks(pool.event_hash(parent_block), [ext], [seq.local[pos]], token_ids)
 
     def _cache_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         """Cache the blocks whose every token is scheduled: vLLM hashes each (chained to the
@@ -224,10 +224,10 @@ class PagedKvManager:
                 hashes.append(parent)
                 stored.append(int.from_bytes(parent[-8:], "big"))
                 extra = None
-        pool.cache_run(table[done:full], seq.keys[done:full], hashes, stored)
+        pool.cache_run(table[done:full], seq.keys[done:full], hashes)
         self._num_cached[seq] = full
         self.log.stored_blocks(
-            pool.event_hash_of[table[done - 1]] if done else None,
+            pool.event_hash(table[done - 1]) if done else None,
             stored,
             seq.local[done:full],
             token_ids,
@@ -255,11 +255,14 @@ class PagedKvManager:
 
     # --- the engine's KV interface ------------------------------------------------------
 
-    def apply_all(self, moves: list[BlockMove]) -> bool:
+    def apply_all(self, moves: list[BlockMove], now_ms: float) -> bool:
+        self.free_all(moves)
+        return True
+
+    def free_all(self, moves: list[BlockMove]) -> None:
         for move in moves:
             assert type(move) is Release, "the vLLM pool frees whole requests only"
             self.free(move.seq)
-        return True
 
     @property
     def usable_blocks(self) -> int:
@@ -289,7 +292,7 @@ class PagedKvManager:
 
     # --- P/D destinations ---------------------------------------------------------------
 
-    def reserve_destination(self, seq: Sequence) -> DestinationReservation | None:
+    def reserve_destination(self, seq: Sequence, now_ms: float) -> DestinationReservation | None:
         """Blocks for a prompt whose KV arrives by transfer: the local hit, touched, and
         fresh blocks for the rest, cached (published) only at activation, as vLLM's
         `allocate_slots(delay_cache_blocks=True)` does for a remote prefill."""

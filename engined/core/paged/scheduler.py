@@ -34,7 +34,7 @@ from typing import Any
 from engined.core.args import EngineArgs, PreemptionMode, SchedulingPolicy, WorkerType
 from engined.core.finish import Finisher
 from engined.core.fpm import ScheduledWork
-from engined.core.handoff import PendingDestinations
+from engined.core.handoff_book import PendingDestinations
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import PerfModel

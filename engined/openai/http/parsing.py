@@ -18,8 +18,8 @@ from urllib.parse import unquote
 
 import httptools
 
+from engined.openai.http.http_messages import HttpRequest
 from engined.openai.http.limits import HttpLimits
-from engined.openai.http.types import HttpRequest
 
 FEED_SLICE = 4 * 1024
 Phase = Literal["wait", "head", "body", "dead"]

@@ -22,9 +22,9 @@ import socket
 
 import structlog
 
-from engined.openai.http.connection import Admission, HttpConnection
+from engined.openai.http.http_connection import Admission, HttpConnection
+from engined.openai.http.http_messages import ErrorFactory, Handler
 from engined.openai.http.limits import HttpLimits
-from engined.openai.http.types import ErrorFactory, Handler
 
 log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """When a connection that waits for its client gives up: keep-alive, request head, request body.
 
-Apart from `engined.openai.http.connection` because the timing is its own small machine: one
+Apart from `engined.openai.http.http_connection` because the timing is its own small machine: one
 deadline at a time on one lazy asyncio timer. A timer that fires early re-arms for the deadline
 then in force, so a request on a kept-alive connection costs no timer operation; only a
 deadline earlier than the pending timer moves it.

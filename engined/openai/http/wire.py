@@ -13,7 +13,7 @@ from http import HTTPStatus
 
 import structlog
 
-from engined.openai.http.types import ErrorFactory, HttpResponse
+from engined.openai.http.http_messages import ErrorFactory, HttpResponse
 
 log = structlog.get_logger(__name__)
 

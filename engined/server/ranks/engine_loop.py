@@ -61,7 +61,7 @@ from engined.model_clock import ModelClock
 from engined.server.ranks.collector import Collector
 from engined.server.ranks.deadlines import Deadlines
 from engined.server.ranks.lateness import LatenessWindow
-from engined.server.ranks.loop_timers import LoopTimers
+from engined.server.ranks.loop_timers import LoopTimers, Wake
 from engined.server.ranks.rank_gauges import RankGauges
 from engined.server.ranks.rank_inbox import EARLY_MARGIN_S, RankInbox
 from engined.server.ranks.rank_sinks import (
@@ -137,7 +137,7 @@ class EngineLoop:
             wall_clock=wall_clock,
             deadlines=deadlines if self._paced else None,
         )
-        self._wake = asyncio.Event()
+        self._wake = Wake()
         self._start = clock()
         self._virtual_ms = 0.0
         self._stopped = False

@@ -7,7 +7,7 @@ from typing import Any
 from engined.core.hashing import lineage_key
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.tier_engine import TierEngine
-from engined.core.offload.types import (
+from engined.core.offload.tier_values import (
     BlockMeta,
     EvictedBlock,
     TickEffects,

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from engined.core.args import WorkerType
+from engined.core.block_moves import Deref
 from engined.core.engine import Engine
 from engined.core.errors import CoreError
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.tier_engine import TierEngine
-from engined.core.sequence import Deref
 from engined.core.state import RequestStatus
 from engined.core.types import (
     APPLIED,
@@ -121,7 +121,7 @@ def insert_running_request(
     seq = req.seq
     use = seq.prepare_allocation(len(seq))
     assert use is not None, "running test request must need initial KV"
-    assert lineage_kv(core).use(use)
+    assert lineage_kv(core).use(use, 0.0)
     seq.num_allocated_tokens = len(seq)
     req.num_computed_tokens = len(seq)
     state = parts.state
@@ -137,9 +137,9 @@ def seed_inactive_g1_block(core: Engine) -> None:
     ).seq
     use = seq.prepare_allocation(len(seq))
     assert use is not None and use.num_blocks == 1
-    assert lineage_kv(core).use(use)
+    assert lineage_kv(core).use(use, 0.0)
     seq.num_allocated_tokens = len(seq)
-    assert parts.kv.apply_all(seq.free_moves())
+    assert parts.kv.apply_all(seq.free_moves(), 0.0)
     assert inactive_blocks(core) == 1
 
 
@@ -385,7 +385,7 @@ def cache_prefix_in_g1(core: Engine, request_id: str, blocks: int) -> None:
     seq = core.parts.state.requests[request_id].seq
     use = seq.prepare_allocation(blocks * core.block_size)
     assert use is not None and use.num_blocks == blocks
-    assert lineage_kv(core).use(use)
+    assert lineage_kv(core).use(use, 0.0)
     lineage_kv(core).deref(Deref(None, list(use.keys)))
 
 

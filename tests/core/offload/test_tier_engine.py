@@ -6,7 +6,7 @@ import pytest
 
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.tier_engine import TierEngine
-from engined.core.offload.types import RetryNow
+from engined.core.offload.tier_values import RetryNow
 from engined.core.types import Medium, OffloadWait
 from tests.core.offload.support import (
     MB,

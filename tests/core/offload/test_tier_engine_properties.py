@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.tier_engine import TierEngine
-from engined.core.offload.types import (
+from engined.core.offload.tier_values import (
     EvictedBlock,
     OnboardState,
     RetryNow,

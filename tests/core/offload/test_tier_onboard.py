@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engined.core.offload.types import OnboardState, OnboardStatus
+from engined.core.offload.tier_values import OnboardState, OnboardStatus
 from engined.core.types import Medium, OffloadWait
 from tests.core.offload.support import (
     described,

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engined.core.errors import HandoffConflictError, handoff_repr
-from engined.core.kv_manager import DestinationReservation
+from engined.core.kv_cache import DestinationReservation
 from engined.core.queued import LengthTally
 from engined.core.sequence import BlockMove
 from engined.core.state import RequestState

@@ -22,9 +22,9 @@ from typing import Literal, Protocol, cast
 import structlog
 
 import engined.openai.http.wire as wire
+from engined.openai.http.http_messages import ErrorFactory, Handler, HttpResponse, StreamingResponse
 from engined.openai.http.limits import HttpLimits
 from engined.openai.http.parsing import Item, RequestReader
-from engined.openai.http.types import ErrorFactory, Handler, HttpResponse, StreamingResponse
 from engined.openai.http.wait_deadline import WaitDeadline
 
 log = structlog.get_logger(__name__)
