@@ -144,8 +144,6 @@ class Engine:
 
     def apply(self, command: Command, *, now_ms: float) -> CommandEffects:
         """Apply one command at `now_ms`; raises its `CoreError` having changed nothing."""
-        if self._residency is not None:
-            self._residency.now_ms = now_ms
         outcome = self._commands.apply(command, now_ms)
         kv_events = self._kv.take_events()
         progressed = not isinstance(outcome.result, Noop) or bool(
@@ -163,9 +161,6 @@ class Engine:
         destination. The result's `end_ms` is the step's modeled end (`now_ms` when it did
         nothing that takes time, or the next tier deadline when it could only wait)."""
         before = self.metrics()
-        residency = self._residency
-        if residency is not None:
-            residency.now_ms = now_ms
         ctx = PassContext(now_ms, self._scheduler.max_batched_tokens, self._parts.preempter.victims)
         tiers = self._kv.offload
         if tiers is not None:
@@ -235,7 +230,7 @@ class Engine:
             ctx.output_tokens,
             ctx.decode_forwards,
             ctx.trace(),
-            residency.take() if residency is not None else [],
+            self._residency.take() if self._residency is not None else [],
         )
 
     # --- offload tiers ------------------------------------------------------------------

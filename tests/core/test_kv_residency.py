@@ -28,24 +28,15 @@ def sampled_pool(num_blocks: int = 4, rate: float = 1.0) -> tuple[PagedBlockPool
     return PagedBlockPool(num_blocks, caching=True, log=log, residency=residency), residency
 
 
-def at(residency: BlockResidency, now_ms: float) -> BlockResidency:
-    residency.now_ms = now_ms
-    return residency
-
-
 def test_lifetime_idle_and_reuse_gaps_of_reallocated_blocks() -> None:
     pool, residency = sampled_pool()
-    at(residency, 0.0)
-    assert pool.get_new_blocks(2) == [1, 2]
-    at(residency, 5.0)
-    pool.touch([1])
-    at(residency, 7.0)
-    pool.touch([1])
+    assert pool.get_new_blocks(2, 0.0) == [1, 2]
+    pool.touch([1], 5.0)
+    pool.touch([1], 7.0)
     pool.free_blocks([2, 1, 1, 1])  # three handles on block 1 (its allocation and two hits)
     assert residency.take() == []  # freed is not evicted: the slot is not taken yet
-    at(residency, 20.0)
     # Uncached blocks freed go to the front in the order freed: 2, then 1, then never-used 3.
-    assert pool.get_new_blocks(3) == [2, 1, 3]
+    assert pool.get_new_blocks(3, 20.0) == [2, 1, 3]
     assert residency.take() == [
         KvBlockEviction(20.0, 20.0, ()),
         KvBlockEviction(20.0, 13.0, (2.0,)),
@@ -55,19 +46,15 @@ def test_lifetime_idle_and_reuse_gaps_of_reallocated_blocks() -> None:
 
 def test_only_the_last_four_hits_count_and_a_reset_drops_every_record() -> None:
     pool, residency = sampled_pool()
-    at(residency, 1.0)
-    pool.get_new_blocks(1)
+    pool.get_new_blocks(1, 1.0)
     for now in (2.0, 4.0, 8.0, 16.0, 32.0):
-        at(residency, now)
-        pool.touch([1])
+        pool.touch([1], now)
     pool.free_blocks([1] * 6)
-    at(residency, 40.0)
-    pool.get_new_blocks(3)  # 1 again (front), then 2 and 3
+    pool.get_new_blocks(3, 40.0)  # 1 again (front), then 2 and 3
     assert residency.take() == [KvBlockEviction(39.0, 8.0, (4.0, 8.0, 16.0))]
     pool.free_blocks([1, 2, 3])
     assert pool.reset()
-    at(residency, 50.0)
-    pool.get_new_blocks(3)
+    pool.get_new_blocks(3, 50.0)
     assert residency.take() == []  # the records before the reset are gone, unreported
 
 
@@ -78,9 +65,9 @@ def test_sampling_follows_the_rate_and_the_seed() -> None:
         residency = BlockResidency(0.25, seed)
         log = KvEventLog(4, dp_rank=0, publish=True)
         pool = PagedBlockPool(64, caching=True, log=log, residency=residency)
-        pool.get_new_blocks(63)
+        pool.get_new_blocks(63, 0.0)
         pool.free_blocks(range(1, 64))
-        pool.get_new_blocks(63)
+        pool.get_new_blocks(63, 0.0)
         return len(residency.take())
 
     counts = [sampled(seed) for seed in range(6)]

@@ -34,11 +34,11 @@ def test_an_idle_pool_costs_at_most_21_bytes_a_block() -> None:
 def test_cached_hashes_leave_with_their_blocks() -> None:
     log = KvEventLog(16, dp_rank=0, publish=True)
     pool = PagedBlockPool(8, caching=True, log=log)
-    blocks = pool.get_new_blocks(2)
+    blocks = pool.get_new_blocks(2, 0.0)
     pool.cache_run(blocks, [11, 12], [b"a" * 32, b"b" * 32])
     assert pool.event_hash(blocks[1]) == int.from_bytes(b"b" * 8, "big")
     pool.free_blocks(reversed(blocks))
     # Every other free block is taken first; then the two cached ones are evicted, tail first.
-    pool.get_new_blocks(pool.num_free)
+    pool.get_new_blocks(pool.num_free, 0.0)
     assert pool.vllm_hash_of == {}
     assert pool.cached == {}

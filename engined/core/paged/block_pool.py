@@ -103,8 +103,9 @@ class PagedBlockPool:
         if self.key_of[block] >= 0:
             self.num_cached_free -= 1
 
-    def get_new_blocks(self, count: int) -> list[int]:
-        """`count` blocks from the front of the queue, evicting what they cached."""
+    def get_new_blocks(self, count: int, now_ms: float) -> list[int]:
+        """`count` blocks from the front of the queue at `now_ms`, evicting what they cached
+        (the time only dates the residency samples)."""
         assert count <= self.num_free, "allocation beyond the free blocks"
         refs = self.refs
         key_of = self.key_of
@@ -124,7 +125,7 @@ class PagedBlockPool:
                 evicted += 1
                 self._evict(block)
             if residency is not None:
-                residency.allocated(block)
+                residency.allocated(block, now_ms)
         rest = nxt[block]
         nxt[head] = rest
         prv[rest] = head
@@ -176,8 +177,8 @@ class PagedBlockPool:
             else:
                 cached[key] = block
 
-    def touch(self, blocks: list[int]) -> None:
-        """Take a handle on hit blocks, out of the free queue if they were free."""
+    def touch(self, blocks: list[int], now_ms: float) -> None:
+        """Take a handle on hit blocks at `now_ms`, out of the free queue if they were free."""
         refs = self.refs
         residency = self.residency
         for block in blocks:
@@ -185,7 +186,7 @@ class PagedBlockPool:
                 self._unlink(block)
             refs[block] += 1
             if residency is not None:
-                residency.touched(block)
+                residency.touched(block, now_ms)
 
     def free_blocks(self, ordered: Iterable[int]) -> None:
         """Drop a handle on each block; of those it frees, the first is evicted first."""

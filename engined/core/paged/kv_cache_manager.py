@@ -16,7 +16,8 @@ What a vLLM scheduler asks of its `KVCacheManager`, with vLLM's rules
 It also answers the engine's shared KV interface (`free_all` of `Release` moves, the
 gauges, the event log), so the preempter, the finisher and the token emitter work over it
 unchanged. Offload tiers stay on the mocker pool (README "Faithfulness"): here `offload` is
-always None, and the `now_ms` an allocation takes for an offload is not needed.
+always None, and the `now_ms` an allocation takes only dates the residency samples
+(`--kv-cache-metrics`, engined/core/paged/residency.py).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class PagedKvManager:
         new_computed_blocks: list[int] | None = None,
         cache: bool = True,
         full_sequence_must_fit: bool = False,
+        *,
+        now_ms: float,
     ) -> bool:
         """Slots for `num_new_tokens` after `num_computed` (plus the hit, for a waiting
         request); False, having changed nothing, when the free queue is too short, or, with
@@ -137,19 +140,19 @@ class PagedKvManager:
         if table is None:
             table = self._tables[seq] = []
         if hit:
-            pool.touch(hit)
+            pool.touch(hit, now_ms)
             table.extend(hit)
             self._num_cached[seq] = len(table)
         fresh = -(-need // bs) - len(table)
         if fresh > 0:
-            table.extend(pool.get_new_blocks(fresh))
+            table.extend(pool.get_new_blocks(fresh, now_ms))
         if need > seq.num_allocated_tokens:
             seq.num_allocated_tokens = need
         if cache and self.caching:
             self._cache_blocks(seq, table, min(computed + num_new_tokens, len(seq.tokens)))
         return True
 
-    def append_slot(self, seq: Sequence, length: int) -> bool:
+    def append_slot(self, seq: Sequence, length: int, now_ms: float) -> bool:
         """`allocate_slots(seq, length - 1, 1)` of a running request: a slot for its token
         `length`, in a new block when the held ones are full (False, with nothing changed,
         when none is free), and the block that token fills cached."""
@@ -159,7 +162,7 @@ class PagedKvManager:
         if length > len(table) * bs:
             if not pool.num_free:
                 return False
-            table.append(pool.get_new_blocks(1)[0])
+            table.append(pool.get_new_blocks(1, now_ms)[0])
         if length > seq.num_allocated_tokens:
             seq.num_allocated_tokens = length
         if self.caching and length % bs == 0:
@@ -299,7 +302,9 @@ class PagedKvManager:
         hit = self.get_computed_blocks(seq)
         prompt_len = seq.num_input_tokens
         fresh = -(-prompt_len // self.block_size) - len(hit)
-        if not self.allocate_slots(seq, 0, prompt_len - len(hit) * self.block_size, hit, False):
+        if not self.allocate_slots(
+            seq, 0, prompt_len - len(hit) * self.block_size, hit, False, now_ms=now_ms
+        ):
             return None
         table = self._tables[seq]
         res = DestinationReservation(hit, table[len(hit) : len(hit) + fresh], None)

@@ -26,7 +26,7 @@ HISTORY = 4
 class BlockResidency:
     """The sampled blocks of one pool, and the evictions not yet reported."""
 
-    __slots__ = ("_born", "_draw", "_hits", "_last", "_rate", "evictions", "now_ms")
+    __slots__ = ("_born", "_draw", "_hits", "_last", "_rate", "evictions")
 
     def __init__(self, sample_rate: float, seed: int) -> None:
         self._rate = sample_rate
@@ -35,12 +35,11 @@ class BlockResidency:
         self._last: dict[int, float] = {}
         self._hits: dict[int, list[float]] = {}
         self.evictions: list[KvBlockEviction] = []
-        self.now_ms = 0.0
 
-    def allocated(self, block: int) -> None:
-        """`block` was handed out: its previous tenant's record ends, a new one may start."""
+    def allocated(self, block: int, now: float) -> None:
+        """`block` was handed out at `now` (ms): its previous tenant's record ends, a new one
+        may start."""
         born = self._born.pop(block, None)
-        now = self.now_ms
         if born is not None:
             hits = self._hits.pop(block)
             gaps = tuple([hits[i] - hits[i - 1] for i in range(1, len(hits))])
@@ -50,12 +49,11 @@ class BlockResidency:
             self._last[block] = now
             self._hits[block] = []
 
-    def touched(self, block: int) -> None:
-        """A prefix hit took `block`."""
+    def touched(self, block: int, now: float) -> None:
+        """A prefix hit took `block` at `now` (ms)."""
         hits = self._hits.get(block)
         if hits is None:
             return
-        now = self.now_ms
         self._last[block] = now
         hits.append(now)
         if len(hits) > HISTORY:

@@ -157,7 +157,7 @@ class PagedScheduler:
                     or (
                         ready is not None
                         and computed + 1 + (seq.generated < seq.max_output_tokens) <= max_model_len
-                        and kv.append_slot(seq, length)
+                        and kv.append_slot(seq, length, ctx.now_ms)
                     )
                 )
             ):
@@ -234,7 +234,9 @@ class PagedScheduler:
         # allocation and caching without `allocate_slots`' generality.
         grow = num_new == 1 and not placeholders and computed >= seq.num_input_tokens
         while not (
-            kv.append_slot(seq, computed + 1) if grow else kv.allocate_slots(seq, computed, num_new)
+            kv.append_slot(seq, computed + 1, ctx.now_ms)
+            if grow
+            else kv.allocate_slots(seq, computed, num_new, now_ms=ctx.now_ms)
         ):
             victim = self._preempter.preempt()
             if victim is None:
@@ -278,7 +280,9 @@ class PagedScheduler:
             seq = req.seq
             if req.prompt_is_prebuilt():
                 computed = req.num_computed_tokens
-                if not kv.allocate_slots(seq, computed, len(seq.tokens) - computed):
+                if not kv.allocate_slots(
+                    seq, computed, len(seq.tokens) - computed, now_ms=ctx.now_ms
+                ):
                     return
                 state.transition_to_running(request_id)
                 ctx.admissions.append(Admission(request_id, computed))
@@ -298,7 +302,9 @@ class PagedScheduler:
             if not self._chunked and num_new > ctx.budget:
                 return
             num_new = min(num_new, ctx.budget)
-            if not kv.allocate_slots(seq, 0, num_new, hit, full_sequence_must_fit=self._full_isl):
+            if not kv.allocate_slots(
+                seq, 0, num_new, hit, full_sequence_must_fit=self._full_isl, now_ms=ctx.now_ms
+            ):
                 return
             state.transition_to_running(request_id)
             if req.cached_prefix_tokens is None:
