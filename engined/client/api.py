@@ -123,18 +123,17 @@ class EngineClient(HandoffCalls):
             async for (entry,) in lists:
                 yield entry
 
-    async def output_batches(
+    def output_batches(
         self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT
     ) -> AsyncGenerator[list[OutputEntry], None]:
         """Like `outputs`, but each item is every entry that had arrived by then, in order.
 
         A consumer slower than the engine (a relay such as the Dynamo worker) then pays its
         per-item cost once per backlog instead of once per pass, as vLLM's output collector
-        merges the deltas its consumer has not taken yet.
+        merges the deltas its consumer has not taken yet. The lists are `_entries`' own
+        generator, not re-yielded by another: a relay pays for one generator per item.
         """
-        async with contextlib.aclosing(self._entries(request_id, timeout, backlog=True)) as lists:
-            async for batch in lists:
-                yield batch
+        return self._entries(request_id, timeout, backlog=True)
 
     async def stream(
         self,

@@ -297,23 +297,19 @@ class Connection(Mailboxes):
     # --- the reader -----------------------------------------------------------------------
 
     async def _read(self) -> None:
+        # One awaited receive per readiness wake, then what else is queued without the
+        # asyncio socket's future per message: a sync shadow of the same libzmq socket reads
+        # until EAGAIN, in order, and nothing can run between two messages (no await).
+        drain: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         try:
             while True:
                 frames = await self._sock.recv_multipart(copy=False)
-                # A DEALER reply is [body]; tolerate the REQ-style [b"", body] envelope too.
-                if len(frames) == 2 and len(frames[0]) == 0:
-                    frames = frames[1:]
-                if not self._liveness.up:
-                    self._liveness.heard()
-                if len(frames) != 1:
-                    log.warning("daemon message with unexpected frames", frames=len(frames))
-                    continue
-                try:
-                    msg = self._decoder.decode(frames[0].buffer)
-                except WireError as exc:
-                    log.warning("undecodable daemon message", error=exc.message)
-                    continue
-                self._dispatch(msg)
+                while True:
+                    self._take(frames)
+                    try:
+                        frames = drain.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -321,6 +317,23 @@ class Connection(Mailboxes):
             self._failure = exc
             self._fail_all(exc)
             raise
+
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        """Decode one daemon message and hand it on; a malformed one is logged and dropped."""
+        # A DEALER reply is [body]; tolerate the REQ-style [b"", body] envelope too.
+        if len(frames) == 2 and len(frames[0]) == 0:
+            frames = frames[1:]
+        if not self._liveness.up:
+            self._liveness.heard()
+        if len(frames) != 1:
+            log.warning("daemon message with unexpected frames", frames=len(frames))
+            return
+        try:
+            msg = self._decoder.decode(frames[0].buffer)
+        except WireError as exc:
+            log.warning("undecodable daemon message", error=exc.message)
+            return
+        self._dispatch(msg)
 
     def _refused(self, status: int) -> None:
         """A refused handshake ends the client: libzmq does not try that endpoint again, so

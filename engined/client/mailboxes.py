@@ -83,9 +83,14 @@ class Mailboxes:
         return queue
 
     async def _get(self, queue: asyncio.Queue[_T], timeout: float | None) -> _T:
-        if queue.empty():
-            # Nothing will ever arrive on a closed client: fail now rather than time out.
-            self._check_usable()
+        # What is queued is taken without a wait (nor its timeout scope): a relay streaming
+        # tokens calls this once per chunk.
+        if not queue.empty():
+            return queue.get_nowait()
+        # Nothing will ever arrive on a closed client: fail now rather than time out.
+        self._check_usable()
+        if timeout is None:
+            return await queue.get()
         async with asyncio.timeout(timeout):
             return await queue.get()
 

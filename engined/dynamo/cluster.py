@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +28,7 @@ import structlog
 
 from engined.client import EngineClient
 from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids
-from engined.dynamo.handler import Chunk, Context, Limits, RequestHandler
-from engined.dynamo.recovery import gated
+from engined.dynamo.handler import Limits, RequestHandler
 from engined.dynamo.worker import (
     READY_LINE,
     _runtime_config,
@@ -57,20 +55,6 @@ class RankWorker:
     handler: RequestHandler
     metrics: Any = None
     publishers: list[Any] = field(default_factory=list)
-
-    async def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
-        """The handler's, on this rank: the router names it (the registered range is this
-        rank alone), and a request that names none or another goes here too, as dynamo.vllm
-        falls back on a rank out of its range."""
-        routing = request.get("routing")
-        if not isinstance(routing, dict):
-            routing = request["routing"] = {}
-        asked = routing.get("dp_rank")
-        if asked is not None and asked != self.rank:
-            log.warning("request for another rank served here", dp_rank=asked, rank=self.rank)
-        routing["dp_rank"] = self.rank
-        async for chunk in self.handler.generate(request, context):
-            yield chunk
 
 
 class Runtimes:
@@ -125,6 +109,8 @@ async def serve_per_rank(args: WorkerArgs) -> int:
             client, args, [w.endpoint for w in workers], welcome, fpm_ids, republish, on_load
         )
         ended.add_done_callback(lambda _: runtimes.shutdown())
+        for worker in workers:
+            worker.handler.gate = follower
         following = asyncio.ensure_future(follower.run())
         log.info(
             READY_LINE,
@@ -140,7 +126,7 @@ async def serve_per_rank(args: WorkerArgs) -> int:
             await asyncio.gather(
                 *(
                     w.endpoint.serve_endpoint(
-                        gated(w.generate, follower),
+                        w.handler.generate,
                         graceful_shutdown=True,
                         metrics_labels=[("model", name)],
                     )
@@ -181,7 +167,9 @@ async def _start_rank(
     endpoint = runtime.endpoint(args.endpoint_path)
     instance_id = endpoint.connection_id()
     await set_fpm_worker_ids(client, args, welcome, [(rank, instance_id)])
-    handler = RequestHandler(client, args.disaggregation_mode, limits, connect=EngineClient.connect)
+    handler = RequestHandler(
+        client, args.disaggregation_mode, limits, connect=EngineClient.connect, rank=rank
+    )
     worker = RankWorker(rank, runtime, endpoint, instance_id, handler)
     worker.publishers = rank_publishers(endpoint, welcome, rank)
     worker.metrics = WorkerMetricsPublisher()

@@ -36,6 +36,25 @@ class RequestFailed(Exception):
         self.message = message
 
 
+def http_error(exc: RequestFailed) -> Exception:
+    """The Dynamo exception that reaches the HTTP client with the daemon's message.
+
+    Across the request plane Dynamo 1.6.1 keeps only an `HttpError`'s status, not its
+    message; `InvalidArgument` keeps the message and answers 400, as dynamo.vllm raises
+    for a request the engine refuses. Other statuses keep `HttpError`, so a 503 stays a 503.
+    """
+    try:
+        from dynamo.llm.exceptions import HttpError, InvalidArgument
+    except ImportError:  # pragma: no cover - the worker always runs with Dynamo
+        return exc
+    error: Exception = (
+        InvalidArgument(exc.message)
+        if 400 <= exc.status < 500
+        else HttpError(exc.status, exc.message)
+    )
+    return error
+
+
 def field_map(request: dict[str, Any], field: str) -> dict[str, Any]:
     """`request[field]` as a map (absent or null: empty); anything else is a 400."""
     value = request.get(field) or {}
@@ -144,9 +163,13 @@ class Choice:
         self.vocab_size = vocab_size
         self.prompt = prompt
         self.sent = 0
+        # The last `handoff_delay_ms` an entry carried: a prefill's `disaggregated_params`.
+        self.handoff_delay_ms = 0.0
 
     def chunk(self, entry: OutputEntry) -> Chunk:
         self.usage.add(entry)
+        if entry.handoff_delay_ms is not None:
+            self.handoff_delay_ms = entry.handoff_delay_ms
         ids = entry.token_ids
         chunk: Chunk = {"token_ids": ids, "index": self.index}
         k = self.options.logprobs

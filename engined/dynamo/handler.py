@@ -23,7 +23,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -42,13 +42,20 @@ from engined.dynamo.engine_outputs import (
     OutputOptions,
     RequestFailed,
     Usage,
+    http_error,
     merge,
     output_options,
 )
-from engined.dynamo.request_fields import core_fields, single_sample, stop_fields
+from engined.dynamo.request_fields import (
+    core_fields,
+    pin_rank,
+    prefill_cached_tokens,
+    single_sample,
+    stop_fields,
+)
 from engined.dynamo.worker_args import DisaggregationMode
 from engined.model_clock import ModelClock
-from engined.wire.control import DestinationReservedEvent, OutputEntry, TransferTiming
+from engined.wire.control import DestinationReservedEvent, TransferTiming
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -75,7 +82,17 @@ def refusal(exc: EngineError) -> RequestFailed:
 
 Context = Any  # dynamo._core.Context: id(), async_killed_or_stopped(), is_stopped()
 Chunk = dict[str, Any]
-__all__ = ["Limits", "RequestFailed", "RequestHandler", "refusal"]
+__all__ = ["Gate", "Limits", "RequestFailed", "RequestHandler", "refusal"]
+
+
+class Gate(Protocol):
+    """Whether requests may reach the daemon now (`engined.dynamo.recovery`'s follower)."""
+
+    @property
+    def serving(self) -> bool: ...
+
+    def refusal(self) -> Exception:
+        """What a request gets while not `serving`, and a stream when the daemon goes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +116,13 @@ class RequestHandler:
         limits: Limits,
         *,
         connect: Callable[[str], Awaitable[EngineClient]],
+        rank: int | None = None,
     ) -> None:
         self._client = client
+        # `--worker-per-rank`: every request goes to this rank (`pin_rank`).
+        self._rank = rank
+        # Set once the worker follows its daemon; not a wrapping generator (a re-yield per chunk).
+        self.gate: Gate | None = None
         self._mode = mode
         self._limits = limits
         self._handoffs = Coordinator(client, connect)
@@ -110,29 +132,44 @@ class RequestHandler:
         await self._handoffs.close()
 
     async def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
-        """Dynamo's handler: an async generator of `LLMEngineOutput` chunks."""
+        """Dynamo's handler: an async generator of `LLMEngineOutput` chunks. Behind a `gate`,
+        refused while the daemon is gone or not set up again, and ended so when the daemon
+        goes mid-stream: a request never reaches a daemon without its vocabulary, and never
+        hangs on one that is gone."""
+        gate = self.gate
+        if gate is not None and not gate.serving:
+            raise gate.refusal()
+        if self._rank is not None:
+            pin_rank(request, self._rank)
         self.in_flight += 1
         try:
+            # Set up here, so each chunk passes one re-yielding generator fewer.
+            source: AsyncIterator[Chunk] | None
             if self._mode is DisaggregationMode.PREFILL:
                 source = self._prefill(request, context)
             elif self._mode is DisaggregationMode.DECODE and request.get("prefill_result"):
-                source = self._decode(request, context)
+                source = await self._decode(request, context)
             else:
-                source = self._aggregated(request, context)
+                source = await self._aggregated(request, context)
+            if source is None:
+                return
             async for chunk in source:
                 yield chunk
         except RequestFailed as exc:
-            raise _http_error(exc) from None
+            raise http_error(exc) from None
         except DaemonLost:
-            raise  # migratable: the worker's gate (engined.dynamo.recovery.gated) says so
+            if gate is None:
+                raise
+            raise gate.refusal() from None  # migratable (engined.dynamo.recovery)
         except ClientClosedError:
-            raise _http_error(RequestFailed(503, "the engined daemon went away")) from None
+            raise http_error(RequestFailed(503, "the engined daemon went away")) from None
         finally:
             self.in_flight -= 1
 
     # --- the three modes ------------------------------------------------------------------
 
     async def _aggregated(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+        """Submit the request (each of its `n` choices) and return its chunks' stream."""
         token_ids, max_tokens, dp_rank, seed = core_fields(request, self._limits.context_length)
         stop_token_ids, min_tokens = stop_fields(request)
         options = output_options(request)
@@ -140,7 +177,7 @@ class RequestHandler:
         usage = Usage(len(token_ids))
         # n > 1 as vLLM's ParentRequest fans it out: child `{j}_{id}`, seed + j.
         ids = [request_id] if options.n == 1 else [f"{j}_{request_id}" for j in range(options.n)]
-        streams: list[AsyncGenerator[tuple[Chunk, OutputEntry], None]] = []
+        streams: list[AsyncGenerator[Chunk, None]] = []
         try:
             for j, child in enumerate(ids):
                 submitted = await _refusing(
@@ -161,12 +198,7 @@ class RequestHandler:
             for stream in streams:
                 await stream.aclose()  # never started: cancels its request
             raise
-        if len(streams) == 1:
-            async for chunk, _ in streams[0]:
-                yield chunk
-        else:
-            async for chunk in _interleaved(streams):
-                yield chunk
+        return streams[0] if len(streams) == 1 else _interleaved(streams)
 
     async def _prefill(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
         # The prefill makes one token whatever the client asked: Dynamo's PrefillRouter sends
@@ -189,11 +221,8 @@ class RequestHandler:
             )
         )
         choice = Choice(0, Usage(len(token_ids)), OutputOptions(), 1, token_ids)
-        delay_ms = 0.0
         last: Chunk | None = None
-        async for chunk, entry in self._entries(submitted.request_id, choice, context):
-            if entry.handoff_delay_ms is not None:
-                delay_ms = entry.handoff_delay_ms
+        async for chunk in self._entries(submitted.request_id, choice, context):
             last = chunk
         if last is None or last.get("finish_reason") != "length":
             # Cancelled before the prompt was done: nothing is held, nothing to release.
@@ -210,7 +239,7 @@ class RequestHandler:
             "handoff_id": handoff_id,
             "control_endpoint": self._limits.control_endpoint,
             "dp_rank": submitted.dp_rank,
-            "handoff_delay_ms": delay_ms,
+            "handoff_delay_ms": choice.handoff_delay_ms,
             "speedup_ratio": self._limits.speedup_ratio,
         }
         if held is not None and held.transfer_timing is not None:
@@ -218,7 +247,11 @@ class RequestHandler:
         last["disaggregated_params"] = {PARAMS_KEY: params}
         yield last
 
-    async def _decode(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+    async def _decode(
+        self, request: dict[str, Any], context: Context
+    ) -> AsyncIterator[Chunk] | None:
+        """Pull the prefill's handoff and return the decode's chunks (None: the Dynamo side
+        went away meanwhile)."""
         token_ids, max_tokens, dp_rank, seed = core_fields(request, self._limits.context_length)
         stop_token_ids, min_tokens = stop_fields(request)
         options = single_sample(request)
@@ -245,18 +278,17 @@ class RequestHandler:
             )
         )
         if accepted is None:
-            return
+            return None
         usage = Usage(len(token_ids))
-        usage.cached_tokens = _prefill_cached_tokens(prefill_result)
+        usage.cached_tokens = prefill_cached_tokens(prefill_result)
         choice = Choice(0, usage, options, self._limits.vocab_size, token_ids)
-        async for chunk, _ in self._entries(accepted.request_id, choice, context):
-            yield chunk
+        return self._entries(accepted.request_id, choice, context)
 
     # --- streaming and ownership ------------------------------------------------------------
 
     async def _entries(
         self, request_id: str, choice: Choice, context: Context
-    ) -> AsyncGenerator[tuple[Chunk, OutputEntry], None]:
+    ) -> AsyncGenerator[Chunk, None]:
         """The request's chunks, one per engine output while Dynamo asks for each as it
         comes, else one for what queued meanwhile; cancels the request in the daemon if the
         Dynamo side goes first."""
@@ -266,7 +298,7 @@ class RequestHandler:
             async for batch in self._client.output_batches(request_id, timeout=None):
                 entry = batch[0] if len(batch) == 1 else merge(batch)
                 finished = entry.finished
-                yield choice.chunk(entry), entry
+                yield choice.chunk(entry)
         finally:
             watcher.cancel()
             if not finished:
@@ -283,7 +315,7 @@ class RequestHandler:
 
 
 async def _interleaved(
-    streams: list[AsyncGenerator[tuple[Chunk, OutputEntry], None]],
+    streams: list[AsyncGenerator[Chunk, None]],
 ) -> AsyncIterator[Chunk]:
     """The chunks of several choices as each comes. A choice's next chunk is asked for only
     once Dynamo has taken its last one, so what queues meanwhile is merged as for one."""
@@ -294,7 +326,7 @@ async def _interleaved(
             for task in [t for t in pending if t in done]:
                 stream = pending.pop(task)
                 try:
-                    chunk, _ = task.result()
+                    chunk = task.result()
                 except StopAsyncIteration:
                     continue
                 yield chunk
@@ -365,28 +397,3 @@ def _transfer_wait_s(params: dict[str, Any], reserved: DestinationReservedEvent)
         ModelClock(float(speedup)),
         reserved,
     )
-
-
-def _prefill_cached_tokens(prefill_result: Any) -> int:
-    details = (prefill_result or {}).get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) and cached >= 0 else 0
-
-
-def _http_error(exc: RequestFailed) -> Exception:
-    """The Dynamo exception that reaches the HTTP client with the daemon's message.
-
-    Across the request plane Dynamo 1.6.1 keeps only an `HttpError`'s status, not its
-    message; `InvalidArgument` keeps the message and answers 400, as dynamo.vllm raises
-    for a request the engine refuses. Other statuses keep `HttpError`, so a 503 stays a 503.
-    """
-    try:
-        from dynamo.llm.exceptions import HttpError, InvalidArgument
-    except ImportError:  # pragma: no cover - the worker always runs with Dynamo
-        return exc
-    error: Exception = (
-        InvalidArgument(exc.message)
-        if 400 <= exc.status < 500
-        else HttpError(exc.status, exc.message)
-    )
-    return error

@@ -21,14 +21,13 @@ request reaches a daemon in between, so none gets empty text.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
 
-from engined.client import ConnectionBack, ConnectionLost, DaemonLost, EngineClient
+from engined.client import ConnectionBack, ConnectionLost, EngineClient
 from engined.dynamo.engine_outputs import RequestFailed
-from engined.dynamo.handler import Chunk, Context
 from engined.dynamo.model import SetupError
 from engined.wire.control import Welcome
 
@@ -89,6 +88,11 @@ class DaemonFollower:
         self._watch_load = watch_load
         self._end = end
         self.serving = True
+
+    def refusal(self) -> Exception:
+        """The handler's gate (`engined.dynamo.handler.Gate`): what a request gets while not
+        `serving`, and a stream when the daemon goes mid-stream (`daemon_gone`)."""
+        return daemon_gone()
 
     async def run(self) -> None:
         try:
@@ -172,23 +176,3 @@ def daemon_gone() -> Exception:
         return RequestFailed(503, "the engined daemon went away")
     error: Exception = EngineShutdown("the engined daemon went away")
     return error
-
-
-Generate = Callable[[dict[str, Any], Context], AsyncIterator[Chunk]]
-
-
-def gated(generate: Generate, follower: DaemonFollower) -> Generate:
-    """`generate`, refused with `EngineShutdown` (migratable) while the daemon is gone or
-    not set up again, and ended so when the daemon goes mid-stream: a request never reaches
-    a daemon without its vocabulary, and never hangs on one that is gone."""
-
-    async def serve(request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
-        if not follower.serving:
-            raise daemon_gone()
-        try:
-            async for chunk in generate(request, context):
-                yield chunk
-        except DaemonLost:
-            raise daemon_gone() from None
-
-    return serve

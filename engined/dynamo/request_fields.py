@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from engined.core.token_stream import SEED_MAX, SEED_MIN
 from engined.dynamo.engine_outputs import OutputOptions, RequestFailed, field_map, output_options
+
+log = structlog.get_logger(__name__)
 
 
 def core_fields(
@@ -77,3 +81,24 @@ def stop_fields(request: dict[str, Any]) -> tuple[list[int] | None, int]:
             400, f"stop_conditions.min_tokens: expected an int >= 0, got {min_tokens!r}"
         )
     return ids or None, min_tokens
+
+
+def pin_rank(request: dict[str, Any], rank: int) -> None:
+    """Route the request to `rank`, the one a `--worker-per-rank` worker serves: the router
+    names it (the registered range is that rank alone), and a request that names none or
+    another goes there too, as dynamo.vllm falls back on a rank out of its range."""
+    routing = request.get("routing")
+    if not isinstance(routing, dict):
+        routing = request["routing"] = {}
+    asked = routing.get("dp_rank")
+    if asked is not None and asked != rank:
+        log.warning("request for another rank served here", dp_rank=asked, rank=rank)
+    routing["dp_rank"] = rank
+
+
+def prefill_cached_tokens(prefill_result: Any) -> int:
+    """The prompt tokens the prefill found cached, from its result: a decode's usage
+    reports them as vLLM's decode side does."""
+    details = (prefill_result or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and cached >= 0 else 0

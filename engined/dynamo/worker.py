@@ -26,7 +26,7 @@ from engined.client import EngineClient
 from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids, set_vocabulary
 from engined.dynamo.handler import Limits, RequestHandler
 from engined.dynamo.model import SetupError, read_model
-from engined.dynamo.recovery import DaemonFollower, gated
+from engined.dynamo.recovery import DaemonFollower
 from engined.dynamo.startup import dynamo_step, runtime_failure
 from engined.dynamo.worker_args import DisaggregationMode, WorkerArgs, parse_args
 from engined.logs import configure_logging
@@ -204,6 +204,7 @@ async def serve(args: WorkerArgs) -> int:
 
         follower, ended = follow(client, args, [endpoint], welcome, fpm_ids, republish, on_load)
         ended.add_done_callback(lambda _: runtime.shutdown())
+        handler.gate = follower
         following = asyncio.ensure_future(follower.run())
         log.info(
             READY_LINE,
@@ -218,7 +219,7 @@ async def serve(args: WorkerArgs) -> int:
         try:
             with dynamo_step(f"Dynamo stopped serving {args.endpoint_path}"):
                 await endpoint.serve_endpoint(
-                    gated(handler.generate, follower),
+                    handler.generate,
                     graceful_shutdown=True,
                     metrics_labels=[("model", name)],
                 )
