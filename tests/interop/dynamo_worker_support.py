@@ -285,18 +285,29 @@ def wait_routable(
     prefill_model: str | None = None,
     timeout: float = READY_TIMEOUT_S,
 ) -> None:
-    """Until `frontend`'s routers have taken in every worker (and, for a disaggregated
-    model, activated its prefill router).
+    """Until `frontend`'s routers have taken in every worker and its model manager serves
+    their model (and, for a disaggregated model, has activated its prefill router).
 
     `/v1/models` and `/health` list a worker before its router has it: a request sent at
     once may get 503 "no backend worker available" (seen with a decode model whose prefill
-    router was still activating, on a loaded machine). Dynamo 1.6.1 logs both moments."""
+    router was still activating, on a loaded machine). And the router may take in every
+    worker before the model is committed to the HTTP service: a request sent then got 404
+    (seen in CI with `--worker-per-rank`, 11 ms between the two). Dynamo 1.6.1 logs each
+    moment."""
     wanted = [f"Adding worker WorkerWithDpRank {{ worker_id: {i}," for i in worker_ids]
 
     def check() -> bool:
         frontend.check_alive()
         messages = [str(r.get("message", "")) for r in frontend.log_records()]
         if not all(any(m.startswith(w) for m in messages) for w in wanted):
+            return False
+        committed = False  # as of the last commit or removal of a model group
+        for message in messages:
+            if message == "Committed discovered model group":
+                committed = True
+            elif message == "Removed discovered model group":
+                committed = False
+        if not committed:
             return False
         if prefill_model is None:
             return True
