@@ -196,6 +196,34 @@ def add_worker(
     """A started worker for `daemon` serving `model` (its own name, not the cluster's), which
     every running frontend of its namespace (or of all namespaces) lists. A decode worker's
     model is only listed once its prefill worker is up: start the prefill one first."""
+    worker = _start_worker(
+        cluster,
+        daemon,
+        name=name,
+        model=model,
+        namespace=namespace,
+        disaggregation_mode=disaggregation_mode,
+        env=env,
+    )
+    for frontend in cluster.frontends():
+        if frontend.namespace in (None, namespace):
+            worker.wait_listed(frontend)
+    return worker
+
+
+def _start_worker(
+    cluster: DynamoCluster,
+    daemon: EnginedDaemon,
+    *,
+    name: str,
+    model: str,
+    namespace: str,
+    disaggregation_mode: str = "agg",
+    env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+) -> EnginedWorker:
+    """An `EnginedWorker` for `daemon` in `cluster`, started, and stopped (its exit status
+    kept) by `cluster.close()`."""
     worker = EnginedWorker(
         cluster.python,
         cluster.workdir,
@@ -207,12 +235,10 @@ def add_worker(
         namespace=namespace,
         disaggregation_mode=disaggregation_mode,
         env=env,
+        extra_args=extra_args,
     )
-    cluster.processes.append(worker)  # stopped (and its exit status kept) by cluster.close()
+    cluster.processes.append(worker)
     worker.start()
-    for frontend in cluster.frontends():
-        if frontend.namespace in (None, namespace):
-            worker.wait_listed(frontend)
     return worker
 
 
@@ -230,19 +256,14 @@ def start_worker_per_rank(
 ) -> tuple[EnginedWorker, list[int]]:
     """A started `--worker-per-rank` worker for `daemon`, and its ranks' instance ids in
     rank order (its ready line's `worker_ids`)."""
-    worker = EnginedWorker(
-        cluster.python,
-        cluster.workdir,
-        cluster.store,
-        cluster.model_path,
-        daemon.control,
-        model_name=model,
+    worker = _start_worker(
+        cluster,
+        daemon,
         name=name,
+        model=model,
         namespace=namespace,
         extra_args=["--worker-per-rank"],
     )
-    cluster.processes.append(worker)  # stopped (and its exit status kept) by cluster.close()
-    worker.start()
     ready = json.loads(worker.wait_for_log(READY_LINE))
     return worker, [int(i) for i in ready["worker_ids"]]
 

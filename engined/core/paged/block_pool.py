@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 from engined.core.kv_event_log import KvEventLog
 from engined.core.paged.residency import BlockResidency
+from engined.core.vllm_hashing import event_block_hash_int
 
 NULL_BLOCK = 0
 
@@ -134,14 +135,14 @@ class PagedBlockPool:
         return taken
 
     def event_hash(self, block: int) -> int:
-        """A cached block's hash as KV events carry it: the last 8 bytes of vLLM's."""
-        return int.from_bytes(self.vllm_hash_of[block][-8:], "big")
+        """A cached block's hash as KV events carry it (`event_block_hash_int` of vLLM's)."""
+        return event_block_hash_int(self.vllm_hash_of[block])
 
     def _evict(self, block: int) -> None:
         key = self.key_of[block]
         self.key_of[block] = -1
         self._uncache(key, block)
-        self.log.removed([int.from_bytes(self.vllm_hash_of.pop(block)[-8:], "big")])
+        self.log.removed([event_block_hash_int(self.vllm_hash_of.pop(block))])
 
     def _uncache(self, key: int, block: int) -> None:
         twins = self._twins.get(key)
