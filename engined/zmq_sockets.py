@@ -139,6 +139,25 @@ def make_socket(
             (see `check_ipc_path`).
         zmq.ZMQError: the bind or connect failed; the socket is closed before re-raising.
     """
+    if bind:
+        check_ipc_path(endpoint)
+    sock = configured_socket(ctx, socket_type, **options)
+    try:
+        if bind:
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def configured_socket(
+    ctx: zmq.asyncio.Context, socket_type: int, **options: Unpack[SocketOptions]
+) -> zmq.asyncio.Socket:
+    """`make_socket` without the bind or connect: for a caller that must attach something
+    first (a client's monitor, so that it sees even the first connection's refusal)."""
     router_mandatory = options.get("router_mandatory", False)
     maxmsgsize = options.get("maxmsgsize")
     routing_id = options.get("routing_id")
@@ -146,8 +165,6 @@ def make_socket(
     heartbeat_timeout = options.get("heartbeat_timeout")
     if router_mandatory and socket_type != zmq.ROUTER:
         raise ValueError(f"router_mandatory only applies to ROUTER sockets, not type {socket_type}")
-    if bind:
-        check_ipc_path(endpoint)
     if socket_type == zmq.ROUTER:
         _seed_routing_ids()
     sock = ctx.socket(socket_type)
@@ -166,10 +183,6 @@ def make_socket(
         if heartbeat_timeout is not None:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout)
         _set_security(sock, options)
-        if bind:
-            sock.bind(endpoint)
-        else:
-            sock.connect(endpoint)
     except BaseException:
         sock.close(linger=0)
         raise

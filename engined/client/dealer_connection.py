@@ -56,7 +56,7 @@ from engined.wire.control import (
     WireError,
     encode_message,
 )
-from engined.zmq_sockets import CurveClientKeys, make_socket
+from engined.zmq_sockets import CurveClientKeys, configured_socket
 
 log = structlog.get_logger()
 
@@ -150,11 +150,9 @@ class Connection(Mailboxes):
             # NOTE: linger 0: every message that matters is followed by an awaited reply,
             # so what is still queued at close was abandoned, and close must not hang on a
             # daemon that went away.
-            sock = make_socket(
+            sock = configured_socket(
                 context,
                 zmq.DEALER,
-                endpoint,
-                bind=False,
                 sndhwm=_HWM,
                 rcvhwm=_HWM,
                 linger=0,
@@ -170,7 +168,16 @@ class Connection(Mailboxes):
             if owns_ctx:
                 context.term()
             raise
-        return cls(sock, context, owns_ctx=owns_ctx, liveness_s=liveness_s)
+        # Connected only once the monitor is attached: libzmq may refuse the handshake
+        # before this coroutine runs again, and a refusal nobody saw would leave every call
+        # waiting for its timeout instead of raising ConnectionRefused.
+        client = cls(sock, context, owns_ctx=owns_ctx, liveness_s=liveness_s)
+        try:
+            sock.connect(endpoint)
+        except BaseException:
+            await client.close()
+            raise
+        return client
 
     async def __aenter__(self) -> Self:
         return self

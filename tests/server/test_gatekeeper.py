@@ -7,14 +7,17 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 import zmq.auth
 
 from engined.client import ConnectionRefused, EngineClient, EngineError
+from engined.client.liveness import Liveness
 from engined.server.security.access import AccessError, read_authorized_keys, read_secret_key
 from engined.server.security.gatekeeper import (
     DENIED,
@@ -170,6 +173,32 @@ def test_past_the_connection_cap_a_client_is_refused_and_told(tmp_path: Path) ->
             await client.close()
 
     with start_daemon(tmp_path, "--max-connections", "3") as daemon:
+        asyncio.run(scenario(daemon.control))
+
+
+def test_a_refusal_is_seen_however_late_the_client_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's monitor is attached before its socket connects: on a loaded machine the
+    daemon may refuse the handshake before the client's thread runs again (CI saw a call
+    wait its whole timeout). A slow attach stands in for that scheduler."""
+    attach = Liveness.__init__
+
+    def slow_attach(self: Liveness, *args: Any, **kwargs: Any) -> None:
+        time.sleep(0.5)  # not a synchronisation: the scheduler that delays this thread
+        attach(self, *args, **kwargs)
+
+    async def scenario(control: str) -> None:
+        client = await admitted(control)
+        monkeypatch.setattr(Liveness, "__init__", slow_attach)
+        extra = await EngineClient.connect(control)
+        with pytest.raises(ConnectionRefused) as refused:
+            await extra.hello(timeout=10)
+        assert refused.value.status == 500
+        await extra.close()
+        await client.close()
+
+    with start_daemon(tmp_path, "--max-connections", "1") as daemon:
         asyncio.run(scenario(daemon.control))
 
 
