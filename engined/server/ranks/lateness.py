@@ -2,8 +2,11 @@
 p50/p99/max that `stats` reports of the latest 100,000.
 
 Sorting the full window costs ~10 ms and `stats` is a cheap message, so a long window is
-re-sorted at most every LATENESS_SUMMARY_TTL_S; a short one (~0.05 ms to sort) whenever a
-pass was added, so the first passes' lateness is never hidden behind an older summary.
+re-sorted at most every LATENESS_SUMMARY_TTL_S, and only once a summary of a long window was
+taken; otherwise (~0.05 ms to sort a short one) whenever a pass was added, so the first
+passes' lateness is never hidden behind an older summary, even when more than
+LATENESS_CHEAP_SORT passes ran since (a fast core at a tiny modelled pass runs thousands in a
+TTL).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ class LatenessWindow:
         self.ms: deque[float] = deque(maxlen=WINDOW)
         self._added = 0
         self._summary: tuple[float, float, float] = (0.0, 0.0, 0.0)
-        self._at: tuple[int, float] | None = None  # (passes added, clock) of the summary
+        # (passes added, clock, window length) when the summary was taken.
+        self._at: tuple[int, float, int] | None = None
 
     def add(self, late_ms: float) -> None:
         self.ms.append(late_ms)
@@ -36,10 +40,10 @@ class LatenessWindow:
         cached = self._at
         if cached is not None and (
             cached[0] == self._added
-            or (now - cached[1] < LATENESS_SUMMARY_TTL_S and len(self.ms) > LATENESS_CHEAP_SORT)
+            or (now - cached[1] < LATENESS_SUMMARY_TTL_S and cached[2] > LATENESS_CHEAP_SORT)
         ):
             return self._summary
-        self._at = (self._added, now)
+        self._at = (self._added, now, len(self.ms))
         if not self.ms:
             self._summary = (0.0, 0.0, 0.0)
         else:
