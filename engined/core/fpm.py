@@ -11,10 +11,13 @@ exact (engined/core/queued.py explains why they are not walked).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import NamedTuple
 
 from engined.core.state import RequestState
 from engined.core.types import FpmSnapshot
+
+_scheduled_len = attrgetter("scheduled_len")
 
 
 class LengthStats(NamedTuple):
@@ -59,6 +62,39 @@ def build_snapshot(
     """The snapshot of one pass; the queued halves are (count, sum, variance) of lengths,
     tallied as requests queue (engined/core/queued.py) rather than walked each pass. A
     request among `scheduled` is a one-token decode, by its `scheduled_len`."""
+    n_qp, sum_qp, var_qp = queued_prefill
+    n_qd, sum_qd, var_qd = queued_decode
+    try:
+        # A pass of one-token decodes only (the steady case): their lengths at C speed, and
+        # the Welford steps alone per request. A ScheduledWork among them has no
+        # `scheduled_len` and sends the pass to the general walk below.
+        lengths = list(map(_scheduled_len, scheduled))
+    except AttributeError:
+        pass
+    else:
+        n = len(lengths)
+        mean = 0.0
+        m2 = 0.0
+        for k, x in enumerate(lengths, 1):
+            delta = x - mean
+            mean += delta / k
+            m2 += delta * (x - mean)
+        return FpmSnapshot(
+            num_prefill_requests=0,
+            sum_prefill_tokens=0,
+            var_prefill_length=0.0,
+            sum_prefill_kv_tokens=0,
+            num_decode_requests=n,
+            sum_decode_kv_tokens=sum(lengths),
+            var_decode_kv_tokens=m2 / n if n else 0.0,
+            num_queued_prefill=n_qp,
+            sum_queued_prefill_tokens=sum_qp,
+            var_queued_prefill_length=var_qp,
+            num_queued_decode=n_qd,
+            sum_queued_decode_kv_tokens=sum_qd,
+            var_queued_decode_kv_tokens=var_qd,
+            wall_time_secs=wall_time_secs,
+        )
     prefill_lengths: list[int] = []
     prefill_tokens = 0
     prefill_kv = 0
@@ -90,8 +126,6 @@ def build_snapshot(
         m2 += delta * (x - mean)
     var_decode = m2 / n_decode if n_decode else 0.0
     n_prefill, _, var_prefill = welford(prefill_lengths)
-    n_qp, sum_qp, var_qp = queued_prefill
-    n_qd, sum_qd, var_qd = queued_decode
     return FpmSnapshot(
         num_prefill_requests=n_prefill,
         sum_prefill_tokens=prefill_tokens,

@@ -114,6 +114,37 @@ class KvEventLog:
             medium,
         )
 
+    def stored_one(
+        self, parent: int | None, block_hash: int, local_hash: int, token_ids: list[int]
+    ) -> None:
+        """`stored_blocks` of one GPU block without extra keys: a decode step filling a
+        block, once per block size tokens of every running request."""
+        if self.publish:
+            event_id = self.next_event_id
+            self.next_event_id = event_id + 1
+            self._events.append(
+                BlockStored(
+                    event_id,
+                    self.dp_rank,
+                    parent,
+                    [block_hash],
+                    [local_hash],
+                    token_ids,
+                    self.block_size,
+                )
+            )
+
+    def removed_each(self, hashes: list[int]) -> None:
+        """One GPU Removed per hash, in order, as vLLM's pool publishes evictions."""
+        if self.publish:
+            events = self._events
+            dp_rank = self.dp_rank
+            event_id = self.next_event_id
+            for block_hash in hashes:
+                events.append(BlockRemoved(event_id, dp_rank, [block_hash]))
+                event_id += 1
+            self.next_event_id = event_id
+
     def removed(self, hashes: list[int], medium: Medium = Medium.GPU) -> None:
         """Publish blocks evicted from `medium` (nothing for an empty list)."""
         if hashes and self.publish:

@@ -71,6 +71,7 @@ class Preempter:
         state.remove_running(victim)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.steady_until = 0
         # Async scheduling: what is in flight is delivered but no longer counted.
         req.num_stale_output_tokens = req.num_in_flight_tokens
         req.num_output_placeholders = 0

@@ -38,6 +38,10 @@ class RequestState:
     num_output_placeholders: int = 0
     num_in_flight_tokens: int = 0
     num_stale_output_tokens: int = 0
+    # vLLM semantics, fused walk: below this length a decode step is steady (its slot in a
+    # held block, filling none; its token ends nothing); 0 when unknown.
+    # engined/core/paged/scheduler.py sets it, a preemption clears it.
+    steady_until: int = 0
 
     def prompt_is_prebuilt(self) -> bool:
         """An activated destination: its prompt KV arrived by transfer, nothing to prefill."""

@@ -116,33 +116,31 @@ class PagedBlockPool:
         residency = self.residency
         # The front `count` blocks leave the queue together: one relink, not one per block.
         taken: list[int] = []
+        evicted: list[int] = []
         block = head
-        evicted = 0
         for _ in range(count):
             block = nxt[block]
             taken.append(block)
             refs[block] = 1
-            if key_of[block] >= 0:
-                evicted += 1
-                self._evict(block)
+            key = key_of[block]
+            if key >= 0:
+                key_of[block] = -1
+                self._uncache(key, block)
+                evicted.append(event_block_hash_int(self.vllm_hash_of.pop(block)))
             if residency is not None:
                 residency.allocated(block, now_ms)
         rest = nxt[block]
         nxt[head] = rest
         prv[rest] = head
         self.num_free -= count
-        self.num_cached_free -= evicted
+        if evicted:
+            self.num_cached_free -= len(evicted)
+            self.log.removed_each(evicted)
         return taken
 
     def event_hash(self, block: int) -> int:
         """A cached block's hash as KV events carry it (`event_block_hash_int` of vLLM's)."""
         return event_block_hash_int(self.vllm_hash_of[block])
-
-    def _evict(self, block: int) -> None:
-        key = self.key_of[block]
-        self.key_of[block] = -1
-        self._uncache(key, block)
-        self.log.removed([event_block_hash_int(self.vllm_hash_of.pop(block))])
 
     def _uncache(self, key: int, block: int) -> None:
         twins = self._twins.get(key)

@@ -189,7 +189,7 @@ class PagedKvManager:
         ext = int.from_bytes(h[-8:], "big")
         pool.cache(table[pos], seq.keys[pos], h)
         self._num_cached[seq] = pos + 1
-        self.log.stored_blocks(pool.event_hash(parent_block), [ext], [seq.local[pos]], token_ids)
+        self.log.stored_one(pool.event_hash(parent_block), ext, seq.local[pos], token_ids)
 
     def _cache_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         """Cache the blocks whose every token is scheduled: vLLM hashes each (chained to the

@@ -128,23 +128,50 @@ class PagedScheduler:
         kv = self._kv
         max_model_len = self._max_model_len
         bs = self.block_size
-        scheduled = ctx.scheduled
-        scheduled_ids = ctx.scheduled_ids
+        # The lists' appends, bound once: five appends per running request per pass.
+        schedule_id = ctx.scheduled_ids.append
+        schedule = ctx.scheduled.append
         ready = ctx.ready
         draw: Any = self._vocab.draw
         # NOTE: the array's method itself, and the drawn token typed Any (emission.py).
         append_token: Any = array.append
         decoded_ids = ctx.decoded_ids
-        decoded_tokens = ctx.decoded_tokens
+        decode_id = decoded_ids.append
+        decode_token = ctx.decoded_tokens.append
         fused_len = 0
         budget = ctx.budget
+        # The offset of a token that fills its block: the next one opens a new block.
+        fills = bs - 1
+        # Only the general step below changes the running list (a preemption).
+        n = len(running)
         i = 0
-        while i < len(running) and budget > 0:
+        while i < n and budget > 0:
             req = running[i]
             seq = req.seq
             computed = req.num_computed_tokens
             tokens = seq.tokens
             length = len(tokens)
+            if length < req.steady_until and length - computed == 1:
+                # Inside a steady stretch (set below, where the checks were made): a decode
+                # step in a held block that fills no block, and a sampling that ends nothing.
+                # A running request's slots never reach past its tokens, and the last step
+                # gave it a slot for each: this one takes the next.
+                seq.num_allocated_tokens = length
+                req.num_computed_tokens = length
+                req.scheduled_len = length
+                request_id = req.request_id
+                schedule_id(request_id)
+                schedule(req)
+                budget -= 1
+                i += 1
+                bits: Any = seq.token_bits
+                drawn: Any = bits(32) if draw is None else draw(bits)
+                append_token(tokens, drawn)
+                seq.generated += 1
+                decode_id(request_id)
+                decode_token(drawn)
+                fused_len += length
+                continue
             # How far the tokens reach into their last block (0: they end on a boundary).
             offset = length % bs
             if (
@@ -171,8 +198,8 @@ class PagedScheduler:
                 req.num_computed_tokens = length
                 req.scheduled_len = length
                 request_id = req.request_id
-                scheduled_ids.append(request_id)
-                scheduled.append(req)
+                schedule_id(request_id)
+                schedule(req)
                 budget -= 1
                 i += 1
                 if ready is None:
@@ -186,15 +213,23 @@ class PagedScheduler:
                     # ends nothing, with nothing to report), the same draw and effects. No
                     # later step of this pass can take it back: only the last running
                     # request is ever preempted (`ctx.ready`).
-                    bits: Any = seq.token_bits
-                    drawn: Any = bits(32) if draw is None else draw(bits)
-                    if (length + 1) % bs:
+                    bits = seq.token_bits
+                    drawn = bits(32) if draw is None else draw(bits)
+                    if offset != fills:
                         append_token(tokens, drawn)
                         seq.generated += 1
+                        if offset:
+                            # The steady stretch: while the length stays short of the last
+                            # slot of this block and of the last token, the next steps pass
+                            # every check above (a preemption ends it: `Preempter`).
+                            req.steady_until = min(
+                                length - offset + fills,
+                                length + seq.max_output_tokens - seq.generated,
+                            )
                     else:
                         seq.push_paged(drawn)
-                    decoded_ids.append(request_id)
-                    decoded_tokens.append(drawn)
+                    decode_id(request_id)
+                    decode_token(drawn)
                     fused_len += length
                 else:
                     ready.append((req, len(decoded_ids)))
@@ -204,6 +239,7 @@ class PagedScheduler:
             budget = ctx.budget
             if i < 0:
                 break
+            n = len(running)
         ctx.budget = budget
         ctx.fused = len(decoded_ids)
         ctx.fused_len = fused_len
