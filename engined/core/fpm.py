@@ -3,15 +3,19 @@
 Prefill work is measured per request scheduled with prompt tokens in this pass: the chunk it
 computed, the prefix it already had, and (for the variance) its full prompt length. Decode
 work is every other scheduled request, measured by its sequence length at schedule time, so a
-request that completes in the pass still counts. Variances of the scheduled work are Welford
-population variances, to match upstream to the last bit; those of the queued requests are
-exact (engined/core/queued.py explains why they are not walked).
+request that completes in the pass still counts.
+
+Every variance, of the scheduled work here and of the queued requests
+(engined/core/queued.py), is the population variance computed exactly in integers and rounded
+once (`length_stats`): the correctly rounded value. Dynamo runs a Welford loop over a hash
+map, so its last bit depends on the map's order; the exact value is what every order
+approximates. It also costs a third of the Welford loop: a decode pass does it for every
+running request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from operator import attrgetter
+from operator import attrgetter, mul
 from typing import NamedTuple
 
 from engined.core.state import RequestState
@@ -38,19 +42,17 @@ class ScheduledWork(NamedTuple):
     terminal: bool
 
 
-def welford(values: Iterable[int]) -> LengthStats:
-    """Count, sum and population variance."""
-    n = 0
-    total = 0
-    mean = 0.0
-    m2 = 0.0
-    for x in values:
-        n += 1
-        total += x
-        delta = x - mean
-        mean += delta / n
-        m2 += delta * (x - mean)
-    return LengthStats(n, total, m2 / n if n else 0.0)
+def exact_stats(n: int, total: int, squares: int) -> LengthStats:
+    """The stats of `n` lengths from their sum and sum of squares: the variance exact in
+    integers, with one rounding in the division (Python's int / int rounds correctly)."""
+    if n == 0:
+        return LengthStats(0, 0, 0.0)
+    return LengthStats(n, total, (n * squares - total * total) / (n * n))
+
+
+def length_stats(lengths: list[int]) -> LengthStats:
+    """Count, sum and population variance of `lengths` (`exact_stats`)."""
+    return exact_stats(len(lengths), sum(lengths), sum(map(mul, lengths, lengths)))
 
 
 def build_snapshot(
@@ -62,70 +64,28 @@ def build_snapshot(
     """The snapshot of one pass; the queued halves are (count, sum, variance) of lengths,
     tallied as requests queue (engined/core/queued.py) rather than walked each pass. A
     request among `scheduled` is a one-token decode, by its `scheduled_len`."""
-    n_qp, sum_qp, var_qp = queued_prefill
-    n_qd, sum_qd, var_qd = queued_decode
-    try:
-        # A pass of one-token decodes only (the steady case): their lengths at C speed, and
-        # the Welford steps alone per request. A ScheduledWork among them has no
-        # `scheduled_len` and sends the pass to the general walk below.
-        lengths = list(map(_scheduled_len, scheduled))
-    except AttributeError:
-        pass
-    else:
-        n = len(lengths)
-        mean = 0.0
-        m2 = 0.0
-        for k, x in enumerate(lengths, 1):
-            delta = x - mean
-            mean += delta / k
-            m2 += delta * (x - mean)
-        return FpmSnapshot(
-            num_prefill_requests=0,
-            sum_prefill_tokens=0,
-            var_prefill_length=0.0,
-            sum_prefill_kv_tokens=0,
-            num_decode_requests=n,
-            sum_decode_kv_tokens=sum(lengths),
-            var_decode_kv_tokens=m2 / n if n else 0.0,
-            num_queued_prefill=n_qp,
-            sum_queued_prefill_tokens=sum_qp,
-            var_queued_prefill_length=var_qp,
-            num_queued_decode=n_qd,
-            sum_queued_decode_kv_tokens=sum_qd,
-            var_queued_decode_kv_tokens=var_qd,
-            wall_time_secs=wall_time_secs,
-        )
     prefill_lengths: list[int] = []
     prefill_tokens = 0
     prefill_kv = 0
-    # The decode lengths' Welford runs inline (the steps of `welford`, in the same order, so
-    # the same bits): one decode per running request per pass, and no list of them.
-    n_decode = 0
-    sum_decode = 0
-    mean = 0.0
-    m2 = 0.0
-    for work in scheduled:
-        if isinstance(work, RequestState):
-            # A one-token decode by its sequence length (PassContext.scheduled).
-            x = work.scheduled_len
-        elif work.prompt_tokens > 0:
-            prefill_lengths.append(work.prompt_len)
-            prefill_tokens += work.total_tokens
-            prefill_kv += work.prefix_tokens
-            continue
-        elif not work.terminal:
-            x = work.sequence_len
-        else:
-            continue
-        n_decode += 1
-        sum_decode += x
-        # Exact: a length is far below 2**53, so `x - mean` subtracts float(x), exactly
-        # `welford`'s steps.
-        delta = x - mean
-        mean += delta / n_decode
-        m2 += delta * (x - mean)
-    var_decode = m2 / n_decode if n_decode else 0.0
-    n_prefill, _, var_prefill = welford(prefill_lengths)
+    try:
+        # A pass of one-token decodes only (the steady case): their lengths at C speed. A
+        # ScheduledWork among them has no `scheduled_len` and sends the pass to the walk.
+        decode_lengths = list(map(_scheduled_len, scheduled))
+    except AttributeError:
+        decode_lengths = []
+        for work in scheduled:
+            if isinstance(work, RequestState):
+                decode_lengths.append(work.scheduled_len)
+            elif work.prompt_tokens > 0:
+                prefill_lengths.append(work.prompt_len)
+                prefill_tokens += work.total_tokens
+                prefill_kv += work.prefix_tokens
+            elif not work.terminal:
+                decode_lengths.append(work.sequence_len)
+    n_decode, sum_decode, var_decode = length_stats(decode_lengths)
+    n_prefill, _, var_prefill = length_stats(prefill_lengths)
+    n_qp, sum_qp, var_qp = queued_prefill
+    n_qd, sum_qd, var_qd = queued_decode
     return FpmSnapshot(
         num_prefill_requests=n_prefill,
         sum_prefill_tokens=prefill_tokens,

@@ -13,8 +13,9 @@ import msgspec
 class FpmSnapshot(msgspec.Struct, frozen=True, gc=False):
     """Forward-pass metrics of one pass (Dynamo's `ForwardPassSnapshot`).
 
-    Variances are population variances (Welford). Scheduled prefills are measured over the
-    full prompt length, queued decodes over the tokens whose KV they will need.
+    Variances are population variances, exact and rounded once (engined/core/fpm.py).
+    Scheduled prefills are measured over the full prompt length, queued decodes over the
+    tokens whose KV they will need.
     """
 
     num_prefill_requests: int = 0

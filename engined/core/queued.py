@@ -9,8 +9,7 @@ enters or leaves it, and a pass reads them in O(1).
 
 A request's class and length are fixed while it waits (only a running request changes
 status or grows), so they are taken once, on entry. The variance is computed exactly from
-the integers and rounded once: the correctly rounded value, where Dynamo's Welford loop may
-differ in the last bit for three or more distinct lengths.
+the integers and rounded once, as every FPM variance is (engined/core/fpm.py).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from engined.core.fpm import LengthStats
+from engined.core.fpm import LengthStats, exact_stats
 from engined.core.state import RequestState, RequestStatus, SchedulerState
 
 
@@ -44,11 +43,7 @@ class LengthTally:
 
     def summary(self) -> LengthStats:
         """(count, sum, population variance); the variance is 0.0 for no lengths."""
-        n = self.count
-        if n == 0:
-            return LengthStats(0, 0, 0.0)
-        # Exact in integers, one rounding in the division (Python's int / int is exact).
-        return LengthStats(n, self.total, (n * self.squares - self.total * self.total) / (n * n))
+        return exact_stats(self.count, self.total, self.squares)
 
 
 class QueuedAs(NamedTuple):

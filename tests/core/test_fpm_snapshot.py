@@ -1,18 +1,20 @@
-"""`build_snapshot` against `welford` over the lists it no longer builds.
+"""`build_snapshot` against an independent oracle: the exact population variance.
 
-The decode half of a snapshot runs Welford inline over the scheduled work (a one-token decode
-is the request itself, by its `scheduled_len`; other work a `ScheduledWork`); it must give
-upstream's Welford bits exactly, in the order the work was scheduled.
+A one-token decode is the request itself in the scheduled work (by its `scheduled_len`);
+other work a `ScheduledWork`. Every variance must be the exact one correctly rounded, which
+`statistics.pvariance` computes in fractions; and a decode-only pass (the fast path) must
+give what the general walk gives.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engined.core.fpm import LengthStats, ScheduledWork, build_snapshot, welford
+from engined.core.fpm import LengthStats, ScheduledWork, build_snapshot
 from engined.core.sequence import Sequence
 from engined.core.state import RequestState, RequestStatus
 
@@ -34,6 +36,13 @@ def _decode(length: int) -> RequestState:
 
 
 _lengths = st.integers(min_value=1, max_value=1 << 20)
+
+
+def pvariance(lengths: list[int]) -> float:
+    """The oracle: exact in fractions, rounded once; 0.0 for no lengths."""
+    return float(statistics.pvariance(lengths)) if lengths else 0.0
+
+
 _work = st.one_of(
     _lengths.map(_decode),
     st.builds(
@@ -63,11 +72,13 @@ def test_snapshot_variances_are_welfords(scheduled: list[ScheduledWork | Request
 
     snap = build_snapshot(scheduled, none, none, 0.5)
 
-    n, total, variance = welford(decode)
-    assert (snap.num_decode_requests, snap.sum_decode_kv_tokens) == (n, total)
-    assert snap.var_decode_kv_tokens == variance  # the same bits, not approximately
-    n_p, _, var_p = welford(w.prompt_len for w in prefill)
-    assert (snap.num_prefill_requests, snap.var_prefill_length) == (n_p, var_p)
+    assert (snap.num_decode_requests, snap.sum_decode_kv_tokens) == (len(decode), sum(decode))
+    assert snap.var_decode_kv_tokens == pvariance(decode)  # the same bits, not approximately
+    prompt_lens = [w.prompt_len for w in prefill]
+    assert (snap.num_prefill_requests, snap.var_prefill_length) == (
+        len(prefill),
+        pvariance(prompt_lens),
+    )
     assert snap.sum_prefill_tokens == sum(w.total_tokens for w in prefill)
     assert snap.sum_prefill_kv_tokens == sum(w.prefix_tokens for w in prefill)
 
