@@ -15,7 +15,7 @@ running request.
 
 from __future__ import annotations
 
-from operator import attrgetter, mul
+from operator import attrgetter
 from typing import NamedTuple
 
 from engined.core.state import RequestState
@@ -52,7 +52,14 @@ def exact_stats(n: int, total: int, squares: int) -> LengthStats:
 
 def length_stats(lengths: list[int]) -> LengthStats:
     """Count, sum and population variance of `lengths` (`exact_stats`)."""
-    return exact_stats(len(lengths), sum(lengths), sum(map(mul, lengths, lengths)))
+    # NOTE: a loop, not sum(map(mul, ...)): compiled, it runs on machine ints; in CPython
+    # the two cost about the same.
+    total = 0
+    squares = 0
+    for x in lengths:
+        total += x
+        squares += x * x
+    return exact_stats(len(lengths), total, squares)
 
 
 def build_snapshot(
@@ -67,22 +74,26 @@ def build_snapshot(
     prefill_lengths: list[int] = []
     prefill_tokens = 0
     prefill_kv = 0
-    try:
-        # A pass of one-token decodes only (the steady case): their lengths at C speed. A
-        # ScheduledWork among them has no `scheduled_len` and sends the pass to the walk.
-        decode_lengths = list(map(_scheduled_len, scheduled))
-    except AttributeError:
-        decode_lengths = []
-        for work in scheduled:
-            if isinstance(work, RequestState):
-                decode_lengths.append(work.scheduled_len)
-            elif work.prompt_tokens > 0:
-                prefill_lengths.append(work.prompt_len)
-                prefill_tokens += work.total_tokens
-                prefill_kv += work.prefix_tokens
-            elif not work.terminal:
-                decode_lengths.append(work.sequence_len)
-    n_decode, sum_decode, var_decode = length_stats(decode_lengths)
+    n_decode = 0
+    sum_decode = 0
+    squares = 0
+    for work in scheduled:
+        if isinstance(work, RequestState):
+            # A one-token decode by its sequence length (PassContext.scheduled).
+            x = work.scheduled_len
+        elif work.prompt_tokens > 0:
+            prefill_lengths.append(work.prompt_len)
+            prefill_tokens += work.total_tokens
+            prefill_kv += work.prefix_tokens
+            continue
+        elif not work.terminal:
+            x = work.sequence_len
+        else:
+            continue
+        n_decode += 1
+        sum_decode += x
+        squares += x * x
+    _, _, var_decode = exact_stats(n_decode, sum_decode, squares)
     n_prefill, _, var_prefill = length_stats(prefill_lengths)
     n_qp, sum_qp, var_qp = queued_prefill
     n_qd, sum_qd, var_qd = queued_decode

@@ -128,16 +128,16 @@ class PagedScheduler:
         kv = self._kv
         max_model_len = self._max_model_len
         bs = self.block_size
-        # The lists' appends, bound once: five appends per running request per pass.
-        schedule_id = ctx.scheduled_ids.append
-        schedule = ctx.scheduled.append
+        # NOTE: the lists, not their bound appends: compiled, `xs.append(x)` is a C call and
+        # a bound method a Python call.
+        scheduled_ids = ctx.scheduled_ids
+        scheduled = ctx.scheduled
         ready = ctx.ready
         draw: Any = self._vocab.draw
         # NOTE: the array's method itself, and the drawn token typed Any (emission.py).
         append_token: Any = array.append
         decoded_ids = ctx.decoded_ids
-        decode_id = decoded_ids.append
-        decode_token = ctx.decoded_tokens.append
+        decoded_tokens = ctx.decoded_tokens
         fused_len = 0
         budget = ctx.budget
         # The offset of a token that fills its block: the next one opens a new block.
@@ -160,16 +160,16 @@ class PagedScheduler:
                 req.num_computed_tokens = length
                 req.scheduled_len = length
                 request_id = req.request_id
-                schedule_id(request_id)
-                schedule(req)
+                scheduled_ids.append(request_id)
+                scheduled.append(req)
                 budget -= 1
                 i += 1
                 bits: Any = seq.token_bits
                 drawn: Any = bits(32) if draw is None else draw(bits)
                 append_token(tokens, drawn)
                 seq.generated += 1
-                decode_id(request_id)
-                decode_token(drawn)
+                decoded_ids.append(request_id)
+                decoded_tokens.append(drawn)
                 fused_len += length
                 continue
             # How far the tokens reach into their last block (0: they end on a boundary).
@@ -198,8 +198,8 @@ class PagedScheduler:
                 req.num_computed_tokens = length
                 req.scheduled_len = length
                 request_id = req.request_id
-                schedule_id(request_id)
-                schedule(req)
+                scheduled_ids.append(request_id)
+                scheduled.append(req)
                 budget -= 1
                 i += 1
                 if ready is None:
@@ -228,8 +228,8 @@ class PagedScheduler:
                             )
                     else:
                         seq.push_paged(drawn)
-                    decode_id(request_id)
-                    decode_token(drawn)
+                    decoded_ids.append(request_id)
+                    decoded_tokens.append(drawn)
                     fused_len += length
                 else:
                     ready.append((req, len(decoded_ids)))
