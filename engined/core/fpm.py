@@ -33,6 +33,7 @@ class LengthStats(NamedTuple):
 
 
 class ScheduledWork(NamedTuple):
+    request_id: str
     total_tokens: int
     prompt_tokens: int
     prefix_tokens: int

@@ -42,7 +42,6 @@ class PassContext:
         "ready",
         "rejected",
         "scheduled",
-        "scheduled_ids",
         "shares",
         "victims",
     )
@@ -52,13 +51,12 @@ class PassContext:
         # Tokens this pass may still schedule.
         self.budget = budget
         # What each scheduled request computes, in schedule order, for FPM and for undoing a
-        # preemption; `scheduled_ids[i]` is the request of `scheduled[i]`. The request itself
-        # is the common case, a decode of one token, by its `scheduled_len` (building a
+        # preemption; each names its request (`request_id`). The request itself is the
+        # common case, a decode of one token, by its `scheduled_len` (building a
         # ScheduledWork per request per pass was a sixth of a decode pass's scheduling, and
-        # an int of the length was boxed and freed per request per pass). Two
-        # lists, not a dict by id: a request is scheduled at most once a pass, and only a
-        # preemption looks one up, while every running request is appended every pass.
-        self.scheduled_ids: list[str] = []
+        # an int of the length was boxed and freed per request per pass). A list, not a dict
+        # by id: a request is scheduled at most once a pass, and only a preemption looks one
+        # up, while every running request is appended every pass.
         self.scheduled: list[ScheduledWork | RequestState] = []
         # The prefill batch the timing model charges: chunks, their total length and prefix.
         self.batch_count = 0
@@ -115,12 +113,11 @@ class PassContext:
     def unschedule(self, request_id: str, counts_prefill: bool) -> None:
         """A request scheduled earlier in this pass was preempted: its share goes back to the
         budget and leaves the prefill batch (`counts_prefill`: its prompt tokens were in it)."""
-        ids = self.scheduled_ids
-        if request_id not in ids:
+        scheduled = self.scheduled
+        at = next((k for k, w in enumerate(scheduled) if w.request_id == request_id), None)
+        if at is None:
             return
-        at = ids.index(request_id)
-        del ids[at]
-        work = self.scheduled.pop(at)
+        work = scheduled.pop(at)
         if isinstance(work, RequestState):
             self.budget += 1
             return
@@ -141,7 +138,8 @@ class PassContext:
         if self.victims is None:
             return
         shares = self.shares
-        for request_id, work in zip(self.scheduled_ids, self.scheduled, strict=True):
+        for work in self.scheduled:
+            request_id = work.request_id
             if isinstance(work, RequestState):
                 shares.append(ScheduledTokens(request_id, work.scheduled_len - 1, 1))
             else:

@@ -131,7 +131,6 @@ class Scheduler:
         # Preemption removes entries as the walk goes: hence the index.
         running = state.running
         scheduled = ctx.scheduled
-        scheduled_ids = ctx.scheduled_ids
         bs = self.block_size
         fast = self._fast_paths
         i = 0
@@ -157,7 +156,6 @@ class Scheduler:
                 # A decode of one token: the request, by its length, stands for its
                 # ScheduledWork.
                 req.scheduled_len = length
-                scheduled_ids.append(request_id)
                 scheduled.append(req)
                 ctx.budget -= 1
                 i += 1
@@ -290,11 +288,11 @@ class Scheduler:
         prompt_tokens = min(actual, prompt_len) - prompt_before
         # Once a pass: a preemption stops admission for the rest of the pass
         # (`preempted_any`), so a preempted request is never scheduled twice.
-        ctx.scheduled_ids.append(request_id)
         ctx.scheduled.append(
             _new(
                 ScheduledWork,
                 (
+                    request_id,
                     tokens_used,
                     prompt_tokens,
                     prompt_before,

@@ -47,6 +47,7 @@ _work = st.one_of(
     _lengths.map(_decode),
     st.builds(
         ScheduledWork,
+        request_id=st.just("w"),
         total_tokens=st.integers(1, 8192),
         prompt_tokens=st.integers(0, 8192),
         prefix_tokens=st.integers(0, 8192),

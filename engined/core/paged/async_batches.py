@@ -100,8 +100,8 @@ class AsyncBatches:
         counts: list[int] = []
         samples: list[bool] = []
         samplers = total_len = 0
-        for request_id, work in zip(ctx.scheduled_ids, ctx.scheduled, strict=True):
-            req = requests[request_id]
+        for work in ctx.scheduled:
+            req = requests[work.request_id]
             num = 1 if isinstance(work, RequestState) else work.total_tokens
             req.num_in_flight_tokens += num
             length = len(req.seq.tokens)

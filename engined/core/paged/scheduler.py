@@ -130,7 +130,6 @@ class PagedScheduler:
         bs = self.block_size
         # NOTE: the lists, not their bound appends: compiled, `xs.append(x)` is a C call and
         # a bound method a Python call.
-        scheduled_ids = ctx.scheduled_ids
         scheduled = ctx.scheduled
         ready = ctx.ready
         draw: Any = self._vocab.draw
@@ -160,7 +159,6 @@ class PagedScheduler:
                 req.num_computed_tokens = length
                 req.scheduled_len = length
                 request_id = req.request_id
-                scheduled_ids.append(request_id)
                 scheduled.append(req)
                 budget -= 1
                 i += 1
@@ -198,7 +196,6 @@ class PagedScheduler:
                 req.num_computed_tokens = length
                 req.scheduled_len = length
                 request_id = req.request_id
-                scheduled_ids.append(request_id)
                 scheduled.append(req)
                 budget -= 1
                 i += 1
@@ -289,7 +286,6 @@ class PagedScheduler:
         if grow:
             # One decode token: the request stands for its ScheduledWork, as above.
             req.num_computed_tokens = req.scheduled_len = computed + 1
-            ctx.scheduled_ids.append(req.request_id)
             ctx.scheduled.append(req)
             ctx.budget -= 1
             ready = ctx.ready
@@ -365,11 +361,11 @@ class PagedScheduler:
         ready = ctx.ready
         if ready is not None and computed + num_new >= len(seq.tokens):
             ready.append((req, len(ctx.decoded_ids)))
-        ctx.scheduled_ids.append(req.request_id)
         ctx.scheduled.append(
             _new(
                 ScheduledWork,
                 (
+                    req.request_id,
                     num_new,
                     prompt_tokens,
                     prompt_before,
