@@ -7,21 +7,18 @@ request that completes in the pass still counts.
 
 Every variance, of the scheduled work here and of the queued requests
 (engined/core/queued.py), is the population variance computed exactly in integers and rounded
-once (`length_stats`): the correctly rounded value. Dynamo runs a Welford loop over a hash
+once (`exact_stats`): the correctly rounded value. Dynamo runs a Welford loop over a hash
 map, so its last bit depends on the map's order; the exact value is what every order
-approximates. It also costs a third of the Welford loop: a decode pass does it for every
-running request.
+approximates. It is also cheaper than the float recurrence (a decode pass sums every running
+request): 2.0 against 3.3 µs compiled and 20 against 33 µs pure for 256 decodes.
 """
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import NamedTuple
 
 from engined.core.state import RequestState
 from engined.core.types import FpmSnapshot
-
-_scheduled_len = attrgetter("scheduled_len")
 
 
 class LengthStats(NamedTuple):
