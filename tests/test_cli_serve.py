@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tomllib
 import types
@@ -173,6 +174,21 @@ def test_serve_runs_the_daemon_with_the_effective_config(monkeypatch: pytest.Mon
     result = invoke("--max-num-seqs", "4", "--worker-id", "w")
     assert result.exit_code == 7
     assert [(c.engine.max_num_seqs, c.worker_id) for c in seen] == [(4, "w")]
+
+
+def test_a_daemon_without_a_model_or_api_server_never_loads_the_tokenizer_stack() -> None:
+    """Start-up cost: tokenizers and jinja2 load only for a daemon that uses a model."""
+    code = (
+        "import sys, msgspec\n"
+        "from engined.config import DaemonConfig\n"
+        "from engined.openai.launch import with_model\n"
+        "bare = msgspec.structs.replace(DaemonConfig(), api_port=None)\n"
+        "assert with_model(bare, vocab_given=False, max_model_len_given=False) is bare\n"
+        "print(sorted({'tokenizers', 'jinja2', 'engined.openai.tokenizer'} & set(sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_every_flag_is_an_option_of_serve() -> None:

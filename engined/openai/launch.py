@@ -9,11 +9,15 @@ built. A model that cannot be used is a configuration error, named, before a soc
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from engined.config import ConfigError, DaemonConfig
 from engined.core.args import EngineType
-from engined.openai.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+
+if TYPE_CHECKING:
+    from engined.openai.tokenizer import Tokenizer
 
 
 def uses_model(config: DaemonConfig) -> bool:
@@ -35,6 +39,10 @@ def with_model(
     """
     if not uses_model(config):
         return config
+    # NOTE: imported here: the tokenizer stack (tokenizers, jinja2) is a sixth of a daemon's
+    # start-up imports, and one without an API server or a model never needs it.
+    from engined.openai.tokenizer import TokenizerError, load_tokenizer
+
     try:
         tokenizer = load_tokenizer(config.model or None, config.tokenizer or None)
     except TokenizerError as error:
