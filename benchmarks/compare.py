@@ -100,6 +100,9 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[Metric]]] = {
             _m("[tcp] output tokens/s", rf"^\[tcp\]\s+output tokens/s\s+{_NUM}", True),
             _m("[ipc] µs/token CPU", rf"^\[ipc\]\s+daemon CPU .*\({_NUM} µs per output", False),
             _m("[tcp] µs/token CPU", rf"^\[tcp\]\s+daemon CPU .*\({_NUM} µs per output", False),
+            # Printed by the script from 2026-12-05 on (`--script-from new` for older trees).
+            _m("[ipc] µs/token CPU, load", rf"^\[ipc\]\s+daemon CPU, load .*\({_NUM} µs", False),
+            _m("[tcp] µs/token CPU, load", rf"^\[tcp\]\s+daemon CPU, load .*\({_NUM} µs", False),
         ],
     ),
     "e2e-pacing": (
