@@ -2,8 +2,9 @@
 
 Throughput mode (default): the daemon runs with speedup 0 (no sleeping), one client process
 keeps 256 requests in flight (prompt 512, output 256) over ipc and then tcp, and we print
-output tokens/s, requests/s, KV messages/s and FPM messages/s. The client reads raw frames
-and counts tokens without per-request queues, so it measures the daemon, not the client.
+output tokens/s, requests/s, KV messages/s and FPM messages/s, and the daemon's CPU per
+output token, with its start-up and over the load alone. The client reads raw frames and
+counts tokens without per-request queues, so it measures the daemon, not the client.
 
 Pacing mode (`--pacing`): speedup 1, 4 ranks under load (prompt 256, output 64 unless
 `--prompt`/`--output` say otherwise: the issue's real-time figure is `--ranks 8 --concurrency
