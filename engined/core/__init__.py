@@ -47,6 +47,8 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.speculative",
     "engined.core.state",
     "engined.core.stops",
+    "engined.core.token_stream",
+    "engined.core.vllm_hashing",
     "engined.core.paged.async_batches",
     "engined.core.paged.block_pool",
     "engined.core.paged.kv_cache_manager",
