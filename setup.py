@@ -1,7 +1,8 @@
 """The build: the hot core compiled by mypyc by default, pure Python where it cannot be.
 
 `pip install .` (or `-e .`) compiles `engined.core.COMPILED_MODULES` into extension modules
-beside their unchanged sources (black's way of shipping typed Python); pyproject.toml's
+beside their unchanged sources (black's way of shipping typed Python; the few written in C,
+`.c` sources with no `.py`, are plain C extensions); pyproject.toml's
 [build-system] brings mypy, msgspec and xxhash into pip's build environment (mypyc
 type-checks the modules it compiles). `ENGINED_PURE=1` (or `ENGINED_MYPYC=0`) opts out;
 `ENGINED_MYPYC=1`, the old opt-in, asks for the default. Where the build cannot compile (not
@@ -122,8 +123,13 @@ def mypyc_extensions() -> tuple[list[Extension], str]:
     os.chdir(ROOT)  # mypyc reads [tool.mypy] of pyproject.toml and writes build/ here
     try:
         RecordingBuildExt.sources = core_build.digests(ROOT, names)
-        paths = [str(core_build.source_path(Path(), name)) for name in names]
-        extensions: list[Extension] = mypycify(paths, opt_level="3", group_name="engined_core")
+        sources = {name: core_build.source_path(Path(), name) for name in names}
+        python = [str(path) for path in sources.values() if path.suffix == ".py"]
+        extensions: list[Extension] = mypycify(python, opt_level="3", group_name="engined_core")
+        # The modules written in C build beside them, and fall back with them.
+        extensions += [
+            Extension(name, [str(path)]) for name, path in sources.items() if path.suffix == ".c"
+        ]
     except (Exception, SystemExit) as error:  # mypy errors exit: stay pure Python instead
         return [], one_line(f"mypyc failed ({error})")
     finally:

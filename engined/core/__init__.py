@@ -1,6 +1,8 @@
 """The scheduler core: pure, deterministic, typed Python, compiled with mypyc where it can be.
 
-The Python source is the only source of truth. `pip install .` (or `-e .`) compiles the
+The Python source is the source of truth (one module is C: `_block_hash`, vLLM's default block
+hash, an accelerator of `vllm_hashing` held to it by tests; the pure core runs without it).
+`pip install .` (or `-e .`) compiles the
 modules of `COMPILED_MODULES` (setup.py reads this tuple) into extension modules beside their
 sources, unless `ENGINED_PURE=1` or the build cannot. Python would import those in preference
 to the sources, so `engined`, when imported, first has `core_build.activate` decide: the
@@ -65,6 +67,8 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.offload.tier_values",
     # The daemon's per-token conversion of a pass's outputs (`route_outputs`).
     "engined.wire.convert",
+    # C (engined/core/_block_hash.c): vLLM's sha256 block hash, a tenth of a token's work.
+    "engined.core._block_hash",
 )
 
 
@@ -77,7 +81,10 @@ def compiled_modules() -> tuple[str, ...]:
     """The modules of `COMPILED_MODULES` that import from an extension module (a `.so`)."""
     found: list[str] = []
     for name in COMPILED_MODULES:
-        spec = importlib.util.find_spec(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        except ImportError:  # a C module, which the pure core runs without
+            continue
         if spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
             found.append(name)
     return tuple(found)

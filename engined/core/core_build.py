@@ -69,8 +69,13 @@ def build_opt_out(env: Mapping[str, str]) -> str | None:
 
 
 def source_path(root: Path, name: str) -> Path:
-    """The source of module `name` (dotted) under `root`, the directory holding `engined/`."""
-    return root.joinpath(*name.split(".")).with_suffix(".py")
+    """The source of module `name` (dotted) under `root`, the directory holding `engined/`:
+    its `.py`, or its `.c` for a module written in C (one with no `.py`)."""
+    base = root.joinpath(*name.split("."))
+    c_source = base.with_suffix(".c")
+    if c_source.exists() and not base.with_suffix(".py").exists():
+        return c_source
+    return base.with_suffix(".py")
 
 
 def extension_paths(root: Path, name: str) -> list[Path]:
@@ -147,7 +152,9 @@ def inspect(root: Path, modules: Sequence[str], env: Mapping[str, str]) -> CoreB
 
 
 class SourceFinder(importlib.abc.MetaPathFinder):
-    """Imports the compiled modules from their sources, ahead of their extension modules."""
+    """Imports the compiled modules from their sources, ahead of their extension modules; a
+    module written in C has no Python source, so the pure core runs without it (its importer
+    falls back to Python on the ImportError)."""
 
     def __init__(self, root: Path, modules: Iterable[str]) -> None:
         self._root = root
@@ -158,7 +165,10 @@ class SourceFinder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self._modules:
             return None
-        return importlib.util.spec_from_file_location(fullname, source_path(self._root, fullname))
+        source = source_path(self._root, fullname)
+        if source.suffix == ".c":
+            raise ModuleNotFoundError(f"{fullname} is C: the pure core has none", name=fullname)
+        return importlib.util.spec_from_file_location(fullname, source)
 
 
 _running: CoreBuild | None = None

@@ -24,10 +24,22 @@ import enum
 import hashlib
 import pickle
 import secrets
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Final
 
 import xxhash
+
+# `chain(parent, tokens, start, count, block_size)`: the hashes of `count` full blocks of
+# `tokens` from `start`, the first chained to `parent` (no extra keys).
+Chain = Callable[[bytes, "array[int]", int, int, int], list[bytes]]
+
+try:  # the compiled core's C block hash (engined/core/_block_hash.c); the pure core has none
+    from engined.core._block_hash import sha256_pickle_chain as _c_chain
+except ImportError:
+    _native_chain: Chain | None = None
+else:
+    _native_chain = _c_chain
 
 
 class HashAlgo(enum.StrEnum):
@@ -145,6 +157,14 @@ class BlockHasher:
         # vLLM tests `not parent_block_hash`: an empty parent is a first block too.
         key = (parent or self.none_hash, tuple(tokens), extra_keys)
         return self._digest(self._serialise(key))
+
+
+def native_chain(algo: HashAlgo, block_size: int) -> Chain | None:
+    """vLLM's default block hash in C, for the algorithm and block sizes it covers (its pickle
+    bytes are CPython's only for tuples of 4 to 1024 tokens), or None: hash in Python."""
+    if algo is not HashAlgo.SHA256 or not 4 <= block_size <= 1024:
+        return None
+    return _native_chain
 
 
 def salt_extra_keys(salt: str) -> tuple[tuple[str, str], ...]:

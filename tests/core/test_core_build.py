@@ -63,6 +63,31 @@ def test_an_edited_source_makes_the_whole_core_pure(tmp_path: Path) -> None:
     assert str(inspect(tmp_path, MODULES, {})) == f"pure Python ({reason})"
 
 
+def test_a_module_written_in_c_is_vouched_for_by_its_c_source(tmp_path: Path) -> None:
+    """A compiled module with no `.py` is C: the record holds its `.c` digest, an edit to it
+    makes the whole core pure, and the pure core's finder refuses to import it at all (its
+    importer falls back to Python) rather than load the stale extension."""
+    lay_out(tmp_path)
+    c_module = "engined.core.delta"
+    c_source = tmp_path / "engined" / "core" / "delta.c"
+    c_source.write_text("/* C */\n")
+    c_source.with_suffix(SUFFIX).write_bytes(b"")
+    modules = (*MODULES, c_module)
+    assert core_build.source_path(tmp_path, c_module) == c_source
+    core_build.write_record(
+        tmp_path / "engined" / "core", core_build.digests(tmp_path, modules), ""
+    )
+    assert inspect(tmp_path, modules, {}) == CoreBuild(True)
+    c_source.write_text("/* C, edited */\n")
+    reason = f"engined/core/delta.c changed since the build; {REBUILD}"
+    assert inspect(tmp_path, modules, {}) == CoreBuild(False, reason, refused=True)
+    finder = core_build.SourceFinder(tmp_path, modules)
+    with pytest.raises(ModuleNotFoundError, match=r"engined\.core\.delta is C"):
+        finder.find_spec(c_module, None)
+    spec = finder.find_spec("engined.core.alpha", None)
+    assert spec is not None and spec.origin == str(tmp_path / "engined" / "core" / "alpha.py")
+
+
 def test_a_partial_build_runs_pure(tmp_path: Path) -> None:
     lay_out(tmp_path, compiled=MODULES[:1])
     record_compiled(tmp_path)

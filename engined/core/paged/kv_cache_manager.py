@@ -34,7 +34,7 @@ from engined.core.paged.residency import BlockResidency
 from engined.core.policy import context_length
 from engined.core.sequence import BlockMove, Release, Sequence
 from engined.core.types import KvEvent, OffloadWait
-from engined.core.vllm_hashing import BlockHasher, HashAlgo, salt_extra_keys
+from engined.core.vllm_hashing import BlockHasher, HashAlgo, native_chain, salt_extra_keys
 
 # NOTE: compiled, a Final name is a C static; a module attribute is a lookup per call.
 _sha256: Final = hashlib.sha256
@@ -44,6 +44,7 @@ _dumps: Final = pickle.dumps
 class PagedKvManager:
     __slots__ = (
         "_hasher",
+        "_native",
         "_none_hash",
         "_num_cached",
         "_reserved",
@@ -74,6 +75,7 @@ class PagedKvManager:
         self._hasher = hasher
         self._none_hash = hasher.none_hash
         self._sha256_pickle = hasher.algo is HashAlgo.SHA256
+        self._native = native_chain(hasher.algo, block_size)
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=caching)
         self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log, residency=residency)
         self.max_model_len = context_length(self.usable_blocks, block_size, max_model_len)
@@ -182,7 +184,10 @@ class PagedKvManager:
         parent_block = table[pos - 1]
         parent = pool.vllm_hash_of[parent_block]
         token_ids = seq.tokens[pos * bs : (pos + 1) * bs].tolist()
-        if self._sha256_pickle:
+        native = self._native
+        if native is not None:
+            h = native(parent, seq.tokens, pos * bs, 1, bs)[0]
+        elif self._sha256_pickle:
             h = _sha256(_dumps((parent, tuple(token_ids), None), 5)).digest()
         else:
             h = self._hasher.block_hash(parent, token_ids, None)
@@ -210,7 +215,17 @@ class PagedKvManager:
         token_ids = tokens[done * bs : full * bs].tolist()
         hashes: list[bytes] = []
         stored: list[int] = []
-        if self._sha256_pickle:
+        native = self._native
+        if native is not None:
+            first = done
+            if extra is not None:  # a salted first block: C covers no extra keys
+                parent = self._hasher.block_hash(parent, token_ids[:bs], extra)
+                hashes.append(parent)
+                first += 1
+            hashes.extend(native(parent, tokens, first * bs, full - first, bs))
+            for h in hashes:
+                stored.append(int.from_bytes(h[-8:], "big"))
+        elif self._sha256_pickle:
             # vLLM's default `hash_block_tokens`, inlined: compiled, the generic
             # `BlockHasher` path costs a third of the core's time in its calls alone.
             for start in range(0, len(token_ids), bs):
