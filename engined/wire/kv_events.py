@@ -21,7 +21,8 @@ import msgspec
 from msgspec import Meta
 
 from engined.core import types as core
-from engined.wire.constraints import U32_LIMIT, U64_LIMIT
+from engined.wire.kv_event_bytes import RemovedEventBytes
+from engined.wire.kv_event_bytes import wire_hash as wire_hash
 from engined.wire.protocol_errors import WireError
 
 KvEventFormat = Literal["vllm", "vllm-array"]
@@ -49,32 +50,6 @@ def read_seq(frame: bytes) -> int:
     if len(frame) != 8:
         raise WireError("bad_message", f"replay start seq must be 8 bytes, got {len(frame)}")
     return int.from_bytes(frame, "big")
-
-
-# --- block hashes ---------------------------------------------------------------------------
-
-_REMAP_BIT: Final = 1 << 63
-
-
-def wire_hash(h: int) -> int:
-    """The block hash to publish for the core's u64 sequence hash `h`.
-
-    Go consumers (llm-d, vmihailenco/msgpack) decode a hash below 2**32 as a narrow int type
-    and reject the whole batch, so a hash must encode as msgpack uint64 (`cf`). Hashes at or
-    above 2**32 pass unchanged; a smaller one gets bit 63 set, which maps [0, 2**32) one to one
-    onto [2**63, 2**63 + 2**32). Deterministic, so stores, removals and parent links agree.
-
-    NOTE on collisions: no map from 2**64 values into [2**32, 2**64) is injective. Here a
-    remapped `x` can only collide with a genuine hash equal to `2**63 + x`. For uniform 64-bit
-    hashes a block needs the remap with probability 2**-32, and its image then meets one of N
-    live genuine hashes with probability N / 2**64: the remap adds about N**2 * 2**-96 to the
-    N**2 * 2**-65 birthday risk every 64-bit block hash already carries.
-    """
-    if U32_LIMIT <= h < U64_LIMIT:
-        return h
-    if 0 <= h < U32_LIMIT:
-        return h | _REMAP_BIT
-    raise ValueError(f"block hash {h} is not an unsigned 64-bit int")
 
 
 # --- vLLM 0.33 map format (mirrors vllm/distributed/kv_events.py 0.33.0) -------------------
@@ -304,8 +279,13 @@ class KvEventEncoder:
         self.fmt: KvEventFormat = fmt
         # NOTE: dispatch on the exact type through a dict: cheaper than a `match` over class
         # patterns when a pass carries hundreds of events.
-        self._converters = _CONVERTERS[fmt]
+        self._converters: dict[type, Callable[[Any], msgspec.Struct | msgspec.Raw]] = dict(
+            _CONVERTERS[fmt]
+        )
         self._encode = msgspec.msgpack.Encoder().encode
+        if fmt == "vllm":  # one a block evicted: written as bytes (kv_event_bytes)
+            writer = RemovedEventBytes(BlockRemoved, self._encode, _GROUP_IDX, _MEDIUM)
+            self._converters[core.BlockRemoved] = writer.removed
 
     def encode_batch(self, ts: float, events: Sequence[core.KvEvent], dp_rank: int) -> bytes:
         """The payload `[ts, events, dp_rank]` for `events` in order.
