@@ -141,6 +141,11 @@ def inspect(root: Path, modules: Sequence[str], env: Mapping[str, str]) -> CoreB
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         why = f"partly compiled (no extension module for {missing[0]}{more})"
         return CoreBuild(False, f"{why}; {REBUILD}", refused=True)
+    missing = [name for name in modules if not source_path(root, name).exists()]
+    if missing:  # an install that left a source out: nothing vouches for its extension
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        why = f"no source for {missing[0]}{more}"
+        return CoreBuild(False, f"{why}; {REBUILD}", refused=True)
     changed = [
         name for name, digest in digests(root, modules).items() if sources.get(name) != digest
     ]
@@ -166,8 +171,9 @@ class SourceFinder(importlib.abc.MetaPathFinder):
         if fullname not in self._modules:
             return None
         source = source_path(self._root, fullname)
-        if source.suffix == ".c":
-            raise ModuleNotFoundError(f"{fullname} is C: the pure core has none", name=fullname)
+        if source.suffix != ".py" or not source.exists():
+            why = f"{fullname} has no Python source: the pure core runs without it"
+            raise ModuleNotFoundError(why, name=fullname)
         return importlib.util.spec_from_file_location(fullname, source)
 
 

@@ -82,10 +82,20 @@ def test_a_module_written_in_c_is_vouched_for_by_its_c_source(tmp_path: Path) ->
     reason = f"engined/core/delta.c changed since the build; {REBUILD}"
     assert inspect(tmp_path, modules, {}) == CoreBuild(False, reason, refused=True)
     finder = core_build.SourceFinder(tmp_path, modules)
-    with pytest.raises(ModuleNotFoundError, match=r"engined\.core\.delta is C"):
+    with pytest.raises(ModuleNotFoundError, match=r"engined\.core\.delta has no Python source"):
         finder.find_spec(c_module, None)
     spec = finder.find_spec("engined.core.alpha", None)
     assert spec is not None and spec.origin == str(tmp_path / "engined" / "core" / "alpha.py")
+
+
+def test_an_install_without_a_source_runs_pure_instead_of_failing(tmp_path: Path) -> None:
+    """A wheel that left a compiled module's source out (a `.c` is not package data unless
+    pyproject.toml says so): the core is pure and says why, `import engined` does not fail."""
+    lay_out(tmp_path)
+    record_compiled(tmp_path)
+    core_build.source_path(tmp_path, "engined.core.beta").unlink()
+    reason = f"no source for engined.core.beta; {REBUILD}"
+    assert inspect(tmp_path, MODULES, {}) == CoreBuild(False, reason, refused=True)
 
 
 def test_a_partial_build_runs_pure(tmp_path: Path) -> None:
