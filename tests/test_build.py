@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
@@ -146,3 +147,16 @@ def test_without_a_c_compiler_the_core_stays_pure_whole(tmp_path: Path) -> None:
     assert extension_modules(tree) == []
     assert record(tree) == {"core": "pure", "reason": reason}
     assert which_core(tree) == f"pure Python (built pure: {reason})"
+
+
+def test_every_c_source_ships_as_package_data() -> None:
+    """An install checks each compiled module against its source; setuptools ships `.py`
+    files but a `.c` only as package data, so each C module must be listed there."""
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]
+    c_modules = [n for n in COMPILED_MODULES if core_build.source_path(ROOT, n).suffix == ".c"]
+    assert c_modules == ["engined.core._block_hash"]
+    for name in c_modules:
+        package, _, module = name.rpartition(".")
+        assert f"{module}.c" in package_data[package], name
