@@ -232,9 +232,13 @@ static PyObject *sha256_pickle_chain(PyObject *module, PyObject *const *args, Py
         return NULL;
     }
     Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
     Py_ssize_t count = PyLong_AsSsize_t(args[3]);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
     Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
-    if (PyErr_Occurred())
+    if (block_size == -1 && PyErr_Occurred())
         return NULL;
     if (block_size < 4 || block_size > MAX_BLOCK_SIZE) {
         PyErr_Format(PyExc_ValueError, "block_size must be in [4, %d], not %zd", MAX_BLOCK_SIZE,

@@ -105,6 +105,9 @@ def test_a_block_of_random_tokens_chains_from_none_hash(block_hash: ModuleType) 
         (("p", array("I", [1] * 16), 0, 1, 16), TypeError, "parent must be bytes"),
         ((b"p" * 256, array("I", [1] * 16), 0, 1, 16), TypeError, "shorter than 256"),
         ((b"p", array("I", [1] * 16), 0, 1), TypeError, "takes 5 arguments (4 given)"),
+        ((b"p", array("I", [1] * 16), "0", 1, 16), TypeError, "an integer is required"),
+        ((b"p", array("I", [1] * 16), 0, 1.0, 16), TypeError, "an integer is required"),
+        ((b"p", array("I", [1] * 16), 0, 1, 2**70), OverflowError, "too large"),
     ],
 )
 def test_bad_arguments_are_typed_errors(
