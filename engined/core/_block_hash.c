@@ -3,7 +3,7 @@
  * Why: vLLM hashes every block it caches, and its default hash serialises a small tuple with
  * pickle and feeds it to hashlib; from Python that costs about 1.4 us a block, a tenth of the
  * compiled daemon's work per token (README, History 2026-12-06). Here the pickle bytes are
- * written straight from the request's token array and hashed in place with the CPU's SHA
+ * written straight from the block's token ids and hashed in place with the CPU's SHA
  * instructions (a portable SHA-256, FIPS 180-4, where it has none): about 0.15 us.
  *
  * The bytes must be exactly what CPython's pickler writes, or every hash differs from
@@ -215,10 +215,31 @@ static size_t pickle_key(uint8_t *buf, const uint8_t *parent, size_t parent_len,
     return (size_t)(p - buf);
 }
 
+/* Copies block `tokens[first:first + block_size]` of a list of ints into `out`; -1 with an
+ * exception set when an item is not an int in [0, 2**32), a token id's range. */
+static int read_block(PyObject *tokens, Py_ssize_t first, Py_ssize_t block_size, uint32_t *out) {
+    for (Py_ssize_t i = 0; i < block_size; i++) {
+        PyObject *item = PyList_GET_ITEM(tokens, first + i);
+        if (!PyLong_CheckExact(item)) { /* pickle writes a bool or an int subclass otherwise */
+            PyErr_Format(PyExc_TypeError, "tokens[%zd] is not an int", first + i);
+            return -1;
+        }
+        unsigned long v = PyLong_AsUnsignedLong(item);
+        if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFul) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "tokens[%zd] is not a token id in [0, 2**32)",
+                         first + i);
+            return -1;
+        }
+        out[i] = (uint32_t)v;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(chain_doc,
              "sha256_pickle_chain(parent, tokens, start, count, block_size) -> list[bytes]\n\n"
-             "vLLM's sha256 block hashes of `count` full blocks of `tokens` (a buffer of\n"
-             "uint32, e.g. array('I')) from index `start`, the first chained to `parent`.");
+             "vLLM's sha256 block hashes of `count` full blocks of `tokens` (a list of token\n"
+             "ids) from index `start`, the first chained to `parent`.");
 
 static PyObject *sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
@@ -229,6 +250,11 @@ static PyObject *sha256_pickle_chain(PyObject *module, PyObject *const *args, Py
     PyObject *parent = args[0];
     if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) > 255) {
         PyErr_SetString(PyExc_TypeError, "parent must be bytes shorter than 256");
+        return NULL;
+    }
+    PyObject *tokens = args[1];
+    if (!PyList_Check(tokens)) {
+        PyErr_SetString(PyExc_TypeError, "tokens must be a list of ints");
         return NULL;
     }
     Py_ssize_t start = PyLong_AsSsize_t(args[2]);
@@ -245,40 +271,31 @@ static PyObject *sha256_pickle_chain(PyObject *module, PyObject *const *args, Py
                      block_size);
         return NULL;
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    PyObject *out = NULL;
-    if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "I") != 0) {
-        PyErr_SetString(PyExc_TypeError, "tokens must be a buffer of uint32 (array('I'))");
-        goto done;
-    }
-    Py_ssize_t available = view.len / 4 - start;
+    Py_ssize_t available = PyList_GET_SIZE(tokens) - start;
     if (start < 0 || count < 0 || available < 0 || count > available / block_size) {
         PyErr_SetString(PyExc_ValueError, "the blocks run past the end of tokens");
-        goto done;
+        return NULL;
     }
-    out = PyList_New(count);
+    PyObject *out = PyList_New(count);
     if (out == NULL)
-        goto done;
-    const uint32_t *tokens = (const uint32_t *)view.buf + start;
+        return NULL;
     const uint8_t *prev = (const uint8_t *)PyBytes_AS_STRING(parent);
     size_t prev_len = (size_t)PyBytes_GET_SIZE(parent);
+    uint32_t block[MAX_BLOCK_SIZE];
     uint8_t buf[PICKLE_MAX + 72];
-    for (Py_ssize_t i = 0; i < count; i++, tokens += block_size) {
-        size_t len = pickle_key(buf, prev, prev_len, tokens, block_size);
-        PyObject *digest = PyBytes_FromStringAndSize(NULL, 32);
-        if (digest == NULL) {
-            Py_CLEAR(out);
-            goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *digest;
+        if (read_block(tokens, start + i * block_size, block_size, block) < 0 ||
+            (digest = PyBytes_FromStringAndSize(NULL, 32)) == NULL) {
+            Py_DECREF(out);
+            return NULL;
         }
+        size_t len = pickle_key(buf, prev, prev_len, block, block_size);
         sha256_padded(buf, len, (uint8_t *)PyBytes_AS_STRING(digest), best_compress);
         PyList_SET_ITEM(out, i, digest);
         prev = (const uint8_t *)PyBytes_AS_STRING(digest);
         prev_len = 32;
     }
-done:
-    PyBuffer_Release(&view);
     return out;
 }
 

@@ -1,9 +1,7 @@
 """Types of the C module engined/core/_block_hash.c (vLLM 0.33's default block hash)."""
 
-from array import array
-
 def sha256_pickle_chain(
-    parent: bytes, tokens: array[int], start: int, count: int, block_size: int, /
+    parent: bytes, tokens: list[int], start: int, count: int, block_size: int, /
 ) -> list[bytes]: ...
 def sha256(data: bytes, portable: bool = False) -> bytes: ...
 def uses_sha_instructions() -> bool: ...

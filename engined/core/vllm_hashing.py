@@ -24,7 +24,6 @@ import enum
 import hashlib
 import pickle
 import secrets
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -32,7 +31,7 @@ import xxhash
 
 # `chain(parent, tokens, start, count, block_size)`: the hashes of `count` full blocks of
 # `tokens` from `start`, the first chained to `parent` (no extra keys).
-Chain = Callable[[bytes, "array[int]", int, int, int], list[bytes]]
+Chain = Callable[[bytes, list[int], int, int, int], list[bytes]]
 
 try:  # the compiled core's C block hash (engined/core/_block_hash.c); the pure core has none
     from engined.core._block_hash import sha256_pickle_chain as _c_chain
@@ -108,6 +107,11 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+# NOTE: compiled, a Final name is a C static; a module attribute is a lookup per call.
+_dumps: Final = pickle.dumps
+_sha256_new: Final = hashlib.sha256
+
+
 def _serialiser(algo: HashAlgo) -> Callable[[object], bytes]:
     return _cbor if algo in (HashAlgo.SHA256_CBOR, HashAlgo.XXHASH_CBOR) else _pickled
 
@@ -159,12 +163,29 @@ class BlockHasher:
         return self._digest(self._serialise(key))
 
 
+def _sha256_pickle_chain(
+    parent: bytes, tokens: list[int], start: int, count: int, block_size: int
+) -> list[bytes]:
+    """The C module's `sha256_pickle_chain` in Python: `BlockHasher.block_hash` of the
+    default algorithm, inlined (a call per block cost the pure core a few percent)."""
+    hashes: list[bytes] = []
+    for first in range(start, start + count * block_size, block_size):
+        key = (parent, tuple(tokens[first : first + block_size]), None)
+        parent = _sha256_new(_dumps(key, 5)).digest()
+        hashes.append(parent)
+    return hashes
+
+
 def native_chain(algo: HashAlgo, block_size: int) -> Chain | None:
-    """vLLM's default block hash in C, for the algorithm and block sizes it covers (its pickle
-    bytes are CPython's only for tuples of 4 to 1024 tokens), or None: hash in Python."""
-    if algo is not HashAlgo.SHA256 or not 4 <= block_size <= 1024:
+    """vLLM's default block hash chained over blocks without extra keys, or None for the
+    other algorithms (`BlockHasher`): in C where the compiled core has it and it covers the
+    block size (its pickle bytes are CPython's only for tuples of 4 to 1024 tokens), else
+    in Python."""
+    if algo is not HashAlgo.SHA256:
         return None
-    return _native_chain
+    if _native_chain is not None and 4 <= block_size <= 1024:
+        return _native_chain
+    return _sha256_pickle_chain
 
 
 def salt_extra_keys(salt: str) -> tuple[tuple[str, str], ...]:

@@ -18,7 +18,6 @@ import random
 import re
 import subprocess
 import sysconfig
-from array import array
 from pathlib import Path
 from types import ModuleType
 
@@ -49,7 +48,7 @@ def block_hash(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     return module
 
 
-def vllm_chain(parent: bytes, tokens: array[int], start: int, count: int, bs: int) -> list[bytes]:
+def vllm_chain(parent: bytes, tokens: list[int], start: int, count: int, bs: int) -> list[bytes]:
     """vLLM's `hash_block_tokens(sha256, ...)` over consecutive blocks, as vLLM writes it."""
     hashes = []
     for i in range(count):
@@ -74,7 +73,7 @@ def test_the_chain_is_sha256_over_cpythons_pickle(block_hash: ModuleType) -> Non
         count = rng.randrange(4)
         # 9 tokens before `start`, then the blocks: edges and random tokens of every class.
         classes = (EDGES, range(256), range(2**16), range(2**31), range(2**32))
-        tokens = array("I", (rng.choice(rng.choice(classes)) for _ in range(9 + count * bs)))
+        tokens = [rng.choice(rng.choice(classes)) for _ in range(9 + count * bs)]
         parent = rng.randbytes(rng.choice((32, 0, 1, 255)))
         expected = vllm_chain(parent, tokens, 9, count, bs)
         assert block_hash.sha256_pickle_chain(parent, tokens, 9, count, bs) == expected
@@ -82,7 +81,7 @@ def test_the_chain_is_sha256_over_cpythons_pickle(block_hash: ModuleType) -> Non
 
 def test_a_block_of_random_tokens_chains_from_none_hash(block_hash: ModuleType) -> None:
     root = vllm_hashing.none_hash(HashAlgo.SHA256, None)
-    tokens = array("I", random.Random(3).choices(range(150_000), k=64))
+    tokens = random.Random(3).choices(range(150_000), k=64)
     hasher = vllm_hashing.BlockHasher(HashAlgo.SHA256, root)
     parent, expected = root, []
     for start in range(0, 64, 16):
@@ -91,23 +90,32 @@ def test_a_block_of_random_tokens_chains_from_none_hash(block_hash: ModuleType) 
     assert block_hash.sha256_pickle_chain(root, tokens, 0, 4, 16) == expected
 
 
+ONES = [1] * 16
+
+
 @pytest.mark.parametrize(
     ("args", "error", "message"),
     [
-        ((b"p", array("I", [1] * 16), 0, 2, 16), ValueError, "past the end of tokens"),
-        ((b"p", array("I", [1] * 16), -1, 1, 16), ValueError, "past the end of tokens"),
-        ((b"p", array("I", [1] * 16), 0, 2**62, 16), ValueError, "past the end of tokens"),
-        ((b"p", array("I", [1] * 16), 2**62, 1, 16), ValueError, "past the end of tokens"),
-        ((b"p", array("I", [1] * 16), 0, 1, 3), ValueError, "block_size must be in [4, 1024]"),
-        ((b"p", array("I", [1] * 2048), 0, 1, 1025), ValueError, "block_size must be in"),
-        ((b"p", array("i", [1] * 16), 0, 1, 16), TypeError, "buffer of uint32"),
-        ((b"p", b"\0" * 64, 0, 1, 16), TypeError, "buffer of uint32"),
-        (("p", array("I", [1] * 16), 0, 1, 16), TypeError, "parent must be bytes"),
-        ((b"p" * 256, array("I", [1] * 16), 0, 1, 16), TypeError, "shorter than 256"),
-        ((b"p", array("I", [1] * 16), 0, 1), TypeError, "takes 5 arguments (4 given)"),
-        ((b"p", array("I", [1] * 16), "0", 1, 16), TypeError, "an integer is required"),
-        ((b"p", array("I", [1] * 16), 0, 1.0, 16), TypeError, "an integer is required"),
-        ((b"p", array("I", [1] * 16), 0, 1, 2**70), OverflowError, "too large"),
+        ((b"p", ONES, 0, 2, 16), ValueError, "past the end of tokens"),
+        ((b"p", ONES, -1, 1, 16), ValueError, "past the end of tokens"),
+        ((b"p", ONES, 0, 2**62, 16), ValueError, "past the end of tokens"),
+        ((b"p", ONES, 2**62, 1, 16), ValueError, "past the end of tokens"),
+        ((b"p", ONES, 0, 1, 3), ValueError, "block_size must be in [4, 1024], not 3"),
+        ((b"p", [1] * 2048, 0, 1, 1025), ValueError, "block_size must be in"),
+        ((b"p", tuple(ONES), 0, 1, 16), TypeError, "tokens must be a list of ints"),
+        ((b"p", b"\0" * 64, 0, 1, 16), TypeError, "tokens must be a list of ints"),
+        ((b"p", [*ONES[:15], "1"], 0, 1, 16), TypeError, "tokens[15] is not an int"),
+        ((b"p", [*ONES[:15], True], 0, 1, 16), TypeError, "tokens[15] is not an int"),
+        ((b"p", [*ONES[:15], 1.0], 0, 1, 16), TypeError, "tokens[15] is not an int"),
+        ((b"p", [0, -1, *ONES[:14]], 0, 1, 16), ValueError, "tokens[1] is not a token id"),
+        ((b"p", [*ONES, 2**32], 1, 1, 16), ValueError, "tokens[16] is not a token id in"),
+        ((b"p", [*ONES, 2**70], 1, 1, 16), ValueError, "tokens[16] is not a token id in"),
+        (("p", ONES, 0, 1, 16), TypeError, "parent must be bytes"),
+        ((b"p" * 256, ONES, 0, 1, 16), TypeError, "shorter than 256"),
+        ((b"p", ONES, 0, 1), TypeError, "takes 5 arguments (4 given)"),
+        ((b"p", ONES, "0", 1, 16), TypeError, "an integer is required"),
+        ((b"p", ONES, 0, 1.0, 16), TypeError, "an integer is required"),
+        ((b"p", ONES, 0, 1, 2**70), OverflowError, "too large"),
     ],
 )
 def test_bad_arguments_are_typed_errors(
@@ -123,19 +131,23 @@ def test_the_compiled_core_hashes_in_c_and_the_pure_core_in_python() -> None:
         assert chain is not None
         assert chain.__module__ == "engined.core._block_hash"
     else:
-        assert chain is None
+        assert chain is vllm_hashing._sha256_pickle_chain
 
 
-@pytest.mark.parametrize(
-    ("algo", "block_size"),
-    [
-        (HashAlgo.SHA256_CBOR, 16),
-        (HashAlgo.XXHASH, 16),
-        (HashAlgo.SHA256, 3),
-        (HashAlgo.SHA256, 1025),
-    ],
-)
-def test_c_covers_only_sha256_over_pickle_of_4_to_1024_tokens(
-    algo: HashAlgo, block_size: int
-) -> None:
-    assert native_chain(algo, block_size) is None
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16, 1024, 1025, 2048])
+def test_the_python_chain_is_vllms_hash_too(block_size: int) -> None:
+    rng = random.Random(block_size)
+    tokens = [rng.choice(EDGES) for _ in range(5 + 3 * block_size)]
+    parent = vllm_hashing.none_hash(HashAlgo.SHA256, None)
+    expected = vllm_chain(parent, tokens, 5, 3, block_size)
+    assert vllm_hashing._sha256_pickle_chain(parent, tokens, 5, 3, block_size) == expected
+
+
+@pytest.mark.parametrize("block_size", [3, 1025])
+def test_c_covers_4_to_1024_tokens_and_python_the_rest(block_size: int) -> None:
+    assert native_chain(HashAlgo.SHA256, block_size) is vllm_hashing._sha256_pickle_chain
+
+
+@pytest.mark.parametrize("algo", [HashAlgo.SHA256_CBOR, HashAlgo.XXHASH, HashAlgo.XXHASH_CBOR])
+def test_the_other_algorithms_hash_block_by_block(algo: HashAlgo) -> None:
+    assert native_chain(algo, 16) is None

@@ -22,10 +22,6 @@ always None, and the `now_ms` an allocation takes only dates the residency sampl
 
 from __future__ import annotations
 
-import hashlib
-import pickle
-from typing import Final
-
 from engined.core.kv_cache import DestinationReservation
 from engined.core.kv_event_log import KvEventLog
 from engined.core.offload.g1_glue import G1Glue
@@ -34,21 +30,16 @@ from engined.core.paged.residency import BlockResidency
 from engined.core.policy import context_length
 from engined.core.sequence import BlockMove, Release, Sequence
 from engined.core.types import KvEvent, OffloadWait
-from engined.core.vllm_hashing import BlockHasher, HashAlgo, native_chain, salt_extra_keys
-
-# NOTE: compiled, a Final name is a C static; a module attribute is a lookup per call.
-_sha256: Final = hashlib.sha256
-_dumps: Final = pickle.dumps
+from engined.core.vllm_hashing import BlockHasher, native_chain, salt_extra_keys
 
 
 class PagedKvManager:
     __slots__ = (
+        "_chain",
         "_hasher",
-        "_native",
         "_none_hash",
         "_num_cached",
         "_reserved",
-        "_sha256_pickle",
         "_tables",
         "block_size",
         "caching",
@@ -74,8 +65,8 @@ class PagedKvManager:
         self.caching = caching
         self._hasher = hasher
         self._none_hash = hasher.none_hash
-        self._sha256_pickle = hasher.algo is HashAlgo.SHA256
-        self._native = native_chain(hasher.algo, block_size)
+        # vLLM's default algorithm, chained (in C when compiled); None: the others, by block.
+        self._chain = native_chain(hasher.algo, block_size)
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=caching)
         self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log, residency=residency)
         self.max_model_len = context_length(self.usable_blocks, block_size, max_model_len)
@@ -184,11 +175,9 @@ class PagedKvManager:
         parent_block = table[pos - 1]
         parent = pool.vllm_hash_of[parent_block]
         token_ids = seq.tokens[pos * bs : (pos + 1) * bs].tolist()
-        native = self._native
-        if native is not None:
-            h = native(parent, seq.tokens, pos * bs, 1, bs)[0]
-        elif self._sha256_pickle:
-            h = _sha256(_dumps((parent, tuple(token_ids), None), 5)).digest()
+        chain = self._chain
+        if chain is not None:
+            h = chain(parent, token_ids, 0, 1, bs)[0]
         else:
             h = self._hasher.block_hash(parent, token_ids, None)
         ext = int.from_bytes(h[-8:], "big")
@@ -206,42 +195,27 @@ class PagedKvManager:
         if done >= full:
             return
         pool = self.pool
-        tokens = seq.tokens
         parent = pool.vllm_hash_of[table[done - 1]] if done else self._none_hash
         # Only the first block has extra keys (a salt).
         salt = None if done else seq.cache_salt
         extra = None if salt is None else salt_extra_keys(salt)
         # One list of the run's tokens serves the hashes and the event.
-        token_ids = tokens[done * bs : full * bs].tolist()
+        token_ids = seq.tokens[done * bs : full * bs].tolist()
         hashes: list[bytes] = []
-        stored: list[int] = []
-        native = self._native
-        if native is not None:
-            first = done
-            if extra is not None:  # a salted first block: C covers no extra keys
-                parent = self._hasher.block_hash(parent, token_ids[:bs], extra)
-                hashes.append(parent)
-                first += 1
-            hashes.extend(native(parent, tokens, first * bs, full - first, bs))
-            for h in hashes:
-                stored.append(int.from_bytes(h[-8:], "big"))
-        elif self._sha256_pickle:
-            # vLLM's default `hash_block_tokens`, inlined: compiled, the generic
-            # `BlockHasher` path costs a third of the core's time in its calls alone.
-            for start in range(0, len(token_ids), bs):
-                parent = _sha256(
-                    _dumps((parent, tuple(token_ids[start : start + bs]), extra), 5)
-                ).digest()
-                hashes.append(parent)
-                stored.append(int.from_bytes(parent[-8:], "big"))
-                extra = None
+        first = done
+        if extra is not None:  # a salted first block: the chains cover no extra keys
+            parent = self._hasher.block_hash(parent, token_ids[:bs], extra)
+            hashes.append(parent)
+            first += 1
+        chain = self._chain
+        if chain is not None:
+            hashes.extend(chain(parent, token_ids, (first - done) * bs, full - first, bs))
         else:
             block_hash = self._hasher.block_hash
-            for start in range(0, len(token_ids), bs):
-                parent = block_hash(parent, token_ids[start : start + bs], extra)
+            for start in range((first - done) * bs, len(token_ids), bs):
+                parent = block_hash(parent, token_ids[start : start + bs], None)
                 hashes.append(parent)
-                stored.append(int.from_bytes(parent[-8:], "big"))
-                extra = None
+        stored = [int.from_bytes(h[-8:], "big") for h in hashes]
         pool.cache_run(table[done:full], seq.keys[done:full], hashes)
         self._num_cached[seq] = full
         self.log.stored_blocks(
