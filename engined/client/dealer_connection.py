@@ -94,8 +94,7 @@ class Connection(Mailboxes):
         self._reader = asyncio.get_running_loop().create_task(
             self._read(), name="engine-client-reader"
         )
-        # A refused handshake, a lost daemon and its return never show on the DEALER
-        # itself: its monitor tells.
+        # A refused handshake, a lost daemon and its return show on the monitor only.
         self._liveness_s = liveness_s
         self._liveness = Liveness(
             sock,
@@ -219,8 +218,12 @@ class Connection(Mailboxes):
             raise ClientClosedError("client reader failed") from self._failure
         if self._closed:
             raise ClientClosedError("client closed")
-        if self._liveness.lost is not None:
+        if self._liveness.lost is not None and not self._unread():
             raise DaemonLost(str(self._liveness.lost))
+
+    def _unread(self) -> bool:
+        """Whether the DEALER still holds messages for the reader: they come before a loss."""
+        return not self._reader.done() and bool(int(self._sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
     async def _request(
         self, msg: ClientMessage, timeout: float | None, *, while_lost: bool = False
@@ -349,14 +352,11 @@ class Connection(Mailboxes):
         self._fail_all(self._failure)
 
     def _lose(self, lost: DaemonLost) -> None:
-        """End everything of the lost connection: its requests and handoffs are gone with
-        it (a daemon that returns knows this connection no more), and so are their queues.
-
-        What the daemon sent before it went is delivered first. A daemon that drains at
-        SIGTERM sends its last outputs just before it exits, and libzmq keeps a closed
-        connection's messages readable; the monitor's DISCONNECTED can still be read before
-        the reader has taken them, so the loss waits while the DEALER has any to read."""
-        if not self._reader.done() and int(self._sock.get(zmq.EVENTS)) & zmq.POLLIN:
+        """End the lost connection's requests and handoffs (a daemon that returns knows it
+        no more); finished requests keep their outputs (`_forget_all`). What the daemon sent
+        before it went comes first: a draining daemon's last outputs stay readable in the
+        DEALER, and the monitor's DISCONNECTED can be read before them."""
+        if self._unread():
             asyncio.get_running_loop().call_soon(self._lose, lost)
             return
         self._fail_all(lost)

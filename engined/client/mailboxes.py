@@ -57,6 +57,9 @@ class Mailboxes:
         # send_raw() callers, oldest first: they take the direct replies no call claims.
         self._raw_waiters: deque[asyncio.Future[DirectReply]] = deque()
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
+        # Requests whose queue holds their finished entry, not read yet: a lost connection
+        # keeps them, since what the daemon sent before it went is theirs to collect.
+        self._settled: set[str] = set()
         self._handoffs: dict[str, asyncio.Queue[_LifecycleItem]] = {}
         self._lifecycle: asyncio.Queue[_LifecycleItem] = asyncio.Queue(LIFECYCLE_FEED_SIZE)
         self._failure: BaseException | None = None
@@ -96,6 +99,7 @@ class Mailboxes:
 
     def _end_stream(self, request_id: str) -> None:
         """End the stream of a request this client cancelled (see `_End`)."""
+        self._settled.discard(request_id)
         queue = self._streams.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(_End.END)
@@ -131,6 +135,7 @@ class Mailboxes:
             # Once the stream is over, forget its queue so finished requests do not pile up.
             if end and self._streams.get(request_id) is queue:
                 del self._streams[request_id]
+                self._settled.discard(request_id)
             if batch:
                 yield batch
             if end:
@@ -141,14 +146,17 @@ class Mailboxes:
         if isinstance(msg, Output):
             for entry in msg.outputs:
                 self._stream_queue(entry.request_id).put_nowait(entry)
+                if entry.finished:
+                    self._settled.add(entry.request_id)
             return
         for event in msg.events:
             self._handoff_queue(event.handoff_id).put_nowait(event)
             _put_dropping_oldest(self._lifecycle, event)
 
     def _forget_all(self) -> None:
-        """Drop every request, handoff and late reply: a lost connection's are gone with it."""
-        self._streams.clear()
+        """Drop every request, handoff and late reply: a lost connection's are gone with it,
+        but for the requests that finished before it, whose outputs wait for their reader."""
+        self._streams = {rid: q for rid, q in self._streams.items() if rid in self._settled}
         self._handoffs.clear()
         self._abandoned.clear()
 

@@ -181,3 +181,32 @@ def test_a_bound_below_a_tenth_of_a_second_is_refused(bound: float) -> None:
             await EngineClient.connect("ipc:///nonexistent/engined", liveness_s=bound)
 
     asyncio.run(scenario())
+
+
+def test_requests_that_finished_before_the_loss_are_still_collected_after_it(
+    tmp_path: Path,
+) -> None:
+    """Two requests finish while a daemon drains at SIGTERM and exits; nobody reads them
+    until the client has reported the loss. Their outputs came before the loss, so both
+    are collected whole afterwards, as `collect` after a drain expects (a lost connection's
+    unfinished requests are gone with it, its finished ones are not)."""
+    daemon = _daemon(tmp_path)
+
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control, liveness_s=LIVENESS_S) as client:
+            first = await client.submit(list(range(1, 33)), 8, request_id="short")
+            second = await client.submit(list(range(1, 33)), 40, request_id="longer")
+            daemon.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(daemon.proc.wait, 30) == 0, daemon.log()
+            lost = await client.next_connection_event(timeout=LIVENESS_S)
+            assert isinstance(lost, ConnectionLost)
+            short = await client.collect(first, timeout=LIVENESS_S)
+            longer = await client.collect(second, timeout=LIVENESS_S)
+            assert (len(short.token_ids), short.finish_reason) == (8, "length")
+            assert (len(longer.token_ids), longer.finish_reason) == (40, "length")
+            with pytest.raises(DaemonLost):
+                async for _ in client.outputs("never-submitted", timeout=LIVENESS_S):
+                    pass
+
+    asyncio.run(scenario())
+    assert daemon.stop() == 0, daemon.log()
