@@ -4,7 +4,7 @@
  * pickle and feeds it to hashlib; from Python that costs about 1.4 us a block, a tenth of the
  * compiled daemon's work per token (README, History 2026-12-06). Here the pickle bytes are
  * written straight from the block's token ids and hashed in place with the CPU's SHA
- * instructions (a portable SHA-256, FIPS 180-4, where it has none): about 0.15 us.
+ * instructions (a portable SHA-256, FIPS 180-4, where it has none): about 0.2 us.
  *
  * The bytes must be exactly what CPython's pickler writes, or every hash differs from
  * vLLM's: protocol 5, one FRAME, SHORT_BINBYTES + MEMOIZE for the parent, MARK, each token as

@@ -2,7 +2,7 @@
 
 Why bytes: vLLM publishes one `BlockRemoved` per evicted block, so under a full pool a pass
 publishes about one per eight tokens, and building a wire Struct per event to encode it was
-the dearest part of the KV path (0.47 us an event compiled; 0.33 as bytes). An event is its
+the dearest part of the KV path (0.54 us an event compiled; 0.39 as bytes). An event is its
 encoding's fixed head and tail with the hash written between them, as one `msgspec.Raw` the
 batch encoder copies in. Head and tail are cut, at construction, from the encoding of a
 sentinel event built with the wire Struct itself (engined/wire/kv_events.py passes it in),

@@ -66,6 +66,14 @@ def test_sha256_is_hashlibs_at_every_padding_length(block_hash: ModuleType, port
         assert block_hash.sha256(data, portable) == hashlib.sha256(data).digest(), length
 
 
+def test_the_sha_instructions_are_used_where_the_cpu_has_them(block_hash: ModuleType) -> None:
+    """Detection decides the speed, not the result: a broken one would silently leave every
+    machine on the portable code, which the equality tests above cannot see."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    assert block_hash.uses_sha_instructions() is ("sha_ni" in flags)
+
+
 def test_the_chain_is_sha256_over_cpythons_pickle(block_hash: ModuleType) -> None:
     rng = random.Random(2026)
     for _ in range(400):
