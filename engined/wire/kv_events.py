@@ -21,7 +21,7 @@ import msgspec
 from msgspec import Meta
 
 from engined.core import types as core
-from engined.wire.kv_event_bytes import RemovedEventBytes
+from engined.wire.kv_event_bytes import MapBatchWriter
 from engined.wire.kv_event_bytes import wire_hash as wire_hash
 from engined.wire.protocol_errors import WireError
 
@@ -279,13 +279,21 @@ class KvEventEncoder:
         self.fmt: KvEventFormat = fmt
         # NOTE: dispatch on the exact type through a dict: cheaper than a `match` over class
         # patterns when a pass carries hundreds of events.
-        self._converters: dict[type, Callable[[Any], msgspec.Struct | msgspec.Raw]] = dict(
-            _CONVERTERS[fmt]
-        )
+        self._converters: dict[type, Callable[[Any], msgspec.Struct]] = _CONVERTERS[fmt]
         self._encode = msgspec.msgpack.Encoder().encode
-        if fmt == "vllm":  # one a block evicted: written as bytes (kv_event_bytes)
-            writer = RemovedEventBytes(BlockRemoved, self._encode, _GROUP_IDX, _MEDIUM)
-            self._converters[core.BlockRemoved] = writer.removed
+        # vLLM 0.33's format: the batch written as bytes (kv_event_bytes), the Structs above
+        # its definition.
+        self._writer: MapBatchWriter | None = None
+        if fmt == "vllm":
+            self._writer = MapBatchWriter(
+                BlockStored,
+                BlockRemoved,
+                self._encode,
+                _GROUP_IDX,
+                _SPEC_KIND,
+                _MEDIUM,
+                {core.AllBlocksCleared: _map_cleared},
+            )
 
     def encode_batch(self, ts: float, events: Sequence[core.KvEvent], dp_rank: int) -> bytes:
         """The payload `[ts, events, dp_rank]` for `events` in order.
@@ -296,6 +304,9 @@ class KvEventEncoder:
             events: the core's KV events of one pass.
             dp_rank: the publishing rank, written as `data_parallel_rank`.
         """
+        if self._writer is not None:
+            batch = events if isinstance(events, list) else list(events)
+            return self._writer.encode_batch(float(ts), batch, dp_rank)
         converters = self._converters
         try:
             wire_events = [converters[type(ev)](ev) for ev in events]
