@@ -78,10 +78,15 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: int | None = None
     xxh3 = _xxh3
     pack_pair = _pack_pair
     local = [xxh3(data[i * step : (i + 1) * step], HASH_SEED) for i in range(n)]
-    seq: list[int] = []
-    parent = root
-    for h in local:
-        parent = h if parent is None else xxh3(pack_pair(parent, h), HASH_SEED)
+    if not n:
+        return BlockHashes(local, [])
+    # NOTE: the first block outside the loop keeps `parent` a plain int in it, which the
+    # compiled core does not box and test for None per block.
+    first = local[0]
+    parent: int = first if root is None else xxh3(pack_pair(root, first), HASH_SEED)
+    seq = [parent]
+    for i in range(1, n):
+        parent = xxh3(pack_pair(parent, local[i]), HASH_SEED)
         seq.append(parent)
     return BlockHashes(local, seq)
 
