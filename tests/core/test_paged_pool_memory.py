@@ -12,6 +12,7 @@ import tracemalloc
 
 from engined.core.kv_event_log import KvEventLog
 from engined.core.paged.block_pool import PagedBlockPool
+from engined.core.vllm_hashing import event_block_hash_int
 
 NUM_BLOCKS = 16384
 
@@ -35,10 +36,16 @@ def test_cached_hashes_leave_with_their_blocks() -> None:
     log = KvEventLog(16, dp_rank=0, publish=True)
     pool = PagedBlockPool(8, caching=True, log=log)
     blocks = pool.get_new_blocks(2, 0.0)
-    pool.cache_run(blocks, [11, 12], [b"a" * 32, b"b" * 32])
+    pool.cache_run(
+        blocks,
+        [11, 12],
+        [b"a" * 32, b"b" * 32],
+        [event_block_hash_int(b"a" * 32), event_block_hash_int(b"b" * 32)],
+    )
     assert pool.event_hash(blocks[1]) == int.from_bytes(b"b" * 8, "big")
     pool.free_blocks(reversed(blocks))
     # Every other free block is taken first; then the two cached ones are evicted, tail first.
     pool.get_new_blocks(pool.num_free, 0.0)
     assert pool.vllm_hash_of == {}
+    assert pool.event_hash_of == {}
     assert pool.cached == {}

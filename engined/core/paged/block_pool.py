@@ -26,7 +26,6 @@ from collections.abc import Iterable
 
 from engined.core.kv_event_log import KvEventLog
 from engined.core.paged.residency import BlockResidency
-from engined.core.vllm_hashing import event_block_hash_int
 
 NULL_BLOCK = 0
 
@@ -40,6 +39,7 @@ class PagedBlockPool:
         "_twins",
         "cached",
         "caching",
+        "event_hash_of",
         "key_of",
         "log",
         "num_blocks",
@@ -83,6 +83,10 @@ class PagedBlockPool:
         # What a cached block is to the outside: vLLM's hash of it (the next block's parent);
         # KV events carry its `event_hash` (engined/core/vllm_hashing.py).
         self.vllm_hash_of: dict[int, bytes] = {}
+        # NOTE: and that hash as events carry it, kept beside it: a cached block's event
+        # hash is read once as a parent and once at its eviction, and converting the bytes
+        # each time cost more than keeping the int its caller computed anyway.
+        self.event_hash_of: dict[int, int] = {}
         # Lineage key -> the first block cached under it; later twins in `_twins`, in order.
         self.cached: dict[int, int] = {}
         self._twins: dict[int, list[int]] = {}
@@ -126,7 +130,8 @@ class PagedBlockPool:
             if key >= 0:
                 key_of[block] = -1
                 self._uncache(key, block)
-                evicted.append(event_block_hash_int(self.vllm_hash_of.pop(block)))
+                del self.vllm_hash_of[block]
+                evicted.append(self.event_hash_of.pop(block))
             if residency is not None:
                 residency.allocated(block, now_ms)
         rest = nxt[block]
@@ -140,7 +145,7 @@ class PagedBlockPool:
 
     def event_hash(self, block: int) -> int:
         """A cached block's hash as KV events carry it (`event_block_hash_int` of vLLM's)."""
-        return event_block_hash_int(self.vllm_hash_of[block])
+        return self.event_hash_of[block]
 
     def _uncache(self, key: int, block: int) -> None:
         twins = self._twins.get(key)
@@ -154,23 +159,31 @@ class PagedBlockPool:
         if not twins:
             del self._twins[key]
 
-    def cache(self, block: int, key: int, vllm_hash: bytes) -> None:
-        """Cache a held block just filled, under `key` (a twin when another block has it)."""
+    def cache(self, block: int, key: int, vllm_hash: bytes, event_hash: int) -> None:
+        """Cache a held block just filled, under `key` (a twin when another block has it);
+        `event_hash` is `event_block_hash_int(vllm_hash)`."""
         self.key_of[block] = key
         self.vllm_hash_of[block] = vllm_hash
+        self.event_hash_of[block] = event_hash
         if key in self.cached:
             self._twins.setdefault(key, []).append(block)
         else:
             self.cached[key] = block
 
-    def cache_run(self, blocks: list[int], keys: list[int], vllm_hashes: list[bytes]) -> None:
+    def cache_run(
+        self, blocks: list[int], keys: list[int], vllm_hashes: list[bytes], event_hashes: list[int]
+    ) -> None:
         """`cache` of each of `blocks` in turn (a request's run, filled together)."""
         key_of = self.key_of
         vllm_hash_of = self.vllm_hash_of
+        event_hash_of = self.event_hash_of
         cached = self.cached
-        for block, key, vllm_hash in zip(blocks, keys, vllm_hashes, strict=True):
+        for block, key, vllm_hash, event_hash in zip(
+            blocks, keys, vllm_hashes, event_hashes, strict=True
+        ):
             key_of[block] = key
             vllm_hash_of[block] = vllm_hash
+            event_hash_of[block] = event_hash
             if key in cached:
                 self._twins.setdefault(key, []).append(block)
             else:
@@ -234,6 +247,7 @@ class PagedBlockPool:
         self._twins.clear()
         self.key_of = [-1] * self.num_blocks
         self.vllm_hash_of.clear()
+        self.event_hash_of.clear()
         self.num_cached_free = 0
         if self.residency is not None:
             self.residency.reset()

@@ -181,7 +181,7 @@ class PagedKvManager:
         else:
             h = self._hasher.block_hash(parent, token_ids, None)
         ext = int.from_bytes(h[-8:], "big")
-        pool.cache(table[pos], seq.keys[pos], h)
+        pool.cache(table[pos], seq.keys[pos], h, ext)
         self._num_cached[seq] = pos + 1
         self.log.stored_one(pool.event_hash(parent_block), ext, seq.local[pos], token_ids)
 
@@ -216,7 +216,7 @@ class PagedKvManager:
                 parent = block_hash(parent, token_ids[start : start + bs], None)
                 hashes.append(parent)
         stored = [int.from_bytes(h[-8:], "big") for h in hashes]
-        pool.cache_run(table[done:full], seq.keys[done:full], hashes)
+        pool.cache_run(table[done:full], seq.keys[done:full], hashes, stored)
         self._num_cached[seq] = full
         self.log.stored_blocks(
             pool.event_hash(table[done - 1]) if done else None,
