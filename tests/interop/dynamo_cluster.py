@@ -183,7 +183,9 @@ def http_json(
         return status, text
 
 
-def _read_sse(reply: IO[bytes], what: str) -> list[dict[str, Any]]:
+def _read_sse(
+    reply: IO[bytes], what: str, on_chunk: Callable[[dict[str, Any]], None] | None = None
+) -> list[dict[str, Any]]:
     chunks: list[dict[str, Any]] = []
     event = ""
     for raw in reply:
@@ -204,6 +206,8 @@ def _read_sse(reply: IO[bytes], what: str) -> list[dict[str, Any]]:
         if event == "error":
             raise OpenAIError(200, payload, f"{what}: SSE error event")
         chunks.append(json.loads(payload))
+        if on_chunk is not None:
+            on_chunk(chunks[-1])
     raise OpenAIError(200, json.dumps(chunks[-3:]), f"{what}: stream ended without [DONE]")
 
 
@@ -213,8 +217,10 @@ def post_openai(
     body: Mapping[str, Any],
     *,
     timeout: float = HTTP_TIMEOUT_S,
+    on_chunk: Callable[[dict[str, Any]], None] | None = None,
 ) -> Any:
-    """POST an OpenAI request: the reply's JSON, or its SSE chunks when `body["stream"]`."""
+    """POST an OpenAI request: the reply's JSON, or its SSE chunks when `body["stream"]`
+    (each also given to `on_chunk` as it arrives, so a test can act mid-stream)."""
     url = f"{_base_url(target)}{path}"
     request = urllib.request.Request(
         url,
@@ -226,7 +232,7 @@ def post_openai(
     try:
         with _OPENER.open(request, timeout=timeout) as reply:
             if body.get("stream"):
-                return _read_sse(reply, what)
+                return _read_sse(reply, what, on_chunk)
             return json.loads(reply.read().decode())
     except urllib.error.HTTPError as exc:
         text = exc.read().decode(errors="replace")
@@ -243,6 +249,7 @@ def completions(
     max_tokens: int = ...,
     stream: Literal[False] = ...,
     timeout: float = ...,
+    on_chunk: Callable[[dict[str, Any]], None] | None = ...,
     **fields: Any,
 ) -> dict[str, Any]: ...
 @overload
@@ -254,6 +261,7 @@ def completions(
     max_tokens: int = ...,
     stream: Literal[True],
     timeout: float = ...,
+    on_chunk: Callable[[dict[str, Any]], None] | None = ...,
     **fields: Any,
 ) -> list[dict[str, Any]]: ...
 def completions(
@@ -264,6 +272,7 @@ def completions(
     max_tokens: int = 16,
     stream: bool = False,
     timeout: float = HTTP_TIMEOUT_S,
+    on_chunk: Callable[[dict[str, Any]], None] | None = None,
     **fields: Any,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """`POST /v1/completions`; `fields` are added to the body (e.g. `ignore_eos=True`,
@@ -278,7 +287,7 @@ def completions(
         body["stream_options"] = {"include_usage": True}
     body.update(fields)
     result: dict[str, Any] | list[dict[str, Any]] = post_openai(
-        target, "/v1/completions", body, timeout=timeout
+        target, "/v1/completions", body, timeout=timeout, on_chunk=on_chunk
     )
     return result
 
@@ -292,6 +301,7 @@ def chat(
     max_tokens: int = ...,
     stream: Literal[False] = ...,
     timeout: float = ...,
+    on_chunk: Callable[[dict[str, Any]], None] | None = ...,
     **fields: Any,
 ) -> dict[str, Any]: ...
 @overload
@@ -303,6 +313,7 @@ def chat(
     max_tokens: int = ...,
     stream: Literal[True],
     timeout: float = ...,
+    on_chunk: Callable[[dict[str, Any]], None] | None = ...,
     **fields: Any,
 ) -> list[dict[str, Any]]: ...
 def chat(
@@ -313,6 +324,7 @@ def chat(
     max_tokens: int = 16,
     stream: bool = False,
     timeout: float = HTTP_TIMEOUT_S,
+    on_chunk: Callable[[dict[str, Any]], None] | None = None,
     **fields: Any,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """`POST /v1/chat/completions`; a str is one user message."""
@@ -328,7 +340,7 @@ def chat(
         body["stream_options"] = {"include_usage": True}
     body.update(fields)
     result: dict[str, Any] | list[dict[str, Any]] = post_openai(
-        target, "/v1/chat/completions", body, timeout=timeout
+        target, "/v1/chat/completions", body, timeout=timeout, on_chunk=on_chunk
     )
     return result
 

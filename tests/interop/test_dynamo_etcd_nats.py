@@ -15,7 +15,8 @@ daemons' `stats`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,10 +172,11 @@ def ask(
     model: str,
     max_tokens: int,
     stream: bool = False,
+    on_chunk: Callable[[dict[str, Any]], None] | None = None,
     **fields: Any,
 ) -> Answer:
     """One request of either endpoint, unary or streamed (a stream's chunks must carry
-    exactly the ids of its words)."""
+    exactly the ids of its words, and each is given to `on_chunk` as it arrives)."""
     call = completions if endpoint == "completions" else chat
     if not stream:
         reply = call(frontend, prompt, model=model, max_tokens=max_tokens, **fields)
@@ -189,6 +191,7 @@ def ask(
         stream=True,
         nvext=TOKEN_IDS_NVEXT,
         timeout=STREAM_TIMEOUT_S,
+        on_chunk=on_chunk,
         **fields,
     )
     usage = stream_usage(chunks)
@@ -391,12 +394,30 @@ def test_a_killed_pair_s_streams_migrate_and_the_restarted_pair_serves(
     # (A round-robin frontend routes to what `/health` lists, which `start_pairs` waited for.)
 
     prompts = [fresh_prompt(32) for _ in range(STREAMS)]
+    # A stream counts as begun once its client holds a token: then the frontend has seen one
+    # too, so a migration carries at least one (the daemon's running count alone is earlier).
+    begun = [threading.Event() for _ in prompts]
+
+    def on_chunk(stream: int) -> Callable[[dict[str, Any]], None]:
+        def seen(chunk: dict[str, Any]) -> None:
+            if chunk_token_ids(chunk):
+                begun[stream].set()
+
+        return seen
+
     with ThreadPoolExecutor(max_workers=STREAMS) as pool:
         futures = [
             pool.submit(
-                ask, frontend, "completions", p, model=model, max_tokens=STREAM_TOKENS, stream=True
+                ask,
+                frontend,
+                "completions",
+                p,
+                model=model,
+                max_tokens=STREAM_TOKENS,
+                stream=True,
+                on_chunk=on_chunk(i),
             )
-            for p in prompts
+            for i, p in enumerate(prompts)
         ]
 
         def running(group: EnginedGroup) -> int:
@@ -404,8 +425,12 @@ def test_a_killed_pair_s_streams_migrate_and_the_restarted_pair_serves(
 
         half = STREAMS // 2
         poll_until(
-            f"{half} streams running on each pair",
-            lambda: running(victim) == half and running(survivor) == half,
+            f"every stream begun, {half} running on each pair",
+            lambda: (
+                all(b.is_set() for b in begun)
+                and running(victim) == half
+                and running(survivor) == half
+            ),
             STREAM_TIMEOUT_S,
             cluster.describe,
         )
