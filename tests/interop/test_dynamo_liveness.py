@@ -17,6 +17,7 @@ frontend's route lines), never a sleep.
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -94,7 +95,16 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pairs]:
         yield Pairs(cluster, frontend, group)
 
 
-def _stream(frontend: Frontend, model: str = MODEL) -> list[dict[str, Any]]:
+def _stream(
+    frontend: Frontend, model: str = MODEL, begun: threading.Event | None = None
+) -> list[dict[str, Any]]:
+    """One stream; `begun` is set once its client holds a token (so the frontend has seen
+    one, and a migration of it carries at least one)."""
+
+    def seen(chunk: dict[str, Any]) -> None:
+        if begun is not None and chunk_token_ids(chunk):
+            begun.set()
+
     return completions(
         frontend,
         words(12, start=next(_starts)),
@@ -104,6 +114,7 @@ def _stream(frontend: Frontend, model: str = MODEL) -> list[dict[str, Any]]:
         ignore_eos=True,
         nvext=TOKEN_IDS_NVEXT,
         timeout=HTTP_TIMEOUT_S,
+        on_chunk=seen,
     )
 
 
@@ -118,12 +129,15 @@ def _assert_complete(chunks: list[dict[str, Any]]) -> None:
 MID_STREAM_PASSES: Final = 20
 
 
-def _wait_mid_stream(daemon: EnginedDaemon) -> None:
-    """Until at least two requests run on `daemon` and have decoded MID_STREAM_PASSES
-    tokens (passes of a paced rank: one token each per running request)."""
+def _wait_mid_stream(daemon: EnginedDaemon, begun: list[threading.Event]) -> None:
+    """Until every stream has begun, and at least two requests run on `daemon` and have
+    decoded MID_STREAM_PASSES tokens (passes of a paced rank: one token each per running
+    request). The daemon's counts alone come before its tokens reach the frontend."""
     start = sum(rank.passes_total for rank in rank_stats(daemon))
 
     def mid_stream() -> bool:
+        if not all(b.is_set() for b in begun):
+            return False
         stats = rank_stats(daemon)
         passes = sum(rank.passes_total for rank in stats) - start
         return sum(rank.running for rank in stats) >= 2 and passes >= MID_STREAM_PASSES
@@ -144,8 +158,12 @@ def _migrated_from(frontend: Frontend, worker: EnginedWorker | list[int]) -> lis
     ]
 
 
-def _start_streams(pairs: Pairs, pool: ThreadPoolExecutor) -> list[Future[list[dict[str, Any]]]]:
-    return [pool.submit(_stream, pairs.frontend) for _ in range(STREAMS)]
+def _start_streams(
+    frontend: Frontend, pool: ThreadPoolExecutor, model: str = MODEL
+) -> tuple[list[Future[list[dict[str, Any]]]], list[threading.Event]]:
+    """STREAMS streams, and for each the event set once it has begun."""
+    begun = [threading.Event() for _ in range(STREAMS)]
+    return [pool.submit(_stream, frontend, model, b) for b in begun], begun
 
 
 def _log_lines(worker: EnginedWorker, message: str) -> list[dict[str, Any]]:
@@ -207,8 +225,8 @@ def test_killed_daemon_streams_migrate_and_its_restart_serves_again(pairs: Pairs
     _warm(pairs.frontend, warm, worker.instance_id)
     backs = len(_log_lines(worker, BACK_LINE))
     with ThreadPoolExecutor(STREAMS) as pool:
-        streams = _start_streams(pairs, pool)
-        _wait_mid_stream(daemon)
+        streams, begun = _start_streams(pairs.frontend, pool)
+        _wait_mid_stream(daemon, begun)
         assert daemon.proc is not None
         daemon.proc.kill()
         daemon.proc.wait(30)
@@ -233,8 +251,8 @@ def test_daemon_restarted_at_once_loses_nothing(pairs: Pairs) -> None:
     before = welcome(daemon).instance_id
     backs = len(_log_lines(worker, BACK_LINE))
     with ThreadPoolExecutor(STREAMS) as pool:
-        streams = _start_streams(pairs, pool)
-        _wait_mid_stream(daemon)
+        streams, begun = _start_streams(pairs.frontend, pool)
+        _wait_mid_stream(daemon, begun)
         assert daemon.proc is not None
         daemon.proc.kill()
         daemon.proc.wait(30)
@@ -286,8 +304,8 @@ def test_worker_per_rank_streams_migrate_and_every_rank_is_set_up_again(pairs: P
 
     assert daemon.proc is not None
     with ThreadPoolExecutor(STREAMS) as pool:
-        streams = [pool.submit(_stream, frontend, RANKS_MODEL) for _ in range(STREAMS)]
-        _wait_mid_stream(daemon)
+        streams, begun = _start_streams(frontend, pool, RANKS_MODEL)
+        _wait_mid_stream(daemon, begun)
         daemon.proc.kill()
         daemon.proc.wait(30)
         for future in streams:
@@ -353,8 +371,8 @@ def test_stopped_daemon_streams_migrate_and_it_serves_again_when_continued(pairs
     migrated = len(_migrated_from(pairs.frontend, worker))
     assert daemon.proc is not None
     with ThreadPoolExecutor(STREAMS) as pool:
-        streams = _start_streams(pairs, pool)
-        _wait_mid_stream(daemon)
+        streams, begun = _start_streams(pairs.frontend, pool)
+        _wait_mid_stream(daemon, begun)
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
             for future in streams:
