@@ -43,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -358,6 +359,18 @@ def chunk_token_ids(chunk: Mapping[str, Any]) -> list[int]:
     """Token ids a chunk carries in `nvext.completion_token_ids` (with `TOKEN_IDS_NVEXT`)."""
     nvext = chunk.get("nvext") or {}
     return [int(t) for t in nvext.get("completion_token_ids") or ()]
+
+
+def sets_on_first_token(begun: threading.Event) -> Callable[[dict[str, Any]], None]:
+    """An `on_chunk` that sets `begun` once a chunk carries token ids: the stream's client
+    then holds a token, so the frontend has passed one (a daemon's own counts come earlier),
+    and a migration of the stream carries at least one."""
+
+    def seen(chunk: dict[str, Any]) -> None:
+        if chunk_token_ids(chunk):
+            begun.set()
+
+    return seen
 
 
 def stream_text(chunks: Sequence[Mapping[str, Any]]) -> str:

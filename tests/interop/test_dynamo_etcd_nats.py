@@ -32,6 +32,7 @@ from tests.interop.dynamo_cluster import (
     chunk_token_ids,
     completions,
     request_id_of,
+    sets_on_first_token,
     stream_text,
     stream_usage,
 )
@@ -394,17 +395,7 @@ def test_a_killed_pair_s_streams_migrate_and_the_restarted_pair_serves(
     # (A round-robin frontend routes to what `/health` lists, which `start_pairs` waited for.)
 
     prompts = [fresh_prompt(32) for _ in range(STREAMS)]
-    # A stream counts as begun once its client holds a token: then the frontend has seen one
-    # too, so a migration carries at least one (the daemon's running count alone is earlier).
     begun = [threading.Event() for _ in prompts]
-
-    def on_chunk(stream: int) -> Callable[[dict[str, Any]], None]:
-        def seen(chunk: dict[str, Any]) -> None:
-            if chunk_token_ids(chunk):
-                begun[stream].set()
-
-        return seen
-
     with ThreadPoolExecutor(max_workers=STREAMS) as pool:
         futures = [
             pool.submit(
@@ -415,9 +406,9 @@ def test_a_killed_pair_s_streams_migrate_and_the_restarted_pair_serves(
                 model=model,
                 max_tokens=STREAM_TOKENS,
                 stream=True,
-                on_chunk=on_chunk(i),
+                on_chunk=sets_on_first_token(b),
             )
-            for i, p in enumerate(prompts)
+            for p, b in zip(prompts, begun, strict=True)
         ]
 
         def running(group: EnginedGroup) -> int:

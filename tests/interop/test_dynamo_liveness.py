@@ -34,6 +34,7 @@ from tests.interop.dynamo_cluster import (
     chunk_token_ids,
     completions,
     dynamo_cluster,
+    sets_on_first_token,
     stream_text,
     stream_usage,
 )
@@ -98,13 +99,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pairs]:
 def _stream(
     frontend: Frontend, model: str = MODEL, begun: threading.Event | None = None
 ) -> list[dict[str, Any]]:
-    """One stream; `begun` is set once its client holds a token (so the frontend has seen
-    one, and a migration of it carries at least one)."""
-
-    def seen(chunk: dict[str, Any]) -> None:
-        if begun is not None and chunk_token_ids(chunk):
-            begun.set()
-
+    """One stream; `begun`, if given, is set once its client holds a token."""
     return completions(
         frontend,
         words(12, start=next(_starts)),
@@ -114,7 +109,7 @@ def _stream(
         ignore_eos=True,
         nvext=TOKEN_IDS_NVEXT,
         timeout=HTTP_TIMEOUT_S,
-        on_chunk=seen,
+        on_chunk=None if begun is None else sets_on_first_token(begun),
     )
 
 
