@@ -184,9 +184,11 @@ def http_json(
         return status, text
 
 
-def _read_sse(
-    reply: IO[bytes], what: str, on_chunk: Callable[[dict[str, Any]], None] | None = None
-) -> list[dict[str, Any]]:
+# Called with each SSE chunk of a stream as it arrives, so a test can act mid-stream.
+OnChunk = Callable[[dict[str, Any]], None]
+
+
+def _read_sse(reply: IO[bytes], what: str, on_chunk: OnChunk | None = None) -> list[dict[str, Any]]:
     chunks: list[dict[str, Any]] = []
     event = ""
     for raw in reply:
@@ -218,7 +220,7 @@ def post_openai(
     body: Mapping[str, Any],
     *,
     timeout: float = HTTP_TIMEOUT_S,
-    on_chunk: Callable[[dict[str, Any]], None] | None = None,
+    on_chunk: OnChunk | None = None,
 ) -> Any:
     """POST an OpenAI request: the reply's JSON, or its SSE chunks when `body["stream"]`
     (each also given to `on_chunk` as it arrives, so a test can act mid-stream)."""
@@ -250,7 +252,7 @@ def completions(
     max_tokens: int = ...,
     stream: Literal[False] = ...,
     timeout: float = ...,
-    on_chunk: Callable[[dict[str, Any]], None] | None = ...,
+    on_chunk: OnChunk | None = ...,
     **fields: Any,
 ) -> dict[str, Any]: ...
 @overload
@@ -262,7 +264,7 @@ def completions(
     max_tokens: int = ...,
     stream: Literal[True],
     timeout: float = ...,
-    on_chunk: Callable[[dict[str, Any]], None] | None = ...,
+    on_chunk: OnChunk | None = ...,
     **fields: Any,
 ) -> list[dict[str, Any]]: ...
 def completions(
@@ -273,7 +275,7 @@ def completions(
     max_tokens: int = 16,
     stream: bool = False,
     timeout: float = HTTP_TIMEOUT_S,
-    on_chunk: Callable[[dict[str, Any]], None] | None = None,
+    on_chunk: OnChunk | None = None,
     **fields: Any,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """`POST /v1/completions`; `fields` are added to the body (e.g. `ignore_eos=True`,
@@ -302,7 +304,7 @@ def chat(
     max_tokens: int = ...,
     stream: Literal[False] = ...,
     timeout: float = ...,
-    on_chunk: Callable[[dict[str, Any]], None] | None = ...,
+    on_chunk: OnChunk | None = ...,
     **fields: Any,
 ) -> dict[str, Any]: ...
 @overload
@@ -314,7 +316,7 @@ def chat(
     max_tokens: int = ...,
     stream: Literal[True],
     timeout: float = ...,
-    on_chunk: Callable[[dict[str, Any]], None] | None = ...,
+    on_chunk: OnChunk | None = ...,
     **fields: Any,
 ) -> list[dict[str, Any]]: ...
 def chat(
@@ -325,7 +327,7 @@ def chat(
     max_tokens: int = 16,
     stream: bool = False,
     timeout: float = HTTP_TIMEOUT_S,
-    on_chunk: Callable[[dict[str, Any]], None] | None = None,
+    on_chunk: OnChunk | None = None,
     **fields: Any,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """`POST /v1/chat/completions`; a str is one user message."""
@@ -361,7 +363,7 @@ def chunk_token_ids(chunk: Mapping[str, Any]) -> list[int]:
     return [int(t) for t in nvext.get("completion_token_ids") or ()]
 
 
-def sets_on_first_token(begun: threading.Event) -> Callable[[dict[str, Any]], None]:
+def sets_on_first_token(begun: threading.Event) -> OnChunk:
     """An `on_chunk` that sets `begun` once a chunk carries token ids: the stream's client
     then holds a token, so the frontend has passed one (a daemon's own counts come earlier),
     and a migration of the stream carries at least one."""

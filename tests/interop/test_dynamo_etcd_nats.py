@@ -16,7 +16,7 @@ daemons' `stats`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ from tests.interop.dynamo_cluster import (
     TOKEN_IDS_NVEXT,
     DynamoCluster,
     Frontend,
+    OnChunk,
     chat,
     chunk_token_ids,
     completions,
@@ -173,7 +174,7 @@ def ask(
     model: str,
     max_tokens: int,
     stream: bool = False,
-    on_chunk: Callable[[dict[str, Any]], None] | None = None,
+    on_chunk: OnChunk | None = None,
     **fields: Any,
 ) -> Answer:
     """One request of either endpoint, unary or streamed (a stream's chunks must carry
