@@ -65,10 +65,11 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.offload.tier_engine",
     "engined.core.offload.tier_onboard",
     "engined.core.offload.tier_values",
-    # The daemon's per-token conversion of a pass's outputs (`route_outputs`), and its KV
-    # events as bytes.
+    # The daemon's per-token conversions: a pass's outputs routed as `output` messages
+    # written as bytes (`OutputWriter`), and its KV events as bytes.
     "engined.wire.convert",
     "engined.wire.kv_event_bytes",
+    "engined.wire.output_bytes",
     # C (engined/core/_block_hash.c): vLLM's sha256 block hash, a tenth of a token's work.
     "engined.core._block_hash",
 )

@@ -129,14 +129,15 @@ _FINISH_REASONS: Final[dict[core.FinishReason, FinishReason]] = {
 }
 
 
-def to_output_entry(output: core.RequestOutput) -> OutputEntry:
+def to_output_entry(output: core.RequestOutput, request_id: str | None = None) -> OutputEntry:
     """The streamed form of one request's output of one pass (a speculative burst stays one
-    entry, so the protocol keeps one entry per request per pass)."""
+    entry, so the protocol keeps one entry per request per pass), under `request_id` when
+    its owner knows it by another name (an alias, `RequestIds`)."""
     # Nearly every entry is unfinished: no enum hashing for those.
     finish_reason = output.finish_reason
     reason = None if finish_reason is None else _FINISH_REASONS[finish_reason]
     return OutputEntry(
-        request_id=output.request_id,
+        request_id=output.request_id if request_id is None else request_id,
         token_ids=output.new_token_ids,
         finished=reason is not None,
         finish_reason=reason,
@@ -144,67 +145,6 @@ def to_output_entry(output: core.RequestOutput) -> OutputEntry:
         handoff_delay_ms=output.handoff_delay_ms,
         stop_reason=output.stop_reason,
     )
-
-
-def route_outputs(
-    outputs: list[core.RequestOutput], decodes: core.Decodes, owners: dict[str, bytes]
-) -> tuple[dict[bytes, list[OutputEntry]], list[str]]:
-    """A pass's outputs and plain decode steps as entries per owner, in emission order, and
-    the owned requests they end.
-
-    Outputs of requests nobody owns are dropped. This runs for every token the daemon
-    streams (and is compiled with the core: `engined.core.COMPILED_MODULES`). `owners` is a
-    dict, not a Mapping, so the compiled lookup is the dict's own, not a method call; and
-    consecutive entries of one owner (a single client's whole pass) find its batch without
-    another lookup. A decode step's entry is built straight from its columns.
-    """
-    routed: dict[bytes, list[OutputEntry]] = {}
-    ended: list[str] = []
-    last_owner: bytes | None = None
-    batch: list[OutputEntry] = []
-    step_ids = decodes.request_ids
-    step_tokens = decodes.token_ids
-    # The decode steps emitted before each output, and after the last one, the rest.
-    bounds = [*decodes.before, len(step_ids)]
-    count = len(outputs)
-    assert len(bounds) == count + 1, "Decodes.before needs one entry per output"
-    taken = 0
-    for index, stop in enumerate(bounds):
-        while taken < stop:
-            request_id = step_ids[taken]
-            owner = owners.get(request_id)
-            if owner is not None:
-                if last_owner is None or owner != last_owner:
-                    batch, last_owner = _batch_of(routed, owner), owner
-                batch.append(
-                    OutputEntry(
-                        request_id=request_id,
-                        token_ids=[step_tokens[taken]],
-                        finished=False,
-                        finish_reason=None,
-                    )
-                )
-            taken += 1
-        if index == count:
-            break
-        output = outputs[index]
-        request_id = output.request_id
-        owner = owners.get(request_id)
-        if owner is None:
-            continue
-        if output.finish_reason is not None:
-            ended.append(request_id)
-        if last_owner is None or owner != last_owner:
-            batch, last_owner = _batch_of(routed, owner), owner
-        batch.append(to_output_entry(output))
-    return routed, ended
-
-
-def _batch_of(routed: dict[bytes, list[OutputEntry]], owner: bytes) -> list[OutputEntry]:
-    found = routed.get(owner)
-    if found is None:
-        found = routed[owner] = []
-    return found
 
 
 def to_wire_lifecycle(event: core.LifecycleEvent) -> WireLifecycleEvent:

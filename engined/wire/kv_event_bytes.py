@@ -58,7 +58,7 @@ def wire_hash(h: int) -> int:
     raise ValueError(f"block hash {h} is not an unsigned 64-bit int")
 
 
-def _cut(encoded: bytes, markers: list[bytes]) -> list[bytes]:
+def cut(encoded: bytes, markers: list[bytes]) -> list[bytes]:
     """`encoded` split at each marker in turn: the segments between them."""
     segments: list[bytes] = []
     rest = encoded
@@ -71,7 +71,7 @@ def _cut(encoded: bytes, markers: list[bytes]) -> list[bytes]:
     return segments
 
 
-def _array_head(n: int) -> bytes:
+def array_head(n: int) -> bytes:
     if n < 16:
         return bytes((0x90 | n,))
     if n < 0x10000:
@@ -113,7 +113,7 @@ class MapBatchWriter:
         self._stored: dict[Medium, list[bytes]] = {}
         for medium, name in medium_names.items():
             sentinel = removed(block_hashes=[_HASH], medium=name, group_idx=group_idx)
-            head, tail = _cut(encode(sentinel), [encode([_HASH])])
+            head, tail = cut(encode(sentinel), [encode([_HASH])])
             self._removed[medium] = (head, head + _ONE_HASH, tail)
             sentinel = stored(
                 block_hashes=[_HASH],
@@ -128,13 +128,13 @@ class MapBatchWriter:
                 kv_cache_spec_kind=spec_kind,
             )
             markers = [encode(v) for v in ([_HASH], _PARENT, [_TOKEN], _BLOCK_SIZE, [_EXTRA])]
-            self._stored[medium] = _cut(encode(sentinel), markers)
+            self._stored[medium] = cut(encode(sentinel), markers)
         # NOTE: GPU, nearly every event's medium, by identity: no dict lookup.
         self._removed_gpu = self._removed[_GPU]
 
     def encode_batch(self, ts: float, events: list[Any], dp_rank: int) -> bytes:
         """The payload `[ts, events, dp_rank]`, as msgspec encodes vLLM's `EventBatch`."""
-        pieces = [b"\x93\xcb", _PACK_F64(ts), _array_head(len(events))]
+        pieces = [b"\x93\xcb", _PACK_F64(ts), array_head(len(events))]
         append = pieces.append
         for ev in events:
             kind = type(ev)

@@ -98,6 +98,7 @@ class ClientTable:
         # Sends go through a synchronous shadow: NOBLOCK, errors raised at the call.
         self._send_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(wire.DaemonMessage).decode
         self._in_flight = in_flight
         self._dropped = dropped
         self._recovered = recovered
@@ -198,14 +199,28 @@ class ClientTable:
         if episode is not None:
             self._episodes.keep(identity, episode, msg)
             return
-        body = self._encode(msg)
+        self._deliver(identity, self._encode(msg), msg)
+
+    def send_encoded(self, identity: bytes, body: bytes) -> None:
+        """`send` of a message written as bytes (a pass's `output`, `OutputWriter`): it is
+        decoded again only if it has to be kept."""
+        episode = self._episodes.get(identity)
+        if episode is not None:
+            self._episodes.keep(identity, episode, self._decode(body))
+            return
+        self._deliver(identity, body, None)
+
+    def _deliver(self, identity: bytes, body: bytes, msg: wire.DaemonMessage | None) -> None:
+        """Send `body` (`msg` encoded; None: decode it when it has to be kept)."""
         backlogs = self._backlogs
         if identity in backlogs and not backlogs.flush(identity, self._try_send):
-            self._queue(identity, body, msg)
+            self._queue(identity, body, self._decode(body) if msg is None else msg)
             return
         reason = self._try_send(identity, body)
         if reason is None:
             return
+        if msg is None:
+            msg = self._decode(body)
         if reason == "too slow" and backlogs.enabled:
             self._queue(identity, body, msg)
             return

@@ -37,7 +37,8 @@ from engined.server.ranks.deadlines import Deadlines
 from engined.server.ranks.rank_handle import RankHandle
 from engined.server.security.gatekeeper import ROLE_PROPERTY, Role
 from engined.wire import control as wire
-from engined.wire.convert import route_outputs, to_wire_lifecycle
+from engined.wire.convert import to_wire_lifecycle
+from engined.wire.output_bytes import OutputWriter
 from engined.wire.protocol_errors import bound_message
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ class ControlServer:
             unread_bytes=unread_bytes,
         )
         self._ids = RequestIds()
+        self._outputs = OutputWriter(self._ids.client_id)
         self._max_queued = max_queued_requests
         self._inflight_bytes = inflight_bytes
         self.shutting_down = False
@@ -320,13 +322,16 @@ class ControlServer:
         self, rank: int, outputs: list[core.RequestOutput], decodes: core.Decodes
     ) -> None:
         ownership = self._ownership
-        per_client, ended = route_outputs(outputs, decodes, ownership.owners_on(rank))
+        messages, ended = self._outputs.route(outputs, decodes, ownership.owners_on(rank), rank)
+        ids = self._ids
         for request_id in ended:
             ownership.finished(rank, request_id)
-        renamed = self._ids.renamed
-        for identity, entries in per_client.items():
-            self._reply(identity, wire.Output(dp_rank=rank, outputs=renamed(entries)))
-            self._clients.settle(identity)
+            if ids:
+                ids.forget(request_id)
+        clients = self._clients
+        for identity, body in messages.items():
+            clients.send_encoded(identity, body)
+            clients.settle(identity)
 
     def deliver_lifecycle(self, rank: int, events: list[core.LifecycleEvent]) -> None:
         if self._lifecycle_observer is not None:

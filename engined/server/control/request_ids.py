@@ -17,10 +17,6 @@ from __future__ import annotations
 import itertools
 from typing import Final
 
-import msgspec
-
-from engined.wire import control as wire
-
 SEPARATOR: Final = "\x1f"
 
 
@@ -55,18 +51,3 @@ class RequestIds:
         found = self._client.pop(core_id, None)
         if found is not None:
             del self._core[found]
-
-    def renamed(self, entries: list[wire.OutputEntry]) -> list[wire.OutputEntry]:
-        """`entries` with every alias replaced by its client's name; a terminal entry ends
-        its alias."""
-        if not self._client:
-            return entries
-        out: list[wire.OutputEntry] = []
-        for entry in entries:
-            found = self._client.get(entry.request_id)
-            if found is not None:
-                if entry.finished:
-                    self.forget(entry.request_id)
-                entry = msgspec.structs.replace(entry, request_id=found[1])
-            out.append(entry)
-        return out

@@ -1,0 +1,161 @@
+"""A pass's outputs routed to their owners, each owner's `output` message written as bytes.
+
+Why bytes: a decoding pass streams one entry per running request, and building an
+`OutputEntry` Struct (and its one-token list) per token, encoding it and freeing it was the
+largest part of delivering a token. A plain decode entry differs from the next only in its
+request id and its token, so `OutputWriter` writes it as two pieces: the request's lead (the
+entry's encoding up to its token, kept while the request lives) and the token's encoding,
+then one fixed tail; entries that carry more (a request's first, its last, a burst) are
+encoded from their Struct. The fixed segments are cut, at construction, from encodings of
+sentinel messages built with the wire Structs themselves, so the bytes stay msgspec's;
+tests/wire/test_output_bytes.py holds whole messages to the Struct path.
+
+Compiled with the core (`engined.core.COMPILED_MODULES`): it runs for every streamed token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+import msgspec
+
+from engined.core import types as core
+from engined.wire.control import Output, OutputEntry
+from engined.wire.convert import to_output_entry
+from engined.wire.kv_event_bytes import array_head, cut
+
+_REQUEST_ID: Final = "engined-sentinel-request-id"
+_TOKEN: Final = 0xC1C2C3C4
+_RANK: Final = 0xD1D2D3D4
+_EMPTY_ARRAY: Final = b"\x90"
+_ONE_ELEMENT: Final = b"\x91"
+# Where a message's pieces hold the array head of its entries, known once they are counted.
+_ARRAY_HEAD: Final = 3
+# A bound on the leads kept: a request's is dropped with its last entry, so only requests
+# that end unseen (none today) would stay; past this many the cache starts again.
+MAX_LEADS: Final = 1 << 16
+
+
+class OutputWriter:
+    """Routes a pass's outputs to their owners as encoded `output` messages.
+
+    Args:
+        name_of: the request id its owner knows a core request id by (an alias's client
+            name, `RequestIds.client_id`); asked once per request and for every entry
+            encoded from its Struct.
+    """
+
+    __slots__ = ("_encode", "_entry_tail", "_head", "_leads", "_name_of", "_rank_tail", "_to_token")
+
+    def __init__(self, name_of: Callable[[str], str]) -> None:
+        encode = msgspec.msgpack.Encoder().encode
+        self._encode = encode
+        self._name_of = name_of
+        sentinel = OutputEntry(
+            request_id=_REQUEST_ID, token_ids=[_TOKEN], finished=False, finish_reason=None
+        )
+        head, to_token, tail = cut(encode(sentinel), [encode(_REQUEST_ID), encode([_TOKEN])])
+        self._head = head
+        self._to_token = to_token + _ONE_ELEMENT
+        self._entry_tail = tail
+        message_head, rank_tail = cut(encode(Output(dp_rank=_RANK, outputs=[])), [encode(_RANK)])
+        if not rank_tail.endswith(_EMPTY_ARRAY):
+            raise RuntimeError(f"unexpected encoding of an empty output: {rank_tail!r}")
+        # (message head, what follows the rank up to the entries' array head)
+        self._rank_tail = (message_head, rank_tail[: -len(_EMPTY_ARRAY)])
+        self._leads: dict[str, bytes] = {}
+
+    def route(
+        self,
+        outputs: list[core.RequestOutput],
+        decodes: core.Decodes,
+        owners: dict[str, bytes],
+        rank: int,
+    ) -> tuple[dict[bytes, bytes], list[str]]:
+        """Each owner's `output` message of this pass (its entries in emission order), and the
+        owned requests the pass ended.
+
+        Outputs of requests nobody owns are dropped. `owners` is a dict, not a Mapping, so
+        the compiled lookup is the dict's own; consecutive entries of one owner (a single
+        client's whole pass) find its pieces without another lookup.
+        """
+        pieces_of: dict[bytes, list[bytes]] = {}
+        counts: dict[bytes, int] = {}
+        ended: list[str] = []
+        last_owner: bytes | None = None
+        pieces: list[bytes] = []
+        count = 0
+        step_ids = decodes.request_ids
+        step_tokens = decodes.token_ids
+        # The decode steps emitted before each output, and after the last one, the rest.
+        bounds = [*decodes.before, len(step_ids)]
+        num_outputs = len(outputs)
+        assert len(bounds) == num_outputs + 1, "Decodes.before needs one entry per output"
+        leads = self._leads
+        if len(leads) > MAX_LEADS:
+            leads.clear()
+        encode = self._encode
+        tail = self._entry_tail
+        taken = 0
+        for index, stop in enumerate(bounds):
+            while taken < stop:
+                request_id = step_ids[taken]
+                owner = owners.get(request_id)
+                if owner is not None:
+                    if last_owner is None or owner != last_owner:
+                        if last_owner is not None:
+                            counts[last_owner] = count
+                        pieces, count = self._pieces_of(pieces_of, counts, owner, rank)
+                        last_owner = owner
+                    lead = leads.get(request_id)
+                    if lead is None:
+                        lead = leads[request_id] = self._lead(request_id)
+                    pieces.append(lead)
+                    pieces.append(encode(step_tokens[taken]))
+                    pieces.append(tail)
+                    count += 1
+                taken += 1
+            if index == num_outputs:
+                break
+            output = outputs[index]
+            request_id = output.request_id
+            finished = output.finish_reason is not None
+            if finished:
+                leads.pop(request_id, None)
+            owner = owners.get(request_id)
+            if owner is None:
+                continue
+            if finished:
+                ended.append(request_id)
+            if last_owner is None or owner != last_owner:
+                if last_owner is not None:
+                    counts[last_owner] = count
+                pieces, count = self._pieces_of(pieces_of, counts, owner, rank)
+                last_owner = owner
+            name = self._name_of(request_id)
+            entry = to_output_entry(output, None if name == request_id else name)
+            pieces.append(encode(entry))
+            count += 1
+        if last_owner is not None:
+            counts[last_owner] = count
+        messages: dict[bytes, bytes] = {}
+        for owner, owned in pieces_of.items():
+            owned[_ARRAY_HEAD] = array_head(counts[owner])
+            messages[owner] = b"".join(owned)
+        return messages, ended
+
+    def _lead(self, request_id: str) -> bytes:
+        return self._head + self._encode(self._name_of(request_id)) + self._to_token
+
+    def _pieces_of(
+        self, pieces_of: dict[bytes, list[bytes]], counts: dict[bytes, int], owner: bytes, rank: int
+    ) -> tuple[list[bytes], int]:
+        """The owner's message so far (its head first, the entries' array head left blank)
+        and how many entries it holds."""
+        found = pieces_of.get(owner)
+        if found is None:
+            message_head, rank_tail = self._rank_tail
+            found = pieces_of[owner] = [message_head, self._encode(rank), rank_tail, b""]
+            return found, 0
+        return found, counts[owner]
