@@ -66,6 +66,11 @@ class CommandOutcome(NamedTuple):
     ended: list[EndedRequest]
 
 
+# NOTE: tuple.__new__ builds a NamedTuple in C; compiled, calling the class runs the
+# Python-level `__new__` namedtuple generates.
+_new = tuple.__new__
+
+
 class Commands:
     __slots__ = (
         "_book",
@@ -140,7 +145,7 @@ class Commands:
         lifecycle: list[LifecycleEvent] = []
         if isinstance(result, Applied | DestinationAccepted):
             lifecycle = self.retry_pending_destinations(now_ms)
-        return CommandOutcome(result, lifecycle, ended)
+        return _new(CommandOutcome, (result, lifecycle, ended))
 
     # --- requests -----------------------------------------------------------------------
 

@@ -29,6 +29,11 @@ class LengthStats(NamedTuple):
     variance: float
 
 
+# NOTE: tuple.__new__ builds a NamedTuple in C; compiled, calling the class runs the
+# Python-level `__new__` namedtuple generates.
+_new = tuple.__new__
+
+
 class ScheduledWork(NamedTuple):
     request_id: str
     total_tokens: int
@@ -44,8 +49,8 @@ def exact_stats(n: int, total: int, squares: int) -> LengthStats:
     """The stats of `n` lengths from their sum and sum of squares: the variance exact in
     integers, with one rounding in the division (Python's int / int rounds correctly)."""
     if n == 0:
-        return LengthStats(0, 0, 0.0)
-    return LengthStats(n, total, (n * squares - total * total) / (n * n))
+        return _new(LengthStats, (0, 0, 0.0))
+    return _new(LengthStats, (n, total, (n * squares - total * total) / (n * n)))
 
 
 def length_stats(lengths: list[int]) -> LengthStats:

@@ -53,6 +53,11 @@ class QueuedAs(NamedTuple):
     length: int
 
 
+# NOTE: tuple.__new__ builds a NamedTuple in C; compiled, calling the class runs the
+# Python-level `__new__` namedtuple generates.
+_new = tuple.__new__
+
+
 class QueuedLengths:
     """The two FPM tallies of one core: queued prefills and queued decodes."""
 
@@ -111,11 +116,11 @@ def waiting_class(
 
     def queued_as(req: RequestState) -> QueuedAs | None:
         if is_active_destination(req.request_id):
-            return QueuedAs(lengths.decode, req.seq.num_input_tokens)
+            return _new(QueuedAs, (lengths.decode, req.seq.num_input_tokens))
         if req.status is RequestStatus.WAITING:
-            return QueuedAs(lengths.prefill, req.seq.num_input_tokens)
+            return _new(QueuedAs, (lengths.prefill, req.seq.num_input_tokens))
         if req.status is RequestStatus.PREEMPTED:
-            return QueuedAs(lengths.decode, len(req.seq.tokens))
+            return _new(QueuedAs, (lengths.decode, len(req.seq.tokens)))
         return None
 
     return queued_as
