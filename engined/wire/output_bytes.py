@@ -80,12 +80,10 @@ class OutputWriter:
         the compiled lookup is the dict's own; consecutive entries of one owner (a single
         client's whole pass) find its pieces without another lookup.
         """
-        pieces_of: dict[bytes, list[bytes]] = {}
-        counts: dict[bytes, int] = {}
+        messages: dict[bytes, _Message] = {}
         ended: list[str] = []
         last_owner: bytes | None = None
-        pieces: list[bytes] = []
-        count = 0
+        message = _NOBODY
         step_ids = decodes.request_ids
         step_tokens = decodes.token_ids
         # The decode steps emitted before each output, and after the last one, the rest.
@@ -104,17 +102,15 @@ class OutputWriter:
                 owner = owners.get(request_id)
                 if owner is not None:
                     if last_owner is None or owner != last_owner:
-                        if last_owner is not None:
-                            counts[last_owner] = count
-                        pieces, count = self._pieces_of(pieces_of, counts, owner, rank)
-                        last_owner = owner
+                        message, last_owner = self._message_of(messages, owner, rank), owner
                     lead = leads.get(request_id)
                     if lead is None:
                         lead = leads[request_id] = self._lead(request_id)
+                    pieces = message.pieces
                     pieces.append(lead)
                     pieces.append(encode(step_tokens[taken]))
                     pieces.append(tail)
-                    count += 1
+                    message.count += 1
                 taken += 1
             if index == num_outputs:
                 break
@@ -129,33 +125,39 @@ class OutputWriter:
             if finished:
                 ended.append(request_id)
             if last_owner is None or owner != last_owner:
-                if last_owner is not None:
-                    counts[last_owner] = count
-                pieces, count = self._pieces_of(pieces_of, counts, owner, rank)
-                last_owner = owner
+                message, last_owner = self._message_of(messages, owner, rank), owner
             name = self._name_of(request_id)
             entry = to_output_entry(output, None if name == request_id else name)
-            pieces.append(encode(entry))
-            count += 1
-        if last_owner is not None:
-            counts[last_owner] = count
-        messages: dict[bytes, bytes] = {}
-        for owner, owned in pieces_of.items():
-            owned[_ARRAY_HEAD] = array_head(counts[owner])
-            messages[owner] = b"".join(owned)
-        return messages, ended
+            message.pieces.append(encode(entry))
+            message.count += 1
+        written: dict[bytes, bytes] = {}
+        for owner, owned in messages.items():
+            owned.pieces[_ARRAY_HEAD] = array_head(owned.count)
+            written[owner] = b"".join(owned.pieces)
+        return written, ended
 
     def _lead(self, request_id: str) -> bytes:
         return self._head + self._encode(self._name_of(request_id)) + self._to_token
 
-    def _pieces_of(
-        self, pieces_of: dict[bytes, list[bytes]], counts: dict[bytes, int], owner: bytes, rank: int
-    ) -> tuple[list[bytes], int]:
-        """The owner's message so far (its head first, the entries' array head left blank)
-        and how many entries it holds."""
-        found = pieces_of.get(owner)
+    def _message_of(self, messages: dict[bytes, _Message], owner: bytes, rank: int) -> _Message:
+        """The owner's message so far, begun with its head (the entries' array head blank)."""
+        found = messages.get(owner)
         if found is None:
             message_head, rank_tail = self._rank_tail
-            found = pieces_of[owner] = [message_head, self._encode(rank), rank_tail, b""]
-            return found, 0
-        return found, counts[owner]
+            head = [message_head, self._encode(rank), rank_tail, b""]
+            found = messages[owner] = _Message(head)
+        return found
+
+
+class _Message:
+    """One owner's message being written: its pieces and how many entries they hold."""
+
+    __slots__ = ("count", "pieces")
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+        self.count = 0
+
+
+# A placeholder before the first owned entry: never written to.
+_NOBODY: Final = _Message([])
