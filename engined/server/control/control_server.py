@@ -321,17 +321,15 @@ class ControlServer:
     def deliver_outputs(
         self, rank: int, outputs: list[core.RequestOutput], decodes: core.Decodes
     ) -> None:
-        ownership = self._ownership
+        ownership, ids = self._ownership, self._ids
         messages, ended = self._outputs.route(outputs, decodes, ownership.owners_on(rank), rank)
-        ids = self._ids
         for request_id in ended:
             ownership.finished(rank, request_id)
             if ids:
                 ids.forget(request_id)
-        clients = self._clients
         for identity, body in messages.items():
-            clients.send_encoded(identity, body)
-            clients.settle(identity)
+            self._clients.send_encoded(identity, body)
+            self._clients.settle(identity)
 
     def deliver_lifecycle(self, rank: int, events: list[core.LifecycleEvent]) -> None:
         if self._lifecycle_observer is not None:
