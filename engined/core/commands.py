@@ -24,6 +24,7 @@ from engined.core.finish import Finisher
 from engined.core.handoff_book import HandoffBook, HeldDestination
 from engined.core.intake import RequestIntake
 from engined.core.kv_cache import KvCache
+from engined.core.named_tuples import new_tuple
 from engined.core.policy import AdmissionPolicy
 from engined.core.state import SchedulerState
 from engined.core.types import (
@@ -64,11 +65,6 @@ class CommandOutcome(NamedTuple):
     result: CommandResult
     lifecycle_events: list[LifecycleEvent]
     ended: list[EndedRequest]
-
-
-# NOTE: tuple.__new__ builds a NamedTuple in C; compiled, calling the class runs the
-# Python-level `__new__` namedtuple generates.
-_new = tuple.__new__
 
 
 class Commands:
@@ -145,7 +141,7 @@ class Commands:
         lifecycle: list[LifecycleEvent] = []
         if isinstance(result, Applied | DestinationAccepted):
             lifecycle = self.retry_pending_destinations(now_ms)
-        return _new(CommandOutcome, (result, lifecycle, ended))
+        return new_tuple(CommandOutcome, (result, lifecycle, ended))
 
     # --- requests -----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from engined.core.named_tuples import new_tuple
 from engined.core.state import RequestState
 from engined.core.types import FpmSnapshot
 
@@ -27,11 +28,6 @@ class LengthStats(NamedTuple):
     num: int
     total: int
     variance: float
-
-
-# NOTE: tuple.__new__ builds a NamedTuple in C; compiled, calling the class runs the
-# Python-level `__new__` namedtuple generates.
-_new = tuple.__new__
 
 
 class ScheduledWork(NamedTuple):
@@ -49,8 +45,8 @@ def exact_stats(n: int, total: int, squares: int) -> LengthStats:
     """The stats of `n` lengths from their sum and sum of squares: the variance exact in
     integers, with one rounding in the division (Python's int / int rounds correctly)."""
     if n == 0:
-        return _new(LengthStats, (0, 0, 0.0))
-    return _new(LengthStats, (n, total, (n * squares - total * total) / (n * n)))
+        return new_tuple(LengthStats, (0, 0, 0.0))
+    return new_tuple(LengthStats, (n, total, (n * squares - total * total) / (n * n)))
 
 
 def length_stats(lengths: list[int]) -> LengthStats:

@@ -23,6 +23,8 @@ from typing import Final, NamedTuple
 
 import xxhash
 
+from engined.core.named_tuples import new_tuple
+
 HASH_SEED: Final = 1337
 
 # NOTE: the seed goes positionally: xxhash parses keyword arguments on every call.
@@ -69,11 +71,6 @@ class BlockHashes(NamedTuple):
     sequence: list[int]
 
 
-# NOTE: tuple.__new__ builds a NamedTuple in C; compiled, calling the class runs the
-# Python-level `__new__` namedtuple generates.
-_new = tuple.__new__
-
-
 def block_hashes(tokens: Sequence[int], block_size: int, root: int | None = None) -> BlockHashes:
     """Local and sequence hashes of every full block of `tokens`; with a `root` (a cache
     salt's, `salt_root`) the first block chains to it as to a parent."""
@@ -84,7 +81,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: int | None = None
     pack_pair = _pack_pair
     local = [xxh3(data[i * step : (i + 1) * step], HASH_SEED) for i in range(n)]
     if not n:
-        return _new(BlockHashes, (local, []))
+        return new_tuple(BlockHashes, (local, []))
     # NOTE: the first block outside the loop keeps `parent` a plain int in it, which the
     # compiled core does not box and test for None per block.
     first = local[0]
@@ -93,7 +90,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: int | None = None
     for i in range(1, n):
         parent = xxh3(pack_pair(parent, local[i]), HASH_SEED)
         seq.append(parent)
-    return _new(BlockHashes, (local, seq))
+    return new_tuple(BlockHashes, (local, seq))
 
 
 _SALT_TAG: Final = b"engined/cache-salt\x00"

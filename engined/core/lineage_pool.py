@@ -21,6 +21,8 @@ import heapq
 from collections import deque
 from typing import Final, NamedTuple
 
+from engined.core.named_tuples import new_tuple
+
 # NOTE: compiled, a Final name is a C static; an imported function is a dict lookup per call.
 _heappush: Final = heapq.heappush
 _heappop: Final = heapq.heappop
@@ -178,10 +180,6 @@ class Allocation(NamedTuple):
     evicted: list[int]
 
 
-# NOTE: tuple.__new__ builds a NamedTuple in C; allocation is on the decode path.
-_new = tuple.__new__
-
-
 class BlockPool:
     """`num_blocks` slots with canonical registration and lineage eviction."""
 
@@ -216,7 +214,7 @@ class BlockPool:
         nothing changed when the pool cannot supply `count` slots.
         """
         if count == 0:
-            return _new(Allocation, ([], []))
+            return new_tuple(Allocation, ([], []))
         free = self._free
         if len(free) + self.inactive.count < count:
             return None
@@ -227,7 +225,7 @@ class BlockPool:
             block_id, key = self._evict_one()
             slots.append(block_id)
             evicted.append(key)
-        return _new(Allocation, (slots, evicted))
+        return new_tuple(Allocation, (slots, evicted))
 
     def _evict_one(self) -> tuple[int, int]:
         """Unregister the eviction victim: its slot (now mutable) and its lineage key."""

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from engined.core.fpm import LengthStats, exact_stats
+from engined.core.named_tuples import new_tuple
 from engined.core.state import RequestState, RequestStatus, SchedulerState
 
 
@@ -51,11 +52,6 @@ class QueuedAs(NamedTuple):
 
     tally: LengthTally
     length: int
-
-
-# NOTE: tuple.__new__ builds a NamedTuple in C; compiled, calling the class runs the
-# Python-level `__new__` namedtuple generates.
-_new = tuple.__new__
 
 
 class QueuedLengths:
@@ -116,11 +112,11 @@ def waiting_class(
 
     def queued_as(req: RequestState) -> QueuedAs | None:
         if is_active_destination(req.request_id):
-            return _new(QueuedAs, (lengths.decode, req.seq.num_input_tokens))
+            return new_tuple(QueuedAs, (lengths.decode, req.seq.num_input_tokens))
         if req.status is RequestStatus.WAITING:
-            return _new(QueuedAs, (lengths.prefill, req.seq.num_input_tokens))
+            return new_tuple(QueuedAs, (lengths.prefill, req.seq.num_input_tokens))
         if req.status is RequestStatus.PREEMPTED:
-            return _new(QueuedAs, (lengths.decode, len(req.seq.tokens)))
+            return new_tuple(QueuedAs, (lengths.decode, len(req.seq.tokens)))
         return None
 
     return queued_as

@@ -27,6 +27,7 @@ from engined.core.finish import Finisher
 from engined.core.fpm import ScheduledWork
 from engined.core.handoff_book import PendingDestinations
 from engined.core.kv_manager import KvManager
+from engined.core.named_tuples import new_tuple
 from engined.core.offload.parking import OnboardParking, ParkOutcome
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import PerfModel
@@ -51,9 +52,6 @@ class Scheduled(NamedTuple):
     cached_tokens: int
 
 
-# NOTE: tuple.__new__ builds a NamedTuple in C, several times cheaper than calling its class;
-# the pass builds one per scheduled request.
-_new = tuple.__new__
 _SCHEDULED = ScheduleOutcome.SCHEDULED
 _BLOCKED = ScheduleOutcome.BLOCKED
 _PREEMPTED_ITSELF = ScheduleOutcome.PREEMPTED_ITSELF
@@ -248,12 +246,12 @@ class Scheduler:
         budget = ctx.budget
         prompt_remaining = prompt_len - prompt_before
         if prompt_remaining > 0 and not self._chunked and prompt_remaining > budget:
-            return _new(Scheduled, (_BLOCKED, 0, cached))
+            return new_tuple(Scheduled, (_BLOCKED, 0, cached))
         desired = min(remaining, budget)
         if desired == 0 and remaining > 0:
-            return _new(Scheduled, (_BLOCKED, 0, cached))
+            return new_tuple(Scheduled, (_BLOCKED, 0, cached))
         if req.offload_wait is not None and req.offload_wait_live(kv.refresh_offload_wait):
-            return _new(Scheduled, (_BLOCKED, 0, cached))
+            return new_tuple(Scheduled, (_BLOCKED, 0, cached))
         target = before + desired
         actual = target
         while True:
@@ -276,20 +274,20 @@ class Scheduler:
             ctx.preempted_any = True
             ctx.unschedule(victim, self._counts_prefill)
             if victim == request_id:
-                return _new(Scheduled, (_PREEMPTED_ITSELF, 0, cached))
+                return new_tuple(Scheduled, (_PREEMPTED_ITSELF, 0, cached))
         tokens_used = actual - before
         if tokens_used == 0 and actual < length:
             # A waiting request that could not start keeps no computed tokens: its prefix
             # hit is looked up again at its next admission, and reported then.
             if not from_waiting:
                 req.num_computed_tokens = actual
-            return _new(Scheduled, (_BLOCKED, 0, cached))
+            return new_tuple(Scheduled, (_BLOCKED, 0, cached))
         req.num_computed_tokens = actual
         prompt_tokens = min(actual, prompt_len) - prompt_before
         # Once a pass: a preemption stops admission for the rest of the pass
         # (`preempted_any`), so a preempted request is never scheduled twice.
         ctx.scheduled.append(
-            _new(
+            new_tuple(
                 ScheduledWork,
                 (
                     request_id,
@@ -311,4 +309,4 @@ class Scheduler:
             ctx.cache_queries += length
             ctx.cache_hits += cached
         ctx.budget = budget - tokens_used
-        return _new(Scheduled, (_SCHEDULED, tokens_used, cached))
+        return new_tuple(Scheduled, (_SCHEDULED, tokens_used, cached))

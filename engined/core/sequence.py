@@ -28,6 +28,7 @@ from engined.core.hashing import (
     parent_lineage_key,
     salt_root,
 )
+from engined.core.named_tuples import new_tuple
 from engined.core.stops import StopRule
 from engined.core.token_stream import TokenBits
 from engined.core.vocab import Vocabulary
@@ -56,8 +57,6 @@ class SampledToken(NamedTuple):
     moves: list[BlockMove]
 
 
-# NOTE: tuple.__new__ builds a NamedTuple in C; sampling is on the decode path.
-_new = tuple.__new__
 # The arrays' methods themselves: compiled, `tokens.append(t)` looks the name up per call.
 _append: Final = array.append
 _tolist: Final = array.tolist
@@ -238,11 +237,11 @@ class Sequence:
         if self.paged:
             self.push_paged(token)
             last = stopped or self.generated == self.max_output_tokens
-            return _new(SampledToken, (token, [Release(self)] if last else []))
+            return new_tuple(SampledToken, (token, [Release(self)] if last else []))
         moves = self._push(token)
         if stopped or self.generated == self.max_output_tokens:
             moves.append(self._free_for_tokens(len(self.tokens)))
-        return _new(SampledToken, (token, moves))
+        return new_tuple(SampledToken, (token, moves))
 
     def push_paged(self, token: Any) -> None:
         """Take `token` under vLLM semantics: a block's hash exists as soon as its last token

@@ -35,6 +35,7 @@ from engined.core.args import EngineArgs, PreemptionMode, SchedulingPolicy, Work
 from engined.core.finish import Finisher
 from engined.core.fpm import ScheduledWork
 from engined.core.handoff_book import PendingDestinations
+from engined.core.named_tuples import new_tuple
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import PerfModel
@@ -43,8 +44,6 @@ from engined.core.preemption import Preempter
 from engined.core.state import RequestState, SchedulerState
 from engined.core.types import Admission, RequestStatus
 from engined.core.vocab import Vocabulary
-
-_new = tuple.__new__
 
 
 class PagedScheduler:
@@ -362,7 +361,7 @@ class PagedScheduler:
         if ready is not None and computed + num_new >= len(seq.tokens):
             ready.append((req, len(ctx.decoded_ids)))
         ctx.scheduled.append(
-            _new(
+            new_tuple(
                 ScheduledWork,
                 (
                     req.request_id,
