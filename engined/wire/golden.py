@@ -16,6 +16,7 @@ from engined.core import types as core
 from engined.core.args import EngineType, WorkerType
 from engined.wire import control, fpm_schema
 from engined.wire.kv_events import KvEventEncoder
+from engined.wire.output_bytes import OutputWriter
 
 DEFAULT_DIR: Final = Path(__file__).resolve().parents[2] / "proto" / "golden"
 
@@ -136,6 +137,43 @@ OUTPUT_STOP: Final = control.Output(
         ),
     ],
 )
+# A decoding pass as the daemon sends it to one client (`OutputWriter`, the bytes it writes):
+# plain decode steps (one written by a byte lead, a one-byte and a uint32 token) around a
+# request's first output and another's last.
+PASS_OUTPUTS: Final = [
+    core.RequestOutput("req-1", [42], None, 0),
+    core.RequestOutput("req-2", [7, 8, 9], core.FinishReason.LENGTH, handoff_delay_ms=1.5),
+]
+PASS_DECODES: Final = core.Decodes(["req-3", "req-4"], [5, 128009], [0, 1])
+PASS_OWNER: Final = b"client"
+OUTPUT_PASS: Final = control.Output(
+    dp_rank=1,
+    outputs=[
+        control.OutputEntry(
+            request_id="req-1", token_ids=[42], finished=False, finish_reason=None, cached_tokens=0
+        ),
+        control.OutputEntry(request_id="req-3", token_ids=[5], finished=False, finish_reason=None),
+        control.OutputEntry(
+            request_id="req-2",
+            token_ids=[7, 8, 9],
+            finished=True,
+            finish_reason="length",
+            handoff_delay_ms=1.5,
+        ),
+        control.OutputEntry(
+            request_id="req-4", token_ids=[128009], finished=False, finish_reason=None
+        ),
+    ],
+)
+
+
+def pass_output() -> bytes:
+    """The `output` message `OutputWriter` writes for the pass above."""
+    owners = dict.fromkeys(["req-1", "req-2", "req-3", "req-4"], PASS_OWNER)
+    messages, _ = OutputWriter(str).route(PASS_OUTPUTS, PASS_DECODES, owners, 1)
+    return messages[PASS_OWNER]
+
+
 LIFECYCLE: Final = control.Lifecycle(
     dp_rank=1,
     events=[
@@ -186,6 +224,7 @@ def golden_frames() -> dict[str, bytes]:
         "engined_control_welcome.bin": control.encode_reply(WELCOME),
         "engined_control_output.bin": control.encode_reply(OUTPUT),
         "engined_control_output_stop.bin": control.encode_reply(OUTPUT_STOP),
+        "engined_control_output_pass.bin": pass_output(),
         "engined_control_lifecycle.bin": control.encode_reply(LIFECYCLE),
         "engined_control_error.bin": control.encode_reply(ERROR),
         "engined_control_metrics.bin": control.encode_message(METRICS),

@@ -78,6 +78,7 @@ def test_control_golden_decodes_to_its_inputs() -> None:
     assert replies.decode(FRAMES["engined_control_welcome.bin"]) == golden.WELCOME
     assert replies.decode(FRAMES["engined_control_output.bin"]) == golden.OUTPUT
     assert replies.decode(FRAMES["engined_control_output_stop.bin"]) == golden.OUTPUT_STOP
+    assert replies.decode(FRAMES["engined_control_output_pass.bin"]) == golden.OUTPUT_PASS
     assert replies.decode(FRAMES["engined_control_lifecycle.bin"]) == golden.LIFECYCLE
     assert replies.decode(FRAMES["engined_control_error.bin"]) == golden.ERROR
     assert decoder.decode(FRAMES["engined_control_metrics.bin"]) == golden.METRICS
@@ -100,3 +101,9 @@ def test_reference_files_are_vllms_bytes_as_documented() -> None:
     }
     for name in sizes:
         assert msgspec.msgpack.decode((GOLDEN_DIR / name).read_bytes())[0] > 1.6e9
+
+
+def test_the_daemon_s_output_bytes_are_the_encoder_s() -> None:
+    """The daemon writes `output` messages as bytes (`OutputWriter`): the same bytes the
+    Structs encode to."""
+    assert FRAMES["engined_control_output_pass.bin"] == control.encode_reply(golden.OUTPUT_PASS)
