@@ -98,7 +98,8 @@ class ClientTable:
         # Sends go through a synchronous shadow: NOBLOCK, errors raised at the call.
         self._send_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._encode = msgspec.msgpack.Encoder().encode
-        self._decode = msgspec.msgpack.Decoder(wire.DaemonMessage).decode
+        # A message written as bytes is decoded again only to be kept (`send_encoded`).
+        self._decode = wire.ReplyDecoder().decode
         self._in_flight = in_flight
         self._dropped = dropped
         self._recovered = recovered
