@@ -137,33 +137,20 @@ OUTPUT_STOP: Final = control.Output(
         ),
     ],
 )
-# A decoding pass as the daemon sends it to one client (`OutputWriter`, the bytes it writes):
-# plain decode steps (one written by a byte lead, a one-byte and a uint32 token) around a
-# request's first output and another's last.
+# A decoding pass as the daemon sends it to one client (`OutputWriter` writes its bytes):
+# plain decode steps, with a one-byte and a uint32 token, around OUTPUT's two entries.
 PASS_OUTPUTS: Final = [
     core.RequestOutput("req-1", [42], None, 0),
     core.RequestOutput("req-2", [7, 8, 9], core.FinishReason.LENGTH, handoff_delay_ms=1.5),
 ]
 PASS_DECODES: Final = core.Decodes(["req-3", "req-4"], [5, 128009], [0, 1])
 PASS_OWNER: Final = b"client"
+_STEP_3, _STEP_4 = (
+    control.OutputEntry(request_id=r, token_ids=[t], finished=False, finish_reason=None)
+    for r, t in (("req-3", 5), ("req-4", 128009))
+)
 OUTPUT_PASS: Final = control.Output(
-    dp_rank=1,
-    outputs=[
-        control.OutputEntry(
-            request_id="req-1", token_ids=[42], finished=False, finish_reason=None, cached_tokens=0
-        ),
-        control.OutputEntry(request_id="req-3", token_ids=[5], finished=False, finish_reason=None),
-        control.OutputEntry(
-            request_id="req-2",
-            token_ids=[7, 8, 9],
-            finished=True,
-            finish_reason="length",
-            handoff_delay_ms=1.5,
-        ),
-        control.OutputEntry(
-            request_id="req-4", token_ids=[128009], finished=False, finish_reason=None
-        ),
-    ],
+    dp_rank=1, outputs=[OUTPUT.outputs[0], _STEP_3, OUTPUT.outputs[1], _STEP_4]
 )
 
 
