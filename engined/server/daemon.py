@@ -384,12 +384,14 @@ async def _serve(config: DaemonConfig) -> int:
     try:
         return await daemon.serve()
     finally:
-        # The daemon has shut down and only the interpreter's exit is left: a signal now
-        # (a supervisor's second SIGTERM, say) must not turn its exit code into a death by
-        # signal, as restoring the default action did (-15, seen in test_fairness).
+        # Only the interpreter's exit is left: a signal now (a supervisor's second SIGTERM)
+        # must not make the exit a death by signal (-15, seen in test_fairness). Removing the
+        # loop's handler restores the default action until SIG_IGN, hence the block meanwhile.
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         for sig in signals:
             loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def run(config: DaemonConfig) -> int:
