@@ -114,7 +114,7 @@ def assemble(
             bs,
             dp_rank=dp_rank,
             caching=args.enable_prefix_caching,
-            max_model_len=args.max_model_len,
+            max_model_len=args.enforced_max_model_len,
             hasher=BlockHasher(algo, none_hash(algo, python_hash_seed)),
             # vLLM's collector only sees evictions with caching on (`get_new_blocks`).
             residency=BlockResidency(args.kv_cache_metrics_sample, args.seed * 1_000_003 + dp_rank)
@@ -135,7 +135,7 @@ def assemble(
         kv.usable_blocks,
         bs,
         None if args.enable_chunked_prefill else max_batched_tokens,
-        args.max_model_len,
+        args.enforced_max_model_len,
     )
     capacity = CapacityGeneration()
     # FPM's queued-request tallies, kept by the queues themselves (engined/core/queued.py).

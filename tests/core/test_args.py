@@ -111,6 +111,26 @@ def test_trtllm_uses_trtllm_policy() -> None:
     assert not EngineArgs.from_mapping({"engine_type": "sglang"}).uses_trtllm_policy
 
 
+@pytest.mark.parametrize(
+    ("config", "enforced"),
+    [
+        ({}, None),
+        ({"max_model_len": 100}, 100),
+        ({"enable_chunked_prefill": False}, 8192),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64}, 64),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 100}, 64),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 40}, 40),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": None}, None),
+        ({"enable_chunked_prefill": False, "semantics": "mocker-1.3.0"}, 8192),
+        ({"enable_chunked_prefill": False, "engine_type": "trtllm"}, None),
+    ],
+)
+def test_without_chunked_prefill_the_budget_limits_a_sequence(
+    config: dict[str, Any], enforced: int | None
+) -> None:
+    assert EngineArgs.from_mapping(config).enforced_max_model_len == enforced
+
+
 # --- MTP accept rates ------------------------------------------------------------------------
 
 

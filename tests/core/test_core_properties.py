@@ -104,8 +104,10 @@ def test_every_workload_drains_with_clean_events(
             requests[request.request_id or ""] = request
             max_tokens = request.max_tokens
             # Generation stops at the pool's capacity, vLLM's ceiling for max_model_len (its
-            # null block holds no tokens).
+            # null block holds no tokens), and without chunked prefill at one pass's budget.
             cap = core.usable_blocks * args.block_size
+            if args.engine_type is EngineType.VLLM and not args.enable_chunked_prefill:
+                cap = min(cap, args.max_num_batched_tokens or cap)
             if len(request.token_ids) < cap:
                 max_tokens = min(max_tokens, cap - len(request.token_ids))
             expected_tokens[request.request_id or ""] = max_tokens

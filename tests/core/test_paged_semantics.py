@@ -11,14 +11,14 @@ from typing import Any
 
 from engined.core.args import EngineArgs, SchedulingPolicy, Semantics
 from engined.core.engine import Engine
-from engined.core.types import BlockRemoved, BlockStored, KvEvent
+from engined.core.types import BlockRemoved, BlockStored, FinishReason, KvEvent
 from engined.core.vllm_hashing import (
     DEFAULT_HASH_ALGO,
     BlockHasher,
     event_block_hash_int,
     none_hash,
 )
-from tests.core.factories import make_args, rejected, request, submit
+from tests.core.factories import make_args, rejected, request, run_until_empty, submit
 
 
 def paged_args(**overrides: Any) -> EngineArgs:
@@ -172,3 +172,32 @@ def test_priority_admits_the_lowest_priority_value_and_preempts_the_highest() ->
     assert second.admissions == []
     assert core.queues().running == ["high"]
     assert sorted(core.queues().waiting) == ["low", "mid"]
+
+
+def test_without_chunked_prefill_a_sequence_stops_at_the_token_budget() -> None:
+    """vLLM refuses to start with a budget under max_model_len and chunked prefill off (the
+    budget "effectively limits the maximum sequence length"); engined applies that limit. Before
+    it did, `b` grew to 9 tokens, was preempted, and could never be prefilled again in 8."""
+    core = Engine(
+        paged_args(
+            block_size=2,
+            num_gpu_blocks=7,
+            max_num_seqs=2,
+            max_num_batched_tokens=8,
+            max_model_len=None,
+            enable_chunked_prefill=False,
+            enable_prefix_caching=False,
+        )
+    )
+    submit(core, request("a", range(2), 6))
+    submit(core, request("b", range(100, 106), 6))
+    outputs: dict[str, list[int]] = {"a": [], "b": []}
+    finishes: dict[str, FinishReason] = {}
+    for result in run_until_empty(core):
+        for out in result.request_outputs():
+            outputs[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                finishes[out.request_id] = out.finish_reason
+    assert {rid: len(tokens) for rid, tokens in outputs.items()} == {"a": 6, "b": 2}
+    assert finishes == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
+    assert core.metrics().preemptions_total == 0

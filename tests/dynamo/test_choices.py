@@ -1,7 +1,8 @@
 """`n`, `logprobs` and `prompt_logprobs` through the Dynamo worker's handler, against a real
 daemon (engined/dynamo/engine_outputs.py): n engine requests named and seeded as vLLM's
 ParentRequest names its children, the made-up logprobs of engined.openai.logprobs by position
-and choice, and a 400 naming the field for what engined cannot honour."""
+and choice, a 400 naming the field for what engined cannot honour, and a 400 with engined's
+reason for a request the daemon rejects."""
 
 from __future__ import annotations
 
@@ -102,6 +103,26 @@ def test_what_engined_cannot_honour_is_a_400_naming_it(
         assert (await client.stats()).ranks[0].running == 0
 
     with start_daemon(tmp_path, *FLAGS) as daemon:
+        run(with_handler(daemon, DisaggregationMode.AGG, scenario))
+
+
+def test_a_request_the_daemon_rejects_is_a_400_with_engined_s_reason(tmp_path: Path) -> None:
+    # No chunked prefill and a 16-token budget: a 16-token context, and the prompt has 20.
+    # (The frontend refuses such a prompt itself, from the context the worker registers; the
+    # worker still answers for one that reaches the daemon.)
+    budget = ("--no-enable-chunked-prefill", "--max-num-batched-tokens", "16")
+
+    async def scenario(handler: RequestHandler, client: EngineClient) -> None:
+        with pytest.raises(RequestFailed) as refused:
+            await chunks(handler, body(2), "ctx-rejected")
+        assert (refused.value.status, refused.value.message) == (
+            400,
+            "engined rejected the request: it can never be scheduled on this engine",
+        )
+        assert await chunks(handler, {**body(2), "token_ids": PROMPT[:8]}, "ctx-ok")
+        assert (await client.stats()).ranks[0].running == 0
+
+    with start_daemon(tmp_path, *FLAGS, *budget) as daemon:
         run(with_handler(daemon, DisaggregationMode.AGG, scenario))
 
 

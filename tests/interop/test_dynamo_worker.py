@@ -9,7 +9,8 @@ of its own namespace and model name, started the first time a test needs it:
 - `disagg`: a prefill daemon and a decode daemon behind a prefill and a decode worker
   ("tiny-pd");
 - `paced`: a daemon paced in real time (20 ms per decode pass, "tiny-paced");
-- `strict`: a daemon that refuses prompts over a 64-token budget ("tiny-strict").
+- `strict`: a daemon with a 64-token budget and no chunked prefill, so a 64-token context
+  ("tiny-strict").
 
 The tiny model's words are one token each, so the prompts are `words(n)`: completions count
 exactly n prompt tokens, chats one more (the template's BOS); the tests read
@@ -449,7 +450,8 @@ def test_a_client_hanging_up_mid_decode_frees_both_sides_of_the_handoff(
 
 
 def _refused(module: Module, strict: EnginedGroup) -> OpenAIError:
-    # 100 tokens, no chunked prefill, a 64-token budget: engined can never schedule it.
+    # 100 tokens. No chunked prefill and a 64-token budget: a 64-token context, which the
+    # daemon advertises (welcome.max_model_len) and the worker gives the frontend.
     with pytest.raises(OpenAIError) as caught:
         completions(
             module.frontend,
@@ -461,7 +463,7 @@ def _refused(module: Module, strict: EnginedGroup) -> OpenAIError:
     return caught.value
 
 
-def test_a_prompt_the_daemon_refuses_is_an_http_error(module: Module, strict: EnginedGroup) -> None:
+def test_a_prompt_over_the_context_is_an_http_error(module: Module, strict: EnginedGroup) -> None:
     error = _refused(module, strict)
     assert 400 <= error.status < 600, error
     (daemon,) = strict.daemons
@@ -471,9 +473,13 @@ def test_a_prompt_the_daemon_refuses_is_an_http_error(module: Module, strict: En
     assert_full_answer(answer, 3)
 
 
-def test_the_refusal_names_engined_s_reason(module: Module, strict: EnginedGroup) -> None:
+def test_the_frontend_refuses_it_by_the_context_the_daemon_advertises(
+    module: Module, strict: EnginedGroup
+) -> None:
+    # (A request the daemon itself rejects fails with engined's reason: tests/dynamo.)
     error = _refused(module, strict)
-    assert "engined rejected the request" in error.body, error.body
+    assert error.status == 400, error
+    assert '"type":"context_length","limit":64,"actual":100' in error.body, error.body
 
 
 # --- start-up failures ----------------------------------------------------------------------

@@ -38,7 +38,7 @@ def welcome_message(
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         max_model_len=context_length(
-            engine.num_gpu_blocks, engine.block_size, engine.max_model_len
+            engine.num_gpu_blocks, engine.block_size, engine.enforced_max_model_len
         ),
         enable_prefix_caching=engine.enable_prefix_caching,
         kv_events_topic=cfg.kv_events_topic,

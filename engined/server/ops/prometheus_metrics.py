@@ -157,7 +157,7 @@ class VllmMetrics(Collector):
             model_name=config.model_name,
             cache_info=cache_config_info(config),
             max_model_len=context_length(
-                engine.num_gpu_blocks, engine.block_size, engine.max_model_len
+                engine.num_gpu_blocks, engine.block_size, engine.enforced_max_model_len
             ),
             block_size=engine.block_size,
             # A prefill worker's bursts are one token: it drafts nothing (as vLLM's prefill).
