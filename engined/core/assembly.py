@@ -29,7 +29,7 @@ from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.paged.residency import BlockResidency
 from engined.core.paged.scheduler import PagedScheduler
 from engined.core.perf_model import make_perf_model
-from engined.core.policy import AdmissionPolicy, TrtllmNoEvictPolicy
+from engined.core.policy import AdmissionPolicy, TrtllmNoEvictPolicy, context_length
 from engined.core.preemption import Preempter
 from engined.core.prefix_hit import PrefixHit
 from engined.core.queued import QueuedLengths, TalliedState, waiting_class
@@ -86,6 +86,22 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
             )
 
 
+def served_context(args: EngineArgs) -> int:
+    """The longest prompt + output a rank built from normalized `args` serves, which the
+    daemon advertises (`welcome.max_model_len`, so a front end refuses what the rank would).
+
+    `args.enforced_max_model_len`, capped by the blocks a request can hold: vLLM's pool keeps
+    one aside (its null block), the mocker's none.
+    """
+    usable = args.num_gpu_blocks - 1 if _runs_vllm_pool(args) else args.num_gpu_blocks
+    return context_length(usable, args.block_size, args.enforced_max_model_len)
+
+
+def _runs_vllm_pool(args: EngineArgs) -> bool:
+    """vLLM semantics without offload tiers (which only the mocker's pool has)."""
+    return args.runs_vllm_semantics() and OffloadConfig.from_args(args) is None
+
+
 def assemble(
     args: EngineArgs,
     *,
@@ -104,7 +120,7 @@ def assemble(
     if tiers is None:
         offload_config = OffloadConfig.from_args(args)
         tiers = TierEngine(offload_config) if offload_config is not None else None
-    paged = tiers is None and args.runs_vllm_semantics()
+    paged = tiers is None and _runs_vllm_pool(args)
     check_vllm_only(args, paged=paged)
     by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
     kv: KvManager | PagedKvManager

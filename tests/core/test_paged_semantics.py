@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from engined.core.args import EngineArgs, SchedulingPolicy, Semantics
+from engined.core.assembly import served_context
 from engined.core.engine import Engine
 from engined.core.types import BlockRemoved, BlockStored, FinishReason, KvEvent
 from engined.core.vllm_hashing import (
@@ -201,3 +204,29 @@ def test_without_chunked_prefill_a_sequence_stops_at_the_token_budget() -> None:
     assert {rid: len(tokens) for rid, tokens in outputs.items()} == {"a": 6, "b": 2}
     assert finishes == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
     assert core.metrics().preemptions_total == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"semantics": Semantics.MOCKER_1_3_0},
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 12},
+        {"max_model_len": 14},
+        {"num_g2_blocks": 8, "kv_bytes_per_token": 16},
+    ],
+)
+def test_served_context_is_what_the_core_enforces(fields: dict[str, Any]) -> None:
+    """A prompt one token short of `served_context` generates one token and stops at
+    "length"; a prompt of it is rejected."""
+    args = paged_args(**{"max_model_len": None, **fields}).normalized()
+    context = served_context(args)
+    core = Engine(args)
+    submit(core, request("short", range(context - 1), 50))
+    submit(core, request("full", range(100, 100 + context), 50))
+    finishes: dict[str, tuple[int, FinishReason]] = {}
+    for result in run_until_empty(core):
+        for out in result.request_outputs():
+            if out.finish_reason is not None:
+                finishes[out.request_id] = (len(out.new_token_ids), out.finish_reason)
+    assert finishes == {"short": (1, FinishReason.LENGTH), "full": (0, FinishReason.REJECTED)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import engined
 from engined.config import DaemonConfig
-from engined.core.policy import context_length
+from engined.core.assembly import served_context
 from engined.server.control.settings import RuntimeSettings
 from engined.server.ranks.rank_layouts import RankEndpoints
 from engined.wire import control as wire
@@ -37,9 +37,7 @@ def welcome_message(
         fpm_endpoints=endpoints.fpm,
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_model_len=context_length(
-            engine.num_gpu_blocks, engine.block_size, engine.enforced_max_model_len
-        ),
+        max_model_len=served_context(engine),
         enable_prefix_caching=engine.enable_prefix_caching,
         kv_events_topic=cfg.kv_events_topic,
         kv_events_format=cfg.kv_events_format,

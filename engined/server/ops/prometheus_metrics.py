@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Final, TypeAlias
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from engined.core.policy import context_length
+from engined.core.assembly import served_context
 from engined.core.types import EngineMetrics, LifecycleEvent
 from engined.server.ops import prometheus_families as spec
 from engined.server.ops.prometheus_families import (
@@ -156,9 +156,7 @@ class VllmMetrics(Collector):
         return cls(
             model_name=config.model_name,
             cache_info=cache_config_info(config),
-            max_model_len=context_length(
-                engine.num_gpu_blocks, engine.block_size, engine.enforced_max_model_len
-            ),
+            max_model_len=served_context(engine),
             block_size=engine.block_size,
             # A prefill worker's bursts are one token: it drafts nothing (as vLLM's prefill).
             spec_tokens=0 if engine.is_prefill else engine.aic_nextn or 0,
