@@ -25,9 +25,8 @@ from engined.config.fields import (
 )
 from engined.config.schema import ConfigError, DaemonConfig
 from engined.core.args import EngineArgs, EngineType
-from engined.core.assembly import check_vllm_only
+from engined.core.assembly import check_vllm_only, runs_vllm_pool
 from engined.core.errors import InvalidArgsError
-from engined.core.offload.config import OffloadConfig
 
 # The core keeps Dynamo mocker's text for a range it refuses (the seed twins assert it); the
 # key the config line starts with already says what was validated.
@@ -88,8 +87,7 @@ def validate(layers: Layers) -> DaemonConfig:
     engine = _engine_args(layers)
     try:
         # Offload tiers are built per core; refuse an impossible shape before any is.
-        tiers = OffloadConfig.from_args(engine)
-        check_vllm_only(engine, paged=tiers is None and engine.runs_vllm_semantics())
+        check_vllm_only(engine, paged=runs_vllm_pool(engine))
     except InvalidArgsError as error:
         layers.report(_engine_key(error), _user_text(error))
     if engine.engine_type is EngineType.SGLANG:

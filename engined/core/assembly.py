@@ -93,12 +93,17 @@ def served_context(args: EngineArgs) -> int:
     `args.enforced_max_model_len`, capped by the blocks a request can hold: vLLM's pool keeps
     one aside (its null block), the mocker's none.
     """
-    usable = args.num_gpu_blocks - 1 if _runs_vllm_pool(args) else args.num_gpu_blocks
+    usable = args.num_gpu_blocks - 1 if runs_vllm_pool(args) else args.num_gpu_blocks
     return context_length(usable, args.block_size, args.enforced_max_model_len)
 
 
-def _runs_vllm_pool(args: EngineArgs) -> bool:
-    """vLLM semantics without offload tiers (which only the mocker's pool has)."""
+def runs_vllm_pool(args: EngineArgs) -> bool:
+    """Whether a rank built from `args` runs vLLM's pool and scheduler (engined/core/paged/):
+    vLLM semantics without offload tiers, which only the mocker's pool has.
+
+    Raises:
+        InvalidArgsError: an impossible offload shape (`OffloadConfig.from_args`).
+    """
     return args.runs_vllm_semantics() and OffloadConfig.from_args(args) is None
 
 
@@ -120,7 +125,7 @@ def assemble(
     if tiers is None:
         offload_config = OffloadConfig.from_args(args)
         tiers = TierEngine(offload_config) if offload_config is not None else None
-    paged = tiers is None and _runs_vllm_pool(args)
+    paged = tiers is None and runs_vllm_pool(args)
     check_vllm_only(args, paged=paged)
     by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
     kv: KvManager | PagedKvManager
