@@ -183,14 +183,15 @@ class EngineArgs(EngineFields, frozen=True, kw_only=True, forbid_unknown_fields=
     def enforced_max_model_len(self) -> int | None:
         """`max_model_len` as a rank enforces it before the KV pool caps it (None: unset).
 
-        Without chunked prefill a vLLM engine prefills a sequence in one pass, so one pass's
+        Without chunked prefill vLLM's scheduler prefills a sequence in one pass, so one pass's
         budget bounds it too. vLLM refuses to start with `max_num_batched_tokens <
         max_model_len` then, because the budget "effectively limits the maximum sequence length
         to max_num_batched_tokens"; engined starts and applies that limit, which also lets a
-        preempted request always be prefilled again (it never outgrows the budget).
+        preempted request always be prefilled again (it never outgrows the budget). The
+        mocker's scheduler has no such wait, so its semantics keep 1.3.0's lengths.
         """
         budget = self.max_num_batched_tokens
-        if self.enable_chunked_prefill or budget is None or self.engine_type is not EngineType.VLLM:
+        if self.enable_chunked_prefill or budget is None or not self.runs_vllm_semantics():
             return self.max_model_len
         return budget if self.max_model_len is None else min(self.max_model_len, budget)
 

@@ -121,7 +121,9 @@ def test_trtllm_uses_trtllm_policy() -> None:
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 100}, 64),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 40}, 40),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": None}, None),
-        ({"enable_chunked_prefill": False, "semantics": "mocker-1.3.0"}, 8192),
+        ({"enable_chunked_prefill": False, "semantics": "mocker-1.3.0"}, None),
+        ({"enable_chunked_prefill": False, "prefix_hit_rule": "mocker-1.3.0"}, None),
+        ({"enable_chunked_prefill": False, "aic_nextn": 1}, None),
         ({"enable_chunked_prefill": False, "engine_type": "trtllm"}, None),
     ],
 )

@@ -106,7 +106,7 @@ def test_every_workload_drains_with_clean_events(
             # Generation stops at the pool's capacity, vLLM's ceiling for max_model_len (its
             # null block holds no tokens), and without chunked prefill at one pass's budget.
             cap = core.usable_blocks * args.block_size
-            if args.engine_type is EngineType.VLLM and not args.enable_chunked_prefill:
+            if args.runs_vllm_semantics() and not args.enable_chunked_prefill:
                 cap = min(cap, args.max_num_batched_tokens or cap)
             if len(request.token_ids) < cap:
                 max_tokens = min(max_tokens, cap - len(request.token_ids))
