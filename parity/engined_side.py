@@ -53,6 +53,8 @@ def engine_args(scenario: Scenario) -> EngineArgs:
         scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
         prefix_caching_hash_algo=HashAlgo(config.prefix_caching_hash_algo),
         async_scheduling=config.async_scheduling,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
         vocab_size=config.vocab_size,
     )
 

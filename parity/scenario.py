@@ -30,6 +30,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     prefix_caching_hash_algo: str = "sha256"
     # vLLM's AsyncScheduler, driven as EngineCore drives it (`step_with_batch_queue`).
     async_scheduling: bool = False
+    # vLLM's --long-prefill-token-threshold and --long-prefill-token-threshold-adaptive.
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
     # engined only: draw output tokens from [0, vocab_size), so stop ids come up (vLLM samples
     # nothing: it is given engined's tokens).
     vocab_size: int | None = None

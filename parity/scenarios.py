@@ -99,6 +99,8 @@ def random_mix(
     full_isl: bool = True,
     caching: bool = True,
     hash_algo: str = "sha256",
+    long_prefill: int = 0,
+    adaptive: bool = False,
 ) -> Scenario:
     """`count` requests over 8 shared prefixes (16-128 tokens) with their own suffixes,
     arriving over about `count / 2` steps; under the priority policy each has a priority in
@@ -126,6 +128,7 @@ def random_mix(
             ("no-full-isl", not full_isl),
             ("nocache", not caching),
             (hash_algo, hash_algo != "sha256"),
+            (f"long{long_prefill}" + ("-adaptive" if adaptive else ""), long_prefill > 0),
         )
         if on
     ]
@@ -144,6 +147,8 @@ def random_mix(
             scheduler_reserve_full_isl=full_isl,
             enable_prefix_caching=caching,
             prefix_caching_hash_algo=hash_algo,
+            long_prefill_token_threshold=long_prefill,
+            long_prefill_token_threshold_adaptive=adaptive,
         ),
         requests=requests,
     )
@@ -357,6 +362,8 @@ def all_scenarios() -> list[Scenario]:
         random_mix(7, num_blocks=64, budget=256, full_isl=False),
         random_mix(8, num_blocks=80, budget=192, caching=False),
         random_mix(9, num_blocks=96, budget=256, hash_algo="sha256_cbor"),
+        random_mix(10, num_blocks=96, budget=256, long_prefill=48),
+        random_mix(11, num_blocks=64, budget=256, long_prefill=24, adaptive=True),
         stop_pressure(),
         cache_salt(),
         cache_salt("sha256_cbor"),
@@ -381,6 +388,7 @@ def async_scenarios() -> list[Scenario]:
             random_mix(4, num_blocks=48, budget=512, block_size=32),
             priority_pressure(),
             random_mix(5, num_blocks=64, budget=256, policy="priority"),
+            random_mix(10, num_blocks=96, budget=256, long_prefill=48),
             stop_pressure(),
             cache_salt(),
         )

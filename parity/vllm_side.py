@@ -155,6 +155,8 @@ class VllmRun:
             policy=config.scheduling_policy,
             scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
             async_scheduling=config.async_scheduling,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
         )
         vllm_config = VllmConfig(
             model_config=model_config,

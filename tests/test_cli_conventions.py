@@ -145,7 +145,14 @@ def serve_help() -> str:
 
 
 def test_serve_help_fits_80_columns(serve_help: str) -> None:
-    too_long = [line for line in serve_help.splitlines() if len(line) > 80]
+    # Except an option's names alone on their line, which cannot wrap: vLLM's switch
+    # `--long-prefill-token-threshold-adaptive / --no-...` is longer than 80 columns (its help
+    # then starts on the next line, within them).
+    too_long = [
+        line
+        for line in serve_help.splitlines()
+        if len(line) > 80 and not re.fullmatch(r"  --[a-z0-9-]+ / --no-[a-z0-9-]+", line)
+    ]
     assert too_long == []
 
 

@@ -527,6 +527,8 @@ ISSUE_FLAGS = {
     "--scheduling-policy": "engine.scheduling_policy",
     "--scheduler-reserve-full-isl": "engine.scheduler_reserve_full_isl",
     "--async-scheduling": "engine.async_scheduling",
+    "--long-prefill-token-threshold": "engine.long_prefill_token_threshold",
+    "--long-prefill-token-threshold-adaptive": "engine.long_prefill_token_threshold_adaptive",
     "--prefix-caching-hash-algo": "engine.prefix_caching_hash_algo",
     "--kv-cache-metrics": "engine.kv_cache_metrics",
     "--kv-cache-metrics-sample": "engine.kv_cache_metrics_sample",
@@ -637,6 +639,7 @@ def test_switches_and_metavars() -> None:
         "--api-key-metrics",
         "--scheduler-reserve-full-isl",
         "--async-scheduling",
+        "--long-prefill-token-threshold-adaptive",
         "--enable-prompt-tokens-details",
         "--kv-cache-metrics",
     }

@@ -91,6 +91,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--scheduling-policy", "engine.scheduling_policy"),
     Flag("--scheduler-reserve-full-isl", "engine.scheduler_reserve_full_isl"),
     Flag("--async-scheduling", "engine.async_scheduling"),
+    Flag("--long-prefill-token-threshold", "engine.long_prefill_token_threshold"),
+    Flag(
+        "--long-prefill-token-threshold-adaptive",
+        "engine.long_prefill_token_threshold_adaptive",
+    ),
     Flag("--prefix-caching-hash-algo", "engine.prefix_caching_hash_algo"),
     Flag("--kv-cache-metrics", "engine.kv_cache_metrics"),
     Flag("--kv-cache-metrics-sample", "engine.kv_cache_metrics_sample"),

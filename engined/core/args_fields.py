@@ -258,6 +258,20 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "sequence fits the free blocks, not just its first chunk (vLLM's default)."
         ),
     ] = True
+    long_prefill_token_threshold: Annotated[
+        int,
+        Meta(
+            description="vLLM semantics: vLLM's cap on the tokens one request computes in a "
+            "pass while other requests run or wait (0: none)."
+        ),
+    ] = 0
+    long_prefill_token_threshold_adaptive: Annotated[
+        bool,
+        Meta(
+            description="vLLM semantics: floor that cap at max_num_batched_tokens divided "
+            "by the running and waiting requests."
+        ),
+    ] = False
     async_scheduling: Annotated[
         bool,
         Meta(

@@ -155,6 +155,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("dp_size", 1, None),
     ("startup_time", 0.0, None),
     ("max_model_len", 1, None),
+    ("long_prefill_token_threshold", 0, None),
     ("aic_nextn", 1, 5),
     ("aic_mtp_seed", 0, _U64_MAX),
     ("kv_bytes_per_token", 1, None),
@@ -209,6 +210,13 @@ def schema_problem(args: EngineFields) -> tuple[str, str] | None:
     if args.max_model_len is not None and args.engine_type != EngineType.VLLM:
         return "max_model_len", (
             f"max_model_len is supported only for engine_type=vllm, got engine_type={engine}"
+        )
+    threshold = args.long_prefill_token_threshold
+    if args.max_model_len is not None and threshold > args.max_model_len:
+        # vLLM's `SchedulerConfig.verify_max_model_len`.
+        return "long_prefill_token_threshold", (
+            f"long_prefill_token_threshold ({threshold}) cannot be greater than the "
+            f"max_model_len ({args.max_model_len})."
         )
     if args.enable_g4_storage and args.num_g2_blocks is None:
         return "enable_g4_storage", (

@@ -77,6 +77,11 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         ("scheduling_policy", "=priority", args.scheduling_policy is SchedulingPolicy.PRIORITY),
         ("async_scheduling", "", args.async_scheduling),
         ("kv_cache_metrics", "", args.kv_cache_metrics),
+        (
+            "long_prefill_token_threshold",
+            f"={args.long_prefill_token_threshold}",
+            args.long_prefill_token_threshold > 0,
+        ),
     ):
         if on:
             raise InvalidArgsError(

@@ -35,6 +35,7 @@ class PassContext:
         "fused",
         "fused_len",
         "lifecycle",
+        "long_prefill_cap",
         "now_ms",
         "output_tokens",
         "outputs",
@@ -48,8 +49,9 @@ class PassContext:
 
     def __init__(self, now_ms: float, budget: int, victims: list[str] | None = None) -> None:
         self.now_ms = now_ms
-        # Tokens this pass may still schedule.
+        # Tokens this pass may still schedule, and may give one request (0: no cap).
         self.budget = budget
+        self.long_prefill_cap = 0
         # What each scheduled request computes, in schedule order, for FPM and for undoing a
         # preemption; each names its request (`request_id`). The request itself is the
         # common case, a decode of one token, by its `scheduled_len` (building a

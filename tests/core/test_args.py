@@ -223,6 +223,10 @@ PREFIX = "Failed to validate MockEngineArgs: "
         ({"dp_size": 0}, "dp_size must be >= 1, got 0"),
         ({"startup_time": -1.5}, "startup_time must be >= 0, got -1.5"),
         ({"max_model_len": 0}, "max_model_len must be >= 1, got 0"),
+        (
+            {"long_prefill_token_threshold": -1},
+            "long_prefill_token_threshold must be >= 0, got -1",
+        ),
         ({"aic_nextn": 0}, "aic_nextn must be in [1, 5], got 0"),
         ({"aic_nextn": 6}, "aic_nextn must be in [1, 5], got 6"),
         ({"aic_mtp_seed": -1}, "aic_mtp_seed must be in [0, 18446744073709551615], got -1"),
@@ -304,6 +308,11 @@ SCHEMA_CASES = [
         {"engine_type": EngineType.SGLANG, "max_model_len": 128},
         "max_model_len is supported only for engine_type=vllm, got engine_type=Sglang",
         id="max-model-len-sglang",
+    ),
+    pytest.param(
+        {"max_model_len": 64, "long_prefill_token_threshold": 65},
+        "long_prefill_token_threshold (65) cannot be greater than the max_model_len (64).",
+        id="long-prefill-over-max-model-len",
     ),
     pytest.param(
         {"enable_g4_storage": True},

@@ -102,3 +102,10 @@ def test_async_scheduling_needs_vllm_semantics() -> None:
         Engine(make_args(async_scheduling=True))
     assert raised.value.key == "async_scheduling"
     assert "async_scheduling needs vLLM semantics" in str(raised.value)
+
+
+def test_long_prefill_token_threshold_needs_vllm_semantics() -> None:
+    with pytest.raises(InvalidArgsError) as raised:
+        Engine(make_args(long_prefill_token_threshold=48))
+    assert raised.value.key == "long_prefill_token_threshold"
+    assert str(raised.value).startswith("long_prefill_token_threshold=48 needs vLLM semantics")

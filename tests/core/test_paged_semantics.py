@@ -230,3 +230,45 @@ def test_served_context_is_what_the_core_enforces(fields: dict[str, Any]) -> Non
             if out.finish_reason is not None:
                 finishes[out.request_id] = (len(out.new_token_ids), out.finish_reason)
     assert finishes == {"short": (1, FinishReason.LENGTH), "full": (0, FinishReason.REJECTED)}
+
+
+def scheduled_per_pass(core: Engine, passes: int) -> list[dict[str, int]]:
+    """Each pass's new tokens by request (the engine built with `record=True`)."""
+    out: list[dict[str, int]] = []
+    now = 0.0
+    for _ in range(passes):
+        result = core.execute_pass(now)
+        assert result.trace is not None
+        out.append({s.request_id: s.new for s in result.trace.scheduled})
+        now = result.end_ms
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fields", "first_two"),
+    [
+        # Two 100-token prompts: 32 each a pass, until a prompt's rest is shorter.
+        ({"long_prefill_token_threshold": 32}, [{"a": 32, "b": 32}, {"a": 32, "b": 32}]),
+        # Adaptive: at least 128 / 2 requests.
+        (
+            {"long_prefill_token_threshold": 8, "long_prefill_token_threshold_adaptive": True},
+            [{"a": 64, "b": 64}, {"a": 36, "b": 36}],
+        ),
+        ({}, [{"a": 100, "b": 28}, {"a": 1, "b": 72}]),
+    ],
+)
+def test_long_prefill_token_threshold_caps_each_request_while_others_wait(
+    fields: dict[str, Any], first_two: list[dict[str, int]]
+) -> None:
+    """vLLM's `long_prefill_token_threshold`: running and admitted requests alike."""
+    args = paged_args(num_gpu_blocks=80, max_num_batched_tokens=128, max_model_len=None, **fields)
+    core = Engine(args, record=True)
+    submit(core, request("a", range(100), 4))
+    submit(core, request("b", range(200, 300), 4))
+    assert scheduled_per_pass(core, 2) == first_two
+
+
+def test_long_prefill_token_threshold_spares_a_request_alone() -> None:
+    core = Engine(paged_args(num_gpu_blocks=80, long_prefill_token_threshold=16), record=True)
+    submit(core, request("a", range(40), 2))
+    assert scheduled_per_pass(core, 1) == [{"a": 40}]

@@ -2,7 +2,8 @@
 
 1. Running requests in order, each taking what it lacks of its known tokens (and, with
    async scheduling, of the placeholders for tokens still being sampled; a request whose
-   last token is among them is passed over), capped by the budget and by
+   last token is among them is passed over), capped by the budget, by
+   `long_prefill_token_threshold` (`_long_prefill_cap_now`; admissions too) and by
    `max_model_len - 1` past what it computed. Its slots are allocated now
    (`allocate_slots`); when they cannot be, the last running request is preempted (vLLM's
    FCFS; under `scheduling_policy = priority` the one of greatest (priority, arrival)),
@@ -55,6 +56,8 @@ class PagedScheduler:
         "_full_isl",
         "_fuse",
         "_kv",
+        "_long_prefill",
+        "_long_prefill_adaptive",
         "_max_model_len",
         "_max_num_seqs",
         "_pending",
@@ -88,6 +91,8 @@ class PagedScheduler:
         self._max_num_seqs = max_num_seqs
         self._max_model_len = policy.max_model_len
         self._chunked = args.enable_chunked_prefill
+        self._long_prefill = args.long_prefill_token_threshold
+        self._long_prefill_adaptive = args.long_prefill_token_threshold_adaptive
         # A decode worker's prompts arrive by transfer: their tokens cost no prefill time.
         self._counts_prefill = args.worker_type is not WorkerType.DECODE
         self._full_isl = args.scheduler_reserve_full_isl
@@ -114,6 +119,7 @@ class PagedScheduler:
     def schedule(self, ctx: PassContext) -> None:
         if self._fuse:
             ctx.ready = []
+        ctx.long_prefill_cap = self._long_prefill_cap_now()
         self._schedule_running(ctx)
         if not ctx.preempted_any:
             self._admit_waiting(ctx)
@@ -121,6 +127,16 @@ class PagedScheduler:
     def prefill_ms(self, ctx: PassContext) -> float:
         """The modeled duration of the pass's prefill batch (0 without one)."""
         return ctx.prefill_ms(self._perf)
+
+    def _long_prefill_cap_now(self) -> int:
+        """vLLM's `long_prefill_token_threshold` for a pass: none when one request is
+        running or waiting (it starves nobody); adaptive, at least a fair share of the budget."""
+        eligible = len(self._state.running) + len(self._state.waiting)
+        if not self._long_prefill or eligible <= 1:
+            return 0
+        if self._long_prefill_adaptive:
+            return max(self._long_prefill, self.max_batched_tokens // eligible)
+        return self._long_prefill
 
     def _schedule_running(self, ctx: PassContext) -> None:
         running = self._state.running
@@ -258,7 +274,10 @@ class PagedScheduler:
             return i + 1
         # Room for the token the step samples (none for a prefill-only request).
         cap = self._max_model_len - (seq.generated < seq.max_output_tokens) - computed
-        num_new = min(length + placeholders - computed, ctx.budget, cap)
+        num_new = length + placeholders - computed
+        if 0 < ctx.long_prefill_cap < num_new:
+            num_new = ctx.long_prefill_cap
+        num_new = min(num_new, ctx.budget, cap)
         if num_new <= 0:
             return i + 1
         preempted = False
@@ -330,6 +349,8 @@ class PagedScheduler:
             hit = kv.get_computed_blocks(seq)
             cached = len(hit) * bs
             num_new = len(seq.tokens) - cached
+            if 0 < ctx.long_prefill_cap < num_new:
+                num_new = ctx.long_prefill_cap
             if not self._chunked and num_new > ctx.budget:
                 return
             num_new = min(num_new, ctx.budget)
