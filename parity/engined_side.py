@@ -55,6 +55,7 @@ def engine_args(scenario: Scenario) -> EngineArgs:
         async_scheduling=config.async_scheduling,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
+        watermark=config.watermark,
         vocab_size=config.vocab_size,
     )
 

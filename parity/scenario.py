@@ -33,6 +33,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's --long-prefill-token-threshold and --long-prefill-token-threshold-adaptive.
     long_prefill_token_threshold: int = 0
     long_prefill_token_threshold_adaptive: bool = False
+    # vLLM's --watermark: the fraction of the pool an admission leaves free.
+    watermark: float = 0.0
     # engined only: draw output tokens from [0, vocab_size), so stop ids come up (vLLM samples
     # nothing: it is given engined's tokens).
     vocab_size: int | None = None

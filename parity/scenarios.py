@@ -59,12 +59,13 @@ def shared_prefix(*, staggered: bool, caching: bool = True) -> Scenario:
     )
 
 
-def pressure() -> Scenario:
+def pressure(watermark: float = 0.0) -> Scenario:
     rng = random.Random(12)
     return Scenario(
-        name="pressure",
-        description="12 x (64 prompt + 48 out) in 24 blocks: preemption and re-admission",
-        config=Config(num_gpu_blocks=24, max_num_batched_tokens=8192, max_num_seqs=256),
+        name="pressure" + (f"-watermark{watermark}" if watermark else ""),
+        description="12 x (64 prompt + 48 out) in 24 blocks: preemption and re-admission"
+        + (f"; watermark {watermark}" if watermark else ""),
+        config=Config(num_gpu_blocks=24, max_num_batched_tokens=8192, watermark=watermark),
         requests=[
             ScenarioRequest(id=f"p{i}", arrival=0, prompt=_tokens(rng, 64), max_tokens=48)
             for i in range(12)
@@ -364,6 +365,7 @@ def all_scenarios() -> list[Scenario]:
         random_mix(9, num_blocks=96, budget=256, hash_algo="sha256_cbor"),
         random_mix(10, num_blocks=96, budget=256, long_prefill=48),
         random_mix(11, num_blocks=64, budget=256, long_prefill=24, adaptive=True),
+        pressure(watermark=0.1),
         stop_pressure(),
         cache_salt(),
         cache_salt("sha256_cbor"),
@@ -389,6 +391,7 @@ def async_scenarios() -> list[Scenario]:
             priority_pressure(),
             random_mix(5, num_blocks=64, budget=256, policy="priority"),
             random_mix(10, num_blocks=96, budget=256, long_prefill=48),
+            pressure(watermark=0.1),
             stop_pressure(),
             cache_salt(),
         )

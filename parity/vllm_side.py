@@ -157,6 +157,7 @@ class VllmRun:
             async_scheduling=config.async_scheduling,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
+            watermark=config.watermark,
         )
         vllm_config = VllmConfig(
             model_config=model_config,

@@ -528,6 +528,7 @@ ISSUE_FLAGS = {
     "--scheduler-reserve-full-isl": "engine.scheduler_reserve_full_isl",
     "--async-scheduling": "engine.async_scheduling",
     "--long-prefill-token-threshold": "engine.long_prefill_token_threshold",
+    "--watermark": "engine.watermark",
     "--long-prefill-token-threshold-adaptive": "engine.long_prefill_token_threshold_adaptive",
     "--prefix-caching-hash-algo": "engine.prefix_caching_hash_algo",
     "--kv-cache-metrics": "engine.kv_cache_metrics",

@@ -92,6 +92,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--scheduler-reserve-full-isl", "engine.scheduler_reserve_full_isl"),
     Flag("--async-scheduling", "engine.async_scheduling"),
     Flag("--long-prefill-token-threshold", "engine.long_prefill_token_threshold"),
+    Flag("--watermark", "engine.watermark"),
     Flag(
         "--long-prefill-token-threshold-adaptive",
         "engine.long_prefill_token_threshold_adaptive",

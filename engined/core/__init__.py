@@ -54,6 +54,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.paged.async_batches",
     "engined.core.paged.block_pool",
     "engined.core.paged.kv_cache_manager",
+    "engined.core.paged.pass_limits",
     "engined.core.paged.residency",
     "engined.core.paged.scheduler",
     "engined.core.offload.g1_glue",

@@ -258,6 +258,13 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "sequence fits the free blocks, not just its first chunk (vLLM's default)."
         ),
     ] = True
+    watermark: Annotated[
+        float,
+        Meta(
+            description="vLLM semantics: the fraction of KV blocks a waiting or preempted "
+            "request must leave free to be admitted while others run, in [0, 1)."
+        ),
+    ] = 0.0
     long_prefill_token_threshold: Annotated[
         int,
         Meta(

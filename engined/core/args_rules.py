@@ -211,6 +211,8 @@ def schema_problem(args: EngineFields) -> tuple[str, str] | None:
         return "max_model_len", (
             f"max_model_len is supported only for engine_type=vllm, got engine_type={engine}"
         )
+    if not 0.0 <= args.watermark < 1.0:
+        return "watermark", f"watermark must be in [0, 1), got {_fmt(args.watermark)}"
     threshold = args.long_prefill_token_threshold
     if args.max_model_len is not None and threshold > args.max_model_len:
         # vLLM's `SchedulerConfig.verify_max_model_len`.

@@ -77,6 +77,7 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         ("scheduling_policy", "=priority", args.scheduling_policy is SchedulingPolicy.PRIORITY),
         ("async_scheduling", "", args.async_scheduling),
         ("kv_cache_metrics", "", args.kv_cache_metrics),
+        ("watermark", f"={args.watermark}", args.watermark > 0),
         (
             "long_prefill_token_threshold",
             f"={args.long_prefill_token_threshold}",

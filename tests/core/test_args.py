@@ -309,6 +309,8 @@ SCHEMA_CASES = [
         "max_model_len is supported only for engine_type=vllm, got engine_type=Sglang",
         id="max-model-len-sglang",
     ),
+    pytest.param({"watermark": 1.0}, "watermark must be in [0, 1), got 1", id="watermark-1"),
+    pytest.param({"watermark": -0.5}, "watermark must be in [0, 1), got -0.5", id="watermark-neg"),
     pytest.param(
         {"max_model_len": 64, "long_prefill_token_threshold": 65},
         "long_prefill_token_threshold (65) cannot be greater than the max_model_len (64).",
@@ -450,8 +452,8 @@ def test_earlier_rule_wins(fields: dict[str, Any], message: str) -> None:
 
 
 def test_unknown_key_is_named() -> None:
-    with raises("Object contains unknown field `watermark`"):
-        EngineArgs.from_mapping({"watermark": 0.01})
+    with raises("Object contains unknown field `swap_space`"):
+        EngineArgs.from_mapping({"swap_space": 4})
 
 
 def test_unknown_nested_key_is_named() -> None:

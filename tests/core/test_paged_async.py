@@ -109,3 +109,10 @@ def test_long_prefill_token_threshold_needs_vllm_semantics() -> None:
         Engine(make_args(long_prefill_token_threshold=48))
     assert raised.value.key == "long_prefill_token_threshold"
     assert str(raised.value).startswith("long_prefill_token_threshold=48 needs vLLM semantics")
+
+
+def test_watermark_needs_vllm_semantics() -> None:
+    with pytest.raises(InvalidArgsError) as raised:
+        Engine(make_args(watermark=0.1))
+    assert raised.value.key == "watermark"
+    assert str(raised.value).startswith("watermark=0.1 needs vLLM semantics")

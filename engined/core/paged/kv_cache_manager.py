@@ -107,11 +107,12 @@ class PagedKvManager:
         full_sequence_must_fit: bool = False,
         *,
         now_ms: float,
+        watermark_blocks: int = 0,
     ) -> bool:
         """Slots for `num_new_tokens` after `num_computed` (plus the hit, for a waiting
         request); False, having changed nothing, when the free queue is too short, or, with
         `full_sequence_must_fit` (vLLM's admission gate), when it could not hold the whole
-        known sequence."""
+        known sequence; either must leave `watermark_blocks` free (vLLM's, for admissions)."""
         bs = self.block_size
         pool = self.pool
         hit = new_computed_blocks or []
@@ -126,9 +127,9 @@ class PagedKvManager:
                 evictable += 1
         if full_sequence_must_fit:
             whole = -(-min(len(seq.tokens), self.max_model_len) // bs)
-            if max(whole - held - len(hit), 0) + evictable > pool.num_free:
+            if max(whole - held - len(hit), 0) + evictable + watermark_blocks > pool.num_free:
                 return False
-        if max(-(-need // bs) - held - len(hit), 0) + evictable > pool.num_free:
+        if max(-(-need // bs) - held - len(hit), 0) + evictable + watermark_blocks > pool.num_free:
             return False
         if table is None:
             table = self._tables[seq] = []

@@ -3,7 +3,7 @@
 1. Running requests in order, each taking what it lacks of its known tokens (and, with
    async scheduling, of the placeholders for tokens still being sampled; a request whose
    last token is among them is passed over), capped by the budget, by
-   `long_prefill_token_threshold` (`_long_prefill_cap_now`; admissions too) and by
+   `long_prefill_token_threshold` (`PassLimits`; admissions too) and by
    `max_model_len - 1` past what it computed. Its slots are allocated now
    (`allocate_slots`); when they cannot be, the last running request is preempted (vLLM's
    FCFS; under `scheduling_policy = priority` the one of greatest (priority, arrival)),
@@ -13,9 +13,9 @@
 2. Waiting requests in queue order (FCFS, or by (priority, arrival)), only when nothing was
    preempted, while the budget and `max_num_seqs` allow: each looks up its prefix hit and is
    admitted if slots for its chunk can be allocated and (`scheduler_reserve_full_isl`,
-   vLLM's default) the free blocks could hold its whole known sequence; otherwise admission
-   stops. Without chunked prefill a prompt that does not fit the remaining budget stops
-   admission too.
+   vLLM's default) the free blocks could hold its whole known sequence, either leaving
+   `watermark` of the pool free while requests run; otherwise admission stops. Without
+   chunked prefill a prompt that does not fit the remaining budget stops admission too.
 
 Synchronous, under FCFS with LIFO preemption, the walk of step 1 also samples each decode
 step that ends nothing and reports nothing, as the emitter would (nothing the walk has passed
@@ -38,6 +38,7 @@ from engined.core.fpm import ScheduledWork
 from engined.core.handoff_book import PendingDestinations
 from engined.core.named_tuples import new_tuple
 from engined.core.paged.kv_cache_manager import PagedKvManager
+from engined.core.paged.pass_limits import PassLimits
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import PerfModel
 from engined.core.policy import AdmissionPolicy
@@ -56,8 +57,7 @@ class PagedScheduler:
         "_full_isl",
         "_fuse",
         "_kv",
-        "_long_prefill",
-        "_long_prefill_adaptive",
+        "_limits",
         "_max_model_len",
         "_max_num_seqs",
         "_pending",
@@ -91,8 +91,7 @@ class PagedScheduler:
         self._max_num_seqs = max_num_seqs
         self._max_model_len = policy.max_model_len
         self._chunked = args.enable_chunked_prefill
-        self._long_prefill = args.long_prefill_token_threshold
-        self._long_prefill_adaptive = args.long_prefill_token_threshold_adaptive
+        self._limits = PassLimits(args, max_batched_tokens)
         # A decode worker's prompts arrive by transfer: their tokens cost no prefill time.
         self._counts_prefill = args.worker_type is not WorkerType.DECODE
         self._full_isl = args.scheduler_reserve_full_isl
@@ -119,7 +118,8 @@ class PagedScheduler:
     def schedule(self, ctx: PassContext) -> None:
         if self._fuse:
             ctx.ready = []
-        ctx.long_prefill_cap = self._long_prefill_cap_now()
+        state = self._state
+        ctx.long_prefill_cap = self._limits.long_prefill_cap(len(state.running), len(state.waiting))
         self._schedule_running(ctx)
         if not ctx.preempted_any:
             self._admit_waiting(ctx)
@@ -127,16 +127,6 @@ class PagedScheduler:
     def prefill_ms(self, ctx: PassContext) -> float:
         """The modeled duration of the pass's prefill batch (0 without one)."""
         return ctx.prefill_ms(self._perf)
-
-    def _long_prefill_cap_now(self) -> int:
-        """vLLM's `long_prefill_token_threshold` for a pass: none when one request is
-        running or waiting (it starves nobody); adaptive, at least a fair share of the budget."""
-        eligible = len(self._state.running) + len(self._state.waiting)
-        if not self._long_prefill or eligible <= 1:
-            return 0
-        if self._long_prefill_adaptive:
-            return max(self._long_prefill, self.max_batched_tokens // eligible)
-        return self._long_prefill
 
     def _schedule_running(self, ctx: PassContext) -> None:
         running = self._state.running
@@ -354,8 +344,15 @@ class PagedScheduler:
             if not self._chunked and num_new > ctx.budget:
                 return
             num_new = min(num_new, ctx.budget)
+            watermark = self._limits.admission_watermark(len(state.running))
             if not kv.allocate_slots(
-                seq, 0, num_new, hit, full_sequence_must_fit=self._full_isl, now_ms=ctx.now_ms
+                seq,
+                0,
+                num_new,
+                hit,
+                full_sequence_must_fit=self._full_isl,
+                now_ms=ctx.now_ms,
+                watermark_blocks=watermark,
             ):
                 return
             state.transition_to_running(request_id)

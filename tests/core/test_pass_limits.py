@@ -1,0 +1,76 @@
+"""vLLM 0.33's scheduling options that bound what one request takes of a pass
+(engined/core/paged/pass_limits.py): `long_prefill_token_threshold` (and its adaptive floor)
+and the admission `watermark`. The parity harness checks whole streams under both against
+the real scheduler (`random-s10`, `random-s11`, `pressure-watermark0.1`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engined.core.engine import Engine
+from tests.core.factories import request, submit
+from tests.core.test_paged_semantics import paged_args
+
+
+def scheduled_per_pass(core: Engine, passes: int) -> list[dict[str, int]]:
+    """Each pass's new tokens by request (the engine built with `record=True`)."""
+    out: list[dict[str, int]] = []
+    now = 0.0
+    for _ in range(passes):
+        result = core.execute_pass(now)
+        assert result.trace is not None
+        out.append({s.request_id: s.new for s in result.trace.scheduled})
+        now = result.end_ms
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fields", "first_two"),
+    [
+        # Two 100-token prompts: 32 each a pass, until a prompt's rest is shorter.
+        ({"long_prefill_token_threshold": 32}, [{"a": 32, "b": 32}, {"a": 32, "b": 32}]),
+        # Adaptive: at least 128 / 2 requests.
+        (
+            {"long_prefill_token_threshold": 8, "long_prefill_token_threshold_adaptive": True},
+            [{"a": 64, "b": 64}, {"a": 36, "b": 36}],
+        ),
+        ({}, [{"a": 100, "b": 28}, {"a": 1, "b": 72}]),
+    ],
+)
+def test_long_prefill_token_threshold_caps_each_request_while_others_wait(
+    fields: dict[str, Any], first_two: list[dict[str, int]]
+) -> None:
+    """vLLM's `long_prefill_token_threshold`: running and admitted requests alike."""
+    args = paged_args(num_gpu_blocks=80, max_num_batched_tokens=128, max_model_len=None, **fields)
+    core = Engine(args, record=True)
+    submit(core, request("a", range(100), 4))
+    submit(core, request("b", range(200, 300), 4))
+    assert scheduled_per_pass(core, 2) == first_two
+
+
+def test_long_prefill_token_threshold_spares_a_request_alone() -> None:
+    core = Engine(paged_args(num_gpu_blocks=80, long_prefill_token_threshold=16), record=True)
+    submit(core, request("a", range(40), 2))
+    assert scheduled_per_pass(core, 1) == [{"a": 40}]
+
+
+@pytest.mark.parametrize(("watermark", "admitted"), [(0.0, ["a", "b"]), (0.25, ["a"])])
+def test_an_admission_leaves_the_watermark_free_while_a_request_runs(
+    watermark: float, admitted: list[str]
+) -> None:
+    """20 blocks of 4 (19 usable), a watermark of 5: `a` takes 8 blocks, leaving 11, and
+    `b` needs 7 of them."""
+    core = Engine(paged_args(num_gpu_blocks=20, watermark=watermark, max_model_len=None))
+    submit(core, request("a", range(32), 4))
+    submit(core, request("b", range(100, 128), 4))
+    result = core.execute_pass(0.0)
+    assert [a.request_id for a in result.admissions] == admitted
+
+
+def test_the_first_admission_ignores_the_watermark() -> None:
+    core = Engine(paged_args(num_gpu_blocks=20, watermark=0.25, max_model_len=None))
+    submit(core, request("a", range(72), 2))
+    result = core.execute_pass(0.0)
+    assert [a.request_id for a in result.admissions] == ["a"]
