@@ -35,6 +35,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     long_prefill_token_threshold_adaptive: bool = False
     # vLLM's --watermark: the fraction of the pool an admission leaves free.
     watermark: float = 0.0
+    # vLLM's --max-num-active-seqs: the requests admitted into running (None: max_num_seqs).
+    max_num_active_seqs: int | None = None
     # engined only: draw output tokens from [0, vocab_size), so stop ids come up (vLLM samples
     # nothing: it is given engined's tokens).
     vocab_size: int | None = None

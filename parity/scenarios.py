@@ -11,13 +11,8 @@ import random
 
 import msgspec
 
+from parity.random_mix import random_mix, random_tokens
 from parity.scenario import Config, Scenario, ScenarioRequest
-
-VOCAB = 32000
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
 def chunked_prompt() -> Scenario:
@@ -31,12 +26,12 @@ def chunked_prompt() -> Scenario:
 
 def shared_prefix(*, staggered: bool, caching: bool = True) -> Scenario:
     rng = random.Random(8)
-    prefix = _tokens(rng, 64)
+    prefix = random_tokens(rng, 64)
     requests = [
         ScenarioRequest(
             id=f"s{i}",
             arrival=2 * i if staggered else 0,
-            prompt=prefix + _tokens(rng, 32),
+            prompt=prefix + random_tokens(rng, 32),
             max_tokens=8,
         )
         for i in range(8)
@@ -67,7 +62,7 @@ def pressure(watermark: float = 0.0) -> Scenario:
         + (f"; watermark {watermark}" if watermark else ""),
         config=Config(num_gpu_blocks=24, max_num_batched_tokens=8192, watermark=watermark),
         requests=[
-            ScenarioRequest(id=f"p{i}", arrival=0, prompt=_tokens(rng, 64), max_tokens=48)
+            ScenarioRequest(id=f"p{i}", arrival=0, prompt=random_tokens(rng, 64), max_tokens=48)
             for i in range(12)
         ],
     )
@@ -76,7 +71,7 @@ def pressure(watermark: float = 0.0) -> Scenario:
 def repeated_prompts(length: int = 100) -> Scenario:
     """A 96-token prompt is whole blocks: fully cached, its last token is recomputed."""
     rng = random.Random(5)
-    prompt = _tokens(rng, length)
+    prompt = random_tokens(rng, length)
     return Scenario(
         name="repeated-prompts" + ("-whole-blocks" if length % 16 == 0 else ""),
         description=f"one {length}-token prompt sent 8 times, 5 steps apart (the prefix-hit rule)",
@@ -85,73 +80,6 @@ def repeated_prompts(length: int = 100) -> Scenario:
             ScenarioRequest(id=f"x{i}", arrival=5 * i, prompt=list(prompt), max_tokens=4)
             for i in range(8)
         ],
-    )
-
-
-def random_mix(
-    seed: int,
-    *,
-    num_blocks: int,
-    budget: int,
-    count: int = 200,
-    block_size: int = 16,
-    max_num_seqs: int = 64,
-    policy: str = "fcfs",
-    full_isl: bool = True,
-    caching: bool = True,
-    hash_algo: str = "sha256",
-    long_prefill: int = 0,
-    adaptive: bool = False,
-) -> Scenario:
-    """`count` requests over 8 shared prefixes (16-128 tokens) with their own suffixes,
-    arriving over about `count / 2` steps; under the priority policy each has a priority in
-    0-3. The name says every setting that is not the default."""
-    rng = random.Random(seed)
-    prefixes = [_tokens(rng, rng.randrange(16, 129)) for _ in range(8)]
-    requests = []
-    for i in range(count):
-        shared = rng.random() < 0.8
-        prompt = (rng.choice(prefixes) if shared else []) + _tokens(rng, rng.randrange(1, 97))
-        requests.append(
-            ScenarioRequest(
-                id=f"m{i}",
-                arrival=rng.randrange(0, count // 2),
-                prompt=prompt,
-                max_tokens=rng.randrange(1, 65),
-                priority=rng.randrange(4) if policy == "priority" else 0,
-            )
-        )
-    requests.sort(key=lambda r: r.arrival)
-    extras = [
-        label
-        for label, on in (
-            (policy, policy != "fcfs"),
-            ("no-full-isl", not full_isl),
-            ("nocache", not caching),
-            (hash_algo, hash_algo != "sha256"),
-            (f"long{long_prefill}" + ("-adaptive" if adaptive else ""), long_prefill > 0),
-        )
-        if on
-    ]
-    return Scenario(
-        name="-".join([f"random-s{seed}-b{num_blocks}-t{budget}-bs{block_size}", *extras]),
-        description=(
-            f"{count} random requests, shared prefixes; {num_blocks} blocks of {block_size}, "
-            f"budget {budget}, seed {seed}" + "".join(f"; {label}" for label in extras)
-        ),
-        config=Config(
-            block_size=block_size,
-            num_gpu_blocks=num_blocks,
-            max_num_batched_tokens=budget,
-            max_num_seqs=max_num_seqs,
-            scheduling_policy=policy,
-            scheduler_reserve_full_isl=full_isl,
-            enable_prefix_caching=caching,
-            prefix_caching_hash_algo=hash_algo,
-            long_prefill_token_threshold=long_prefill,
-            long_prefill_token_threshold_adaptive=adaptive,
-        ),
-        requests=requests,
     )
 
 
@@ -171,7 +99,7 @@ def priority_pressure() -> Scenario:
             ScenarioRequest(
                 id=f"q{i}",
                 arrival=i // 3,
-                prompt=_tokens(rng, 64),
+                prompt=random_tokens(rng, 64),
                 max_tokens=48,
                 priority=rng.randrange(4),
             )
@@ -180,14 +108,21 @@ def priority_pressure() -> Scenario:
     )
 
 
-def max_num_seqs_limit() -> Scenario:
+def max_num_seqs_limit(active: int | None = None) -> Scenario:
+    """With `active`, vLLM's max_num_active_seqs under max_num_seqs 8 admits instead."""
     rng = random.Random(4)
     return Scenario(
-        name="max-num-seqs",
-        description="10 requests at once, max_num_seqs 4",
-        config=Config(num_gpu_blocks=128, max_num_batched_tokens=256, max_num_seqs=4),
+        name="max-num-seqs" if active is None else f"max-num-active-seqs-{active}",
+        description="10 requests at once, "
+        + ("max_num_seqs 4" if active is None else f"max_num_seqs 8, max_num_active_seqs {active}"),
+        config=Config(
+            num_gpu_blocks=128,
+            max_num_batched_tokens=256,
+            max_num_seqs=4 if active is None else 8,
+            max_num_active_seqs=active,
+        ),
         requests=[
-            ScenarioRequest(id=f"q{i}", arrival=0, prompt=_tokens(rng, 40), max_tokens=12)
+            ScenarioRequest(id=f"q{i}", arrival=0, prompt=random_tokens(rng, 40), max_tokens=12)
             for i in range(10)
         ],
     )
@@ -202,7 +137,7 @@ def max_model_len_limit() -> Scenario:
             num_gpu_blocks=64, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=128
         ),
         requests=[
-            ScenarioRequest(id=f"l{i}", arrival=i, prompt=_tokens(rng, 100), max_tokens=64)
+            ScenarioRequest(id=f"l{i}", arrival=i, prompt=random_tokens(rng, 100), max_tokens=64)
             for i in range(4)
         ],
     )
@@ -222,7 +157,10 @@ def no_chunked_prefill() -> Scenario:
         ),
         requests=[
             ScenarioRequest(
-                id=f"n{i}", arrival=i, prompt=_tokens(rng, rng.randrange(150, 401)), max_tokens=6
+                id=f"n{i}",
+                arrival=i,
+                prompt=random_tokens(rng, rng.randrange(150, 401)),
+                max_tokens=6,
             )
             for i in range(6)
         ],
@@ -243,7 +181,7 @@ def stop_pressure() -> Scenario:
             ScenarioRequest(
                 id=f"t{i}",
                 arrival=i // 4,
-                prompt=_tokens(rng, 64),
+                prompt=random_tokens(rng, 64),
                 max_tokens=80,
                 stop_token_ids=stops if i not in (5, 9) else [],
                 min_tokens=min_tokens if i not in (5, 9) else 0,
@@ -255,7 +193,7 @@ def stop_pressure() -> Scenario:
         ScenarioRequest(
             id="t-planned",
             arrival=1,
-            prompt=_tokens(rng, 64),
+            prompt=random_tokens(rng, 64),
             max_tokens=len(planned),
             stop_token_ids=stops,
             min_tokens=20,
@@ -279,20 +217,20 @@ def cache_salt(hash_algo: str = "sha256") -> Scenario:
     salted prompt fills its first block with its planned output; later prompts of those 16
     tokens and more hit that block under its salt only."""
     rng = random.Random(15)
-    prefix = _tokens(rng, 64)
+    prefix = random_tokens(rng, 64)
     salts: list[str | None] = ["a", "b", None, "a", "", "b", "a", None, "b", "a", "", "b"]
     requests = [
         ScenarioRequest(
             id=f"c{i}",
             arrival=2 * i,
-            prompt=prefix + _tokens(rng, rng.randrange(8, 49)),
+            prompt=prefix + random_tokens(rng, rng.randrange(8, 49)),
             max_tokens=8,
             cache_salt=salt,
         )
         for i, salt in enumerate(salts)
     ]
-    short = _tokens(rng, 6)
-    planned = _tokens(rng, 20)
+    short = random_tokens(rng, 6)
+    planned = random_tokens(rng, 20)
     requests.append(
         ScenarioRequest(
             id="c-short",
@@ -309,7 +247,7 @@ def cache_salt(hash_algo: str = "sha256") -> Scenario:
             ScenarioRequest(
                 id=f"c-grown{i}",
                 arrival=44 + 2 * i,
-                prompt=grown + _tokens(rng, 5),
+                prompt=grown + random_tokens(rng, 5),
                 max_tokens=4,
                 cache_salt=salt,
             )
@@ -351,6 +289,7 @@ def all_scenarios() -> list[Scenario]:
         repeated_prompts(),
         repeated_prompts(96),
         max_num_seqs_limit(),
+        max_num_seqs_limit(active=3),
         max_model_len_limit(),
         no_chunked_prefill(),
         random_mix(1, num_blocks=160, budget=256),

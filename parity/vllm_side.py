@@ -158,6 +158,7 @@ class VllmRun:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
             watermark=config.watermark,
+            max_num_active_seqs=config.max_num_active_seqs,
         )
         vllm_config = VllmConfig(
             model_config=model_config,

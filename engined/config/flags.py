@@ -93,6 +93,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--async-scheduling", "engine.async_scheduling"),
     Flag("--long-prefill-token-threshold", "engine.long_prefill_token_threshold"),
     Flag("--watermark", "engine.watermark"),
+    Flag("--max-num-active-seqs", "engine.max_num_active_seqs"),
     Flag(
         "--long-prefill-token-threshold-adaptive",
         "engine.long_prefill_token_threshold_adaptive",

@@ -258,6 +258,16 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "sequence fits the free blocks, not just its first chunk (vLLM's default)."
         ),
     ] = True
+    max_num_active_seqs: (
+        Annotated[
+            int,
+            Meta(
+                description="vLLM semantics: vLLM's limit on the requests admitted into "
+                'running, at most max_num_seqs ("" = max_num_seqs).'
+            ),
+        ]
+        | None
+    ) = None
     watermark: Annotated[
         float,
         Meta(

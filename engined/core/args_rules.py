@@ -156,6 +156,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("startup_time", 0.0, None),
     ("max_model_len", 1, None),
     ("long_prefill_token_threshold", 0, None),
+    ("max_num_active_seqs", 1, None),
     ("aic_nextn", 1, 5),
     ("aic_mtp_seed", 0, _U64_MAX),
     ("kv_bytes_per_token", 1, None),
@@ -210,6 +211,12 @@ def schema_problem(args: EngineFields) -> tuple[str, str] | None:
     if args.max_model_len is not None and args.engine_type != EngineType.VLLM:
         return "max_model_len", (
             f"max_model_len is supported only for engine_type=vllm, got engine_type={engine}"
+        )
+    active, seqs = args.max_num_active_seqs, args.max_num_seqs
+    if active is not None and seqs is not None and active > seqs:
+        # vLLM's `SchedulerConfig.verify_max_model_len`.
+        return "max_num_active_seqs", (
+            f"max_num_active_seqs ({active}) cannot be greater than max_num_seqs ({seqs})."
         )
     if not 0.0 <= args.watermark < 1.0:
         return "watermark", f"watermark must be in [0, 1), got {_fmt(args.watermark)}"

@@ -78,6 +78,7 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         ("async_scheduling", "", args.async_scheduling),
         ("kv_cache_metrics", "", args.kv_cache_metrics),
         ("watermark", f"={args.watermark}", args.watermark > 0),
+        ("max_num_active_seqs", "", args.max_num_active_seqs is not None),
         (
             "long_prefill_token_threshold",
             f"={args.long_prefill_token_threshold}",
@@ -126,7 +127,9 @@ def assemble(
     algo = args.prefix_caching_hash_algo
     bs = args.block_size
     num_blocks = args.num_gpu_blocks
-    max_num_seqs = args.max_num_seqs or _UNBOUNDED
+    # The requests admitted into running: vLLM's max_num_active_seqs when set (its
+    # max_num_seqs also sizes the model runner, which engined has none of).
+    max_num_seqs = args.max_num_active_seqs or args.max_num_seqs or _UNBOUNDED
     max_batched_tokens = args.max_num_batched_tokens or _UNBOUNDED
     if tiers is None:
         offload_config = OffloadConfig.from_args(args)

@@ -223,6 +223,7 @@ PREFIX = "Failed to validate MockEngineArgs: "
         ({"dp_size": 0}, "dp_size must be >= 1, got 0"),
         ({"startup_time": -1.5}, "startup_time must be >= 0, got -1.5"),
         ({"max_model_len": 0}, "max_model_len must be >= 1, got 0"),
+        ({"max_num_active_seqs": 0}, "max_num_active_seqs must be >= 1, got 0"),
         (
             {"long_prefill_token_threshold": -1},
             "long_prefill_token_threshold must be >= 0, got -1",
@@ -308,6 +309,11 @@ SCHEMA_CASES = [
         {"engine_type": EngineType.SGLANG, "max_model_len": 128},
         "max_model_len is supported only for engine_type=vllm, got engine_type=Sglang",
         id="max-model-len-sglang",
+    ),
+    pytest.param(
+        {"max_num_seqs": 4, "max_num_active_seqs": 5},
+        "max_num_active_seqs (5) cannot be greater than max_num_seqs (4).",
+        id="active-over-max-num-seqs",
     ),
     pytest.param({"watermark": 1.0}, "watermark must be in [0, 1), got 1", id="watermark-1"),
     pytest.param({"watermark": -0.5}, "watermark must be in [0, 1), got -0.5", id="watermark-neg"),

@@ -111,6 +111,12 @@ def test_long_prefill_token_threshold_needs_vllm_semantics() -> None:
     assert str(raised.value).startswith("long_prefill_token_threshold=48 needs vLLM semantics")
 
 
+def test_max_num_active_seqs_needs_vllm_semantics() -> None:
+    with pytest.raises(InvalidArgsError) as raised:
+        Engine(make_args(max_num_active_seqs=2))
+    assert raised.value.key == "max_num_active_seqs"
+
+
 def test_watermark_needs_vllm_semantics() -> None:
     with pytest.raises(InvalidArgsError) as raised:
         Engine(make_args(watermark=0.1))

@@ -1,7 +1,7 @@
-"""vLLM 0.33's scheduling options that bound what one request takes of a pass
-(engined/core/paged/pass_limits.py): `long_prefill_token_threshold` (and its adaptive floor)
-and the admission `watermark`. The parity harness checks whole streams under both against
-the real scheduler (`random-s10`, `random-s11`, `pressure-watermark0.1`)."""
+"""vLLM 0.33's scheduling options that bound a pass: `long_prefill_token_threshold` (and its
+adaptive floor) and the admission `watermark` (engined/core/paged/pass_limits.py), and
+`max_num_active_seqs`. The parity harness checks whole streams under each against the real
+scheduler (`random-s10`, `random-s11`, `pressure-watermark0.1`, `max-num-active-seqs-3`)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,12 @@ def test_the_first_admission_ignores_the_watermark() -> None:
     submit(core, request("a", range(72), 2))
     result = core.execute_pass(0.0)
     assert [a.request_id for a in result.admissions] == ["a"]
+
+
+def test_max_num_active_seqs_limits_admission_below_max_num_seqs() -> None:
+    core = Engine(paged_args(num_gpu_blocks=40, max_num_seqs=8, max_num_active_seqs=2))
+    for i in range(4):
+        submit(core, request(f"r{i}", range(10 * i, 10 * i + 8), 2))
+    result = core.execute_pass(0.0)
+    assert [a.request_id for a in result.admissions] == ["r0", "r1"]
+    assert core.queues().waiting == ["r2", "r3"]
