@@ -7,6 +7,7 @@ the engine turns it into the pass's `PassResult`.
 from __future__ import annotations
 
 from engined.core.fpm import ScheduledWork
+from engined.core.named_tuples import new_tuple
 from engined.core.pass_trace import PassTrace, ScheduledTokens
 from engined.core.perf_model import PerfModel, scale_ms
 from engined.core.state import RequestState
@@ -96,6 +97,26 @@ class PassContext:
         # Recording (`PassTrace`): the preempter's victim list, and the shares read from it.
         self.victims = victims
         self.shares: list[ScheduledTokens] = []
+
+    def add_work(
+        self,
+        request_id: str,
+        new: int,
+        prompt_before: int,
+        prompt_tokens: int,
+        prompt_len: int,
+        seq_len: int,
+        last: bool,
+        prefill: bool,
+    ) -> None:
+        """A request computes `new` tokens in this pass, `prompt_tokens` of them prompt
+        after `prompt_before`, in a `seq_len` sequence (`last`: it has its last token);
+        `prefill`: those prompt tokens join the pass's prefill batch (False when a transfer
+        brought them)."""
+        work = (request_id, new, prompt_tokens, prompt_before, prompt_len, seq_len, last)
+        self.scheduled.append(new_tuple(ScheduledWork, work))
+        if prompt_tokens > 0 and prefill:
+            self.add_prefill(prompt_before, prompt_tokens)
 
     def add_prefill(self, prefix_tokens: int, prompt_tokens: int) -> None:
         """A request prefills `prompt_tokens` after `prefix_tokens` in this pass's batch."""

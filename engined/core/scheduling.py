@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 from engined.core.args import EngineArgs, WorkerType
 from engined.core.finish import Finisher
-from engined.core.fpm import ScheduledWork
 from engined.core.handoff_book import PendingDestinations
 from engined.core.kv_manager import KvManager
 from engined.core.named_tuples import new_tuple
@@ -286,22 +285,17 @@ class Scheduler:
         prompt_tokens = min(actual, prompt_len) - prompt_before
         # Once a pass: a preemption stops admission for the rest of the pass
         # (`preempted_any`), so a preempted request is never scheduled twice.
-        ctx.scheduled.append(
-            new_tuple(
-                ScheduledWork,
-                (
-                    request_id,
-                    tokens_used,
-                    prompt_tokens,
-                    prompt_before,
-                    prompt_len,
-                    length,
-                    seq.generated >= seq.max_output_tokens,
-                ),
-            )
+        last = seq.generated >= seq.max_output_tokens
+        ctx.add_work(
+            request_id,
+            tokens_used,
+            prompt_before,
+            prompt_tokens,
+            prompt_len,
+            length,
+            last,
+            self._counts_prefill,
         )
-        if prompt_tokens > 0 and self._counts_prefill:
-            ctx.add_prefill(prompt_before, prompt_tokens)
         if from_waiting:
             self._state.transition_to_running(request_id)
             if req.cached_prefix_tokens is None:

@@ -34,9 +34,7 @@ from typing import Any
 
 from engined.core.args import EngineArgs, PreemptionMode, SchedulingPolicy, WorkerType
 from engined.core.finish import Finisher
-from engined.core.fpm import ScheduledWork
 from engined.core.handoff_book import PendingDestinations
-from engined.core.named_tuples import new_tuple
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.paged.pass_limits import PassLimits
 from engined.core.pass_context import PassContext
@@ -378,20 +376,15 @@ class PagedScheduler:
         ready = ctx.ready
         if ready is not None and computed + num_new >= len(seq.tokens):
             ready.append((req, len(ctx.decoded_ids)))
-        ctx.scheduled.append(
-            new_tuple(
-                ScheduledWork,
-                (
-                    req.request_id,
-                    num_new,
-                    prompt_tokens,
-                    prompt_before,
-                    prompt_len,
-                    len(seq.tokens),
-                    seq.generated >= seq.max_output_tokens,
-                ),
-            )
+        last = seq.generated >= seq.max_output_tokens
+        ctx.add_work(
+            req.request_id,
+            num_new,
+            prompt_before,
+            prompt_tokens,
+            prompt_len,
+            len(seq.tokens),
+            last,
+            prefill and self._counts_prefill,
         )
-        if prompt_tokens > 0 and prefill and self._counts_prefill:
-            ctx.add_prefill(prompt_before, prompt_tokens)
         ctx.budget -= num_new
