@@ -32,6 +32,7 @@ def random_mix(
     hash_algo: str = "sha256",
     long_prefill: int = 0,
     adaptive: bool = False,
+    prefill_interval: int = 1,
 ) -> Scenario:
     """`count` requests over 8 shared prefixes (16-128 tokens) with their own suffixes,
     arriving over about `count / 2` steps; under the priority policy each has a priority in
@@ -60,6 +61,7 @@ def random_mix(
             ("nocache", not caching),
             (hash_algo, hash_algo != "sha256"),
             (f"long{long_prefill}" + ("-adaptive" if adaptive else ""), long_prefill > 0),
+            (f"interval{prefill_interval}", prefill_interval > 1),
         )
         if on
     ]
@@ -80,6 +82,7 @@ def random_mix(
             prefix_caching_hash_algo=hash_algo,
             long_prefill_token_threshold=long_prefill,
             long_prefill_token_threshold_adaptive=adaptive,
+            prefill_schedule_interval=prefill_interval,
         ),
         requests=requests,
     )

@@ -51,6 +51,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.stops",
     "engined.core.token_stream",
     "engined.core.vllm_hashing",
+    "engined.core.paged.admission",
     "engined.core.paged.async_batches",
     "engined.core.paged.block_pool",
     "engined.core.paged.kv_cache_manager",

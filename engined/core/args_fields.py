@@ -258,6 +258,13 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "sequence fits the free blocks, not just its first chunk (vLLM's default)."
         ),
     ] = True
+    prefill_schedule_interval: Annotated[
+        int,
+        Meta(
+            description="vLLM semantics: prefill (admissions and prompt chunks) only every "
+            "N passes while requests decode, unless the last prefill left requests waiting."
+        ),
+    ] = 1
     max_num_active_seqs: (
         Annotated[
             int,

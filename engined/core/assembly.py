@@ -80,6 +80,11 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         ("watermark", f"={args.watermark}", args.watermark > 0),
         ("max_num_active_seqs", "", args.max_num_active_seqs is not None),
         (
+            "prefill_schedule_interval",
+            f"={args.prefill_schedule_interval}",
+            args.prefill_schedule_interval > 1,
+        ),
+        (
             "long_prefill_token_threshold",
             f"={args.long_prefill_token_threshold}",
             args.long_prefill_token_threshold > 0,

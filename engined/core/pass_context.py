@@ -32,6 +32,7 @@ class PassContext:
         "decoded_before",
         "decoded_ids",
         "decoded_tokens",
+        "defer_prefills",
         "ended",
         "fused",
         "fused_len",
@@ -41,6 +42,7 @@ class PassContext:
         "output_tokens",
         "outputs",
         "preempted_any",
+        "prefilled",
         "ready",
         "rejected",
         "scheduled",
@@ -53,6 +55,10 @@ class PassContext:
         # Tokens this pass may still schedule, and may give one request (0: no cap).
         self.budget = budget
         self.long_prefill_cap = 0
+        # vLLM's prefill cadence (`PrefillCadence`): whether the pass holds prefill back, and
+        # whether it carried any (a running chunk or an admission with prompt to compute).
+        self.defer_prefills = False
+        self.prefilled = False
         # What each scheduled request computes, in schedule order, for FPM and for undoing a
         # preemption; each names its request (`request_id`). The request itself is the
         # common case, a decode of one token, by its `scheduled_len` (building a

@@ -42,6 +42,9 @@ class RequestState:
     # held block, filling none; its token ends nothing); 0 when unknown.
     # engined/core/paged/scheduler.py sets it, a preemption clears it.
     steady_until: int = 0
+    # vLLM's `Request.is_prefill_chunk`: its last schedule left part of what it lacked (a
+    # partial prefill). vLLM semantics set it; `prefill_schedule_interval` reads it.
+    is_prefill_chunk: bool = False
 
     def prompt_is_prebuilt(self) -> bool:
         """An activated destination: its prompt KV arrived by transfer, nothing to prefill."""

@@ -224,6 +224,7 @@ PREFIX = "Failed to validate MockEngineArgs: "
         ({"startup_time": -1.5}, "startup_time must be >= 0, got -1.5"),
         ({"max_model_len": 0}, "max_model_len must be >= 1, got 0"),
         ({"max_num_active_seqs": 0}, "max_num_active_seqs must be >= 1, got 0"),
+        ({"prefill_schedule_interval": 0}, "prefill_schedule_interval must be >= 1, got 0"),
         (
             {"long_prefill_token_threshold": -1},
             "long_prefill_token_threshold must be >= 0, got -1",

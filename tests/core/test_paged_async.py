@@ -117,6 +117,12 @@ def test_max_num_active_seqs_needs_vllm_semantics() -> None:
     assert raised.value.key == "max_num_active_seqs"
 
 
+def test_prefill_schedule_interval_needs_vllm_semantics() -> None:
+    with pytest.raises(InvalidArgsError) as raised:
+        Engine(make_args(prefill_schedule_interval=2))
+    assert raised.value.key == "prefill_schedule_interval"
+
+
 def test_watermark_needs_vllm_semantics() -> None:
     with pytest.raises(InvalidArgsError) as raised:
         Engine(make_args(watermark=0.1))

@@ -1,7 +1,8 @@
 """vLLM 0.33's scheduling options that bound a pass: `long_prefill_token_threshold` (and its
-adaptive floor) and the admission `watermark` (engined/core/paged/pass_limits.py), and
-`max_num_active_seqs`. The parity harness checks whole streams under each against the real
-scheduler (`random-s10`, `random-s11`, `pressure-watermark0.1`, `max-num-active-seqs-3`)."""
+adaptive floor), the admission `watermark` and the `prefill_schedule_interval` cadence
+(engined/core/paged/pass_limits.py), and `max_num_active_seqs`. The parity harness checks
+whole streams under each against the real scheduler (`random-s10` to `-s13`,
+`pressure-watermark0.1`, `max-num-active-seqs-3`)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,43 @@ def test_max_num_active_seqs_limits_admission_below_max_num_seqs() -> None:
     result = core.execute_pass(0.0)
     assert [a.request_id for a in result.admissions] == ["r0", "r1"]
     assert core.queues().waiting == ["r2", "r3"]
+
+
+def admitted_by_pass(core: Engine, passes: int) -> list[list[str]]:
+    out: list[list[str]] = []
+    now = 0.0
+    for _ in range(passes):
+        result = core.execute_pass(now)
+        out.append([a.request_id for a in result.admissions])
+        now = result.end_ms
+    return out
+
+
+def test_prefill_schedule_interval_holds_admissions_while_a_request_decodes() -> None:
+    """Interval 3: `a` prefills in pass 1; `b`, waiting from pass 2 on, is admitted in pass
+    4, the third executed pass after the last that prefilled."""
+    core = Engine(paged_args(num_gpu_blocks=40, prefill_schedule_interval=3))
+    submit(core, request("a", range(8), 10))
+    first = core.execute_pass(0.0)
+    assert [a.request_id for a in first.admissions] == ["a"]
+    submit(core, request("b", range(100, 108), 2))
+    assert admitted_by_pass(core, 3) == [[], [], ["b"]]
+
+
+def test_prefill_schedule_interval_lets_go_when_admissions_leave_requests_waiting() -> None:
+    """A budget of 16: the pass that admits `a` and `b` leaves `c` waiting (capacity bound),
+    so the next pass does not hold, and admits `c` beside their decodes."""
+    args = paged_args(num_gpu_blocks=40, max_num_batched_tokens=16, prefill_schedule_interval=3)
+    core = Engine(args)
+    for name, first in (("a", 0), ("b", 100), ("c", 200)):
+        submit(core, request(name, range(first, first + 8), 10))
+    assert admitted_by_pass(core, 2) == [["a", "b"], ["c"]]
+
+
+def test_a_cadence_never_holds_without_a_decoding_request() -> None:
+    core = Engine(paged_args(num_gpu_blocks=40, prefill_schedule_interval=4))
+    submit(core, request("a", range(8), 1))
+    submit(core, request("b", range(100, 108), 1))
+    assert admitted_by_pass(core, 1) == [["a", "b"]]
+    submit(core, request("c", range(200, 208), 1))
+    assert admitted_by_pass(core, 1) == [["c"]]

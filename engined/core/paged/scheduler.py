@@ -35,32 +35,28 @@ from typing import Any
 from engined.core.args import EngineArgs, PreemptionMode, SchedulingPolicy, WorkerType
 from engined.core.finish import Finisher
 from engined.core.handoff_book import PendingDestinations
+from engined.core.paged.admission import PagedAdmission, record
 from engined.core.paged.kv_cache_manager import PagedKvManager
-from engined.core.paged.pass_limits import PassLimits
+from engined.core.paged.pass_limits import PassLimits, PrefillCadence
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import PerfModel
 from engined.core.policy import AdmissionPolicy
 from engined.core.preemption import Preempter
 from engined.core.state import RequestState, SchedulerState
-from engined.core.types import Admission, RequestStatus
 from engined.core.vocab import Vocabulary
 
 
 class PagedScheduler:
     __slots__ = (
+        "_admission",
         "_by_priority",
-        "_chunked",
+        "_cadence",
         "_counts_prefill",
-        "_finisher",
-        "_full_isl",
         "_fuse",
         "_kv",
         "_limits",
         "_max_model_len",
-        "_max_num_seqs",
-        "_pending",
         "_perf",
-        "_policy",
         "_preempter",
         "_state",
         "_vocab",
@@ -86,22 +82,29 @@ class PagedScheduler:
     ) -> None:
         self.block_size = args.block_size
         self.max_batched_tokens = max_batched_tokens
-        self._max_num_seqs = max_num_seqs
         self._max_model_len = policy.max_model_len
-        self._chunked = args.enable_chunked_prefill
-        self._limits = PassLimits(args, max_batched_tokens)
+        limits = self._limits = PassLimits(args, max_batched_tokens)
+        interval = args.prefill_schedule_interval
+        self._cadence = PrefillCadence(interval) if interval > 1 else None
         # A decode worker's prompts arrive by transfer: their tokens cost no prefill time.
         self._counts_prefill = args.worker_type is not WorkerType.DECODE
-        self._full_isl = args.scheduler_reserve_full_isl
         self._by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
         self._state = state
         self._kv = kv
-        self._policy = policy
-        self._pending = pending
-        self._finisher = finisher
         self._preempter = preempter
         self._perf = perf
         self._vocab = vocab
+        self._admission = PagedAdmission(
+            args,
+            max_num_seqs=max_num_seqs,
+            counts_prefill=self._counts_prefill,
+            limits=limits,
+            state=state,
+            kv=kv,
+            policy=policy,
+            pending=pending,
+            finisher=finisher,
+        )
         # Sampling plain decode steps where they are scheduled (`PassContext.ready`) needs
         # every scheduled request to stay scheduled: so not under async scheduling (the
         # batch samples later), the priority policy or FIFO preemption (either may preempt
@@ -118,9 +121,16 @@ class PagedScheduler:
             ctx.ready = []
         state = self._state
         ctx.long_prefill_cap = self._limits.long_prefill_cap(len(state.running), len(state.waiting))
+        cadence = self._cadence
+        if cadence is not None:
+            ctx.defer_prefills = cadence.holds(state.running)
         self._schedule_running(ctx)
         if not ctx.preempted_any:
-            self._admit_waiting(ctx)
+            self._admission.admit(ctx)
+            if cadence is not None and not ctx.defer_prefills:
+                cadence.admitted(len(state.waiting))
+        if cadence is not None:
+            cadence.passed(bool(ctx.scheduled), ctx.prefilled)
 
     def prefill_ms(self, ctx: PassContext) -> float:
         """The modeled duration of the pass's prefill batch (0 without one)."""
@@ -144,6 +154,8 @@ class PagedScheduler:
         budget = ctx.budget
         # The offset of a token that fills its block: the next one opens a new block.
         fills = bs - 1
+        # A held pass (`PrefillCadence`) passes over requests mid-prefill.
+        defer = ctx.defer_prefills
         # Only the general step below changes the running list (a preemption).
         n = len(running)
         i = 0
@@ -178,6 +190,7 @@ class PagedScheduler:
             if (
                 length - computed == 1
                 and computed >= seq.num_input_tokens
+                and not (defer and req.is_prefill_chunk)
                 and (
                     # The slot is in a held block (`(length - 1) // bs` at most
                     # `(allocated - 1) // bs`, without dividing).
@@ -196,6 +209,10 @@ class PagedScheduler:
                 # ScheduledWork (one token), as on the mocker's decode path.
                 if length > seq.num_allocated_tokens:
                     seq.num_allocated_tokens = length
+                if req.is_prefill_chunk:
+                    # The last token a resumed request recomputes: its prefill's end.
+                    req.is_prefill_chunk = False
+                    ctx.prefilled = True
                 req.num_computed_tokens = length
                 req.scheduled_len = length
                 request_id = req.request_id
@@ -233,6 +250,9 @@ class PagedScheduler:
                     fused_len += length
                 else:
                     ready.append((req, len(decoded_ids)))
+                continue
+            if defer and req.is_prefill_chunk:
+                i += 1
                 continue
             ctx.budget = budget
             i = self._schedule_step(ctx, req, i)
@@ -289,8 +309,11 @@ class PagedScheduler:
         if preempted and self._by_priority:
             # The victim may have run before it: find the request's place again.
             i = running.index(req)
+        if req.is_prefill_chunk:
+            ctx.prefilled = True
         if grow:
             # One decode token: the request stands for its ScheduledWork, as above.
+            req.is_prefill_chunk = computed + 1 < length
             req.num_computed_tokens = req.scheduled_len = computed + 1
             ctx.scheduled.append(req)
             ctx.budget -= 1
@@ -298,93 +321,5 @@ class PagedScheduler:
             if ready is not None and computed + 1 >= length:
                 ready.append((req, len(ctx.decoded_ids)))
         else:
-            self._record(ctx, req, computed, num_new)
+            record(ctx, req, computed, num_new, self._counts_prefill)
         return i + 1
-
-    def _admit_waiting(self, ctx: PassContext) -> None:
-        state = self._state
-        requests = state.requests
-        kv = self._kv
-        bs = self.block_size
-        policy = self._policy
-        # While a P/D destination waits for KV, only activated ones (their prompt's KV
-        # already here) are admitted, as on the mocker's pool.
-        pending_head = bool(self._pending)
-        while ctx.budget > 0 and len(state.running_members) < self._max_num_seqs:
-            request_id = state.next_waiting(pending_head)
-            if request_id is None:
-                return
-            req = requests[request_id]
-            seq = req.seq
-            if req.prompt_is_prebuilt():
-                computed = req.num_computed_tokens
-                if not kv.allocate_slots(
-                    seq, computed, len(seq.tokens) - computed, now_ms=ctx.now_ms
-                ):
-                    return
-                state.transition_to_running(request_id)
-                ctx.admissions.append(Admission(request_id, computed))
-                self._record(ctx, req, computed, len(seq.tokens) - computed, prefill=False)
-                continue
-            if pending_head:
-                return
-            if req.status is RequestStatus.WAITING and policy.rejects(
-                seq, seq.current_known_blocks()
-            ):
-                ctx.rejected.append(request_id)
-                self._finisher.drop(request_id)
-                continue
-            hit = kv.get_computed_blocks(seq)
-            cached = len(hit) * bs
-            num_new = len(seq.tokens) - cached
-            if 0 < ctx.long_prefill_cap < num_new:
-                num_new = ctx.long_prefill_cap
-            if not self._chunked and num_new > ctx.budget:
-                return
-            num_new = min(num_new, ctx.budget)
-            watermark = self._limits.admission_watermark(len(state.running))
-            if not kv.allocate_slots(
-                seq,
-                0,
-                num_new,
-                hit,
-                full_sequence_must_fit=self._full_isl,
-                now_ms=ctx.now_ms,
-                watermark_blocks=watermark,
-            ):
-                return
-            state.transition_to_running(request_id)
-            if req.cached_prefix_tokens is None:
-                req.cached_prefix_tokens = cached
-            ctx.admissions.append(Admission(request_id, cached))
-            if not req.num_preemptions:
-                # vLLM counts a resumed request's lookup apart (`preempted_queries`).
-                ctx.cache_queries += len(seq.tokens)
-                ctx.cache_hits += cached
-            self._record(ctx, req, cached, num_new)
-
-    def _record(
-        self, ctx: PassContext, req: RequestState, computed: int, num_new: int, prefill: bool = True
-    ) -> None:
-        """`req` computes `num_new` tokens after `computed` in this pass (`prefill` False:
-        prompt tokens that arrived by transfer cost no prefill time)."""
-        seq = req.seq
-        prompt_len = seq.num_input_tokens
-        prompt_before = min(computed, prompt_len)
-        prompt_tokens = min(computed + num_new, prompt_len) - prompt_before
-        req.num_computed_tokens = computed + num_new
-        ready = ctx.ready
-        if ready is not None and computed + num_new >= len(seq.tokens):
-            ready.append((req, len(ctx.decoded_ids)))
-        last = seq.generated >= seq.max_output_tokens
-        ctx.add_work(
-            req.request_id,
-            num_new,
-            prompt_before,
-            prompt_tokens,
-            prompt_len,
-            len(seq.tokens),
-            last,
-            prefill and self._counts_prefill,
-        )
-        ctx.budget -= num_new

@@ -1,0 +1,157 @@
+"""Step 2 of a pass under vLLM 0.33's semantics: waiting requests into running.
+
+In queue order (FCFS, or by (priority, arrival)), while the budget and the admission limit
+(`max_num_seqs`, or `max_num_active_seqs`) allow, each request looks up its prefix hit and
+is admitted if slots for its chunk can be allocated, see engined/core/paged/scheduler.py
+for the rest of the rule. `record` is a scheduled request's share of the pass, for the
+running walk too.
+"""
+
+from __future__ import annotations
+
+from engined.core.args import EngineArgs
+from engined.core.finish import Finisher
+from engined.core.handoff_book import PendingDestinations
+from engined.core.paged.kv_cache_manager import PagedKvManager
+from engined.core.paged.pass_limits import PassLimits
+from engined.core.pass_context import PassContext
+from engined.core.policy import AdmissionPolicy
+from engined.core.state import RequestState, SchedulerState
+from engined.core.types import Admission, RequestStatus
+
+
+class PagedAdmission:
+    __slots__ = (
+        "_block_size",
+        "_chunked",
+        "_counts_prefill",
+        "_finisher",
+        "_full_isl",
+        "_kv",
+        "_limits",
+        "_max_num_seqs",
+        "_pending",
+        "_policy",
+        "_state",
+    )
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        max_num_seqs: int,
+        counts_prefill: bool,
+        limits: PassLimits,
+        state: SchedulerState,
+        kv: PagedKvManager,
+        policy: AdmissionPolicy,
+        pending: PendingDestinations,
+        finisher: Finisher,
+    ) -> None:
+        """`counts_prefill`: admitted prompts join the prefill batch (not on a decode
+        worker, whose prompts arrive by transfer)."""
+        self._block_size = args.block_size
+        self._chunked = args.enable_chunked_prefill
+        self._full_isl = args.scheduler_reserve_full_isl
+        self._max_num_seqs = max_num_seqs
+        self._counts_prefill = counts_prefill
+        self._limits = limits
+        self._state = state
+        self._kv = kv
+        self._policy = policy
+        self._pending = pending
+        self._finisher = finisher
+
+    def admit(self, ctx: PassContext) -> None:
+        """Step 2 of the pass (engined/core/paged/scheduler.py), after a running walk that
+        preempted nothing."""
+        state = self._state
+        requests = state.requests
+        kv = self._kv
+        bs = self._block_size
+        policy = self._policy
+        # While a P/D destination waits for KV, only activated ones (their prompt's KV
+        # already here) are admitted, as on the mocker's pool.
+        pending_head = bool(self._pending)
+        while ctx.budget > 0 and len(state.running_members) < self._max_num_seqs:
+            request_id = state.next_waiting(pending_head)
+            if request_id is None:
+                return
+            req = requests[request_id]
+            seq = req.seq
+            if req.prompt_is_prebuilt():
+                computed = req.num_computed_tokens
+                if not kv.allocate_slots(
+                    seq, computed, len(seq.tokens) - computed, now_ms=ctx.now_ms
+                ):
+                    return
+                state.transition_to_running(request_id)
+                ctx.admissions.append(Admission(request_id, computed))
+                record(ctx, req, computed, len(seq.tokens) - computed, prefill=False)
+                continue
+            if pending_head:
+                return
+            if req.status is RequestStatus.WAITING and policy.rejects(
+                seq, seq.current_known_blocks()
+            ):
+                ctx.rejected.append(request_id)
+                self._finisher.drop(request_id)
+                continue
+            hit = kv.get_computed_blocks(seq)
+            cached = len(hit) * bs
+            if ctx.defer_prefills and cached < len(seq.tokens) - 1:
+                return
+            num_new = len(seq.tokens) - cached
+            if 0 < ctx.long_prefill_cap < num_new:
+                num_new = ctx.long_prefill_cap
+            if not self._chunked and num_new > ctx.budget:
+                return
+            num_new = min(num_new, ctx.budget)
+            watermark = self._limits.admission_watermark(len(state.running))
+            if not kv.allocate_slots(
+                seq,
+                0,
+                num_new,
+                hit,
+                full_sequence_must_fit=self._full_isl,
+                now_ms=ctx.now_ms,
+                watermark_blocks=watermark,
+            ):
+                return
+            state.transition_to_running(request_id)
+            if req.cached_prefix_tokens is None:
+                req.cached_prefix_tokens = cached
+            ctx.admissions.append(Admission(request_id, cached))
+            if cached < len(seq.tokens) - 1:
+                ctx.prefilled = True
+            if not req.num_preemptions:
+                # vLLM counts a resumed request's lookup apart (`preempted_queries`).
+                ctx.cache_queries += len(seq.tokens)
+                ctx.cache_hits += cached
+            record(ctx, req, cached, num_new, self._counts_prefill)
+
+
+def record(ctx: PassContext, req: RequestState, computed: int, num_new: int, prefill: bool) -> None:
+    """`req` computes `num_new` tokens after `computed` in this pass (`prefill` False: its
+    prompt tokens cost no prefill time, a transfer brought them)."""
+    seq = req.seq
+    prompt_len = seq.num_input_tokens
+    prompt_before = min(computed, prompt_len)
+    prompt_tokens = min(computed + num_new, prompt_len) - prompt_before
+    req.num_computed_tokens = computed + num_new
+    req.is_prefill_chunk = computed + num_new < len(seq.tokens) + req.num_output_placeholders
+    ready = ctx.ready
+    if ready is not None and computed + num_new >= len(seq.tokens):
+        ready.append((req, len(ctx.decoded_ids)))
+    last = seq.generated >= seq.max_output_tokens
+    ctx.add_work(
+        req.request_id,
+        num_new,
+        prompt_before,
+        prompt_tokens,
+        prompt_len,
+        len(seq.tokens),
+        last,
+        prefill,
+    )
+    ctx.budget -= num_new
