@@ -196,6 +196,12 @@ class EngineArgs(EngineFields, frozen=True, kw_only=True, forbid_unknown_fields=
         return budget if self.max_model_len is None else min(self.max_model_len, budget)
 
     @property
+    def prompts_cost_prefill(self) -> bool:
+        """Whether a rank's prompt tokens cost prefill time: not on a decode worker, whose
+        prompts' KV arrives by transfer."""
+        return self.worker_type is not WorkerType.DECODE
+
+    @property
     def is_prefill(self) -> bool:
         return self.worker_type == WorkerType.PREFILL
 

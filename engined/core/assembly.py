@@ -24,8 +24,10 @@ from engined.core.kv_manager import KvManager
 from engined.core.offload.config import OffloadConfig
 from engined.core.offload.parking import OnboardParking
 from engined.core.offload.tier_engine import TierEngine
+from engined.core.paged.admission import PagedAdmission
 from engined.core.paged.async_batches import AsyncBatches
 from engined.core.paged.kv_cache_manager import PagedKvManager
+from engined.core.paged.pass_limits import PassLimits
 from engined.core.paged.residency import BlockResidency
 from engined.core.paged.scheduler import PagedScheduler
 from engined.core.perf_model import make_perf_model
@@ -213,15 +215,25 @@ def assemble(
     )
     scheduler: Scheduler | PagedScheduler
     if isinstance(kv, PagedKvManager):
-        scheduler = PagedScheduler(
+        limits = PassLimits(args, max_batched_tokens)
+        admission = PagedAdmission(
             args,
             max_num_seqs=max_num_seqs,
-            max_batched_tokens=max_batched_tokens,
+            limits=limits,
             state=state,
             kv=kv,
             policy=policy,
             pending=book.pending,
             finisher=finisher,
+        )
+        scheduler = PagedScheduler(
+            args,
+            max_batched_tokens=max_batched_tokens,
+            state=state,
+            kv=kv,
+            policy=policy,
+            admission=admission,
+            limits=limits,
             preempter=preempter,
             perf=perf,
             vocab=vocab,

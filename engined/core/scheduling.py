@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from engined.core.args import EngineArgs, WorkerType
+from engined.core.args import EngineArgs
 from engined.core.finish import Finisher
 from engined.core.handoff_book import PendingDestinations
 from engined.core.kv_manager import KvManager
@@ -94,8 +94,7 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self._max_num_seqs = max_num_seqs
         self._chunked = args.enable_chunked_prefill
-        # A decode worker's prompts arrive by transfer: their tokens cost no prefill time.
-        self._counts_prefill = args.worker_type is not WorkerType.DECODE
+        self._counts_prefill = args.prompts_cost_prefill
         self._state = state
         self._kv = kv
         self._policy = policy

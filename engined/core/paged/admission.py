@@ -40,7 +40,6 @@ class PagedAdmission:
         args: EngineArgs,
         *,
         max_num_seqs: int,
-        counts_prefill: bool,
         limits: PassLimits,
         state: SchedulerState,
         kv: PagedKvManager,
@@ -48,13 +47,11 @@ class PagedAdmission:
         pending: PendingDestinations,
         finisher: Finisher,
     ) -> None:
-        """`counts_prefill`: admitted prompts join the prefill batch (not on a decode
-        worker, whose prompts arrive by transfer)."""
         self._block_size = args.block_size
         self._chunked = args.enable_chunked_prefill
         self._full_isl = args.scheduler_reserve_full_isl
         self._max_num_seqs = max_num_seqs
-        self._counts_prefill = counts_prefill
+        self._counts_prefill = args.prompts_cost_prefill
         self._limits = limits
         self._state = state
         self._kv = kv

@@ -32,9 +32,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-from engined.core.args import EngineArgs, PreemptionMode, SchedulingPolicy, WorkerType
-from engined.core.finish import Finisher
-from engined.core.handoff_book import PendingDestinations
+from engined.core.args import EngineArgs, PreemptionMode, SchedulingPolicy
 from engined.core.paged.admission import PagedAdmission, record
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.paged.pass_limits import PassLimits, PrefillCadence
@@ -68,13 +66,12 @@ class PagedScheduler:
         self,
         args: EngineArgs,
         *,
-        max_num_seqs: int,
         max_batched_tokens: int,
         state: SchedulerState,
         kv: PagedKvManager,
         policy: AdmissionPolicy,
-        pending: PendingDestinations,
-        finisher: Finisher,
+        admission: PagedAdmission,
+        limits: PassLimits,
         preempter: Preempter,
         perf: PerfModel,
         vocab: Vocabulary,
@@ -83,28 +80,17 @@ class PagedScheduler:
         self.block_size = args.block_size
         self.max_batched_tokens = max_batched_tokens
         self._max_model_len = policy.max_model_len
-        limits = self._limits = PassLimits(args, max_batched_tokens)
+        self._limits = limits
         interval = args.prefill_schedule_interval
         self._cadence = PrefillCadence(interval) if interval > 1 else None
-        # A decode worker's prompts arrive by transfer: their tokens cost no prefill time.
-        self._counts_prefill = args.worker_type is not WorkerType.DECODE
+        self._counts_prefill = args.prompts_cost_prefill
         self._by_priority = args.scheduling_policy is SchedulingPolicy.PRIORITY
         self._state = state
         self._kv = kv
         self._preempter = preempter
         self._perf = perf
         self._vocab = vocab
-        self._admission = PagedAdmission(
-            args,
-            max_num_seqs=max_num_seqs,
-            counts_prefill=self._counts_prefill,
-            limits=limits,
-            state=state,
-            kv=kv,
-            policy=policy,
-            pending=pending,
-            finisher=finisher,
-        )
+        self._admission = admission
         # Sampling plain decode steps where they are scheduled (`PassContext.ready`) needs
         # every scheduled request to stay scheduled: so not under async scheduling (the
         # batch samples later), the priority policy or FIFO preemption (either may preempt
