@@ -11,11 +11,15 @@
    step (under priority, the walk goes on with the next). A request with nothing to
    schedule is passed over.
 2. Waiting requests in queue order (FCFS, or by (priority, arrival)), only when nothing was
-   preempted, while the budget and `max_num_seqs` allow: each looks up its prefix hit and is
-   admitted if slots for its chunk can be allocated and (`scheduler_reserve_full_isl`,
-   vLLM's default) the free blocks could hold its whole known sequence, either leaving
-   `watermark` of the pool free while requests run; otherwise admission stops. Without
-   chunked prefill a prompt that does not fit the remaining budget stops admission too.
+   preempted, while the budget and `max_num_seqs` (or `max_num_active_seqs`) allow: each
+   looks up its prefix hit and is admitted if slots for its chunk can be allocated and
+   (`scheduler_reserve_full_isl`, vLLM's default) the free blocks could hold its whole known
+   sequence, either leaving `watermark` of the pool free while requests run; otherwise
+   admission stops. Without chunked prefill a prompt that does not fit the remaining budget
+   stops admission too (engined/core/paged/admission.py).
+
+With `prefill_schedule_interval` a pass may hold prefill back (`PrefillCadence`): it passes
+over running requests mid-prefill and stops admission at a request with prompt to compute.
 
 Synchronous, under FCFS with LIFO preemption, the walk of step 1 also samples each decode
 step that ends nothing and reports nothing, as the emitter would (nothing the walk has passed
