@@ -250,6 +250,38 @@ def test_vllm_serve_command_line_runs_unchanged() -> None:
     )
 
 
+def test_vllms_scheduler_options_reach_the_engine_and_the_rest_are_ignored() -> None:
+    result = invoke(
+        "--print-config",
+        "--long-prefill-token-threshold",
+        "64",
+        "--long-prefill-token-threshold-adaptive",
+        "--watermark",
+        "0.05",
+        "--max-num-active-seqs",
+        "32",
+        "--prefill-schedule-interval",
+        "4",
+        "--max-num-queued-reqs",
+        "100",
+        "--stream-interval",
+        "2",
+    )
+    assert result.exit_code == 0, result.output
+    engine = tomllib.loads(result.stdout)["engine"]
+    assert (
+        engine["long_prefill_token_threshold"],
+        engine["long_prefill_token_threshold_adaptive"],
+        engine["watermark"],
+        engine["max_num_active_seqs"],
+        engine["prefill_schedule_interval"],
+    ) == (64, True, 0.05, 32, 4)
+    assert result.stderr == (
+        "engined serve: ignoring vLLM options engined does not model: "
+        "--max-num-queued-reqs, --stream-interval\n"
+    )
+
+
 def test_model_is_the_served_name_unless_one_is_given() -> None:
     assert printed("./models/tiny")["model_name"] == "./models/tiny"
     assert printed("--model", "./models/tiny")["model_name"] == "./models/tiny"
