@@ -590,6 +590,7 @@ ISSUE_FLAGS = {
     "--api-server-count": "api_server_count",
     "--enable-prompt-tokens-details": "enable_prompt_tokens_details",
     "--max-logprobs": "max_logprobs",
+    "--stream-interval": "stream_interval",
 }
 
 

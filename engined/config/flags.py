@@ -152,6 +152,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--api-server-count", "api_server_count"),
     Flag("--enable-prompt-tokens-details", "enable_prompt_tokens_details"),
     Flag("--max-logprobs", "max_logprobs"),
+    Flag("--stream-interval", "stream_interval"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

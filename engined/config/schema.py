@@ -220,6 +220,14 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_logprobs: Annotated[
         int, msgspec.Meta(ge=-1), _help("Most logprobs a request may ask for (-1 = vocabulary).")
     ] = 20
+    stream_interval: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        _help(
+            "Tokens a streamed choice gathers before it is sent, as vLLM's --stream-interval "
+            "(its first output and its last are sent at once; a request may ask for more)."
+        ),
+    ] = 1
     # The simulation (engined.core.args); TOML table `[engine]`.
     engine: EngineArgs = _DEFAULT_ENGINE
 

@@ -67,6 +67,9 @@ class _Choice:
     finished: bool = False
     cached_tokens: int | None = None
     generated: int = 0
+    # `stream_interval`: tokens sent so far, and a delta held back until it has enough.
+    sent: int = 0
+    held: Delta | None = None
 
 
 def _merge(choice: _Choice, entries: Sequence[OutputEntry]) -> Delta:
@@ -106,6 +109,9 @@ class Generation:
     transfer: Transfer | None = None
     # A prefill's params for the decode side, set before its final delta is yielded.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's stream interval: a choice's delta waits until it has this many tokens, unless
+    # it is the choice's first output or its last.
+    stream_interval: int = 1
     _choices: list[_Choice] = field(default_factory=list)
     _closed: bool = False
     _stopping: set[asyncio.Task[None]] = field(default_factory=set)
@@ -208,6 +214,30 @@ class Generation:
 
     async def deltas(self) -> AsyncGenerator[list[Delta], None]:
         """Lists of deltas, at most one per choice each, until every choice finished."""
+        if self.stream_interval == 1:
+            async for batch in self._deltas():
+                yield batch
+            return
+        by_index = {choice.sample.choice_index: choice for choice in self._choices}
+        async for batch in self._deltas():
+            due = [d for d in (self._pace(by_index[d.choice_index], d) for d in batch) if d]
+            if due:
+                yield due
+
+    def _pace(self, choice: _Choice, delta: Delta) -> Delta | None:
+        """`delta`, with what was held back before it, if it is due; else None (held)."""
+        held = choice.held
+        if held is not None:
+            held.token_ids.extend(delta.token_ids)
+            delta.token_ids = held.token_ids
+        if not delta.finished and choice.sent and len(delta.token_ids) < self.stream_interval:
+            choice.held = delta
+            return None
+        choice.held = None
+        choice.sent += len(delta.token_ids)
+        return delta
+
+    async def _deltas(self) -> AsyncGenerator[list[Delta], None]:
         if len(self._choices) == 1:
             choice = self._choices[0]
             batches = self.client.output_batches(choice.sample.request_id, timeout=None)

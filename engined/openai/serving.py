@@ -68,6 +68,7 @@ class ServingContext:
     prefix_caching: bool
     prompt_tokens_details: bool
     max_logprobs: int
+    stream_interval: int
     speculative: bool
     disagg: Disaggregation
 
@@ -85,6 +86,7 @@ class ServingContext:
             prefix_caching=bool(welcome.enable_prefix_caching),
             prompt_tokens_details=config.enable_prompt_tokens_details,
             max_logprobs=config.max_logprobs,
+            stream_interval=config.stream_interval,
             speculative=config.engine.aic_nextn is not None,
             disagg=Disaggregation(
                 handoffs=Coordinator(client, EngineClient.connect),
@@ -97,6 +99,11 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    def stream_interval_of(self, request: Request) -> int:
+        """vLLM's: the request's `stream_interval`, never below the server's."""
+        asked = request.stream_interval
+        return self.stream_interval if asked is None else max(asked, self.stream_interval)
 
     def check_model(self, requested: str | None) -> str:
         """The name to answer with; vLLM's 404 for a model this server does not serve."""

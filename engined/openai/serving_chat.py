@@ -91,7 +91,9 @@ class ChatServer:
             request, request_id, prompt_index=None, ids=ids, max_tokens=max_tokens, first_choice=0
         )
         transfer = context.transfer(request, 1)
-        generation = Generation(context.client, runs, transfer)
+        generation = Generation(
+            context.client, runs, transfer, stream_interval=context.stream_interval_of(request)
+        )
         try:
             await generation.start()
         except EngineError as error:

@@ -88,7 +88,9 @@ class CompletionServer:
                 )
             )
         transfer = context.transfer(request, len(prompts))
-        generation = Generation(context.client, runs, transfer)
+        generation = Generation(
+            context.client, runs, transfer, stream_interval=context.stream_interval_of(request)
+        )
         try:
             await generation.start()
         except EngineError as error:
