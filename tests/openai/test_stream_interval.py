@@ -63,7 +63,13 @@ def assert_paced(sizes: list[int], interval: int, total: int) -> None:
 
 @pytest.mark.parametrize(
     ("body", "interval"),
-    [({}, SERVER_INTERVAL), ({"stream_interval": 5}, 5), ({"stream_interval": 2}, SERVER_INTERVAL)],
+    [
+        ({}, SERVER_INTERVAL),
+        ({"stream_interval": 5}, 5),
+        ({"stream_interval": 2}, SERVER_INTERVAL),
+        # Longer than the answer: the first output, then the rest at the end.
+        ({"stream_interval": 10**9}, 10**9),
+    ],
 )
 def test_a_stream_is_sent_by_the_interval(
     client: openai.OpenAI, body: dict[str, int], interval: int
