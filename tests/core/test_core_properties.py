@@ -2,14 +2,17 @@
 
 Random arrivals over random passes, prompts sharing prefixes, block sizes 2-64, tiny pools,
 prefix caching on and off, MTP on and off, both preemption orders, both policies, both
-prefix-hit rules and random vocabularies. After the last arrival the core runs until empty;
-then no block may stay active and the reference indexer must have seen no violation at all.
+prefix-hit rules, random vocabularies and, under vLLM semantics, vLLM's options that bound a
+pass (long-prefill cap, watermark, max_num_active_seqs, prefill cadence). After the last
+arrival the core runs until empty; then no block may stay active and the reference indexer
+must have seen no violation at all.
 Every output keeps to its plan or its vocabulary, and no prefix hit exceeds what its rule
 allows.
 """
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,6 +56,16 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
         vocab_size=vocab_size,
         excluded_token_ids=tuple(excluded),
     )
+    if args.runs_vllm_semantics() and draw(st.booleans()):
+        # vLLM's scheduler options that bound a pass (engined/core/paged/pass_limits.py).
+        args = msgspec.structs.replace(
+            args,
+            long_prefill_token_threshold=draw(st.integers(0, 2 * block_size)),
+            long_prefill_token_threshold_adaptive=draw(st.booleans()),
+            watermark=draw(st.sampled_from([0.0, 0.1, 0.3])),
+            max_num_active_seqs=draw(st.one_of(st.none(), st.integers(1, args.max_num_seqs or 1))),
+            prefill_schedule_interval=draw(st.integers(1, 4)),
+        )
     alphabet = st.integers(0, 3)
     prefixes = draw(
         st.lists(st.lists(alphabet, min_size=1, max_size=3 * block_size), min_size=1, max_size=3)
