@@ -104,6 +104,12 @@ class PassContext:
         self.victims = victims
         self.shares: list[ScheduledTokens] = []
 
+    def long_prefill_share(self, lacking: int) -> int:
+        """What a request lacking `lacking` tokens may take under the pass's long-prefill cap
+        (vLLM's `long_prefill_token_threshold`), before the budget."""
+        cap = self.long_prefill_cap
+        return cap if 0 < cap < lacking else lacking
+
     def add_work(
         self,
         request_id: str,

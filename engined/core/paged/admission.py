@@ -98,9 +98,7 @@ class PagedAdmission:
             cached = len(hit) * bs
             if ctx.defer_prefills and cached < len(seq.tokens) - 1:
                 return
-            num_new = len(seq.tokens) - cached
-            if 0 < ctx.long_prefill_cap < num_new:
-                num_new = ctx.long_prefill_cap
+            num_new = ctx.long_prefill_share(len(seq.tokens) - cached)
             if not self._chunked and num_new > ctx.budget:
                 return
             num_new = min(num_new, ctx.budget)

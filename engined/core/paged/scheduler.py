@@ -272,10 +272,7 @@ class PagedScheduler:
             return i + 1
         # Room for the token the step samples (none for a prefill-only request).
         cap = self._max_model_len - (seq.generated < seq.max_output_tokens) - computed
-        num_new = length + placeholders - computed
-        if 0 < ctx.long_prefill_cap < num_new:
-            num_new = ctx.long_prefill_cap
-        num_new = min(num_new, ctx.budget, cap)
+        num_new = min(ctx.long_prefill_share(length + placeholders - computed), ctx.budget, cap)
         if num_new <= 0:
             return i + 1
         preempted = False
