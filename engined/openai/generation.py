@@ -212,12 +212,11 @@ class Generation:
     def generated(self) -> int:
         return sum(choice.generated for choice in self._choices)
 
-    async def deltas(self) -> AsyncGenerator[list[Delta], None]:
+    def deltas(self) -> AsyncGenerator[list[Delta], None]:
         """Lists of deltas, at most one per choice each, until every choice finished."""
-        if self.stream_interval == 1:
-            async for batch in self._deltas():
-                yield batch
-            return
+        return self._deltas() if self.stream_interval == 1 else self._paced()
+
+    async def _paced(self) -> AsyncGenerator[list[Delta], None]:
         by_index = {choice.sample.choice_index: choice for choice in self._choices}
         async for batch in self._deltas():
             due = [d for d in (self._pace(by_index[d.choice_index], d) for d in batch) if d]
