@@ -107,7 +107,8 @@ def served_context(args: EngineArgs) -> int:
     `args.enforced_max_model_len`, capped by the blocks a request can hold: vLLM's pool keeps
     one aside (its null block), the mocker's none.
     """
-    usable = args.num_gpu_blocks - 1 if runs_vllm_pool(args) else args.num_gpu_blocks
+    blocks = args.num_gpu_blocks
+    usable = PagedKvManager.usable_of(blocks) if runs_vllm_pool(args) else blocks
     return context_length(usable, args.block_size, args.enforced_max_model_len)
 
 

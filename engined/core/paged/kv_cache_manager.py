@@ -257,10 +257,14 @@ class PagedKvManager:
             assert type(move) is Release, "the vLLM pool frees whole requests only"
             self.free(move.seq)
 
+    @staticmethod
+    def usable_of(num_blocks: int) -> int:
+        """Blocks requests can hold in a pool of `num_blocks`: all but vLLM's null block."""
+        return num_blocks - 1
+
     @property
     def usable_blocks(self) -> int:
-        """Blocks requests can hold: all but vLLM's null block."""
-        return self.pool.num_blocks - 1
+        return self.usable_of(self.pool.num_blocks)
 
     def num_active_blocks(self) -> int:
         return self.pool.num_used
