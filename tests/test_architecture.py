@@ -13,8 +13,9 @@ it (inside `engined/server/`, the same holds for its sub-packages, `SERVER_LAYER
 `engined` itself imports the core, to check its build first. Beside the layers sit the
 neutral modules (`NEUTRAL`: the ZeroMQ socket factory and its `ipc://` path checks, the
 logging set-up, the reading of a model directory and the made-up logprob values that the
-Dynamo worker and the API server share, the map between modelled and wall time, and the
-event loop every process runs on), plumbing
+Dynamo worker and the API server share, the map between modelled and wall time, the
+event loop every process runs on, and the admission counters the daemon shares with its API
+server processes), plumbing
 that every layer above the core may import and that imports no `engined` module but another
 neutral one; the core may not (it does no I/O). There is no allow-list: every upward import
 and every cycle fails.
@@ -39,6 +40,7 @@ NEUTRAL = frozenset(
         "engined.logprob_values",
         "engined.model_clock",
         "engined.event_loop",
+        "engined.admission_counters",
     }
 )
 

@@ -264,6 +264,10 @@ def test_vllms_scheduler_options_reach_the_engine_and_the_rest_are_ignored() -> 
         "4",
         "--max-num-queued-reqs",
         "100",
+        "--max-num-queued-tokens",
+        "0",
+        "--max-num-scheduled-tokens",
+        "64",
         "--stream-interval",
         "2",
     )
@@ -276,9 +280,14 @@ def test_vllms_scheduler_options_reach_the_engine_and_the_rest_are_ignored() -> 
         engine["max_num_active_seqs"],
         engine["prefill_schedule_interval"],
     ) == (64, True, 0.05, 32, 4)
-    assert tomllib.loads(result.stdout)["stream_interval"] == 2
+    daemon = tomllib.loads(result.stdout)
+    assert (
+        daemon["stream_interval"],
+        daemon["max_num_queued_reqs"],
+        daemon["max_num_queued_tokens"],
+    ) == (2, 100, 0)
     assert result.stderr == (
-        "engined serve: ignoring vLLM options engined does not model: --max-num-queued-reqs\n"
+        "engined serve: ignoring vLLM options engined does not model: --max-num-scheduled-tokens\n"
     )
 
 

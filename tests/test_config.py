@@ -591,6 +591,8 @@ ISSUE_FLAGS = {
     "--enable-prompt-tokens-details": "enable_prompt_tokens_details",
     "--max-logprobs": "max_logprobs",
     "--stream-interval": "stream_interval",
+    "--max-num-queued-reqs": "max_num_queued_reqs",
+    "--max-num-queued-tokens": "max_num_queued_tokens",
 }
 
 
@@ -912,6 +914,21 @@ def test_every_bad_key_is_reported_in_one_pass(tmp_path: Path) -> None:
         "realtime_priority",
     ]
     assert info.value.key == "bogus"
+
+
+def test_queue_limits_take_vllms_bounds_and_empty_for_none() -> None:
+    """`--max-num-queued-reqs` and `--max-num-queued-tokens`: unset (no limit) by default,
+    0 and up as vLLM takes them (`ge=0`), "" for no limit."""
+    keys = ("max_num_queued_reqs", "max_num_queued_tokens")
+    assert [getattr(load(), key) for key in keys] == [None, None]
+    assert [getattr(load(flags=dict.fromkeys(keys, "0")), key) for key in keys] == [0, 0]
+    assert [getattr(load(flags=dict.fromkeys(keys, "")), key) for key in keys] == [None, None]
+    with pytest.raises(ConfigError) as info:
+        load(flags=dict.fromkeys(keys, "-1"))
+    assert str(info.value).splitlines() == [
+        "max_num_queued_reqs: Expected `int` >= 0, got -1 (from --max-num-queued-reqs)",
+        "max_num_queued_tokens: Expected `int` >= 0, got -1 (from --max-num-queued-tokens)",
+    ]
 
 
 def test_one_problem_is_its_own_error() -> None:

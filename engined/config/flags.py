@@ -153,6 +153,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--enable-prompt-tokens-details", "enable_prompt_tokens_details"),
     Flag("--max-logprobs", "max_logprobs"),
     Flag("--stream-interval", "stream_interval"),
+    Flag("--max-num-queued-reqs", "max_num_queued_reqs"),
+    Flag("--max-num-queued-tokens", "max_num_queued_tokens"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

@@ -228,6 +228,29 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "(its first output and its last are sent at once; a request may ask for more)."
         ),
     ] = 1
+    # vLLM's admission control in the API servers (engined.openai.queue_admission).
+    max_num_queued_reqs: (
+        Annotated[
+            int,
+            msgspec.Meta(ge=0),
+            _help(
+                "Engine requests the API servers hold at once, all processes together; "
+                'beyond it a request gets 503, as vLLM\'s ("" = no limit).'
+            ),
+        ]
+        | None
+    ) = None
+    max_num_queued_tokens: (
+        Annotated[
+            int,
+            msgspec.Meta(ge=0),
+            _help(
+                "Prompt tokens an API server process holds waiting for their first output; "
+                'at or beyond it a request gets 503, as vLLM\'s ("" = no limit).'
+            ),
+        ]
+        | None
+    ) = None
     # The simulation (engined.core.args); TOML table `[engine]`.
     engine: EngineArgs = _DEFAULT_ENGINE
 

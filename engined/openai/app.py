@@ -12,6 +12,7 @@ from urllib.parse import unquote
 
 import structlog
 
+from engined.admission_counters import AdmissionCounters
 from engined.client import EngineClient, EngineError
 from engined.config import DaemonConfig
 from engined.config.api_keys import BearerKeys
@@ -49,9 +50,10 @@ class ApiApp:
         client: EngineClient,
         welcome: Welcome,
         tokenizer: Tokenizer,
+        counters: AdmissionCounters,
     ) -> None:
         context = ServingContext.build(
-            config=config, client=client, welcome=welcome, tokenizer=tokenizer
+            config=config, client=client, welcome=welcome, tokenizer=tokenizer, counters=counters
         )
         self.model_names = context.model_names
         self._context = context

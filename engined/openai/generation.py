@@ -28,6 +28,7 @@ from typing import Any
 from engined.client import EngineClient, EngineError
 from engined.client.handoff_coordinator import DestinationRequest
 from engined.openai.disagg import DecodeRole, Disaggregation, PrefillRole, Role
+from engined.openai.queue_admission import Ticket
 from engined.wire.control import OutputEntry, Submitted
 
 # Bounds every control call of the API server; the daemon answers within a pass or two.
@@ -64,6 +65,7 @@ class Delta:
 @dataclass(slots=True)
 class _Choice:
     sample: Sample
+    ticket: Ticket | None = None
     finished: bool = False
     cached_tokens: int | None = None
     generated: int = 0
@@ -80,8 +82,13 @@ def _merge(choice: _Choice, entries: Sequence[OutputEntry]) -> Delta:
             choice.cached_tokens = entry.cached_tokens
     last = entries[-1]
     choice.generated += len(tokens)
+    ticket = choice.ticket
+    if ticket is not None and (tokens or last.finished):
+        ticket.output()
     if last.finished:
         choice.finished = True
+        if ticket is not None:
+            ticket.leave()
     return Delta(
         choice_index=choice.sample.choice_index,
         token_ids=tokens,
@@ -112,6 +119,9 @@ class Generation:
     # vLLM's stream interval: a choice's delta waits until it has this many tokens, unless
     # it is the choice's first output or its last.
     stream_interval: int = 1
+    # Each sample's admission (engined.openai.queue_admission), in the order of `samples`; none
+    # when the request was not counted.
+    tickets: Sequence[Ticket] = ()
     _choices: list[_Choice] = field(default_factory=list)
     _closed: bool = False
     _stopping: set[asyncio.Task[None]] = field(default_factory=set)
@@ -125,9 +135,24 @@ class Generation:
             TimeoutError, ConnectionError: the daemon did not answer.
             ApiError: a handoff's KV could not be pulled.
         """
-        if self.transfer is not None:
-            await self._start_transfer(self.transfer)
-            return
+        try:
+            if self.transfer is not None:
+                await self._start_transfer(self.transfer)
+            else:
+                await self._submit_all()
+        except BaseException as failure:
+            # Not started: the request no longer counts for admission.
+            self._leave_all()
+            if isinstance(failure, asyncio.CancelledError) and not self._closed:
+                # The client left while the samples were being submitted: whichever reached
+                # the daemon are cancelled, in tasks (this one is being cancelled).
+                self._closed = True
+                if self.transfer is None:
+                    for sample in self.samples:
+                        self._cancel_soon(sample.request_id)
+            raise
+
+    async def _submit_all(self) -> None:
         # NOTE: all at once: the samples of one request reach the same pass, as in vLLM.
         results = await asyncio.gather(
             *(
@@ -146,13 +171,16 @@ class Generation:
             ),
             return_exceptions=True,
         )
-        for sample, result in zip(self.samples, results, strict=True):
+        for i, (sample, result) in enumerate(zip(self.samples, results, strict=True)):
             if not isinstance(result, BaseException):
-                self._choices.append(_Choice(sample))
+                self._choices.append(_Choice(sample, self._ticket(i)))
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             await self.close()
             raise failure
+
+    def _ticket(self, index: int) -> Ticket | None:
+        return self.tickets[index] if index < len(self.tickets) else None
 
     async def _start_transfer(self, transfer: Transfer) -> None:
         (sample,) = self.samples
@@ -166,7 +194,7 @@ class Generation:
                 seed=sample.seed,
                 priority=sample.priority,
             )
-            self._choices.append(_Choice(sample))
+            self._choices.append(_Choice(sample, self._ticket(0)))
             return
         # NOTE: under the prefill's request id, so an unseeded decode draws the tokens the
         # prefill started (a seeded one draws its seed's, whatever the id).
@@ -182,7 +210,7 @@ class Generation:
             cache_salt=sample.cache_salt,
         )
         await disagg.pull(role, destination)
-        self._choices.append(_Choice(sample))
+        self._choices.append(_Choice(sample, self._ticket(0)))
 
     async def _finish_transfer(self, choice: _Choice, delta: Delta) -> None:
         """A prefill's final delta: the params once its source is held."""
@@ -283,9 +311,14 @@ class Generation:
         for choice in self._choices:
             if choice.sample.choice_index == choice_index and not choice.finished:
                 choice.finished = True
-                task = asyncio.create_task(self._cancel(choice.sample.request_id))
-                self._stopping.add(task)
-                task.add_done_callback(self._stopping.discard)
+                if choice.ticket is not None:
+                    choice.ticket.leave()
+                self._cancel_soon(choice.sample.request_id)
+
+    def _cancel_soon(self, request_id: str) -> None:
+        task = asyncio.create_task(self._cancel(request_id))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     async def _cancel(self, request_id: str) -> None:
         with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
@@ -296,6 +329,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self._leave_all()
         transfer = self.transfer
         if (
             transfer is not None
@@ -308,3 +342,8 @@ class Generation:
         for choice in self._choices:
             if not choice.finished:
                 await self._cancel(choice.sample.request_id)
+
+    def _leave_all(self) -> None:
+        """Whatever happens to the engine requests now, this request no longer counts."""
+        for ticket in self.tickets:
+            ticket.leave()

@@ -24,6 +24,7 @@ import msgspec
 import structlog
 
 from engined import event_loop
+from engined.admission_counters import AdmissionCounters
 from engined.client import EngineClient
 from engined.config import DaemonConfig
 from engined.config.endpoints import WILDCARD_HOSTS, parse_endpoint
@@ -55,7 +56,7 @@ def control_target(config: DaemonConfig) -> str:
     return config.control_endpoint
 
 
-async def serve(config: DaemonConfig, listen_fd: int, index: int) -> int:
+async def serve(config: DaemonConfig, listen_fd: int, index: int, counters_fd: int) -> int:
     # NOTE: imported here so that a bad command line fails before the heavy imports.
     from engined.openai.app import ApiApp
     from engined.openai.http import HttpLimits, HttpServer
@@ -63,10 +64,13 @@ async def serve(config: DaemonConfig, listen_fd: int, index: int) -> int:
 
     tokenizer = load_tokenizer(config.model or None, config.tokenizer or None)
     sock = socket.socket(fileno=listen_fd)
+    counters = AdmissionCounters.attach(counters_fd, config.api_server_count, index)
     client = await EngineClient.connect(control_target(config))
     try:
         welcome = await client.hello(timeout=CONNECT_TIMEOUT_S)
-        app = ApiApp(config=config, client=client, welcome=welcome, tokenizer=tokenizer)
+        app = ApiApp(
+            config=config, client=client, welcome=welcome, tokenizer=tokenizer, counters=counters
+        )
         server = HttpServer(app.handle, app.error_response, HttpLimits())
         loop = asyncio.get_running_loop()
         stopping: set[asyncio.Task[None]] = set()
@@ -91,6 +95,7 @@ async def serve(config: DaemonConfig, listen_fd: int, index: int) -> int:
     finally:
         await client.close()
         sock.close()
+        counters.close()
     return 0
 
 
@@ -98,9 +103,10 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m engined.openai")
     parser.add_argument("--listen-fd", type=int, required=True)
     parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--counters-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     _die_with_parent(args.parent_pid)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=DaemonConfig)
     configure_logging(config.log_format, config.log_level)
-    return event_loop.run(serve(config, args.listen_fd, args.index))
+    return event_loop.run(serve(config, args.listen_fd, args.index, args.counters_fd))

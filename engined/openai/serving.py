@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 
+from engined.admission_counters import AdmissionCounters
 from engined.client import EngineClient, EngineError
 from engined.client.handoff_coordinator import Coordinator
 from engined.config import DaemonConfig
@@ -25,7 +26,7 @@ from engined.openai.api_errors import (
     validation_error,
 )
 from engined.openai.disagg import Disaggregation, advertised, parse_role
-from engined.openai.generation import Sample, Transfer
+from engined.openai.generation import Generation, Sample, Transfer
 from engined.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engined.openai.protocol_sampling import (
     check_engine,
@@ -33,6 +34,7 @@ from engined.openai.protocol_sampling import (
     effective_max_tokens,
     requested_max_tokens,
 )
+from engined.openai.queue_admission import Admission
 from engined.openai.tokenizer import Tokenizer
 from engined.wire.control import Welcome
 
@@ -71,10 +73,17 @@ class ServingContext:
     stream_interval: int
     speculative: bool
     disagg: Disaggregation
+    admission: Admission
 
     @classmethod
     def build(
-        cls, *, config: DaemonConfig, client: EngineClient, welcome: Welcome, tokenizer: Tokenizer
+        cls,
+        *,
+        config: DaemonConfig,
+        client: EngineClient,
+        welcome: Welcome,
+        tokenizer: Tokenizer,
+        counters: AdmissionCounters,
     ) -> ServingContext:
         return cls(
             client=client,
@@ -93,6 +102,11 @@ class ServingContext:
                 advertised=advertised(config.control_endpoint),
                 block_size=welcome.block_size,
                 speedup_ratio=welcome.speedup_ratio or config.engine.speedup_ratio,
+            ),
+            admission=Admission(
+                max_requests=config.max_num_queued_reqs,
+                max_tokens=config.max_num_queued_tokens,
+                counters=counters,
             ),
         )
 
@@ -165,6 +179,30 @@ class ServingContext:
             )
         return Transfer(self.disagg, role)
 
+    async def generate(
+        self, request: Request, runs: list[Sample], prompts: Sequence[list[int]]
+    ) -> Generation:
+        """The request's engine requests (`runs`, `n` for each of `prompts`), admitted as
+        vLLM adds them (its second admission check) and submitted.
+
+        Raises:
+            ApiError: what vLLM answers for a refusal by the admission or the engine.
+        """
+        transfer = self.transfer(request, len(prompts))
+        tickets = self.admission.admit([len(ids) for ids in prompts], request.n or 1)
+        generation = Generation(
+            self.client,
+            runs,
+            transfer,
+            stream_interval=self.stream_interval_of(request),
+            tickets=tickets,
+        )
+        try:
+            await generation.start()
+        except EngineError as error:
+            raise engine_refusal(error) from None
+        return generation
+
     def created_cache_tokens(self, prompt_tokens: int, cached: int | None) -> int | None:
         """vLLM's `num_cache_creation_tokens`: the prompt's full blocks it cached itself."""
         if cached is None:
@@ -217,6 +255,29 @@ def samples(
         )
         for j in range(n)
     ]
+
+
+class StreamBody:
+    """A streamed response's chunks, whose `aclose` also closes their generation: the
+    HTTP side aclose()s a body however its stream ended, but a generator that never started
+    (the client left before the head was written) runs no `finally`, and its engine
+    requests would then run on, counted, for nobody."""
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], generation: Generation) -> None:
+        self._chunks = chunks
+        self._generation = generation
+
+    def __aiter__(self) -> StreamBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            await self._generation.close()
 
 
 def stop_strings(request: Request) -> tuple[str, ...]:

@@ -10,12 +10,11 @@ with its finish reason.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import msgspec
 
-from engined.client import EngineError
 from engined.openai.api_errors import ApiError
 from engined.openai.choice_steps import Choice, steps
 from engined.openai.generation import Generation
@@ -45,10 +44,10 @@ from engined.openai.protocol_responses import (
 from engined.openai.protocol_sampling import sample_logprobs
 from engined.openai.serving import (
     ServingContext,
+    StreamBody,
     base_request_id,
     check_template_trust,
     created_now,
-    engine_refusal,
     samples,
     stop_strings,
 )
@@ -69,6 +68,7 @@ class ChatServer:
         context = self._context
         request = decode_chat_request(http.body, http.headers.get("content-type"))
         model = context.check_model(request.model)
+        context.admission.check(request.n or 1)
         check_template_trust(request)
         messages = [msgspec.to_builtins(message) for message in request.messages]
         tools = None if request.tools is None else msgspec.to_builtins(request.tools)
@@ -90,14 +90,7 @@ class ChatServer:
         runs = samples(
             request, request_id, prompt_index=None, ids=ids, max_tokens=max_tokens, first_choice=0
         )
-        transfer = context.transfer(request, 1)
-        generation = Generation(
-            context.client, runs, transfer, stream_interval=context.stream_interval_of(request)
-        )
-        try:
-            await generation.start()
-        except EngineError as error:
-            raise engine_refusal(error) from None
+        generation = await context.generate(request, runs, [ids])
         stop = stop_strings(request)
         choices = [
             _Choice(
@@ -116,7 +109,7 @@ class ChatServer:
             echo = _content_text(messages[-1].get("content"))
         run = _Run(context, request, request_id, created_now(), model, ids, choices, role, echo)
         if request.stream:
-            return StreamingResponse(200, run.stream(generation))
+            return StreamingResponse(200, StreamBody(run.stream(generation), generation))
         return await run.collect(generation)
 
 
@@ -166,7 +159,7 @@ class _Run:
         cached = generation.cached_tokens[0] if generation.cached_tokens else None
         return cached, self.context.created_cache_tokens(len(self.prompt_ids), cached)
 
-    async def stream(self, generation: Generation) -> AsyncIterator[bytes]:
+    async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         options = self.request.stream_options
         include_usage = options is not None and bool(options.include_usage)
         continuous = include_usage and options is not None and bool(options.continuous_usage_stats)

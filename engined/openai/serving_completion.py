@@ -10,10 +10,9 @@ counts each prompt once and every sample's tokens. A streamed request that fails
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from engined.client import EngineError
 from engined.openai.api_errors import ApiError
 from engined.openai.choice_steps import Choice, Step, steps
 from engined.openai.generation import Generation
@@ -37,9 +36,9 @@ from engined.openai.protocol_responses import (
 from engined.openai.protocol_sampling import check_completion_prompt, echo_only, sample_logprobs
 from engined.openai.serving import (
     ServingContext,
+    StreamBody,
     base_request_id,
     created_now,
-    engine_refusal,
     samples,
     stop_strings,
 )
@@ -61,6 +60,7 @@ class CompletionServer:
         context = self._context
         request = decode_completion_request(http.body, http.headers.get("content-type"))
         model = context.check_model(request.model)
+        context.admission.check(request.n or 1)
         check_completion_prompt(request)
         tokenizer = context.tokenizer
         prompts: list[tuple[str | None, list[int]]] = []
@@ -87,14 +87,7 @@ class CompletionServer:
                     first_choice=i * n,
                 )
             )
-        transfer = context.transfer(request, len(prompts))
-        generation = Generation(
-            context.client, runs, transfer, stream_interval=context.stream_interval_of(request)
-        )
-        try:
-            await generation.start()
-        except EngineError as error:
-            raise engine_refusal(error) from None
+        generation = await context.generate(request, runs, [ids for _, ids in prompts])
         stop = stop_strings(request)
         choices = [
             _Choice(
@@ -110,7 +103,7 @@ class CompletionServer:
         ]
         run = _Run(context, request, request_id, created_now(), model, prompts, choices)
         if request.stream:
-            return StreamingResponse(200, run.stream(generation))
+            return StreamingResponse(200, StreamBody(run.stream(generation), generation))
         return await run.collect(generation)
 
 
@@ -178,7 +171,7 @@ class _Run:
         cached = generation.cached_tokens
         return cached[0] if cached else None
 
-    async def stream(self, generation: Generation) -> AsyncIterator[bytes]:
+    async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         options = self.request.stream_options
         include_usage = options is not None and bool(options.include_usage)
         continuous = include_usage and options is not None and bool(options.continuous_usage_stats)

@@ -27,6 +27,7 @@ import sys
 import msgspec
 import structlog
 
+from engined.admission_counters import AdmissionCounters
 from engined.config import DaemonConfig
 
 log = structlog.get_logger(__name__)
@@ -76,6 +77,8 @@ class ApiServers:
         self._sock: socket.socket | None = None
         self._children: list[asyncio.subprocess.Process] = []
         self._stopping = False
+        # Shared with every child, which writes its own slot (engined.admission_counters).
+        self.counters = AdmissionCounters.create(config.api_server_count)
 
     @property
     def port(self) -> int:
@@ -92,6 +95,7 @@ class ApiServers:
         assert config.api_port is not None
         self._sock = listening_socket(config.api_host, config.api_port)
         fd = self._sock.fileno()
+        counters_fd = self.counters.fd
         payload = msgspec.json.encode(config)
         for index in range(config.api_server_count):
             child = await asyncio.create_subprocess_exec(
@@ -104,9 +108,11 @@ class ApiServers:
                 str(index),
                 "--parent-pid",
                 str(os.getpid()),
+                "--counters-fd",
+                str(counters_fd),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
-                pass_fds=(fd,),
+                pass_fds=(fd, counters_fd),
             )
             self._children.append(child)
             assert child.stdin is not None
@@ -174,3 +180,4 @@ class ApiServers:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self.counters.close()

@@ -31,6 +31,7 @@ import zmq.asyncio
 from engined import event_loop
 from engined.config import DaemonConfig
 from engined.logs import configure_logging
+from engined.server.api_servers import ApiServers
 from engined.server.control.control_server import ControlServer
 from engined.server.control.control_socket import CONTROL_HWM, bind_control
 from engined.server.control.settings import RuntimeSettings
@@ -56,7 +57,6 @@ from engined.server.security.gatekeeper import Gatekeeper
 from engined.zmq_sockets import SocketRegistry
 
 if TYPE_CHECKING:
-    from engined.server.api_servers import ApiServers
     from engined.server.observability import Observability
     from engined.server.ops.http_endpoint import HealthState
     from engined.server.ops.prometheus_metrics import VllmMetrics
@@ -108,7 +108,7 @@ class Daemon:
         # The metrics, /metrics and /health, when `http_port` or `api_port` is set.
         self.observability: Observability | None = None
         # The OpenAI API server processes (engined.server.api_servers), unless api_port is "".
-        self.api: ApiServers | None = None
+        self.api = None if config.api_port is None else ApiServers(config)
         self._collection: Collector | YoungGeneration | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -177,7 +177,8 @@ class Daemon:
         )
         await ranks.start(ctx, registry, gate, control)
         if self.observability is not None:
-            self.observability.watch(ranks.handles, ranks.watched_publishers, control)
+            api = None if self.api is None else self.api.counters
+            self.observability.watch(ranks.handles, ranks.watched_publishers, control, api)
         control.attach(ranks.handles)
         self.control = control
         self._tasks.append(asyncio.create_task(control.serve(), name="control"))
@@ -188,10 +189,7 @@ class Daemon:
         self._tasks.append(asyncio.create_task(work, name="heap-trim"))
         for name, run_ranks in ranks.tasks():
             self._tasks.append(asyncio.create_task(run_ranks, name=name))
-        if cfg.api_port is not None:
-            from engined.server.api_servers import ApiServers
-
-            self.api = ApiServers(cfg)
+        if self.api is not None:
             await self.api.start()
             self._tasks.append(asyncio.create_task(self.api.watch(), name="api-servers"))
         self.started = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import engined
+from engined.admission_counters import AdmissionCounters
 from engined.config import DaemonConfig
 from engined.core import running as running_core
 from engined.server.control.control_server import ControlServer
@@ -47,13 +48,20 @@ class Observability:
         ranks: Sequence[RankHandle],
         publishers: Sequence[WatchedPublisher],
         control: ControlServer,
+        api: AdmissionCounters | None,
     ) -> None:
         """Tally every rank's passes and commands, read its publishers' counters at each
-        scrape, and count the control server's queue refusals."""
+        scrape, and count admission refusals: the control server's for a full queue, and
+        the API servers' (`api`) by vLLM's reasons."""
         for rank in ranks:
             self.metrics.attach(rank)
         self.metrics.watch_publishers(publishers)
-        self.metrics.watch_queue_refusals(lambda: control.queue_refusals)
+
+        def rejections() -> tuple[int, int]:
+            requests, tokens = (0, 0) if api is None else api.rejections()
+            return control.queue_refusals + requests, tokens
+
+        self.metrics.watch_admission(rejections)
 
     async def close(self) -> None:
         if self.http is not None:

@@ -136,7 +136,7 @@ class VllmMetrics(Collector):
         self.kv_residency = kv_residency
         self.ranks: list[RankMetrics] = []
         self._ranks: list[_Rank] = []
-        self._queue_refusals: Callable[[], int] = lambda: 0
+        self._admission: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._renderer = TextRenderer()
         self._info = Family(
             spec.CACHE_CONFIG_INFO_NAME,
@@ -185,10 +185,10 @@ class VllmMetrics(Collector):
             if tallies.rank == rank:
                 tallies.on_lifecycle(events, self.block_size)
 
-    def watch_queue_refusals(self, read: Callable[[], int]) -> None:
-        """Count `submit`s refused for a full queue (`max_queued_requests`) as vLLM counts
-        `--max-num-queued-reqs` refusals: `vllm:admission_rejections_total`."""
-        self._queue_refusals = read
+    def watch_admission(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Read the admission refusals by vLLM's reasons (`ADMISSION_REASONS`) at each
+        scrape: `vllm:admission_rejections_total`."""
+        self._admission = read
 
     def watch_publishers(self, publishers: Sequence[WatchedPublisher]) -> None:
         """Expose the KV publishers' slow-reader counters
@@ -253,9 +253,10 @@ class VllmMetrics(Collector):
                     ((*labels, v), count) for v, count in zip(label_values, tallied, strict=True)
                 ]
             add((family, rows))
-        refusals = self._queue_refusals()
-        rejections: list[Row] = [((self.model_name, spec.ADMISSION_REASONS[0]), refusals)]
-        rejections.append(((self.model_name, spec.ADMISSION_REASONS[1]), 0))
+        rejections: list[Row] = [
+            ((self.model_name, reason), count)
+            for reason, count in zip(spec.ADMISSION_REASONS, self._admission(), strict=True)
+        ]
         add((spec.ADMISSION_REJECTIONS, rejections))
         if self.spec_tokens:
             for family, attribute in _SPEC_DECODE:
