@@ -23,6 +23,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types import Completion
 from prometheus_client.parser import text_string_to_metric_families
 
 from engined.openai.api_errors import engine_overloaded, prefill_backlog_full
@@ -87,9 +88,9 @@ def refused(call: object) -> dict[str, object]:
     return {"error": body}
 
 
-def stream(client: openai.OpenAI, prompt: list[int], n: int = 1) -> openai.Stream[object]:
+def stream(client: openai.OpenAI, prompt: list[int], n: int = 1) -> openai.Stream[Completion]:
     """A streamed completion, admitted once its head arrived."""
-    return client.completions.create(  # type: ignore[call-overload,no-any-return]
+    return client.completions.create(
         model="engined", prompt=prompt, max_tokens=LONG, n=n, stream=True
     )
 
@@ -195,8 +196,8 @@ def test_prompt_tokens_count_until_their_first_output(tmp_path: Path) -> None:
     prompt no longer counts once it has output (though it runs on); an 8,000-token one (500
     passes, thirteen seconds, without output) keeps the backlog full; and a
     completion whose prompts reach the limit one by one is refused whole."""
-    flags = ("--max-num-batched-tokens", "16", "--max-model-len", "70000")
-    flags += ("--fixed-prefill-ms-per-token", "1")
+    flags = ["--max-num-batched-tokens", "16", "--max-model-len", "70000"]
+    flags += ["--fixed-prefill-ms-per-token", "1"]
     with (
         start_api(tmp_path, *PACED, *flags, "--max-num-queued-tokens", "30") as api,
         client_of(api) as client,
