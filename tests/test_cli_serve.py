@@ -291,6 +291,16 @@ def test_vllms_scheduler_options_reach_the_engine_and_the_rest_are_ignored() -> 
     )
 
 
+def test_vllms_human_readable_counts_on_the_command_line() -> None:
+    config = printed("--max-model-len", "32k", "--max-num-batched-tokens", "2K")
+    assert (config["engine"]["max_model_len"], config["engine"]["max_num_batched_tokens"]) == (
+        32_000,
+        2048,
+    )
+    assert printed("--max-num-queued-tokens", "1.5k")["max_num_queued_tokens"] == 1500
+    assert "max_model_len" not in printed("--max-model-len", "auto")["engine"]
+
+
 def test_model_is_the_served_name_unless_one_is_given() -> None:
     assert printed("./models/tiny")["model_name"] == "./models/tiny"
     assert printed("--model", "./models/tiny")["model_name"] == "./models/tiny"

@@ -931,6 +931,27 @@ def test_queue_limits_take_vllms_bounds_and_empty_for_none() -> None:
     ]
 
 
+def test_vllms_human_readable_counts() -> None:
+    """vLLM's spellings of its counts on the command line: `k` decimal, `K` binary,
+    decimals with decimal suffixes only; `--max-model-len auto` (or -1) is the model's."""
+    cases = {"8k": 8000, "2K": 2048, "25.6k": 25_600, "1M": 2**20, "1g": 10**9, "77": 77}
+    for text, value in cases.items():
+        loaded = load(flags={"engine.max_num_batched_tokens": text})
+        assert loaded.engine.max_num_batched_tokens == value, text
+        assert load(flags={"max_num_queued_tokens": text}).max_num_queued_tokens == value
+    assert load(flags={"engine.max_model_len": "32k"}).engine.max_model_len == 32_000
+    for auto in ("auto", "AUTO", "-1"):
+        assert load(flags={"engine.max_model_len": auto}).engine.max_model_len is None
+    with pytest.raises(ConfigError) as info:
+        load(flags={"engine.max_num_batched_tokens": "1.5K", "engine.max_num_seqs": "2k"})
+    assert str(info.value).splitlines() == [
+        "engine.max_num_batched_tokens: Decimals are not allowed with binary suffixes like K. "
+        "Did you mean to use 1.5k instead? (from --max-num-batched-tokens)",
+        # Only where vLLM reads them so.
+        "engine.max_num_seqs: expected an integer, got '2k' (from --max-num-seqs)",
+    ]
+
+
 def test_one_problem_is_its_own_error() -> None:
     with pytest.raises(ConfigError) as info:
         load(flags={"engine.num_gpu_blocks": 0})

@@ -157,6 +157,16 @@ def _apply_flags(layers: Layers, flags: Mapping[str, Any]) -> None:
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
+# The counts vLLM reads "human-readable" (vllm/utils/argparse_utils.py): `1k` is 1,000, `1K`
+# 1,024, `25.6k` 25,600, so that a `vllm serve --max-model-len 32k` line runs unchanged;
+# `max_model_len` also takes vLLM's `auto` (or -1): the model's own, engined's unset.
+_HUMAN_READABLE = frozenset(
+    {"engine.max_num_batched_tokens", "engine.max_model_len", "max_num_queued_tokens"}
+)
+_AUTO = frozenset({"engine.max_model_len"})
+_HUMAN_TEXT = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def _parse_text(key: str, text: str, *, source: str) -> Any:
@@ -176,8 +186,12 @@ def _parse_text(key: str, text: str, *, source: str) -> Any:
             return False
         expected = "a boolean (true/false/1/0/yes/no)"
     elif shape.kind is int:
+        if key in _AUTO and stripped.lower() in ("auto", "-1"):
+            return None
         if _INT_TEXT.fullmatch(stripped):
             return int(stripped)
+        if key in _HUMAN_READABLE and (match := _HUMAN_TEXT.fullmatch(stripped)):
+            return _human_readable(key, *match.groups(), source=source)
         expected = "an integer"
     else:
         try:
@@ -185,6 +199,18 @@ def _parse_text(key: str, text: str, *, source: str) -> Any:
         except ValueError:
             expected = "a number"
     raise ConfigError(f"{key}: expected {expected}, got {text!r} (from {source})", key=key)
+
+
+def _human_readable(key: str, number: str, suffix: str, *, source: str) -> int:
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise ConfigError(
+            f"{key}: Decimals are not allowed with binary suffixes like {suffix}. Did you mean "
+            f"to use {number}{suffix.lower()} instead? (from {source})",
+            key=key,
+        )
+    return int(number) * _BINARY[suffix]
 
 
 def _parse_list(key: str, text: str, *, source: str) -> tuple[int, ...] | tuple[str, ...]:
