@@ -57,6 +57,7 @@ def engine_args(scenario: Scenario) -> EngineArgs:
         long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
         watermark=config.watermark,
         max_num_active_seqs=config.max_num_active_seqs,
+        max_num_scheduled_tokens=config.max_num_scheduled_tokens,
         prefill_schedule_interval=config.prefill_schedule_interval,
         vocab_size=config.vocab_size,
     )

@@ -33,6 +33,7 @@ def random_mix(
     long_prefill: int = 0,
     adaptive: bool = False,
     prefill_interval: int = 1,
+    scheduled: int | None = None,
 ) -> Scenario:
     """`count` requests over 8 shared prefixes (16-128 tokens) with their own suffixes,
     arriving over about `count / 2` steps; under the priority policy each has a priority in
@@ -62,6 +63,7 @@ def random_mix(
             (hash_algo, hash_algo != "sha256"),
             (f"long{long_prefill}" + ("-adaptive" if adaptive else ""), long_prefill > 0),
             (f"interval{prefill_interval}", prefill_interval > 1),
+            (f"scheduled{scheduled}", scheduled is not None),
         )
         if on
     ]
@@ -83,6 +85,7 @@ def random_mix(
             long_prefill_token_threshold=long_prefill,
             long_prefill_token_threshold_adaptive=adaptive,
             prefill_schedule_interval=prefill_interval,
+            max_num_scheduled_tokens=scheduled,
         ),
         requests=requests,
     )

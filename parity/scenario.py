@@ -37,6 +37,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     watermark: float = 0.0
     # vLLM's --max-num-active-seqs: the requests admitted into running (None: max_num_seqs).
     max_num_active_seqs: int | None = None
+    # vLLM's --max-num-scheduled-tokens: the tokens one step schedules (None: the budget).
+    max_num_scheduled_tokens: int | None = None
     # vLLM's --prefill-schedule-interval: prefill every N steps while requests decode.
     prefill_schedule_interval: int = 1
     # engined only: draw output tokens from [0, vocab_size), so stop ids come up (vLLM samples

@@ -159,6 +159,7 @@ class VllmRun:
             long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
             watermark=config.watermark,
             max_num_active_seqs=config.max_num_active_seqs,
+            max_num_scheduled_tokens=config.max_num_scheduled_tokens,
             prefill_schedule_interval=config.prefill_schedule_interval,
         )
         vllm_config = VllmConfig(

@@ -268,6 +268,8 @@ def test_vllms_scheduler_options_reach_the_engine_and_the_rest_are_ignored() -> 
         "0",
         "--max-num-scheduled-tokens",
         "64",
+        "--scheduler-cls",
+        "my.Scheduler",
         "--stream-interval",
         "2",
     )
@@ -279,7 +281,8 @@ def test_vllms_scheduler_options_reach_the_engine_and_the_rest_are_ignored() -> 
         engine["watermark"],
         engine["max_num_active_seqs"],
         engine["prefill_schedule_interval"],
-    ) == (64, True, 0.05, 32, 4)
+        engine["max_num_scheduled_tokens"],
+    ) == (64, True, 0.05, 32, 4, 64)
     daemon = tomllib.loads(result.stdout)
     assert (
         daemon["stream_interval"],
@@ -287,7 +290,7 @@ def test_vllms_scheduler_options_reach_the_engine_and_the_rest_are_ignored() -> 
         daemon["max_num_queued_tokens"],
     ) == (2, 100, 0)
     assert result.stderr == (
-        "engined serve: ignoring vLLM options engined does not model: --max-num-scheduled-tokens\n"
+        "engined serve: ignoring vLLM options engined does not model: --scheduler-cls\n"
     )
 
 

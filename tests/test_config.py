@@ -530,6 +530,7 @@ ISSUE_FLAGS = {
     "--long-prefill-token-threshold": "engine.long_prefill_token_threshold",
     "--watermark": "engine.watermark",
     "--max-num-active-seqs": "engine.max_num_active_seqs",
+    "--max-num-scheduled-tokens": "engine.max_num_scheduled_tokens",
     "--prefill-schedule-interval": "engine.prefill_schedule_interval",
     "--long-prefill-token-threshold-adaptive": "engine.long_prefill_token_threshold_adaptive",
     "--prefix-caching-hash-algo": "engine.prefix_caching_hash_algo",

@@ -94,6 +94,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--long-prefill-token-threshold", "engine.long_prefill_token_threshold"),
     Flag("--watermark", "engine.watermark"),
     Flag("--max-num-active-seqs", "engine.max_num_active_seqs"),
+    Flag("--max-num-scheduled-tokens", "engine.max_num_scheduled_tokens"),
     Flag("--prefill-schedule-interval", "engine.prefill_schedule_interval"),
     Flag(
         "--long-prefill-token-threshold-adaptive",

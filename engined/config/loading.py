@@ -161,7 +161,12 @@ _INT_TEXT = re.compile(r"[+-]?[0-9]+")
 # 1,024, `25.6k` 25,600, so that a `vllm serve --max-model-len 32k` line runs unchanged;
 # `max_model_len` also takes vLLM's `auto` (or -1): the model's own, engined's unset.
 _HUMAN_READABLE = frozenset(
-    {"engine.max_num_batched_tokens", "engine.max_model_len", "max_num_queued_tokens"}
+    {
+        "engine.max_num_batched_tokens",
+        "engine.max_num_scheduled_tokens",
+        "engine.max_model_len",
+        "max_num_queued_tokens",
+    }
 )
 _AUTO = frozenset({"engine.max_model_len"})
 _HUMAN_TEXT = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kKmMgGtT])")

@@ -180,6 +180,14 @@ class EngineArgs(EngineFields, frozen=True, kw_only=True, forbid_unknown_fields=
         return list(normalize_rates(self.aic_nextn, self.aic_nextn_accept_rates))
 
     @property
+    def pass_token_budget(self) -> int | None:
+        """The tokens one pass may schedule (None: unbounded): vLLM's token budget,
+        `max_num_scheduled_tokens` where it is set and below its input budget,
+        `max_num_batched_tokens`, which bounds every pass too."""
+        budgets = [b for b in (self.max_num_scheduled_tokens, self.max_num_batched_tokens) if b]
+        return min(budgets) if budgets else None
+
+    @property
     def enforced_max_model_len(self) -> int | None:
         """`max_model_len` as a rank enforces it before the KV pool caps it (None: unset).
 
@@ -190,7 +198,7 @@ class EngineArgs(EngineFields, frozen=True, kw_only=True, forbid_unknown_fields=
         preempted request always be prefilled again (it never outgrows the budget). The
         mocker's scheduler has no such wait, so its semantics keep 1.3.0's lengths.
         """
-        budget = self.max_num_batched_tokens
+        budget = self.pass_token_budget
         if self.enable_chunked_prefill or budget is None or not self.runs_vllm_semantics():
             return self.max_model_len
         return budget if self.max_model_len is None else min(self.max_model_len, budget)

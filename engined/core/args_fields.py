@@ -265,6 +265,16 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "N passes while requests decode, unless the last prefill left requests waiting."
         ),
     ] = 1
+    max_num_scheduled_tokens: (
+        Annotated[
+            int,
+            Meta(
+                description="vLLM semantics: vLLM's cap on the tokens one pass schedules, "
+                'below max_num_batched_tokens ("" = max_num_batched_tokens).'
+            ),
+        ]
+        | None
+    ) = None
     max_num_active_seqs: (
         Annotated[
             int,

@@ -81,6 +81,7 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         ("kv_cache_metrics", "", args.kv_cache_metrics),
         ("watermark", f"={args.watermark}", args.watermark > 0),
         ("max_num_active_seqs", "", args.max_num_active_seqs is not None),
+        ("max_num_scheduled_tokens", "", args.max_num_scheduled_tokens is not None),
         (
             "prefill_schedule_interval",
             f"={args.prefill_schedule_interval}",
@@ -138,7 +139,7 @@ def assemble(
     # The requests admitted into running: vLLM's max_num_active_seqs when set (its
     # max_num_seqs also sizes the model runner, which engined has none of).
     max_num_seqs = args.max_num_active_seqs or args.max_num_seqs or _UNBOUNDED
-    max_batched_tokens = args.max_num_batched_tokens or _UNBOUNDED
+    max_batched_tokens = args.pass_token_budget or _UNBOUNDED
     if tiers is None:
         offload_config = OffloadConfig.from_args(args)
         tiers = TierEngine(offload_config) if offload_config is not None else None
@@ -216,7 +217,8 @@ def assemble(
     )
     scheduler: Scheduler | PagedScheduler
     if isinstance(kv, PagedKvManager):
-        limits = PassLimits(args, max_batched_tokens)
+        # vLLM's adaptive long-prefill floor shares its input budget, max_num_batched_tokens.
+        limits = PassLimits(args, args.max_num_batched_tokens or _UNBOUNDED)
         admission = PagedAdmission(
             args,
             max_num_seqs=max_num_seqs,

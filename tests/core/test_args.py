@@ -121,6 +121,10 @@ def test_trtllm_uses_trtllm_policy() -> None:
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 100}, 64),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 40}, 40),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": None}, None),
+        # vLLM's scheduled-token cap is the budget a sequence must fit, where lower.
+        ({"enable_chunked_prefill": False, "max_num_scheduled_tokens": 48}, 48),
+        ({"enable_chunked_prefill": False, "max_num_scheduled_tokens": 10**5}, 8192),
+        ({"max_num_scheduled_tokens": 48}, None),
         ({"enable_chunked_prefill": False, "semantics": "mocker-1.3.0"}, None),
         ({"enable_chunked_prefill": False, "prefix_hit_rule": "mocker-1.3.0"}, None),
         ({"enable_chunked_prefill": False, "aic_nextn": 1}, None),
@@ -224,6 +228,7 @@ PREFIX = "Failed to validate MockEngineArgs: "
         ({"startup_time": -1.5}, "startup_time must be >= 0, got -1.5"),
         ({"max_model_len": 0}, "max_model_len must be >= 1, got 0"),
         ({"max_num_active_seqs": 0}, "max_num_active_seqs must be >= 1, got 0"),
+        ({"max_num_scheduled_tokens": 0}, "max_num_scheduled_tokens must be >= 1, got 0"),
         ({"prefill_schedule_interval": 0}, "prefill_schedule_interval must be >= 1, got 0"),
         (
             {"long_prefill_token_threshold": -1},

@@ -3,9 +3,9 @@
 Random arrivals over random passes, prompts sharing prefixes, block sizes 2-64, tiny pools,
 prefix caching on and off, MTP on and off, both preemption orders, both policies, both
 prefix-hit rules, random vocabularies and, under vLLM semantics, vLLM's options that bound a
-pass (long-prefill cap, watermark, max_num_active_seqs, prefill cadence). After the last
-arrival the core runs until empty; then no block may stay active and the reference indexer
-must have seen no violation at all.
+pass (long-prefill cap, watermark, max_num_active_seqs, prefill cadence, scheduled tokens).
+After the last arrival the core runs until empty; then no block may stay active and the
+reference indexer must have seen no violation at all.
 Every output keeps to its plan or its vocabulary, and no prefix hit exceeds what its rule
 allows.
 """
@@ -65,6 +65,7 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
             watermark=draw(st.sampled_from([0.0, 0.1, 0.3])),
             max_num_active_seqs=draw(st.one_of(st.none(), st.integers(1, args.max_num_seqs or 1))),
             prefill_schedule_interval=draw(st.integers(1, 4)),
+            max_num_scheduled_tokens=draw(st.one_of(st.none(), st.integers(1, 4 * block_size))),
         )
     alphabet = st.integers(0, 3)
     prefixes = draw(
@@ -120,7 +121,7 @@ def test_every_workload_drains_with_clean_events(
             # null block holds no tokens), and without chunked prefill at one pass's budget.
             cap = core.usable_blocks * args.block_size
             if args.runs_vllm_semantics() and not args.enable_chunked_prefill:
-                cap = min(cap, args.max_num_batched_tokens or cap)
+                cap = min(cap, args.pass_token_budget or cap)
             if len(request.token_ids) < cap:
                 max_tokens = min(max_tokens, cap - len(request.token_ids))
             expected_tokens[request.request_id or ""] = max_tokens

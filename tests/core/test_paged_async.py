@@ -123,6 +123,12 @@ def test_prefill_schedule_interval_needs_vllm_semantics() -> None:
     assert raised.value.key == "prefill_schedule_interval"
 
 
+def test_max_num_scheduled_tokens_needs_vllm_semantics() -> None:
+    with pytest.raises(InvalidArgsError) as raised:
+        Engine(make_args(max_num_scheduled_tokens=64))
+    assert raised.value.key == "max_num_scheduled_tokens"
+
+
 def test_watermark_needs_vllm_semantics() -> None:
     with pytest.raises(InvalidArgsError) as raised:
         Engine(make_args(watermark=0.1))

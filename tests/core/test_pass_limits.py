@@ -1,8 +1,8 @@
 """vLLM 0.33's scheduling options that bound a pass: `long_prefill_token_threshold` (and its
 adaptive floor), the admission `watermark` and the `prefill_schedule_interval` cadence
-(engined/core/paged/pass_limits.py), and `max_num_active_seqs`. The parity harness checks
-whole streams under each against the real scheduler (`random-s10` to `-s13`,
-`pressure-watermark0.1`, `max-num-active-seqs-3`)."""
+(engined/core/paged/pass_limits.py), `max_num_active_seqs` and `max_num_scheduled_tokens`.
+The parity harness checks whole streams under each against the real scheduler (`random-s10`
+to `-s15`, `pressure-watermark0.1`, `max-num-active-seqs-3`)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,19 @@ def scheduled_per_pass(core: Engine, passes: int) -> list[dict[str, int]]:
             [{"a": 64, "b": 64}, {"a": 36, "b": 36}],
         ),
         ({}, [{"a": 100, "b": 28}, {"a": 1, "b": 72}]),
+        # vLLM's max_num_scheduled_tokens: 96 a pass, below the budget of 128.
+        ({"max_num_scheduled_tokens": 96}, [{"a": 96}, {"a": 4, "b": 92}]),
+        # Its adaptive floor still shares the budget, 128 / 2, not 96 / 2.
+        (
+            {
+                "max_num_scheduled_tokens": 96,
+                "long_prefill_token_threshold": 8,
+                "long_prefill_token_threshold_adaptive": True,
+            },
+            [{"a": 64, "b": 32}, {"a": 36, "b": 60}],
+        ),
+        # Above the budget, the budget bounds the pass.
+        ({"max_num_scheduled_tokens": 1000}, [{"a": 100, "b": 28}, {"a": 1, "b": 72}]),
     ],
 )
 def test_long_prefill_token_threshold_caps_each_request_while_others_wait(
