@@ -176,6 +176,39 @@ def test_serve_runs_the_daemon_with_the_effective_config(monkeypatch: pytest.Mon
     assert [(c.engine.max_num_seqs, c.worker_id) for c in seen] == [(4, "w")]
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "budget"),
+    [
+        # vLLM raises a budget left unset to the context when chunked prefill is off: the
+        # embedded model's 32768, or the context given.
+        (["--no-enable-chunked-prefill"], {}, 32768),
+        (["--no-enable-chunked-prefill", "--max-model-len", "20k"], {}, 20_000),
+        (["--no-enable-chunked-prefill", "--max-model-len", "4096"], {}, 8192),
+        # Given, by a flag or the environment, it stays (and limits a sequence).
+        (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"], {}, 8192),
+        (["--no-enable-chunked-prefill"], {"ENGINED_MAX_NUM_BATCHED_TOKENS": "4096"}, 4096),
+        # With chunked prefill, or under the mocker's semantics, the default stays.
+        ([], {}, 8192),
+        (["--no-enable-chunked-prefill", "--prefix-hit-rule", "mocker-1.3.0"], {}, 8192),
+    ],
+)
+def test_an_unset_budget_is_raised_to_the_context_without_chunked_prefill(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str], budget: int
+) -> None:
+    seen: list[DaemonConfig] = []
+
+    def run(config: DaemonConfig) -> int:
+        seen.append(config)
+        return 0
+
+    fake = types.ModuleType("engined.server.daemon")
+    fake.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "engined.server.daemon", fake)
+    result = invoke(*args, env=env)
+    assert result.exit_code == 0, result.output
+    assert [c.engine.max_num_batched_tokens for c in seen] == [budget]
+
+
 def test_a_daemon_without_a_model_or_api_server_never_loads_the_tokenizer_stack() -> None:
     """Start-up cost: tokenizers and jinja2 load only for a daemon that uses a model."""
     code = (

@@ -52,7 +52,8 @@ def serve(
             flags["model"] = model_tag
         if kv_events_config is not None:
             flags = {**kv_events_flags(kv_events_config, given=flags), **flags}
-        effective = load_config(config_path=config, env=os.environ, flags=flags)
+        given: set[str] = set()
+        effective = load_config(config_path=config, env=os.environ, flags=flags, given=given)
     except ConfigError as error:
         for problem in error.problems:
             typer.echo(f"error: {problem}", err=True)
@@ -68,6 +69,7 @@ def serve(
             effective,
             vocab_given=effective.engine.vocab_size is not None,
             max_model_len_given=effective.engine.max_model_len is not None,
+            budget_given="engine.max_num_batched_tokens" in given,
         )
     except ConfigError as error:
         typer.echo(f"error: {error}", err=True)

@@ -35,6 +35,7 @@ def load_config(
     config_path: str | Path | None,
     env: Mapping[str, str],
     flags: Mapping[str, Any],
+    given: set[str] | None = None,
 ) -> DaemonConfig:
     """Layer defaults < TOML file < `ENGINED_*` environment < flags, then validate once.
 
@@ -46,6 +47,8 @@ def load_config(
         flags: only the flags the user gave, by dotted config key (`engine.block_size`,
             `drain_timeout`). String values are parsed like environment values (the CLI passes
             text); other values are taken as they are.
+        given: filled, when passed, with the keys some layer set (where vLLM's defaults
+            depend on whether a setting was given at all).
 
     Returns:
         The validated configuration, with normalised engine arguments.
@@ -62,6 +65,8 @@ def load_config(
     _apply_env(layers, env)
     _apply_flags(layers, flags)
     _apply_vllm_api_key(layers, env)
+    if given is not None:
+        given.update(layers.sources)
     return validate(layers)
 
 

@@ -26,19 +26,53 @@ def uses_model(config: DaemonConfig) -> bool:
 
 
 def with_model(
-    config: DaemonConfig, *, vocab_given: bool, max_model_len_given: bool
+    config: DaemonConfig,
+    *,
+    vocab_given: bool,
+    max_model_len_given: bool,
+    budget_given: bool = True,
 ) -> DaemonConfig:
-    """`config` with the engine's vocabulary and context taken from the model.
+    """`config` with the engine's vocabulary and context taken from the model, and vLLM's
+    token budget for that context.
 
     `vocab_given`: the user set `vocab_size` (it is then checked against the model rather
-    than replaced); `max_model_len_given`: likewise for `max_model_len`.
+    than replaced); `max_model_len_given`: likewise for `max_model_len`; `budget_given`:
+    the user set `max_num_batched_tokens` (`unset_budget`).
 
     Raises:
         ConfigError: the model or tokenizer cannot be loaded, or the given vocabulary would
             let the ranks draw ids the tokenizer cannot decode or its special tokens.
     """
-    if not uses_model(config):
+    if uses_model(config):
+        config = _from_model(
+            config, vocab_given=vocab_given, max_model_len_given=max_model_len_given
+        )
+    return config if budget_given else unset_budget(config)
+
+
+def unset_budget(config: DaemonConfig) -> DaemonConfig:
+    """vLLM's budget when none was given: without chunked prefill a sequence is prefilled in
+    one pass, so vLLM raises its default budget to `max_model_len`
+    (`EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`). Under the mocker's
+    semantics, or with chunked prefill, the default stays.
+    """
+    engine = config.engine
+    budget, context = engine.max_num_batched_tokens, engine.max_model_len
+    if (
+        engine.enable_chunked_prefill
+        or not engine.runs_vllm_semantics()
+        or budget is None
+        or context is None
+        or context <= budget
+    ):
         return config
+    engine = msgspec.structs.replace(engine, max_num_batched_tokens=context).normalized()
+    return msgspec.structs.replace(config, engine=engine)
+
+
+def _from_model(
+    config: DaemonConfig, *, vocab_given: bool, max_model_len_given: bool
+) -> DaemonConfig:
     # NOTE: imported here: the tokenizer stack (tokenizers, jinja2) costs about 35 ms of a
     # daemon's 0.5 s start-up CPU, and one without an API server or a model never needs it.
     from engined.openai.tokenizer import TokenizerError, load_tokenizer
