@@ -160,17 +160,23 @@ def test_missing_config_file_exits_2(tmp_path: Path) -> None:
     assert "not found" in result.stderr
 
 
-def test_serve_runs_the_daemon_with_the_effective_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The daemon module is replaced, so this tests the plumbing, not the daemon."""
+def fake_daemon(monkeypatch: pytest.MonkeyPatch, code: int) -> list[DaemonConfig]:
+    """The daemon module replaced by one whose `run` records its configuration and returns
+    `code`: the plumbing of `serve`, not the daemon."""
     seen: list[DaemonConfig] = []
 
     def run(config: DaemonConfig) -> int:
         seen.append(config)
-        return 7
+        return code
 
     fake = types.ModuleType("engined.server.daemon")
     fake.run = run  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "engined.server.daemon", fake)
+    return seen
+
+
+def test_serve_runs_the_daemon_with_the_effective_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = fake_daemon(monkeypatch, 7)
     result = invoke("--max-num-seqs", "4", "--worker-id", "w")
     assert result.exit_code == 7
     assert [(c.engine.max_num_seqs, c.worker_id) for c in seen] == [(4, "w")]
@@ -195,15 +201,7 @@ def test_serve_runs_the_daemon_with_the_effective_config(monkeypatch: pytest.Mon
 def test_an_unset_budget_is_raised_to_the_context_without_chunked_prefill(
     monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str], budget: int
 ) -> None:
-    seen: list[DaemonConfig] = []
-
-    def run(config: DaemonConfig) -> int:
-        seen.append(config)
-        return 0
-
-    fake = types.ModuleType("engined.server.daemon")
-    fake.run = run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engined.server.daemon", fake)
+    seen = fake_daemon(monkeypatch, 0)
     result = invoke(*args, env=env)
     assert result.exit_code == 0, result.output
     assert [c.engine.max_num_batched_tokens for c in seen] == [budget]
