@@ -594,6 +594,7 @@ ISSUE_FLAGS = {
     "--stream-interval": "stream_interval",
     "--max-num-queued-reqs": "max_num_queued_reqs",
     "--max-num-queued-tokens": "max_num_queued_tokens",
+    "--enable-server-load-tracking": "enable_server_load_tracking",
 }
 
 
@@ -649,6 +650,7 @@ def test_switches_and_metavars() -> None:
         "--long-prefill-token-threshold-adaptive",
         "--enable-prompt-tokens-details",
         "--kv-cache-metrics",
+        "--enable-server-load-tracking",
     }
     assert by_name["--kv-cache-metrics-sample"].metavar == "FLOAT"
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"

@@ -156,6 +156,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--stream-interval", "stream_interval"),
     Flag("--max-num-queued-reqs", "max_num_queued_reqs"),
     Flag("--max-num-queued-tokens", "max_num_queued_tokens"),
+    Flag("--enable-server-load-tracking", "enable_server_load_tracking"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

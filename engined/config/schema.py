@@ -228,6 +228,10 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "(its first output and its last are sent at once; a request may ask for more)."
         ),
     ] = 1
+    enable_server_load_tracking: Annotated[
+        bool,
+        _help("Count each API server's requests in flight for GET /load, as vLLM's flag."),
+    ] = False
     # vLLM's admission control in the API servers (engined.openai.queue_admission).
     max_num_queued_reqs: (
         Annotated[

@@ -24,6 +24,7 @@ from engined.openai.api_errors import (
     route_not_found,
 )
 from engined.openai.http.http_messages import HttpRequest, HttpResponse, StreamingResponse
+from engined.openai.server_load import ServerLoad
 from engined.openai.serving import ServingContext, engine_refusal
 from engined.openai.serving_chat import ChatServer
 from engined.openai.serving_completion import CompletionServer
@@ -61,9 +62,11 @@ class ApiApp:
         completions = CompletionServer(context)
         chat = ChatServer(context)
         misc = MiscServer(context, config=config, welcome=welcome)
+        load = ServerLoad(config.enable_server_load_tracking)
         self._routes: dict[str, dict[str, Route]] = {
-            "/v1/completions": {"POST": completions.create},
-            "/v1/chat/completions": {"POST": chat.create},
+            "/v1/completions": {"POST": load.track(completions.create)},
+            "/v1/chat/completions": {"POST": load.track(chat.create)},
+            "/load": {"GET": load.load},
             "/v1/models": {"GET": misc.models},
             "/health": {"GET": misc.health},
             "/ping": {"GET": misc.health, "POST": misc.health},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engined.admission_counters import AdmissionCounters
@@ -255,29 +255,6 @@ def samples(
         )
         for j in range(n)
     ]
-
-
-class StreamBody:
-    """A streamed response's chunks, whose `aclose` also closes their generation: the
-    HTTP side aclose()s a body however its stream ended, but a generator that never started
-    (the client left before the head was written) runs no `finally`, and its engine
-    requests would then run on, counted, for nobody."""
-
-    def __init__(self, chunks: AsyncGenerator[bytes, None], generation: Generation) -> None:
-        self._chunks = chunks
-        self._generation = generation
-
-    def __aiter__(self) -> StreamBody:
-        return self
-
-    async def __anext__(self) -> bytes:
-        return await self._chunks.__anext__()
-
-    async def aclose(self) -> None:
-        try:
-            await self._chunks.aclose()
-        finally:
-            await self._generation.close()
 
 
 def stop_strings(request: Request) -> tuple[str, ...]:

@@ -18,7 +18,12 @@ import msgspec
 from engined.openai.api_errors import ApiError
 from engined.openai.choice_steps import Choice, steps
 from engined.openai.generation import Generation
-from engined.openai.http.http_messages import HttpRequest, HttpResponse, StreamingResponse
+from engined.openai.http.http_messages import (
+    ClosingBody,
+    HttpRequest,
+    HttpResponse,
+    StreamingResponse,
+)
 from engined.openai.logprobs import chat_logprobs
 from engined.openai.protocol import ChatCompletionRequest, decode_chat_request
 from engined.openai.protocol_responses import (
@@ -44,7 +49,6 @@ from engined.openai.protocol_responses import (
 from engined.openai.protocol_sampling import sample_logprobs
 from engined.openai.serving import (
     ServingContext,
-    StreamBody,
     base_request_id,
     check_template_trust,
     created_now,
@@ -109,7 +113,7 @@ class ChatServer:
             echo = _content_text(messages[-1].get("content"))
         run = _Run(context, request, request_id, created_now(), model, ids, choices, role, echo)
         if request.stream:
-            return StreamingResponse(200, StreamBody(run.stream(generation), generation))
+            return StreamingResponse(200, ClosingBody(run.stream(generation), generation.close))
         return await run.collect(generation)
 
 

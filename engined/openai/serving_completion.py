@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from engined.openai.api_errors import ApiError
 from engined.openai.choice_steps import Choice, Step, steps
 from engined.openai.generation import Generation
-from engined.openai.http.http_messages import HttpRequest, HttpResponse, StreamingResponse
+from engined.openai.http.http_messages import (
+    ClosingBody,
+    HttpRequest,
+    HttpResponse,
+    StreamingResponse,
+)
 from engined.openai.logprobs import completion_logprobs
 from engined.openai.protocol import CompletionRequest, decode_completion_request
 from engined.openai.protocol_responses import (
@@ -36,7 +41,6 @@ from engined.openai.protocol_responses import (
 from engined.openai.protocol_sampling import check_completion_prompt, echo_only, sample_logprobs
 from engined.openai.serving import (
     ServingContext,
-    StreamBody,
     base_request_id,
     created_now,
     samples,
@@ -103,7 +107,7 @@ class CompletionServer:
         ]
         run = _Run(context, request, request_id, created_now(), model, prompts, choices)
         if request.stream:
-            return StreamingResponse(200, StreamBody(run.stream(generation), generation))
+            return StreamingResponse(200, ClosingBody(run.stream(generation), generation.close))
         return await run.collect(generation)
 
 

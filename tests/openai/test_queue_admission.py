@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncGenerator, Iterator
-from typing import cast
 
 import pytest
 
 from engined.admission_counters import AdmissionCounters
 from engined.openai.api_errors import ApiError, engine_overloaded, prefill_backlog_full
-from engined.openai.generation import Generation
+from engined.openai.http import ClosingBody
 from engined.openai.queue_admission import Admission
-from engined.openai.serving import StreamBody
 from tests.support import run
 
 
@@ -150,13 +148,12 @@ def test_a_slot_outside_the_processes_is_refused() -> None:
 
 def test_a_stream_closed_before_its_first_chunk_still_closes_its_generation() -> None:
     """The HTTP side aclose()s a body however its stream ended; a generator that never
-    started runs no `finally`, so the body closes the generation itself (its engine
-    requests are cancelled and leave the count)."""
+    started runs no `finally`, so the body runs its closing itself (a generation's engine
+    requests are cancelled and leave the count), once."""
     closed: list[str] = []
 
-    class Closing:
-        async def close(self) -> None:
-            closed.append("generation")
+    async def close_generation() -> None:
+        closed.append("generation")
 
     async def chunks() -> AsyncGenerator[bytes, None]:
         try:
@@ -165,10 +162,11 @@ def test_a_stream_closed_before_its_first_chunk_still_closes_its_generation() ->
             closed.append("chunks")
 
     async def scenario() -> None:
-        never_started = StreamBody(chunks(), cast(Generation, Closing()))
+        never_started = ClosingBody(chunks(), close_generation)
+        await never_started.aclose()
         await never_started.aclose()
         assert closed == ["generation"]
-        started = StreamBody(chunks(), cast(Generation, Closing()))
+        started = ClosingBody(chunks(), close_generation)
         assert await anext(started) == b"data"
         closed.clear()
         await started.aclose()

@@ -37,6 +37,35 @@ class StreamingResponse:
     headers: tuple[tuple[str, str], ...] = ()
 
 
+class ClosingBody:
+    """Chunks whose `aclose` also runs `on_close`, once, however the stream ended: the HTTP
+    side aclose()s every streamed body, but a generator that never started (the client left
+    before the head was written) runs no `finally`, so what must end with the stream (its
+    engine requests, a count of requests in flight) is tied to `aclose` instead."""
+
+    def __init__(
+        self, chunks: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        self._chunks = chunks
+        self._on_close: Callable[[], Awaitable[None]] | None = on_close
+
+    def __aiter__(self) -> ClosingBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            aclose = getattr(self._chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            on_close, self._on_close = self._on_close, None
+            if on_close is not None:
+                await on_close()
+
+
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse | StreamingResponse]]
 # The server's own refusals (malformed HTTP, too large, too slow, too many connections) are
 # built by the app, so they carry vLLM's JSON error shape: ErrorFactory(status, message).
