@@ -247,6 +247,18 @@ class EngineClient(HandoffCalls):
             self._end_stream(request_id)
         return reply
 
+    def forget(self, request_id: str) -> None:
+        """Drop what this client holds of a request's stream, unread outputs included (a
+        reader of it ends): for a caller done with a request it will not read to its end,
+        since a `cancel` answered `noop` (the request had already finished) leaves them
+        queued for a reader that will never come."""
+        self._end_stream(request_id)
+
+    @property
+    def open_streams(self) -> int:
+        """The requests whose outputs this client holds, read or not yet."""
+        return len(self._streams)
+
     async def stats(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> StatsReply:
         return await self._call(Stats(id=self._next_id()), StatsReply, timeout)
 

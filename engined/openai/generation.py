@@ -321,8 +321,13 @@ class Generation:
         task.add_done_callback(self._stopping.discard)
 
     async def _cancel(self, request_id: str) -> None:
-        with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
-            await self.client.cancel(request_id, timeout=CALL_TIMEOUT_S)
+        """Cancel an engine request nobody will read to its end, and drop its unread outputs
+        (it may have finished with them queued)."""
+        try:
+            with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
+                await self.client.cancel(request_id, timeout=CALL_TIMEOUT_S)
+        finally:
+            self.client.forget(request_id)
 
     async def close(self) -> None:
         """Cancel every engine request that has not finished (idempotent)."""
