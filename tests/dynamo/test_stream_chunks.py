@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,56 +73,89 @@ async def _next(chunks: AsyncIterator[dict[str, Any]], passes: Passes) -> dict[s
     return await pending
 
 
+@asynccontextmanager
+async def timed_handler(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[RequestHandler, EngineClient, Passes]]:
+    """A handler on a control server whose passes run only when the test says (`Passes`)."""
+    clock = ManualClock()
+    passes = Passes(clock)
+    async with serve(
+        tmp_path,
+        clock=clock,
+        sleep=clock.sleep,
+        speedup_ratio=1.0,
+        fixed_decode_ms_per_pass=PASS_MS,
+        fixed_pass_overhead_ms=PASS_MS,
+    ) as served:
+        deliver = served.control.deliver_outputs
+
+        def counted(rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
+            deliver(rank, outputs, decodes)
+            passes.on_outputs(rank, outputs, decodes)
+
+        served.control.deliver_outputs = counted  # type: ignore[method-assign]
+        ctx = zmq.asyncio.Context()
+        async with await EngineClient.connect(served.endpoint, ctx=ctx) as client:
+
+            async def connect(endpoint: str) -> EngineClient:
+                return await EngineClient.connect(endpoint, ctx=ctx)
+
+            handler = RequestHandler(
+                client,
+                DisaggregationMode.AGG,
+                Limits(served.endpoint, 1000, 1.0),
+                connect=connect,
+            )
+            try:
+                yield handler, client, passes
+            finally:
+                await handler.close()
+        ctx.term()
+
+
 def test_chunks_follow_the_passes_and_merge_only_what_queued(tmp_path: Path) -> None:
     async def scenario() -> None:
-        clock = ManualClock()
-        passes = Passes(clock)
-        async with serve(
-            tmp_path,
-            clock=clock,
-            sleep=clock.sleep,
-            speedup_ratio=1.0,
-            fixed_decode_ms_per_pass=PASS_MS,
-            fixed_pass_overhead_ms=PASS_MS,
-        ) as served:
-            deliver = served.control.deliver_outputs
+        async with timed_handler(tmp_path) as (handler, client, passes):
+            chunks = handler.generate(_request(10), Context("ctx-timed"))
+            # Taken as they come: one token a chunk, the prompt's pass included.
+            taken = [await _next(chunks, passes) for _ in range(4)]
+            assert [len(c["token_ids"]) for c in taken] == [1, 1, 1, 1]
+            assert all("finish_reason" not in c for c in taken)
+            # Three passes while nobody asks: one chunk of exactly their three tokens.
+            await passes.run(3)
+            await client.stats()  # replies follow the outputs sent before them
+            late = await chunks.__anext__()
+            assert len(late["token_ids"]) == 3
+            assert "finish_reason" not in late
+            # Then one a chunk again, up to the last.
+            rest = [await _next(chunks, passes) for _ in range(3)]
+            assert [len(c["token_ids"]) for c in rest] == [1, 1, 1]
+            assert rest[-1]["finish_reason"] == "length"
+            assert rest[-1]["completion_usage"]["completion_tokens"] == 10
+            assert [c.get("index") for c in [*taken, late, *rest]] == [0] * 8
 
-            def counted(rank: int, outputs: list[RequestOutput], decodes: Decodes) -> None:
-                deliver(rank, outputs, decodes)
-                passes.on_outputs(rank, outputs, decodes)
+    run(scenario())
 
-            served.control.deliver_outputs = counted  # type: ignore[method-assign]
-            ctx = zmq.asyncio.Context()
-            async with await EngineClient.connect(served.endpoint, ctx=ctx) as client:
 
-                async def connect(endpoint: str) -> EngineClient:
-                    return await EngineClient.connect(endpoint, ctx=ctx)
+def test_a_stream_dropped_after_its_request_finished_leaves_no_outputs_behind(
+    tmp_path: Path,
+) -> None:
+    """Dynamo stops reading after the first chunk; the request finishes meanwhile with its
+    outputs queued, so the cancel finds nothing (`noop`): the worker drops them anyway."""
 
-                handler = RequestHandler(
-                    client,
-                    DisaggregationMode.AGG,
-                    Limits(served.endpoint, 1000, 1.0),
-                    connect=connect,
-                )
-                chunks = handler.generate(_request(10), Context("ctx-timed"))
-                # Taken as they come: one token a chunk, the prompt's pass included.
-                taken = [await _next(chunks, passes) for _ in range(4)]
-                assert [len(c["token_ids"]) for c in taken] == [1, 1, 1, 1]
-                assert all("finish_reason" not in c for c in taken)
-                # Three passes while nobody asks: one chunk of exactly their three tokens.
-                await passes.run(3)
-                await client.stats()  # replies follow the outputs sent before them
-                late = await chunks.__anext__()
-                assert len(late["token_ids"]) == 3
-                assert "finish_reason" not in late
-                # Then one a chunk again, up to the last.
-                rest = [await _next(chunks, passes) for _ in range(3)]
-                assert [len(c["token_ids"]) for c in rest] == [1, 1, 1]
-                assert rest[-1]["finish_reason"] == "length"
-                assert rest[-1]["completion_usage"]["completion_tokens"] == 10
-                assert [c.get("index") for c in [*taken, late, *rest]] == [0] * 8
-                await handler.close()
-            ctx.term()
+    async def scenario() -> None:
+        async with timed_handler(tmp_path) as (handler, client, passes):
+            chunks = handler.generate(_request(10), Context("ctx-dropped"))
+            assert len((await _next(chunks, passes))["token_ids"]) == 1
+            await passes.run(9)
+            await client.stats()  # replies follow the outputs sent before them
+            assert client.open_streams == 1
+            # Dropped, as Dynamo drops a stream: its request is cancelled once the handler's
+            # generators are finalised.
+            await chunks.aclose()  # type: ignore[attr-defined]
+            del chunks
+            await until(lambda: client.open_streams == 0, "the unread outputs to be dropped")
 
     run(scenario())
 
