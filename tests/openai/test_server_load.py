@@ -5,6 +5,7 @@ its stream is closed (tests/openai/test_queue_limits.py)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.request
@@ -13,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from engined.openai.api_errors import method_not_allowed
 from tests.openai.api_harness import start_api
 from tests.openai.test_queue_limits import PACED, WAIT_S, client_of, stream
 
@@ -64,3 +66,14 @@ def test_without_the_flag_load_is_zero(tmp_path: Path) -> None:
         held = stream(client, [4, 5, 6])
         assert server_load(api.port) == 0
         held.close()
+        # Only GET, as vLLM's route; a body sent with it is read and ignored.
+        connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=10)
+        try:
+            connection.request("POST", "/load", body=b"{" * 1000)
+            refused = connection.getresponse()
+            assert (refused.status, refused.read()) == (405, method_not_allowed().body())
+            connection.request("GET", "/load", body=b"x" * 100_000)
+            reply = connection.getresponse()
+            assert (reply.status, json.loads(reply.read())) == (200, {"server_load": 0})
+        finally:
+            connection.close()

@@ -22,7 +22,13 @@ from typing import Literal, Protocol, cast
 import structlog
 
 import engined.openai.http.wire as wire
-from engined.openai.http.http_messages import ErrorFactory, Handler, HttpResponse, StreamingResponse
+from engined.openai.http.http_messages import (
+    ErrorFactory,
+    Handler,
+    HttpResponse,
+    StreamingResponse,
+    aclose_chunks,
+)
 from engined.openai.http.limits import HttpLimits
 from engined.openai.http.parsing import Item, RequestReader
 from engined.openai.http.wait_deadline import WaitDeadline
@@ -383,11 +389,8 @@ class HttpConnection(asyncio.Protocol):
 
 
 async def _aclose(chunks: object) -> None:
-    """`chunks.aclose()` if it has one: how the serving layer learns the stream is over."""
-    aclose = getattr(chunks, "aclose", None)
-    if aclose is None:
-        return
+    """Close a response's chunks; a failure to is logged, never the connection's."""
     try:
-        await aclose()
+        await aclose_chunks(chunks)
     except Exception:
         log.exception("closing a response stream failed")

@@ -37,6 +37,13 @@ class StreamingResponse:
     headers: tuple[tuple[str, str], ...] = ()
 
 
+async def aclose_chunks(chunks: object) -> None:
+    """`chunks.aclose()` if it has one: how whoever made a streamed body learns it is over."""
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 class ClosingBody:
     """Chunks whose `aclose` also runs `on_close`, once, however the stream ended: the HTTP
     side aclose()s every streamed body, but a generator that never started (the client left
@@ -57,9 +64,7 @@ class ClosingBody:
 
     async def aclose(self) -> None:
         try:
-            aclose = getattr(self._chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await aclose_chunks(self._chunks)
         finally:
             on_close, self._on_close = self._on_close, None
             if on_close is not None:
