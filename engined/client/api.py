@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
+from engined.client.client_errors import EngineError
 from engined.client.dealer_connection import DEFAULT_TIMEOUT
 from engined.client.handoff_calls import HandoffCalls, wire_request
 from engined.wire.control import (
@@ -253,6 +254,15 @@ class EngineClient(HandoffCalls):
         since a `cancel` answered `noop` (the request had already finished) leaves them
         queued for a reader that will never come."""
         self._end_stream(request_id)
+
+    async def abandon(self, request_id: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        """Cancel a request nobody will read to its end and `forget` its stream, whatever the
+        daemon answers, or if it does not (a relay whose own client went away)."""
+        try:
+            with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
+                await self.cancel(request_id, timeout=timeout)
+        finally:
+            self.forget(request_id)
 
     @property
     def open_streams(self) -> int:

@@ -310,13 +310,7 @@ class RequestHandler:
         await self._cancel(request_id)
 
     async def _cancel(self, request_id: str) -> None:
-        """Cancel a request Dynamo stopped reading, and drop its unread outputs: it may have
-        finished with them queued (the daemon then answers `noop`)."""
-        try:
-            with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
-                await self._client.cancel(request_id, timeout=CALL_TIMEOUT_S)
-        finally:
-            self._client.forget(request_id)
+        await self._client.abandon(request_id, timeout=CALL_TIMEOUT_S)
 
 
 async def _interleaved(

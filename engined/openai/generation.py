@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engined.client import EngineClient, EngineError
+from engined.client import EngineClient
 from engined.client.handoff_coordinator import DestinationRequest
 from engined.openai.disagg import DecodeRole, Disaggregation, PrefillRole, Role
 from engined.openai.queue_admission import Ticket
@@ -321,13 +321,7 @@ class Generation:
         task.add_done_callback(self._stopping.discard)
 
     async def _cancel(self, request_id: str) -> None:
-        """Cancel an engine request nobody will read to its end, and drop its unread outputs
-        (it may have finished with them queued)."""
-        try:
-            with contextlib.suppress(EngineError, TimeoutError, ConnectionError):
-                await self.client.cancel(request_id, timeout=CALL_TIMEOUT_S)
-        finally:
-            self.client.forget(request_id)
+        await self.client.abandon(request_id, timeout=CALL_TIMEOUT_S)
 
     async def close(self) -> None:
         """Cancel every engine request that has not finished (idempotent)."""
