@@ -30,6 +30,7 @@ def config(tmp_path: Path) -> DaemonConfig:
         0,
         kv_replay_endpoint=f"ipc://{tmp_path}/replay",
         max_queued_requests=77,
+        max_num_queued_tokens=4096,
     )
 
 
@@ -58,6 +59,7 @@ def test_the_start_up_log_names_the_bounds_in_force(tmp_path: Path) -> None:
     limits = started["limits"]
     assert isinstance(limits, dict)
     assert limits["max_queued_requests"] == 77
+    assert (limits["max_num_queued_reqs"], limits["max_num_queued_tokens"]) == (None, 4096)
     # Derived from the pool (engined.server.control.budgets): 16,384 blocks of 64 tokens, a prompt
     # of them all and as many planned ids at 5 bytes each, 1 KiB of ids, 1 MiB of margin.
     assert limits["control_max_message_bytes"] == 2 * 16384 * 64 * 5 + 1024 + 1024 * 1024
@@ -67,6 +69,8 @@ def test_the_start_up_log_names_the_bounds_in_force(tmp_path: Path) -> None:
     assert limits["kv_replay_client_bytes"] == 8 * 1024 * 1024
     assert set(limits) == {
         "max_queued_requests",
+        "max_num_queued_reqs",
+        "max_num_queued_tokens",
         "control_max_message_bytes",
         "control_inflight_bytes",
         "control_unread_bytes",

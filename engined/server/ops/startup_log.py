@@ -54,6 +54,9 @@ def limits(
     kv_hwm, replay_hwm = hwms
     return {
         "max_queued_requests": cfg.max_queued_requests,
+        # vLLM's admission control in the API servers (None: no limit).
+        "max_num_queued_reqs": cfg.max_num_queued_reqs,
+        "max_num_queued_tokens": cfg.max_num_queued_tokens,
         "control_max_message_bytes": control_max_message_bytes,
         "control_inflight_bytes": cfg.control_inflight_bytes,
         "control_unread_bytes": cfg.control_unread_bytes,
