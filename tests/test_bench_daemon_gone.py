@@ -28,18 +28,9 @@ from engined.tools import bench as bench_tool
 from engined.tools.bench_types import BenchOptions, RequestResult
 from engined.tools.common import Mode, Output, ToolError
 from engined.tools.distributions import parse_distribution
-from tests.server.daemon_harness import DaemonProcess
+from tests.server.daemon_harness import PACED_FLAGS, DaemonProcess
 
-PACED = (
-    "--speedup-ratio",
-    "1",
-    "--perf-model",
-    "fixed",
-    "--fixed-decode-ms-per-pass",
-    "10",
-    "--block-size",
-    "16",
-)
+PACED = (*PACED_FLAGS, "--block-size", "16")
 CONCURRENCY = 4
 KILL_AFTER = 8
 

@@ -21,19 +21,10 @@ from engined.client import (
     DaemonLost,
     EngineClient,
 )
-from tests.server.daemon_harness import DaemonProcess
+from tests.server.daemon_harness import PACED_FLAGS, DaemonProcess
 
 # Paced, so a long request is still streaming when the daemon dies.
-PACED = [
-    "--speedup-ratio",
-    "1",
-    "--perf-model",
-    "fixed",
-    "--fixed-decode-ms-per-pass",
-    "10",
-    "--block-size",
-    "16",
-]
+PACED = [*PACED_FLAGS, "--block-size", "16"]
 LIVENESS_S = 2.0
 # Generous: a restarted daemon's first handshake waits for its Python start-up.
 RESTART_TIMEOUT_S = 60.0

@@ -29,19 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from engined.openai.api_errors import engine_overloaded, prefill_backlog_full
 from tests.openai.api_harness import ApiDaemon, start_api
 from tests.openai.test_api_processes import api_pids
+from tests.server.daemon_harness import PACED_FLAGS
 
-PACED = (
-    "--block-size",
-    "16",
-    "--speedup-ratio",
-    "1",
-    "--perf-model",
-    "fixed",
-    "--fixed-decode-ms-per-pass",
-    "10",
-    "--fixed-prefill-ms-per-token",
-    "0",
-)
+PACED = (*PACED_FLAGS, "--block-size", "16", "--fixed-prefill-ms-per-token", "0")
 # Five minutes of decoding at a token a pass: in flight until cancelled.
 LONG = 30_000
 WAIT_S = 30.0

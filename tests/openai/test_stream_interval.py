@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.openai.api_harness import ApiDaemon, start_api
+from tests.server.daemon_harness import PACED_FLAGS
 
 SERVER_INTERVAL = 3
 
@@ -20,8 +21,7 @@ SERVER_INTERVAL = 3
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     # Paced, a token a pass every 10 ms: unpaced, a client reads many passes at once, and
     # chunks would be large with or without an interval.
-    flags = ["--block-size", "16", "--speedup-ratio", "1", "--perf-model", "fixed"]
-    flags += ["--fixed-decode-ms-per-pass", "10", "--fixed-prefill-ms-per-token", "0"]
+    flags = [*PACED_FLAGS, "--block-size", "16", "--fixed-prefill-ms-per-token", "0"]
     tmp: Path = tmp_path_factory.mktemp("stream-interval")
     daemon: ApiDaemon
     with (

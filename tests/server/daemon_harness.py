@@ -41,6 +41,10 @@ from engined.wire.kv_events import (
 from engined.zmq_sockets import CurveClientKeys
 from tests.reference_indexer import ReferenceIndexer
 
+# A daemon paced on the fixed model, a pass every 10 ms of wall time: a request with a long
+# answer stays in flight, one token a pass, while a test looks. Modules add what else they need.
+PACED_FLAGS = ("--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "10")
+
 ENGINED = [sys.executable, "-m", "engined.cli"]
 
 

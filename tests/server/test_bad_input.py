@@ -44,7 +44,7 @@ from engined.wire.control import (
     Submitted,
     WireError,
 )
-from tests.server.daemon_harness import DaemonProcess, start_daemon
+from tests.server.daemon_harness import PACED_FLAGS, DaemonProcess, start_daemon
 from tests.server.support import WAIT_S, assert_idle, rank0, wait_for_stats
 from tests.support import run
 from tests.wire import strategies
@@ -63,7 +63,7 @@ FAST = (
     str(NUM_BLOCKS),
 )
 # Paced at 10 ms per decode pass: a request of n tokens streams for about n * 10 ms.
-PACED = ("--speedup-ratio", "1", "--perf-model", "fixed", "--fixed-decode-ms-per-pass", "10")
+PACED = PACED_FLAGS
 # The control ROUTER's MAXMSGSIZE, derived from the pool: 2 x 65,536 tokens at 5 bytes,
 # 1 KiB of ids, a 1 MiB margin (engined.server.control.budgets).
 MAX_MESSAGE_BYTES = 2 * BLOCK_SIZE * NUM_BLOCKS * 5 + 1024 + 1024 * 1024

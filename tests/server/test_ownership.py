@@ -51,17 +51,12 @@ from engined.wire.control import (
     Pong,
     ReplyDecoder,
 )
-from tests.server.daemon_harness import DaemonProcess
+from tests.server.daemon_harness import PACED_FLAGS, DaemonProcess
 from tests.support import run
 
 WAIT_S = 10.0
 PACED = (
-    "--speedup-ratio",
-    "1",
-    "--perf-model",
-    "fixed",
-    "--fixed-decode-ms-per-pass",
-    "10",
+    *PACED_FLAGS,
     "--fixed-prefill-ms-per-token",
     "1",
     "--max-num-batched-tokens",
