@@ -91,6 +91,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--scheduling-policy", "engine.scheduling_policy"),
     Flag("--scheduler-reserve-full-isl", "engine.scheduler_reserve_full_isl"),
     Flag("--async-scheduling", "engine.async_scheduling"),
+    Flag("--enable-lora", "engine.enable_lora"),
+    Flag("--max-loras", "engine.max_loras"),
     Flag("--long-prefill-token-threshold", "engine.long_prefill_token_threshold"),
     Flag("--watermark", "engine.watermark"),
     Flag("--max-num-active-seqs", "engine.max_num_active_seqs"),

@@ -313,6 +313,20 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "placeholders for tokens still being sampled; outputs arrive one pass later)."
         ),
     ] = False
+    enable_lora: Annotated[
+        bool,
+        Meta(
+            description="vLLM semantics: accept requests for LoRA adapters, as vLLM's "
+            "--enable-lora (their blocks hash apart; max_loras bounds a pass)."
+        ),
+    ] = False
+    max_loras: Annotated[
+        int,
+        Meta(
+            description="vLLM semantics: the adapters the running requests may use at once; "
+            "a waiting request for another waits, as vLLM's --max-loras."
+        ),
+    ] = 1
     semantics: Annotated[
         Semantics,
         Meta(

@@ -158,6 +158,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("long_prefill_token_threshold", 0, None),
     ("max_num_active_seqs", 1, None),
     ("max_num_scheduled_tokens", 1, None),
+    ("max_loras", 1, None),
     ("prefill_schedule_interval", 1, None),
     ("aic_nextn", 1, 5),
     ("aic_mtp_seed", 0, _U64_MAX),

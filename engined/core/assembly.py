@@ -79,6 +79,7 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         ("scheduling_policy", "=priority", args.scheduling_policy is SchedulingPolicy.PRIORITY),
         ("async_scheduling", "", args.async_scheduling),
         ("kv_cache_metrics", "", args.kv_cache_metrics),
+        ("enable_lora", "", args.enable_lora),
         ("watermark", f"={args.watermark}", args.watermark > 0),
         ("max_num_active_seqs", "", args.max_num_active_seqs is not None),
         ("max_num_scheduled_tokens", "", args.max_num_scheduled_tokens is not None),

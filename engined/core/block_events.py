@@ -38,6 +38,9 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     block_size: int
     medium: Medium = Medium.GPU
     extra_keys: list[tuple[str, ...] | None] | None = None  # per block as vLLM's, None: none
+    # A LoRA request's blocks: vLLM's `lora_id` (the adapter's `lora_int_id`) and `lora_name`.
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):

@@ -75,6 +75,18 @@ class OffloadWait(NamedTuple):
     deadline_ms: float | None
 
 
+class LoraRequest(msgspec.Struct, frozen=True, gc=False):
+    """The LoRA adapter a request runs with, vLLM's `LoRARequest` (the fields it schedules
+    and hashes by): `lora_int_id` (at least 1) is what `max_loras` counts and KV events call
+    `lora_id`; `lora_name` and `lora_path` key the request's blocks apart from the base
+    model's and from other adapters' (re-pointing a name at another path shares nothing).
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 class Request(msgspec.Struct, frozen=True, kw_only=True):
     """A generation request as the core sees it (Dynamo's `DirectRequest`).
 
@@ -98,6 +110,8 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     cache_salt: str | None = None
+    # vLLM's `lora_request`: accepted with `enable_lora` only (vLLM semantics).
+    lora_request: LoraRequest | None = None
 
 
 # --- commands -------------------------------------------------------------------------------
