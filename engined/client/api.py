@@ -40,6 +40,7 @@ from engined.wire.control import (
     WaitIdle,
     WatchLoad,
     Welcome,
+    WireLoraRequest,
 )
 
 
@@ -87,6 +88,7 @@ class EngineClient(HandoffCalls):
         stop_token_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
         cache_salt: str | None = None,
+        lora_request: WireLoraRequest | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Submitted:
         """Submit a request; read its outputs with `outputs(reply.request_id)`.
@@ -106,6 +108,7 @@ class EngineClient(HandoffCalls):
             stop_token_ids=stop_token_ids,
             min_tokens=min_tokens,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         msg = Submit(request=request, id=self._next_id())
         return await self._call_with_stream(msg, Submitted, request_id, timeout)
@@ -149,6 +152,7 @@ class EngineClient(HandoffCalls):
         stop_token_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
         cache_salt: str | None = None,
+        lora_request: WireLoraRequest | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> AsyncGenerator[OutputEntry, None]:
         """`submit` then `outputs`: the request's entries until its finished one."""
@@ -163,6 +167,7 @@ class EngineClient(HandoffCalls):
             stop_token_ids=stop_token_ids,
             min_tokens=min_tokens,
             cache_salt=cache_salt,
+            lora_request=lora_request,
             timeout=timeout,
         )
         async for entry in self.outputs(submitted.request_id, timeout=timeout):
@@ -181,6 +186,7 @@ class EngineClient(HandoffCalls):
         stop_token_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
         cache_salt: str | None = None,
+        lora_request: WireLoraRequest | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Generation:
         """Submit and collect every output of the request."""
@@ -195,6 +201,7 @@ class EngineClient(HandoffCalls):
             stop_token_ids=stop_token_ids,
             min_tokens=min_tokens,
             cache_salt=cache_salt,
+            lora_request=lora_request,
             timeout=timeout,
         )
         return await self.collect(submitted, timeout=timeout)

@@ -24,6 +24,7 @@ from engined.wire.control import (
     SubmitHandoffPrefill,
     Submitted,
     WireLifecycleEvent,
+    WireLoraRequest,
     WireRequest,
 )
 
@@ -42,11 +43,21 @@ class HandoffCalls(Connection):
         dp_rank: int | None = None,
         seed: int | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        lora_request: WireLoraRequest | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Submitted:
         """Prefill on this (source) worker; `source_held` arrives as a lifecycle event."""
         request = wire_request(
-            token_ids, max_tokens, request_id, output_token_ids, dp_rank, seed, priority
+            token_ids,
+            max_tokens,
+            request_id,
+            output_token_ids,
+            dp_rank,
+            seed,
+            priority,
+            cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         msg = SubmitHandoffPrefill(handoff_id=handoff_id, request=request, id=self._next_id())
         return await self._call_with_stream(msg, Submitted, request_id, timeout)
@@ -78,6 +89,7 @@ class HandoffCalls(Connection):
         stop_token_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
         cache_salt: str | None = None,
+        lora_request: WireLoraRequest | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> DestinationAccepted:
         """Reserve KV on this (destination) worker; `destination_reserved` follows as a
@@ -93,6 +105,7 @@ class HandoffCalls(Connection):
             stop_token_ids=stop_token_ids,
             min_tokens=min_tokens,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         msg = ReserveDestination(handoff_id=handoff_id, request=request, id=self._next_id())
         return await self._call_with_stream(msg, DestinationAccepted, request_id, timeout)
@@ -157,6 +170,7 @@ def wire_request(
     stop_token_ids: Sequence[int] | None = None,
     min_tokens: int = 0,
     cache_salt: str | None = None,
+    lora_request: WireLoraRequest | None = None,
 ) -> WireRequest:
     # NOTE: no validation here: the daemon is the one judge of a request, and tests send
     # invalid ones through these methods on purpose.
@@ -171,4 +185,5 @@ def wire_request(
         stop_token_ids=None if stop_token_ids is None else list(stop_token_ids),
         min_tokens=min_tokens,
         cache_salt=cache_salt,
+        lora_request=lora_request,
     )

@@ -26,6 +26,7 @@ from engined.wire.control import (
     DestinationReservedEvent,
     SourceHeldEvent,
     TransferTiming,
+    WireLoraRequest,
 )
 
 T = TypeVar("T")
@@ -90,6 +91,7 @@ class DestinationRequest:
     stop_token_ids: Sequence[int] | None = None
     min_tokens: int = 0
     cache_salt: str | None = None
+    lora_request: WireLoraRequest | None = None
 
 
 class Coordinator:
@@ -192,6 +194,7 @@ class Coordinator:
                 stop_token_ids=request.stop_token_ids,
                 min_tokens=request.min_tokens,
                 cache_salt=request.cache_salt,
+                lora_request=request.lora_request,
                 timeout=CALL_TIMEOUT_S,
             )
             reserved = await _until(client.next_lifecycle(handoff_id, timeout=None), stopped)

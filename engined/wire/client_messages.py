@@ -17,6 +17,9 @@ from engined.wire.constraints import (
     CacheSalt,
     DpRank,
     HandoffIdStr,
+    LoraIntId,
+    LoraName,
+    LoraPath,
     MessageId,
     NonNegativeInt,
     PromptTokenIds,
@@ -30,6 +33,15 @@ from engined.wire.constraints import (
 )
 
 
+class WireLoraRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The `lora_request` of a request: vLLM's `LoRARequest`, the fields it schedules and
+    hashes by (PROTOCOL.md §1.1); the daemon needs `engine.enable_lora`."""
+
+    lora_name: LoraName
+    lora_int_id: LoraIntId
+    lora_path: LoraPath
+
+
 class WireRequest(
     msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True, frozen=True
 ):
@@ -41,7 +53,8 @@ class WireRequest(
     vLLM's `SamplingParams.seed` does (engined/core/token_stream.py); `priority` orders it
     under `scheduling_policy = priority` as vLLM's request priority does (lower first).
     `stop_token_ids`, `min_tokens` (at most the output's length) and `cache_salt` are vLLM's
-    `SamplingParams` fields and request salt, with vLLM's semantics (PROTOCOL.md §1.1).
+    `SamplingParams` fields and request salt, with vLLM's semantics (PROTOCOL.md §1.1);
+    `lora_request` the LoRA adapter it runs with, vLLM's.
     """
 
     request_id: RequestIdStr | None = None
@@ -54,6 +67,7 @@ class WireRequest(
     stop_token_ids: StopTokenIds | None = None
     min_tokens: NonNegativeInt = 0
     cache_salt: CacheSalt | None = None
+    lora_request: WireLoraRequest | None = None
 
 
 class ClientMessageBase(

@@ -18,6 +18,11 @@ U64_LIMIT = 1 << 64
 # A cache salt is an opaque tenant key (vLLM bounds none): 1 KiB holds any id or digest.
 CACHE_SALT_MAX_BYTES = 1024
 
+# A LoRA adapter's name and path (vLLM bounds neither): a name is a served model name, a path
+# a filesystem path or a repository id; 256 and 4096 bytes hold any of them.
+LORA_NAME_MAX_BYTES = 256
+LORA_PATH_MAX_BYTES = 4096
+
 # Token ids are u32 on every peer (Dynamo `Vec<u32>`, llm-d `[]uint32`).
 TokenId = Annotated[int, Meta(ge=0, lt=U32_LIMIT, description="Token id, an unsigned 32-bit int.")]
 
@@ -39,6 +44,21 @@ StopTokenIds = Annotated[
 CacheSalt = Annotated[
     str,
     Meta(description=f"At most {CACHE_SALT_MAX_BYTES} bytes of UTF-8; salts the prefix cache."),
+]
+
+# vLLM's `LoRARequest` fields: the name and path by named byte-length checks, the id from 1
+# (vLLM's "id must be > 0") within a signed 64-bit int.
+LoraName = Annotated[
+    str,
+    Meta(min_length=1, description=f"1 to {LORA_NAME_MAX_BYTES} bytes of UTF-8; the adapter."),
+]
+LoraIntId = Annotated[
+    int,
+    Meta(ge=1, le=(1 << 63) - 1, description="The adapter's id, at least 1 (vLLM's lora_int_id)."),
+]
+LoraPath = Annotated[
+    str,
+    Meta(min_length=1, description=f"1 to {LORA_PATH_MAX_BYTES} bytes of UTF-8; the weights."),
 ]
 
 # A data-parallel rank; the upper bound (dp_size) is the daemon's to check.

@@ -13,7 +13,11 @@ from typing import Final, TypeAlias
 
 import msgspec
 
-from engined.wire.constraints import CACHE_SALT_MAX_BYTES
+from engined.wire.constraints import (
+    CACHE_SALT_MAX_BYTES,
+    LORA_NAME_MAX_BYTES,
+    LORA_PATH_MAX_BYTES,
+)
 from engined.wire.messages import (
     CLIENT_MESSAGE_TAGS as CLIENT_MESSAGE_TAGS,
 )
@@ -159,6 +163,9 @@ from engined.wire.messages import (
     WireLifecycleEvent as WireLifecycleEvent,
 )
 from engined.wire.messages import (
+    WireLoraRequest as WireLoraRequest,
+)
+from engined.wire.messages import (
     WireRequest as WireRequest,
 )
 from engined.wire.probe import probe_id
@@ -225,6 +232,14 @@ def _check_request(request: WireRequest) -> None:
     if request.cache_salt is not None:
         _check_utf8_max(
             request.cache_salt, CACHE_SALT_MAX_BYTES, "cache_salt", "$.request.cache_salt"
+        )
+    lora = request.lora_request
+    if lora is not None:
+        _check_utf8_max(
+            lora.lora_name, LORA_NAME_MAX_BYTES, "lora_name", "$.request.lora_request.lora_name"
+        )
+        _check_utf8_max(
+            lora.lora_path, LORA_PATH_MAX_BYTES, "lora_path", "$.request.lora_request.lora_path"
         )
 
 

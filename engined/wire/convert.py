@@ -28,6 +28,7 @@ from engined.wire.control import (
     Submit,
     SubmitHandoffPrefill,
     WireLifecycleEvent,
+    WireLoraRequest,
     WireRequest,
 )
 
@@ -51,7 +52,14 @@ def to_core_request(
         stop_token_ids=request.stop_token_ids,
         min_tokens=request.min_tokens,
         cache_salt=request.cache_salt,
+        lora_request=_core_lora(request.lora_request),
     )
+
+
+def _core_lora(lora: WireLoraRequest | None) -> core.LoraRequest | None:
+    if lora is None:
+        return None
+    return core.LoraRequest(lora.lora_name, lora.lora_int_id, lora.lora_path)
 
 
 # The messages that are a command to a rank (`to_core_command`).

@@ -8,7 +8,8 @@ join of byte pieces: each event is its encoding's fixed segments with the values
 between them. The segments are cut, at construction, from the encodings of sentinel events
 built with the wire Structs themselves (engined/wire/kv_events.py passes them in), so the
 bytes stay msgspec's; tests/wire/test_kv_event_bytes.py holds whole payloads to the Struct
-path. Events of other types (`AllBlocksCleared`) go through their Struct converter.
+path. Events of other types (`AllBlocksCleared`), and the stores of LoRA requests (rare, and
+with fields the sentinel leaves nil), go through their Struct converter.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class MapBatchWriter:
         group_idx: the `group_idx` engined sends.
         spec_kind: the `kv_cache_spec_kind` engined sends.
         medium_names: the wire spelling of each medium.
-        others: Struct converters of the other core event types, by type.
+        others: Struct converters of the other core event types, by type, and of a
+            `BlockStored` with LoRA fields.
     """
 
     __slots__ = ("_encode", "_others", "_removed", "_removed_gpu", "_sizes", "_stored")
@@ -154,7 +156,10 @@ class MapBatchWriter:
                     append(self._encode([wire_hash(h) for h in hashes]))
                 append(tail)
             elif kind is BlockStored:
-                self._write_stored(ev, pieces)
+                if ev.lora_id is None and ev.lora_name is None:
+                    self._write_stored(ev, pieces)
+                else:
+                    append(self._encode(self._others[BlockStored](ev)))
             else:
                 convert = self._others.get(kind)
                 if convert is None:

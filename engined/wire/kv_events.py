@@ -201,9 +201,9 @@ def _map_stored(ev: core.BlockStored) -> BlockStored:
         parent_block_hash=_parent(ev.parent_hash),
         token_ids=ev.token_ids,
         block_size=ev.block_size,
-        lora_id=None,
+        lora_id=ev.lora_id,
         medium=_MEDIUM[ev.medium],
-        lora_name=None,
+        lora_name=ev.lora_name,
         extra_keys=_extra_keys(ev),
         group_idx=_GROUP_IDX,
         kv_cache_spec_kind=_SPEC_KIND,
@@ -228,9 +228,9 @@ def _array_stored(ev: core.BlockStored) -> ArrayBlockStored:
         parent_block_hash=_parent(ev.parent_hash),
         token_ids=ev.token_ids,
         block_size=ev.block_size,
-        lora_id=None,
+        lora_id=ev.lora_id,
         medium=_MEDIUM[ev.medium],
-        lora_name=None,
+        lora_name=ev.lora_name,
         extra_keys=_extra_keys(ev),
         group_idx=_GROUP_IDX,
         kv_cache_spec_kind=_SPEC_KIND,
@@ -292,7 +292,7 @@ class KvEventEncoder:
                 _GROUP_IDX,
                 _SPEC_KIND,
                 _MEDIUM,
-                {core.AllBlocksCleared: _map_cleared},
+                {core.AllBlocksCleared: _map_cleared, core.BlockStored: _map_stored},
             )
 
     def encode_batch(self, ts: float, events: Sequence[core.KvEvent], dp_rank: int) -> bytes:

@@ -83,6 +83,9 @@ from engined.wire.client_messages import (
 
 # Re-exported: the client -> daemon half is declared in `engined.wire.client_messages`.
 from engined.wire.client_messages import (
+    WireLoraRequest as WireLoraRequest,
+)
+from engined.wire.client_messages import (
     WireRequest as WireRequest,
 )
 from engined.wire.constraints import (

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from engined.client import EngineClient, EngineError
-from engined.server.control.budgets import request_bytes
+from engined.server.control.budgets import LORA_BYTES, request_bytes, text_bytes
+from engined.wire.control import WireLoraRequest, WireRequest
 from tests.server.daemon_harness import start_daemon
 from tests.support import run
 
@@ -64,6 +65,16 @@ def test_the_costs_are_what_the_budget_charges() -> None:
     assert request_bytes(len(PROMPT), 0, len(STOPS), len(SALT)) == STOPS_COST
     assert LONG + PLANNED_COST > BUDGET >= PLANNED_COST
     assert LONG + STOPS_COST + request_bytes(1, 0) > BUDGET >= LONG + STOPS_COST
+
+
+def test_a_salt_and_an_adapter_are_charged_their_bytes() -> None:
+    lora = WireLoraRequest(lora_name="é-lora", lora_int_id=1, lora_path="/adapters/é")
+    assert LORA_BYTES == 256
+    assert text_bytes(WireRequest(token_ids=[1], max_tokens=1)) == 0
+    assert text_bytes(WireRequest(token_ids=[1], max_tokens=1, cache_salt="é")) == 2
+    assert text_bytes(WireRequest(token_ids=[1], max_tokens=1, lora_request=lora)) == 256 + 7 + 12
+    both = WireRequest(token_ids=[1], max_tokens=1, cache_salt=SALT, lora_request=lora)
+    assert text_bytes(both) == 1024 + 256 + 7 + 12
 
 
 def test_stop_ids_and_a_salt_are_charged(tmp_path: Path) -> None:

@@ -10,7 +10,11 @@ import pytest
 from engined.core.args import EngineType, WorkerType
 from engined.core.stops import STOP_TOKEN_IDS_MAX
 from engined.wire import control
-from engined.wire.constraints import CACHE_SALT_MAX_BYTES
+from engined.wire.constraints import (
+    CACHE_SALT_MAX_BYTES,
+    LORA_NAME_MAX_BYTES,
+    LORA_PATH_MAX_BYTES,
+)
 from engined.wire.control import ControlDecoder, ReplyDecoder, WireError
 
 encode = msgspec.msgpack.encode
@@ -38,6 +42,17 @@ CLIENT_MESSAGES: list[control.ClientMessage] = [
             stop_token_ids=[0, 2**32 - 1] * (STOP_TOKEN_IDS_MAX // 2),
             min_tokens=4,
             cache_salt="é" * (CACHE_SALT_MAX_BYTES // 2),
+        )
+    ),
+    control.Submit(
+        request=control.WireRequest(
+            token_ids=[9],
+            max_tokens=1,
+            lora_request=control.WireLoraRequest(
+                lora_name="é" * (LORA_NAME_MAX_BYTES // 2),
+                lora_int_id=2**63 - 1,
+                lora_path="/" * LORA_PATH_MAX_BYTES,
+            ),
         )
     ),
     control.Cancel(id=-3, request_id="r-1"),
@@ -293,6 +308,26 @@ BAD_MESSAGE_CASES = [
         r"Expected `str \| null`, got `bytes` - at `\$\.request\.cache_salt`",
         id="cache-salt-bytes",
     ),
+    pytest.param(
+        _submit(lora_request="sql-lora"),
+        r"Expected `object \| null`, got `str` - at `\$\.request\.lora_request`",
+        id="lora-request-str",
+    ),
+    pytest.param(
+        _submit(lora_request={"lora_name": "a", "lora_int_id": 1}),
+        r"Object missing required field `lora_path` - at `\$\.request\.lora_request`",
+        id="lora-request-no-path",
+    ),
+    pytest.param(
+        _submit(lora_request={"lora_name": "a", "lora_int_id": 1, "lora_path": "/p", "x": 1}),
+        r"Object contains unknown field `x` - at `\$\.request\.lora_request`",
+        id="lora-request-unknown-field",
+    ),
+    pytest.param(
+        _submit(lora_request={"lora_name": "a", "lora_int_id": "1", "lora_path": "/p"}),
+        r"Expected `int`, got `str` - at `\$\.request\.lora_request\.lora_int_id`",
+        id="lora-int-id-str",
+    ),
     pytest.param(b"\xc1\x00", "Not a MessagePack message", id="random-bytes"),
     pytest.param(b"\x82\xa4type", "Not a MessagePack message.*truncated", id="truncated"),
     pytest.param(encode({"type": "ping"}) + b"\x00", "trailing characters", id="trailing-bytes"),
@@ -456,6 +491,33 @@ INVALID_REQUEST_CASES = [
         r"`cache_salt` must be at most 1024 bytes of UTF-8, got 1025 - at "
         r"`\$\.request\.cache_salt`",
         id="cache-salt-1025-bytes-4-byte-chars",
+    ),
+    pytest.param(
+        _submit(lora_request={"lora_name": "a", "lora_int_id": 0, "lora_path": "/p"}),
+        r"Expected `int` >= 1 - at `\$\.request\.lora_request\.lora_int_id`",
+        id="lora-int-id-0",
+    ),
+    pytest.param(
+        _submit(lora_request={"lora_name": "", "lora_int_id": 1, "lora_path": "/p"}),
+        r"Expected `str` of length >= 1 - at `\$\.request\.lora_request\.lora_name`",
+        id="lora-name-empty",
+    ),
+    pytest.param(
+        _submit(lora_request={"lora_name": "a", "lora_int_id": 1, "lora_path": ""}),
+        r"Expected `str` of length >= 1 - at `\$\.request\.lora_request\.lora_path`",
+        id="lora-path-empty",
+    ),
+    pytest.param(
+        _submit(lora_request={"lora_name": "😀" * 64 + "a", "lora_int_id": 1, "lora_path": "/"}),
+        r"`lora_name` must be at most 256 bytes of UTF-8, got 257 - at "
+        r"`\$\.request\.lora_request\.lora_name`",
+        id="lora-name-257-bytes",
+    ),
+    pytest.param(
+        _submit(lora_request={"lora_name": "a", "lora_int_id": 1, "lora_path": "p" * 10_000_000}),
+        r"`lora_path` must be at most 4096 bytes of UTF-8, got 10000000 - at "
+        r"`\$\.request\.lora_request\.lora_path`",
+        id="lora-path-10MB",
     ),
     pytest.param(
         _submit(cache_salt="s" * 10_000_000),

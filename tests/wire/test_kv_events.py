@@ -23,6 +23,7 @@ def stored(
     block_size: int = 4,
     medium: core.Medium = core.Medium.GPU,
     extra_keys: list[tuple[str, ...] | None] | None = None,
+    lora: tuple[int, str] | None = None,
 ) -> core.BlockStored:
     return core.BlockStored(
         event_id=0,
@@ -34,6 +35,8 @@ def stored(
         block_size=block_size,
         medium=medium,
         extra_keys=extra_keys,
+        lora_id=None if lora is None else lora[0],
+        lora_name=None if lora is None else lora[1],
     )
 
 
@@ -167,6 +170,38 @@ class TestEncoderMatchesVllm:
         payload = kv.KvEventEncoder("vllm").encode_batch(TS, [event], 0)
         assert payload == read_golden("vllm033_reference_block_stored_salted.bin")
 
+    def test_vllm033_lora_block_stored(self) -> None:
+        """A salted LoRA request's blocks: `lora_id` and `lora_name` set, and the adapter's
+        name before the salt in block 0's untagged extra keys, alone in block 1's."""
+        event = stored(
+            [H1, H2],
+            None,
+            [128000, 9125, 271, 1, 2, 3, 4, 5],
+            extra_keys=[("sql-lora", "tenant-a"), ("sql-lora",)],
+            lora=(3, "sql-lora"),
+        )
+        payload = kv.KvEventEncoder("vllm").encode_batch(TS, [event], 0)
+        assert payload == read_golden("vllm033_reference_block_stored_lora.bin")
+
+    def test_lora_and_plain_stores_in_one_batch_keep_their_order(self) -> None:
+        plain = stored([H2], H1, [1, 2, 3, 4])
+        lora = stored([H1], None, [5, 6, 7, 8], extra_keys=[("a",)], lora=(1, "a"))
+        batch = kv.decode_batch(
+            kv.KvEventEncoder("vllm").encode_batch(TS, [plain, lora, removed([H1])], 0)
+        )
+        first, second, third = batch.events
+        assert isinstance(first, kv.BlockStored) and isinstance(second, kv.BlockStored)
+        assert (first.lora_id, first.lora_name, first.block_hashes) == (None, None, [H2])
+        assert (second.lora_id, second.lora_name, second.extra_keys) == (1, "a", [("a",)])
+        assert isinstance(third, kv.BlockRemoved)
+
+    def test_vllm023_positional_lora_block_stored(self) -> None:
+        event = stored([H1], None, [1, 2, 3, 4], extra_keys=[("a",)], lora=(7, "a"))
+        batch = kv.decode_batch(kv.KvEventEncoder("vllm-array").encode_batch(TS, [event], 0))
+        (wire,) = batch.events
+        assert isinstance(wire, kv.ArrayBlockStored)
+        assert (wire.lora_id, wire.lora_name, wire.extra_keys) == (7, "a", [("a",)])
+
     def test_vllm023_positional_salted_block_stored(self) -> None:
         event = stored([H1], None, [1, 2, 3, 4], extra_keys=[("tenant-a",)])
         batch = kv.decode_batch(kv.KvEventEncoder("vllm-array").encode_batch(TS, [event], 0))
@@ -290,6 +325,7 @@ REFERENCES_REENCODED_EXACTLY = [
     "vllm033_reference_all_blocks_cleared.bin",
     "vllm033_reference_block_stored_parent.bin",
     "vllm033_reference_block_stored_salted.bin",
+    "vllm033_reference_block_stored_lora.bin",
     "vllm024_032_reference_removed_cleared.bin",
     "vllm023_reference_block_stored.bin",
     "vllm023_reference_removed_cleared.bin",

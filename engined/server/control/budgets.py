@@ -13,6 +13,7 @@ from typing import Final
 
 from engined.core.args import EngineArgs
 from engined.core.vocab import EXCLUDED_TOKEN_IDS_MAX
+from engined.wire.client_messages import WireRequest
 
 # A token id on the wire: msgpack spends up to 5 bytes on a u32.
 TOKEN_WIRE_BYTES: Final = 5
@@ -26,11 +27,14 @@ MESSAGE_MARGIN_BYTES: Final = 1024 * 1024
 # core: about 900 bytes of state with a short prompt; 4 bytes a prompt token in its array
 # plus its share of the block hashes (~10 in all at block size 16, less above); 40 bytes a
 # planned output token, which stays a list of Python ints; 64 a stop id, an int in a
-# frozenset (33 bytes of set slots an id, measured, plus the int); and a cache salt's bytes.
+# frozenset (33 bytes of set slots an id, measured, plus the int); and the bytes of its
+# strings (a cache salt, a LoRA adapter's name and path), plus LORA_BYTES for an adapter.
 REQUEST_BYTES: Final = 1024
 PROMPT_TOKEN_BYTES: Final = 10
 PLANNED_TOKEN_BYTES: Final = 40
 STOP_TOKEN_BYTES: Final = 64
+# A `LoraRequest` struct and its two strings' headers.
+LORA_BYTES: Final = 256
 
 
 def control_max_message_bytes(engine: EngineArgs) -> int:
@@ -48,7 +52,7 @@ def control_max_message_bytes(engine: EngineArgs) -> int:
 
 
 def request_bytes(
-    prompt_tokens: int, planned_tokens: int, stop_tokens: int = 0, salt_bytes: int = 0
+    prompt_tokens: int, planned_tokens: int, stop_tokens: int = 0, text_bytes: int = 0
 ) -> int:
     """What a request in flight is charged against its client's `control_inflight_bytes`."""
     return (
@@ -56,8 +60,17 @@ def request_bytes(
         + PROMPT_TOKEN_BYTES * prompt_tokens
         + PLANNED_TOKEN_BYTES * planned_tokens
         + STOP_TOKEN_BYTES * stop_tokens
-        + salt_bytes
+        + text_bytes
     )
+
+
+def text_bytes(request: WireRequest) -> int:
+    """The bytes of the request's strings the core keeps, for `request_bytes`."""
+    size = len(request.cache_salt.encode()) if request.cache_salt else 0
+    lora = request.lora_request
+    if lora is not None:
+        size += LORA_BYTES + len(lora.lora_name.encode()) + len(lora.lora_path.encode())
+    return size
 
 
 def over_budget(held: int, cost: int, budget: int) -> str:

@@ -16,7 +16,7 @@ import msgspec
 
 from engined.core import types as core
 from engined.core.errors import CoreError
-from engined.server.control.budgets import over_budget, request_bytes
+from engined.server.control.budgets import over_budget, request_bytes, text_bytes
 from engined.server.control.ownership import HandoffRoute, Ownership
 from engined.server.control.request_ids import RequestIds
 from engined.server.control.settings import RuntimeSettings
@@ -102,7 +102,7 @@ class RankCommands:
             len(request.token_ids),
             len(request.output_token_ids or ()),
             len(request.stop_token_ids or ()),
-            len(request.cache_salt.encode()) if request.cache_salt else 0,
+            text_bytes(request),
         )
         held = self._ownership.inflight_bytes(identity)
         if held + cost > self._inflight_bytes:
