@@ -193,6 +193,14 @@ ADMISSION_REJECTIONS: Final = Family(
     "Number of admission attempts rejected by a queue limit, by reason.",
     ("model_name", "reason"),
 )
+# vLLM's, with `--enable-lora` only: one series per set of adapters in use, valued the Unix
+# time it was last current (engined.server.ops.prometheus_lora); no model or engine label.
+LORA_REQUESTS_INFO: Final = Family(
+    "vllm:lora_requests_info",
+    "gauge",
+    "Running stats on lora requests.",
+    ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+)
 SPEC_DECODE_NUM_DRAFTS: Final = Family(
     "vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts."
 )

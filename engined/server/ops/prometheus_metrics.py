@@ -34,6 +34,7 @@ whatever the pacing, with nothing to undo.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Final, TypeAlias
 
@@ -50,6 +51,7 @@ from engined.server.ops.prometheus_families import (
     Family,
     LatencyHistogram,
 )
+from engined.server.ops.prometheus_lora import LoraRequestsInfo
 from engined.server.ops.prometheus_rank import RankMetrics
 from engined.server.ops.prometheus_render import HistogramRows, Row, Rows, TextRenderer, to_metric
 from engined.server.publish.prometheus_publishers import PublisherMetrics, WatchedPublisher
@@ -114,6 +116,9 @@ class VllmMetrics(Collector):
         spec_tokens: MTP draft tokens per step when the ranks draft (0: no `spec_decode_*`).
         kv_fetch: the ranks are P/D destinations (`num_requests_kv_fetch_by_stage`).
         kv_residency: `kv_cache_metrics` is on (the `kv_block_*` histograms).
+        max_loras: `engine.max_loras` with `enable_lora` (`vllm:lora_requests_info`), else
+            None.
+        clock: Unix seconds, the value of `vllm:lora_requests_info`.
     """
 
     def __init__(
@@ -126,6 +131,8 @@ class VllmMetrics(Collector):
         spec_tokens: int = 0,
         kv_fetch: bool = False,
         kv_residency: bool = False,
+        max_loras: int | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.model_name = model_name
         self.cache_info = dict(cache_info)
@@ -135,6 +142,7 @@ class VllmMetrics(Collector):
         self.kv_fetch = kv_fetch
         self.kv_residency = kv_residency
         self.ranks: list[RankMetrics] = []
+        self.lora = None if max_loras is None else LoraRequestsInfo(max_loras, clock=clock)
         self._ranks: list[_Rank] = []
         self._admission: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._renderer = TextRenderer()
@@ -162,6 +170,7 @@ class VllmMetrics(Collector):
             spec_tokens=0 if engine.is_prefill else engine.aic_nextn or 0,
             kv_fetch=engine.is_decode,
             kv_residency=engine.kv_cache_metrics,
+            max_loras=engine.max_loras if engine.enable_lora else None,
         )
 
     def attach(self, loop: RankHandle) -> RankMetrics:
@@ -172,6 +181,7 @@ class VllmMetrics(Collector):
             now_ms=loop.now_ms,
             max_model_len=self.max_model_len,
             spec_tokens=self.spec_tokens,
+            lora=self.lora,
         )
         loop.command_observers.append(rank.on_command)
         loop.pass_observers.append(rank.on_pass)
@@ -270,6 +280,8 @@ class VllmMetrics(Collector):
             histograms += spec.RESIDENCY_HISTOGRAMS
         for family, attribute in histograms:
             add((family, [(labels, getattr(t, attribute)) for labels, t, _ in snapshots]))
+        if self.lora is not None:
+            add((spec.LORA_REQUESTS_INFO, self.lora.rows()))
         info = self._info_values
         add((self._info, [((*info, labels[1]), 1.0) for labels, _, _ in snapshots]))
         return families

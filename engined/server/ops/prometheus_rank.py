@@ -52,6 +52,7 @@ from engined.server.ops.prometheus_families import (
     LatencyHistogram,
     request_tokens_buckets,
 )
+from engined.server.ops.prometheus_lora import LoraRequestsInfo
 
 # The core's reasons `request_success_total` counts as such; every other end is vLLM's abort.
 _SUCCESS_LABELS: dict[str, str] = {"length": "length", "stop": "stop"}
@@ -104,6 +105,7 @@ class RankMetrics:
         now_ms: the rank's clock (`EngineLoop.now_ms`), for requests a command ended.
         max_model_len: the longest prompt + output (the token histograms' last bucket).
         spec_tokens: MTP draft tokens per step on a rank that drafts (0: no spec decode).
+        lora: the adapters in use, shared by the daemon's ranks (`enable_lora` only).
     """
 
     def __init__(
@@ -114,8 +116,10 @@ class RankMetrics:
         now_ms: Callable[[], float],
         max_model_len: int = 1 << 16,
         spec_tokens: int = 0,
+        lora: LoraRequestsInfo | None = None,
     ) -> None:
         self.rank = rank
+        self._lora = lora
         self.gauges = gauges
         self._now_ms = now_ms
         # Seconds per core millisecond: the core's times are modelled at any speedup.
@@ -179,6 +183,8 @@ class RankMetrics:
             self.requests[result.request_id] = _Request(
                 arrival_ms, len(request.token_ids), request.max_tokens
             )
+            if self._lora is not None and request.lora_request is not None:
+                self._lora.submitted(self.rank, result.request_id, request.lora_request.lora_name)
         elif isinstance(command, ActivateDestination | CancelDestination):
             request_id = self._destinations.pop(command.handoff_id, None)
             activated = isinstance(result, Applied) and isinstance(command, ActivateDestination)
@@ -246,6 +252,9 @@ class RankMetrics:
                 self._drafted(result)
             if emitters:
                 computed = self._emitted(emitters, end_ms, cached)
+        lora = self._lora
+        if lora is not None:
+            lora.outputs(self.rank, outputs)  # before the pass's ends, as vLLM's
         for ended in result.ended:
             request_id = ended.request_id
             label = _SUCCESS_LABELS.get(ended.reason, "abort")
@@ -255,6 +264,8 @@ class RankMetrics:
             self._finish(request_id, end_ms, label)
         if outputs or decoded:
             self.iteration.add(computed + tokens)
+        if lora is not None:
+            lora.logged()
         if result.kv_block_evictions:
             scale = self._scale
             for eviction in result.kv_block_evictions:
@@ -350,6 +361,8 @@ class RankMetrics:
             return
         if record.handoff is not None:
             self._destinations.pop(record.handoff, None)
+        if self._lora is not None:
+            self._lora.finished(self.rank, request_id)
         if in_cohort:
             record.tokens += self._epoch - record.joined + 1
             last_ms = self._cohort_end_ms
