@@ -194,6 +194,7 @@ def assemble(
         vocab=vocab,
         seed=args.seed,
         paged=paged,
+        lora=args.enable_lora,
     )
     sampler = (
         SpeculativeSampler(args.nextn_accept_rates, (args.aic_mtp_seed + worker_id) & _MASK64)

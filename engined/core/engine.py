@@ -277,7 +277,7 @@ class Engine:
         state = self._state
         active = kv.num_active_blocks()
         waiting = self.num_waiting()
-        deferred = len(self._book.held) + len(self._parking)
+        deferred = len(self._book.held) + len(self._parking) + len(state.deferred)
         num_blocks = self.num_blocks
         tiers = kv.offload
         if tiers is None:

@@ -52,6 +52,7 @@ class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
     g3_active_blocks: int = 0
     g3_inactive_blocks: int = 0
     g3_total_blocks: int = 0
-    # Of `waiting`, those blocked on a KV load rather than on capacity: reserved destinations
-    # awaiting their transfer and requests parked on an onboard (vLLM's deferred waiting).
+    # Of `waiting`, those deferred rather than waiting on capacity (vLLM's deferred waiting):
+    # reserved destinations awaiting their transfer, requests parked on an onboard, and
+    # requests an admission scan passed over (a LoRA adapter beyond `max_loras`).
     waiting_deferred: int = 0

@@ -94,12 +94,30 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: int | None = None
 
 
 _SALT_TAG: Final = b"engined/cache-salt\x00"
+_LORA_TAG: Final = b"engined/lora\x00"
+
+
+def _text(value: str) -> bytes:
+    return value.encode("utf-8", "surrogatepass")
 
 
 def salt_root(salt: str) -> int:
     """The parent a salted request's first block chains to: requests with other salts (or
     none) then share no block key, as vLLM's salted block hashes share nothing."""
-    return _xxh3(_SALT_TAG + salt.encode("utf-8", "surrogatepass"), HASH_SEED)
+    return _xxh3(_SALT_TAG + _text(salt), HASH_SEED)
+
+
+def chain_root(salt: str | None, lora: tuple[str, str] | None) -> int | None:
+    """The parent a request's first block chains to (None: none, a base-model request
+    without salt). vLLM keys every block of a LoRA request with the adapter's name and path
+    and a salted request's first block with its salt, so requests share blocks only when
+    all three are equal; rooting the chain in them keeps the block keys apart as well. Each
+    field is length-prefixed, so no two (name, path, salt) share their bytes."""
+    if lora is None:
+        return None if salt is None else salt_root(salt)
+    fields = [*lora] if salt is None else [*lora, salt]
+    data = b"".join(struct.pack("<Q", len(raw)) + raw for raw in map(_text, fields))
+    return _xxh3(_LORA_TAG + data, HASH_SEED)
 
 
 # `position << 64` for the positions of prompts up to 64k tokens of 16: a lookup instead of

@@ -6,6 +6,10 @@ engine's shared RNG (block ids without prefix caching), partial-block ids and vo
 given its own token stream (engined/core/token_stream.py). A request without an id gets one from
 a counter (`req-<n>`, skipping ids already taken), never from a clock or `uuid4`, so the same
 commands always give the same ids.
+
+A LoRA request is checked as vLLM checks one, in its order and words: its `LoRARequest`
+(id at least 1, a path), then its engine (`enable_lora`, `_validate_lora`); the mocker's
+pool, which cannot enable LoRA, refuses it as it refuses a salt.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from engined.core.sequence import Sequence
 from engined.core.state import RequestState
 from engined.core.stops import StopRule
 from engined.core.token_stream import SEED_MAX, SEED_MIN, token_bits
-from engined.core.types import Request, RequestStatus
+from engined.core.types import LoraRequest, Request, RequestStatus
 from engined.core.vocab import Vocabulary
 
 
@@ -29,6 +33,7 @@ class RequestIntake:
         "_arrivals",
         "_block_size",
         "_caching",
+        "_lora",
         "_minted",
         "_paged",
         "_partial_ids",
@@ -48,8 +53,11 @@ class RequestIntake:
         vocab: Vocabulary,
         seed: int,
         paged: bool = False,
+        lora: bool = False,
     ) -> None:
+        """`lora`: `enable_lora`, LoRA requests are accepted (vLLM semantics only)."""
         self._policy = policy
+        self._lora = lora
         self._seed = seed
         self._paged = paged
         self._block_size = block_size
@@ -101,6 +109,9 @@ class RequestIntake:
                 "1.3.0's KV cache (semantics, prefix_hit_rule, MTP, TRT-LLM or offload tiers), "
                 "whose block hashes are the router's and take no salt"
             )
+        lora = request.lora_request
+        if lora is not None:
+            self._check_lora(lora)
         stop_ids = request.stop_token_ids
         max_out = self._policy.clamp_max_output(len(request.token_ids), max_out)
         seq = Sequence(
@@ -121,8 +132,39 @@ class RequestIntake:
             paged=self._paged,
             stops=StopRule(stop_ids, request.min_tokens) if stop_ids else None,
             cache_salt=salt,
+            lora=lora,
         )
         state = RequestState(request_id, seq, status)
         state.priority = request.priority
         state.arrival = next(self._arrivals)
         return state
+
+    def _check_lora(self, lora: LoraRequest) -> None:
+        """vLLM's checks of a request's adapter. Raises InvalidRequestError (vLLM's
+        ValueError, AssertionError and VLLMValidationError) or, on the mocker's pool,
+        UnsupportedError."""
+        if lora.lora_int_id < 1:
+            raise InvalidRequestError(f"id must be > 0, got {lora.lora_int_id}")
+        if not lora.lora_path:
+            raise InvalidRequestError("lora_path cannot be empty")
+        if not self._paged:
+            raise UnsupportedError(
+                "request.lora_request needs vLLM semantics: this engine keeps Dynamo mocker "
+                "1.3.0's KV cache (semantics, prefix_hit_rule, MTP, TRT-LLM or offload tiers), "
+                "which has no LoRA adapters"
+            )
+        if not self._lora:
+            raise InvalidRequestError(
+                f"Got lora_request {vllm_repr(lora)} but LoRA is not enabled!"
+            )
+
+
+def vllm_repr(lora: LoraRequest) -> str:
+    """The adapter as vLLM prints its `LoRARequest` (msgspec's repr, every field): the
+    fields vLLM has beyond engined's at their defaults, as a request naming only these
+    three gets them."""
+    return (
+        f"LoRARequest(lora_name={lora.lora_name!r}, lora_int_id={lora.lora_int_id!r}, "
+        f"lora_path={lora.lora_path!r}, base_model_name=None, load_inplace=False, "
+        "is_3d_lora_weight=False)"
+    )

@@ -79,9 +79,11 @@ class KvEventLog:
         token_ids: list[int],
         medium: Medium = Medium.GPU,
         extra_keys: list[tuple[str, ...] | None] | None = None,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Publish blocks registered in `medium` together, as one Stored (the vLLM pool's
-        cached blocks, a lower tier's registration)."""
+        cached blocks, with a LoRA request's adapter; a lower tier's registration)."""
         if self.publish:
             self._events.append(
                 BlockStored(
@@ -94,6 +96,8 @@ class KvEventLog:
                     self.block_size,
                     medium,
                     extra_keys,
+                    lora_id,
+                    lora_name,
                 )
             )
 
@@ -117,8 +121,8 @@ class KvEventLog:
     def stored_one(
         self, parent: int | None, block_hash: int, local_hash: int, token_ids: list[int]
     ) -> None:
-        """`stored_blocks` of one GPU block without extra keys: a decode step filling a
-        block, once per block size tokens of every running request."""
+        """`stored_blocks` of one GPU block without extra keys (nor adapter): a decode step
+        filling a block, once per block size tokens of every running request."""
         if self.publish:
             event_id = self.next_event_id
             self.next_event_id = event_id + 1

@@ -24,13 +24,14 @@ from engined.core.hashing import (
     array_block_hash,
     block_hashes,
     chain_hash,
+    chain_root,
     lineage_key,
     parent_lineage_key,
-    salt_root,
 )
 from engined.core.named_tuples import new_tuple
 from engined.core.stops import StopRule
 from engined.core.token_stream import TokenBits
+from engined.core.types import LoraRequest
 from engined.core.vocab import Vocabulary
 
 
@@ -74,7 +75,8 @@ class Sequence:
     (engined/core/token_stream.py); `popped` is a token taken back by `pop`, the next one
     generated, so a failed allocation does not shift the stream. `stops` (None without stop
     ids) ends the request early, and `stop_reason` is then the stop id it generated; a
-    `cache_salt` roots its block hashes (vLLM semantics only).
+    `cache_salt` and a LoRA adapter (`lora`) root its block hashes (`root`; vLLM semantics
+    only, whose hashes key them too: engined/core/paged/kv_cache_manager.py).
     """
 
     __slots__ = (
@@ -89,6 +91,7 @@ class Sequence:
         "hashes",
         "keys",
         "local",
+        "lora",
         "max_output_tokens",
         "num_allocated_tokens",
         "num_input_tokens",
@@ -97,6 +100,7 @@ class Sequence:
         "plain",
         "planned",
         "popped",
+        "root",
         "stop_reason",
         "stops",
         "token_bits",
@@ -119,6 +123,7 @@ class Sequence:
         paged: bool = False,
         stops: StopRule | None = None,
         cache_salt: str | None = None,
+        lora: LoraRequest | None = None,
     ) -> None:
         assert block_size >= 2, "invalid ActiveSequence"
         # vLLM semantics (engined/core/paged/): blocks are allocated by the scheduler, so a
@@ -141,6 +146,11 @@ class Sequence:
         self.plain = planned is None and stops is None
         self.stop_reason: int | None = None
         self.cache_salt = cache_salt
+        self.lora = lora
+        # The parent of the first block's hash (None: a base-model request without salt).
+        self.root = chain_root(
+            cache_salt, None if lora is None else (lora.lora_name, lora.lora_path)
+        )
         # The core's shared range, so a vocabulary change reaches running requests.
         self._vocab = vocab
         self._next_partial_id = next_partial_id
@@ -148,8 +158,7 @@ class Sequence:
         self.hashes: list[int]
         self.keys: list[int]
         if caching:
-            root = None if cache_salt is None else salt_root(cache_salt)
-            self.local, self.hashes = block_hashes(self.tokens, block_size, root)
+            self.local, self.hashes = block_hashes(self.tokens, block_size, self.root)
             self.keys = self.hashes
         else:
             getrandbits = rng.getrandbits
@@ -255,8 +264,7 @@ class Sequence:
         pos = len(self.hashes)
         lh = array_block_hash(tokens[pos * bs : (pos + 1) * bs])
         self.local.append(lh)
-        salt = self.cache_salt
-        parent = self.hashes[-1] if pos else None if salt is None else salt_root(salt)
+        parent = self.hashes[-1] if pos else self.root
         self.hashes.append(lh if parent is None else chain_hash(parent, lh))
 
     def _push(self, token: int) -> list[BlockMove]:

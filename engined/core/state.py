@@ -81,12 +81,18 @@ class SchedulerState:
     them at the same end. Whether a request is prebuilt is taken on entry: its computed and
     allocated tokens change only while it runs, before an activated destination is queued, and
     in preemption before the victim is queued again (a failed admission keeps neither).
+
+    `deferred` is vLLM's `deferred_waiting`: the waiting requests an admission scan passed
+    over (`skip_waiting`, a LoRA adapter beyond `max_loras`), until one admits them or they
+    leave; the scan puts them back at the front (`requeue_skipped`), as vLLM's
+    `skip_request` does.
     """
 
     __slots__ = (
         "_heap",
         "_prebuilt",
         "_queue",
+        "deferred",
         "preemptions_total",
         "requests",
         "running",
@@ -106,6 +112,7 @@ class SchedulerState:
         self.running_members: set[str] = set()
         self.requests: dict[str, RequestState] = {}
         self.preemptions_total = 0
+        self.deferred: set[str] = set()
 
     @property
     def waiting(self) -> KeysView[str]:
@@ -161,7 +168,19 @@ class SchedulerState:
             return request_id
         return None
 
+    def skip_waiting(self, request_id: str) -> None:
+        """Take a waiting request out of the queue for the rest of an admission scan, and
+        count it deferred."""
+        self.remove_waiting(request_id)
+        self.deferred.add(request_id)
+
+    def requeue_skipped(self, skipped: list[str]) -> None:
+        """Put the requests a scan skipped back at the front of the queue, in their order."""
+        for request_id in reversed(skipped):
+            self.prepend_waiting(request_id)
+
     def transition_to_running(self, request_id: str) -> None:
+        self.deferred.discard(request_id)
         self.remove_waiting(request_id)
         req = self.requests[request_id]
         self.running.append(req)
@@ -174,6 +193,7 @@ class SchedulerState:
 
     def take(self, request_id: str) -> RequestState:
         """Remove a request from the state entirely."""
+        self.deferred.discard(request_id)
         if request_id in self.running_members:
             self._leave_running(request_id)
         else:

@@ -10,9 +10,11 @@ xxhash ones, so their hashes are reproducible only with `PYTHONHASHSEED` set. KV
 a hash as the low 64 bits of its big-endian value unless `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`
 is 0, when they carry the bytes.
 
-Extra keys: engined has no LoRA or multimodal input, so only a request's `cache_salt` gives
-any, and only to its first block: `(("cache_salt", salt),)`, as vLLM's
-`generate_block_hash_extra_keys` makes them (KV events carry them untagged, `(salt,)`).
+Extra keys (`block_extra_keys`), as vLLM's `generate_block_hash_extra_keys` makes them from
+what engined's requests carry (no multimodal input or prompt embeds): a LoRA request's
+`("lora", name, path)` on every block, then a `cache_salt`'s `("cache_salt", salt)` on the
+first block only. KV events carry each untagged (`event_extra_keys`): `(name, salt)`,
+`(name,)`, `(salt,)`.
 Pickle is pinned at protocol 5, what `pickle.HIGHEST_PROTOCOL` is on every Python vLLM 0.33
 runs on; the CBOR encoder covers the types a block key holds (bytes, str, ints, None, tuples)
 in RFC 8949's canonical form, as `cbor2.dumps(canonical=True)` writes them.
@@ -28,6 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 import xxhash
+
+from engined.core.types import LoraRequest
 
 # `chain(parent, tokens, start, count, block_size)`: the hashes of `count` full blocks of
 # `tokens` from `start`, the first chained to `parent` (no extra keys).
@@ -57,6 +61,8 @@ _PICKLE_PROTOCOL: Final = 5
 _U64_MASK: Final = (1 << 64) - 1
 
 CborValue = bytes | str | int | None | tuple["CborValue", ...]
+# A block's extra keys: tagged tuples of strings (`("lora", name, path)`, ...).
+ExtraKeys = tuple[tuple[str, ...], ...]
 
 
 def _head(major: int, value: int) -> bytes:
@@ -155,7 +161,7 @@ class BlockHasher:
         self,
         parent: bytes | None,
         tokens: Sequence[int],
-        extra_keys: tuple[tuple[str, str], ...] | None = None,
+        extra_keys: ExtraKeys | None = None,
     ) -> bytes:
         """The hash of a full block of `tokens` whose previous block hashed to `parent`."""
         # vLLM tests `not parent_block_hash`: an empty parent is a first block too.
@@ -188,9 +194,21 @@ def native_chain(algo: HashAlgo, block_size: int) -> Chain | None:
     return _sha256_pickle_chain
 
 
-def salt_extra_keys(salt: str) -> tuple[tuple[str, str], ...]:
-    """The extra keys vLLM hashes a salted request's first block with."""
-    return (("cache_salt", salt),)
+def block_extra_keys(lora: LoraRequest | None, salt: str | None) -> ExtraKeys | None:
+    """The extra keys vLLM hashes a block with: the adapter's on every block of a LoRA
+    request, then the salt, which the caller passes for a salted request's first block
+    only; None when there are none (the chains cover only those blocks)."""
+    if lora is None:
+        return None if salt is None else (("cache_salt", salt),)
+    adapter = ("lora", lora.lora_name, lora.lora_path)
+    return (adapter,) if salt is None else (adapter, ("cache_salt", salt))
+
+
+def event_extra_keys(keys: ExtraKeys | None) -> tuple[str, ...] | None:
+    """A block's extra keys as vLLM's KV events publish them (`to_event_extra_keys`):
+    untagged, the bare adapter name and salt (engined has no multimodal keys, the only ones
+    published with more than their second field)."""
+    return None if keys is None else tuple(key[1] for key in keys)
 
 
 def event_block_hash(h: bytes, *, int_hashes: bool = True) -> int | bytes:

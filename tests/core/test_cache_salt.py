@@ -21,9 +21,9 @@ from engined.core.types import BlockStored, KvEvent, Request, Submit
 from engined.core.vllm_hashing import (
     DEFAULT_HASH_ALGO,
     BlockHasher,
+    block_extra_keys,
     event_block_hash_int,
     none_hash,
-    salt_extra_keys,
 )
 from tests.core.factories import make_args, submit
 from tests.core.test_paged_semantics import paged_args
@@ -37,7 +37,7 @@ def salted_hashes(tokens: list[int], salt: str | None) -> list[int]:
     out: list[int] = []
     parent: bytes | None = None
     for i in range(len(tokens) // 4):
-        extra = salt_extra_keys(salt) if salt and i == 0 else None
+        extra = block_extra_keys(None, salt) if salt and i == 0 else None
         parent = hasher.block_hash(parent, tokens[i * 4 : (i + 1) * 4], extra)
         out.append(event_block_hash_int(parent))
     return out

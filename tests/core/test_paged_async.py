@@ -101,6 +101,7 @@ def test_a_request_cancelled_in_flight_gets_nothing_from_its_batch() -> None:
     ("fields", "named"),
     [
         ({"async_scheduling": True}, "async_scheduling"),
+        ({"enable_lora": True}, "enable_lora"),
         ({"long_prefill_token_threshold": 48}, "long_prefill_token_threshold=48"),
         ({"max_num_active_seqs": 2}, "max_num_active_seqs"),
         ({"prefill_schedule_interval": 2}, "prefill_schedule_interval=2"),

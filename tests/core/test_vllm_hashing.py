@@ -2,9 +2,10 @@
 
 The oracle (`vllm_hash_oracle.py`) runs vLLM's hashing code under the vLLM venv's interpreter
 (`PARITY_VLLM_PYTHON`, default `/work/main/.venv-vllm/bin/python`; missing, the test fails)
-over random token blocks, chains and parents, and salted prompts through vLLM's own request
-block hasher (an engine's Stored events must carry those hashes and vLLM's extra keys); exact
-vectors of the default algorithm are pinned here too, so they hold without the venv.
+over random token blocks, chains and parents, and salted and LoRA prompts through vLLM's own
+request block hasher (an engine's Stored events must carry those hashes and vLLM's extra
+keys); exact vectors of the default algorithm are pinned here too, so they hold without the
+venv.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from engined.core.args import EngineArgs
 from engined.core.engine import Engine
-from engined.core.types import BlockStored, Request, Submit
+from engined.core.types import BlockStored, LoraRequest, Request, Submit
 from engined.core.vllm_hashing import (
     DEFAULT_HASH_ALGO,
     BlockHasher,
@@ -56,8 +57,14 @@ def random_cases() -> list[dict[str, Any]]:
                         "tokens": [rng.randrange(2**32) for _ in range(3 * size)],
                         "block_size": size,
                         "salt": salt,
+                        "lora": lora,
                     }
-                    for size, salt in ((16, "tenant-a"), (4, "ü" * 40))
+                    for size, salt, lora in (
+                        (16, "tenant-a", None),
+                        (4, "ü" * 40, None),
+                        (16, None, ["sql-adapter", 3, "/adapters/sql"]),
+                        (4, "tenant-b", ["ä" * 30, 12, "/adapters/ä"]),
+                    )
                 ]
                 cases.append(
                     {
@@ -109,16 +116,29 @@ def test_every_algorithm_matches_vllm() -> None:
         ] == want["parented"]
         for prompt, want_salted in zip(case["salted"], want["salted"], strict=True):
             assert len(want_salted["hashes"]) == 3
-            assert want_salted["extra_keys"] == [[prompt["salt"]], None, None]
+            assert want_salted["extra_keys"] == expected_extra_keys(prompt)
             stored = salted_stored(algo, case["python_hash_seed"], prompt)
             assert stored.block_hashes == [int(h[-16:], 16) for h in want_salted["hashes"]]
             assert [None if k is None else list(k) for k in stored.extra_keys or []] == (
                 want_salted["extra_keys"]
             )
+            lora = prompt["lora"]
+            assert (stored.lora_id, stored.lora_name) == (
+                (None, None) if lora is None else (lora[1], lora[0])
+            )
+
+
+def expected_extra_keys(prompt: Any) -> list[list[str] | None]:
+    """The events' untagged keys of three blocks: the adapter's name on each, the salt after
+    it on the first."""
+    salt, lora = prompt["salt"], prompt["lora"]
+    names = [] if lora is None else [lora[0]]
+    first = names + ([] if salt is None else [salt])
+    return [first or None, names or None, names or None]
 
 
 def salted_stored(algo: HashAlgo, python_hash_seed: str | None, prompt: Any) -> BlockStored:
-    """The one Stored of a salted prompt of three whole blocks run through an engine."""
+    """The one Stored of a salted or LoRA prompt of three whole blocks run through an engine."""
     size = prompt["block_size"]
     args = EngineArgs(
         block_size=size,
@@ -126,10 +146,16 @@ def salted_stored(algo: HashAlgo, python_hash_seed: str | None, prompt: Any) -> 
         max_num_batched_tokens=256,
         enable_prefix_caching=True,
         prefix_caching_hash_algo=algo,
+        enable_lora=True,
     )
     core = Engine(args, python_hash_seed=python_hash_seed)
+    lora = prompt["lora"]
     request = Request(
-        token_ids=prompt["tokens"], max_tokens=1, request_id="salted", cache_salt=prompt["salt"]
+        token_ids=prompt["tokens"],
+        max_tokens=1,
+        request_id="salted",
+        cache_salt=prompt["salt"],
+        lora_request=None if lora is None else LoraRequest(*lora),
     )
     core.apply(Submit(request), now_ms=0.0)
     (stored,) = core.execute_pass(0.0).kv_events

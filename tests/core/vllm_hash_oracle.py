@@ -3,11 +3,12 @@
 Importing `vllm` drags in torch and the whole engine, so this loads only the code that hashes:
 `vllm/utils/hashing.py` as it is, and from `vllm/v1/core/kv_cache_utils.py` the source of
 `resolve_none_hash_seed`, `init_none_hash`, `hash_block_tokens`, `maybe_convert_block_hash`,
-the request block hasher and the extra keys of block hashes and KV events (cache salts) with
-the constants they read, executed over stand-ins for `envs`, the logger and the request. Stdin:
-a JSON list of cases `{algo, python_hash_seed, int_hashes, chains, parented, salted}`; stdout:
-per case the NONE_HASH, each chain's hashes, each parented block's hash (hex) and their event
-forms, and for each salted prompt the request block hasher's hashes and the events' extra keys.
+the request block hasher and the extra keys of block hashes and KV events (cache salts, LoRA
+adapters) with the constants they read, executed over stand-ins for `envs`, the logger and the
+request. Stdin: a JSON list of cases `{algo, python_hash_seed, int_hashes, chains, parented,
+salted}`; stdout: per case the NONE_HASH, each chain's hashes, each parented block's hash (hex)
+and their event forms, and for each salted prompt (a salt, an adapter `[name, id, path]`, or
+both) the request block hasher's hashes and the events' extra keys.
 """
 
 from __future__ import annotations
@@ -78,16 +79,26 @@ def load_vllm() -> dict[str, Any]:
 
 
 def salted_prompt(
-    vllm: dict[str, Any], hash_fn: Any, tokens: list[int], block_size: int, salt: str
+    vllm: dict[str, Any],
+    hash_fn: Any,
+    tokens: list[int],
+    block_size: int,
+    salt: str | None,
+    lora: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """A salted request's block hashes by vLLM's request block hasher, and the extra keys a
-    `BlockStored` of all its blocks carries (`BlockPool.cache_full_blocks`' calls)."""
+    """A salted (or LoRA) request's block hashes by vLLM's request block hasher, and the
+    extra keys a `BlockStored` of all its blocks carries (`BlockPool.cache_full_blocks`'
+    calls)."""
+    lora_request = None
+    if lora is not None:
+        name, int_id, path = lora
+        lora_request = SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=path)
     request = SimpleNamespace(
         block_hashes=[],
         num_tokens=len(tokens),
         all_token_ids=tokens,
         mm_features=[],
-        lora_request=None,
+        lora_request=lora_request,
         prompt_embeds=None,
         cache_salt=salt,
     )

@@ -5,6 +5,13 @@ In queue order (FCFS, or by (priority, arrival)), while the budget and the admis
 is admitted if slots for its chunk can be allocated, see engined/core/paged/scheduler.py
 for the rest of the rule. `record` is a scheduled request's share of the pass, for the
 running walk too.
+
+With `enable_lora`, as vLLM's scheduler: the adapters of the running requests (scheduled in
+this pass or not) and of those admitted so far may number `max_loras`; a request for another
+adapter is skipped, and the scan goes on past it (a base-model request, or one for an adapter
+in the set, may still be admitted). The skipped requests go back to the front of the queue
+in their order when the scan ends, and count as deferred until admitted
+(`SchedulerState.deferred`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class PagedAdmission:
         "_full_isl",
         "_kv",
         "_limits",
+        "_max_loras",
         "_max_num_seqs",
         "_pending",
         "_policy",
@@ -51,6 +59,8 @@ class PagedAdmission:
         self._chunked = args.enable_chunked_prefill
         self._full_isl = args.scheduler_reserve_full_isl
         self._max_num_seqs = max_num_seqs
+        # 0: LoRA off (no request carries an adapter).
+        self._max_loras = args.max_loras if args.enable_lora else 0
         self._counts_prefill = args.prompts_cost_prefill
         self._limits = limits
         self._state = state
@@ -62,6 +72,23 @@ class PagedAdmission:
     def admit(self, ctx: PassContext) -> None:
         """Step 2 of the pass (engined/core/paged/scheduler.py), after a running walk that
         preempted nothing."""
+        if not self._max_loras:
+            self._scan(ctx, None, [])
+            return
+        loras: set[int] = set()
+        for req in self._state.running:
+            lora = req.seq.lora
+            if lora is not None:
+                loras.add(lora.lora_int_id)
+        skipped: list[str] = []
+        self._scan(ctx, loras, skipped)
+        if skipped:
+            self._state.requeue_skipped(skipped)
+
+    def _scan(self, ctx: PassContext, loras: set[int] | None, skipped: list[str]) -> None:
+        """Admit in queue order; with LoRA on, `loras` are the adapters running, and the
+        requests passed over for theirs join `skipped`, out of the queue."""
+        max_loras = self._max_loras
         state = self._state
         requests = state.requests
         kv = self._kv
@@ -76,6 +103,16 @@ class PagedAdmission:
                 return
             req = requests[request_id]
             seq = req.seq
+            lora = seq.lora
+            if (
+                loras is not None
+                and lora is not None
+                and len(loras) == max_loras
+                and lora.lora_int_id not in loras
+            ):
+                state.skip_waiting(request_id)
+                skipped.append(request_id)
+                continue
             if req.prompt_is_prebuilt():
                 computed = req.num_computed_tokens
                 if not kv.allocate_slots(
@@ -83,6 +120,8 @@ class PagedAdmission:
                 ):
                     return
                 state.transition_to_running(request_id)
+                if loras is not None and lora is not None:
+                    loras.add(lora.lora_int_id)
                 ctx.admissions.append(Admission(request_id, computed))
                 record(ctx, req, computed, len(seq.tokens) - computed, prefill=False)
                 continue
@@ -114,6 +153,8 @@ class PagedAdmission:
             ):
                 return
             state.transition_to_running(request_id)
+            if loras is not None and lora is not None:
+                loras.add(lora.lora_int_id)
             if req.cached_prefix_tokens is None:
                 req.cached_prefix_tokens = cached
             ctx.admissions.append(Admission(request_id, cached))

@@ -30,7 +30,12 @@ from engined.core.paged.residency import BlockResidency
 from engined.core.policy import context_length
 from engined.core.sequence import BlockMove, Release, Sequence
 from engined.core.types import KvEvent, OffloadWait
-from engined.core.vllm_hashing import BlockHasher, native_chain, salt_extra_keys
+from engined.core.vllm_hashing import (
+    BlockHasher,
+    block_extra_keys,
+    event_extra_keys,
+    native_chain,
+)
 
 
 class PagedKvManager:
@@ -161,7 +166,12 @@ class PagedKvManager:
             seq.num_allocated_tokens = length
         if self.caching and length % bs == 0:
             pos = length // bs - 1
-            if pos and self._num_cached.get(seq) == pos and len(seq.hashes) > pos:
+            if (
+                pos
+                and self._num_cached.get(seq) == pos
+                and len(seq.hashes) > pos
+                and seq.lora is None
+            ):
                 self._cache_block(seq, table, pos)
             else:
                 self._cache_blocks(seq, table, length)
@@ -169,8 +179,8 @@ class PagedKvManager:
 
     def _cache_block(self, seq: Sequence, table: list[int], pos: int) -> None:
         """`_cache_blocks` of the one block a decode step fills, `pos` (not the first: no
-        salt), when the blocks before it are cached: a sixth of a steady pass's cost was
-        the general path's bookkeeping around the hash."""
+        salt), when the blocks before it are cached and it has no extra keys (no LoRA): a
+        sixth of a steady pass's cost was the general path's bookkeeping around the hash."""
         bs = self.block_size
         pool = self.pool
         parent_block = table[pos - 1]
@@ -187,9 +197,10 @@ class PagedKvManager:
         self.log.stored_one(pool.event_hash(parent_block), ext, seq.local[pos], token_ids)
 
     def _cache_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
-        """Cache the blocks whose every token is scheduled: vLLM hashes each (chained to the
-        previous block's hash; a salted request's first block with its salt as extra keys)
-        and publishes them as one Stored."""
+        """Cache the blocks whose every token is scheduled: vLLM hashes each chained to the
+        previous block's hash, with its extra keys (a LoRA request's on every block, a salt
+        on the first: `block_extra_keys`), and publishes them as one Stored, with the
+        adapter's id and name for a LoRA request."""
         bs = self.block_size
         done = self._num_cached.get(seq, 0)
         full = min(num_tokens, len(seq.hashes) * bs) // bs
@@ -197,23 +208,32 @@ class PagedKvManager:
             return
         pool = self.pool
         parent = pool.vllm_hash_of[table[done - 1]] if done else self._none_hash
-        # Only the first block has extra keys (a salt).
+        lora = seq.lora
+        # Only the first block has the salt.
         salt = None if done else seq.cache_salt
-        extra = None if salt is None else salt_extra_keys(salt)
         # One list of the run's tokens serves the hashes and the event.
         token_ids = seq.tokens[done * bs : full * bs].tolist()
         hashes: list[bytes] = []
-        first = done
-        if extra is not None:  # a salted first block: the chains cover no extra keys
-            parent = self._hasher.block_hash(parent, token_ids[:bs], extra)
-            hashes.append(parent)
-            first += 1
+        # The leading blocks with extra keys, one by one (the chains cover no extra keys).
+        keyed = full - done if lora is not None else int(salt is not None)
+        event_keys: list[tuple[str, ...] | None] | None = None
+        if keyed:
+            block_hash = self._hasher.block_hash
+            keys = block_extra_keys(lora, salt)
+            later = block_extra_keys(lora, None)
+            # Untagged in events, as vLLM's `to_event_extra_keys` publishes them.
+            event_keys = [event_extra_keys(keys)]
+            event_keys += [event_extra_keys(later)] * (keyed - 1) + [None] * (full - done - keyed)
+            for start in range(0, keyed * bs, bs):
+                parent = block_hash(parent, token_ids[start : start + bs], keys)
+                hashes.append(parent)
+                keys = later
         chain = self._chain
         if chain is not None:
-            hashes.extend(chain(parent, token_ids, (first - done) * bs, full - first, bs))
+            hashes.extend(chain(parent, token_ids, keyed * bs, full - done - keyed, bs))
         else:
             block_hash = self._hasher.block_hash
-            for start in range((first - done) * bs, len(token_ids), bs):
+            for start in range(keyed * bs, len(token_ids), bs):
                 parent = block_hash(parent, token_ids[start : start + bs], None)
                 hashes.append(parent)
         stored = [int.from_bytes(h[-8:], "big") for h in hashes]
@@ -224,8 +244,9 @@ class PagedKvManager:
             stored,
             seq.local[done:full],
             token_ids,
-            # Untagged in events, as vLLM's `to_event_extra_keys` publishes them.
-            extra_keys=None if salt is None else [(salt,), *[None] * (full - 1)],
+            extra_keys=event_keys,
+            lora_id=None if lora is None else lora.lora_int_id,
+            lora_name=None if lora is None else lora.lora_name,
         )
 
     def cache_computed(self, seq: Sequence, num_tokens: int) -> None:

@@ -68,7 +68,8 @@ class PrefillCadence:
         )
 
     def admitted(self, num_waiting: int) -> None:
-        """After the admissions of a pass that did not hold: were any left waiting?"""
+        """After the admissions of a pass that did not hold: were any left waiting that its
+        scan did not pass over (`SchedulerState.deferred`, vLLM's `deferred_waiting`)?"""
         self.capacity_bound = num_waiting > 0
 
     def passed(self, scheduled_any: bool, prefilled: bool) -> None:

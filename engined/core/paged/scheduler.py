@@ -118,7 +118,7 @@ class PagedScheduler:
         if not ctx.preempted_any:
             self._admission.admit(ctx)
             if cadence is not None and not ctx.defer_prefills:
-                cadence.admitted(len(state.waiting))
+                cadence.admitted(len(state.waiting) - len(state.deferred))
         if cadence is not None:
             cadence.passed(bool(ctx.scheduled), ctx.prefilled)
 
