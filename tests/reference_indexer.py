@@ -19,7 +19,7 @@ import hashlib
 import pickle
 import struct
 from collections import Counter
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,8 +83,12 @@ def next_sequence_hash(parent: int, local: int) -> int:
 VLLM_NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
 
 
-def vllm_block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    key = (parent or VLLM_NONE_HASH, tuple(token_ids), None)
+def vllm_block_hash(
+    parent: bytes | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple[tuple[str, ...], ...] | None = None,
+) -> bytes:
+    key = (parent or VLLM_NONE_HASH, tuple(token_ids), extra_keys)
     return hashlib.sha256(pickle.dumps(key, protocol=5)).digest()
 
 
@@ -152,6 +156,7 @@ class ReferenceIndexer:
         check_chain: bool = True,
         lower_tier_edges: bool = False,
         vllm: bool = False,
+        lora_paths: Mapping[int, str] | None = None,
     ) -> None:
         """`lower_tier_edges`: index the CPU and STORAGE media as Dynamo's `LowerTierIndexer`
         does, as continuation edges `(parent, local hash) -> block` that need no indexed
@@ -159,6 +164,9 @@ class ReferenceIndexer:
         block routinely arrives before (or without) its parent; routers walk the lower tiers
         from the end of the device-tier match (`tier_overlap`). Every other check (shape,
         hashes, duplicates, removal of unknown blocks) applies to those media unchanged.
+
+        `lora_paths`: with `vllm`, the path of each LoRA adapter by id: a LoRA block's hash
+        keys the adapter's name and path, and its event carries the id and the name only.
         """
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -169,6 +177,7 @@ class ReferenceIndexer:
         self.violations: list[Violation] = []
         self._trees: dict[_Key, dict[int, int | None]] = {}
         self.vllm = vllm
+        self.lora_paths = dict(lora_paths or {})
         # vLLM's full (32-byte) hash of every block a checked Stored named, by event hash: the
         # chain of a later block starts from its parent's.
         self._vllm_full: dict[int, bytes] = {}
@@ -343,7 +352,8 @@ class ReferenceIndexer:
                 return
             parent = known
         for i, block_hash in enumerate(event.block_hashes):
-            full = vllm_block_hash(parent, event.token_ids[i * bs : (i + 1) * bs])
+            keys = self._vllm_extra_keys(event, i)
+            full = vllm_block_hash(parent, event.token_ids[i * bs : (i + 1) * bs], keys)
             if vllm_event_hash(full) != block_hash:
                 self._violate(
                     "chain_mismatch",
@@ -355,6 +365,19 @@ class ReferenceIndexer:
                 return
             self._vllm_full[block_hash] = full
             parent = full
+
+    def _vllm_extra_keys(self, event: BlockStored, i: int) -> tuple[tuple[str, ...], ...] | None:
+        """Block `i`'s extra keys in vLLM's hash, tagged again from the event's untagged ones:
+        the adapter's name first, then a salt, which only the first block of a chain has."""
+        published = list(event.extra_keys[i] or ()) if event.extra_keys else []
+        keys: list[tuple[str, ...]] = []
+        name = event.lora_name
+        if name is not None and event.lora_id is not None and published[:1] == [name]:
+            keys.append(("lora", name, self.lora_paths.get(event.lora_id, "")))
+            published = published[1:]
+        if published and i == 0 and event.parent_hash is None:
+            keys.append(("cache_salt", published[0]))
+        return tuple(keys) or None
 
     def _apply_removed(self, event: BlockRemoved, worker_id: int) -> bool:
         """Apply one Removed; False when some hash was not indexed (the others are removed)."""

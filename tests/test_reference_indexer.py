@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,8 @@ from tests.reference_indexer import (
     removed_event_count,
     sequence_hashes,
     stored_hashes,
+    vllm_block_hash,
+    vllm_event_hash,
 )
 
 BS = 4
@@ -50,7 +53,7 @@ def removed(
     return BlockRemoved(event_id=event_id, dp_rank=dp_rank, block_hashes=hashes, medium=medium)
 
 
-def apply(events: list[KvEvent], **kwargs: bool) -> ReferenceIndexer:
+def apply(events: list[KvEvent], **kwargs: Any) -> ReferenceIndexer:
     indexer = ReferenceIndexer(BS, **kwargs)
     indexer.apply(events)
     return indexer
@@ -399,3 +402,26 @@ def test_stream_helpers() -> None:
     ]
     assert nth_stored_hashes(events, 1) == [local_block_hash(b)]
     assert removed_event_count(events) == 2
+
+
+def test_vllm_chains_take_the_adapter_and_salt_back_from_the_event() -> None:
+    """A salted LoRA request's two blocks: vLLM keys both with ("lora", name, path) and the
+    first with the salt too; the event names the adapter's id and name, and the path comes
+    from `lora_paths`. Another path for that id is a chain mismatch."""
+    tokens = list(range(8))
+    first = vllm_block_hash(None, tokens[:4], (("lora", "a", "/a"), ("cache_salt", "s")))
+    second = vllm_block_hash(first, tokens[4:], (("lora", "a", "/a"),))
+    event = BlockStored(
+        event_id=0,
+        dp_rank=0,
+        parent_hash=None,
+        block_hashes=[vllm_event_hash(first), vllm_event_hash(second)],
+        local_hashes=[local_block_hash(tokens[:4]), local_block_hash(tokens[4:])],
+        token_ids=tokens,
+        block_size=BS,
+        extra_keys=[("a", "s"), ("a",)],
+        lora_id=3,
+        lora_name="a",
+    )
+    assert apply([event], vllm=True, lora_paths={3: "/a"}).violations == []
+    assert apply([event], vllm=True, lora_paths={3: "/b"}).kinds() == ["chain_mismatch"]

@@ -3,7 +3,8 @@
 Random arrivals over random passes, prompts sharing prefixes, block sizes 2-64, tiny pools,
 prefix caching on and off, MTP on and off, both preemption orders, both policies, both
 prefix-hit rules, random vocabularies and, under vLLM semantics, vLLM's options that bound a
-pass (long-prefill cap, watermark, max_num_active_seqs, prefill cadence, scheduled tokens).
+pass (long-prefill cap, watermark, max_num_active_seqs, prefill cadence, scheduled tokens)
+and LoRA requests under `max_loras` (the running requests never use more adapters).
 After the last arrival the core runs until empty; then no block may stay active and the
 reference indexer must have seen no violation at all.
 Every output keeps to its plan or its vocabulary, and no prefix hit exceeds what its rule
@@ -18,20 +19,33 @@ from hypothesis import strategies as st
 
 from engined.core.args import EngineArgs, EngineType, PreemptionMode, PrefixHitRule, Semantics
 from engined.core.engine import Engine
-from engined.core.types import Cancel, EndedRequest, FinishReason, Request
+from engined.core.types import Cancel, EndedRequest, FinishReason, LoraRequest, Request
 from tests.core.factories import (
     active_blocks,
     submit,
 )
 from tests.reference_indexer import ReferenceIndexer
 
+# Adapters a workload draws from: two share a name at different paths.
+ADAPTERS = [
+    LoraRequest("a", 1, "/adapters/a"),
+    LoraRequest("b", 2, "/adapters/b"),
+    LoraRequest("c", 3, "/adapters/c"),
+    LoraRequest("a", 4, "/adapters/a-v2"),
+]
+
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
+def workloads(draw: st.DrawFn, lora: bool = False) -> tuple[EngineArgs, list[tuple[int, Request]]]:
+    """`lora`: vLLM semantics with LoRA on, always."""
     block_size = draw(st.sampled_from([2, 3, 4, 8, 16, 64]))
     num_blocks = draw(st.integers(3, 24))
-    mtp = draw(st.booleans())
-    engine = draw(st.sampled_from([EngineType.VLLM, EngineType.VLLM, EngineType.TRTLLM]))
+    mtp = not lora and draw(st.booleans())
+    engine = (
+        EngineType.VLLM
+        if lora
+        else draw(st.sampled_from([EngineType.VLLM, EngineType.VLLM, EngineType.TRTLLM]))
+    )
     vocab_size = draw(st.one_of(st.none(), st.integers(1, 6)))
     excluded = draw(st.lists(st.integers(0, (vocab_size or 6) - 1), max_size=4))
     if vocab_size is not None and len(set(excluded)) >= vocab_size:
@@ -51,8 +65,8 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
         else None,
         speedup_ratio=0.0,
         seed=draw(st.integers(0, 3)),
-        prefix_hit_rule=draw(st.sampled_from(list(PrefixHitRule))),
-        semantics=draw(st.sampled_from(list(Semantics))),
+        prefix_hit_rule=PrefixHitRule.VLLM if lora else draw(st.sampled_from(list(PrefixHitRule))),
+        semantics=Semantics.VLLM if lora else draw(st.sampled_from(list(Semantics))),
         vocab_size=vocab_size,
         excluded_token_ids=tuple(excluded),
     )
@@ -67,6 +81,8 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
             prefill_schedule_interval=draw(st.integers(1, 4)),
             max_num_scheduled_tokens=draw(st.one_of(st.none(), st.integers(1, 4 * block_size))),
         )
+    if lora or (args.runs_vllm_semantics() and draw(st.booleans())):
+        args = msgspec.structs.replace(args, enable_lora=True, max_loras=draw(st.integers(1, 3)))
     alphabet = st.integers(0, 3)
     prefixes = draw(
         st.lists(st.lists(alphabet, min_size=1, max_size=3 * block_size), min_size=1, max_size=3)
@@ -79,6 +95,9 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
         planned = draw(st.one_of(st.none(), st.lists(alphabet, max_size=6)))
         max_tokens = len(planned) if planned is not None else draw(st.integers(0, 6))
         at_pass = draw(st.integers(0, 8))
+        adapter = (
+            draw(st.one_of(st.none(), st.sampled_from(ADAPTERS))) if args.enable_lora else None
+        )
         arrivals.append(
             (
                 at_pass,
@@ -87,6 +106,7 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
                     max_tokens=max_tokens,
                     request_id=f"r{n}",
                     output_token_ids=planned,
+                    lora_request=adapter,
                 ),
             )
         )
@@ -98,10 +118,25 @@ def workloads(draw: st.DrawFn) -> tuple[EngineArgs, list[tuple[int, Request]]]:
 def test_every_workload_drains_with_clean_events(
     workload: tuple[EngineArgs, list[tuple[int, Request]]],
 ) -> None:
-    args, arrivals = workload
+    drains_with_clean_events(*workload)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(lora=True))
+def test_every_lora_workload_drains_with_clean_events(
+    workload: tuple[EngineArgs, list[tuple[int, Request]]],
+) -> None:
+    drains_with_clean_events(*workload)
+
+
+def drains_with_clean_events(args: EngineArgs, arrivals: list[tuple[int, Request]]) -> None:
     core = Engine(args)
     # vLLM's pool caches twins of a recomputed block; the mocker's never repeats a store.
-    indexer = ReferenceIndexer(args.block_size, vllm=core.paged)
+    indexer = ReferenceIndexer(
+        args.block_size,
+        vllm=core.paged,
+        lora_paths={lora.lora_int_id: lora.lora_path for lora in ADAPTERS},
+    )
     expected_tokens: dict[str, int] = {}
     emitted: dict[str, int] = {}
     finished: set[str] = set()
@@ -153,6 +188,9 @@ def test_every_workload_drains_with_clean_events(
         assert {e.request_id for e in result.ended} == {
             out.request_id for out in result.request_outputs() if out.finish_reason is not None
         }
+        if args.enable_lora:
+            running = [requests[r].lora_request for r in core.queues().running]
+            assert len({lora.lora_int_id for lora in running if lora}) <= args.max_loras
         pass_no += 1
         if pass_no == 2000:
             break
