@@ -17,6 +17,7 @@ from engined.core.types import (
     BlockRemoved,
     BlockStored,
     KvEvent,
+    LoraRequest,
     PassResult,
     Request,
     Submit,
@@ -59,6 +60,8 @@ def engine_args(scenario: Scenario) -> EngineArgs:
         max_num_active_seqs=config.max_num_active_seqs,
         max_num_scheduled_tokens=config.max_num_scheduled_tokens,
         prefill_schedule_interval=config.prefill_schedule_interval,
+        enable_lora=config.enable_lora,
+        max_loras=config.max_loras,
         vocab_size=config.vocab_size,
     )
 
@@ -79,6 +82,8 @@ def trace_events(events: list[KvEvent]) -> list[TraceEvent]:
                     list(event.token_ids),
                     event.block_size,
                     _extra_keys(event),
+                    event.lora_id,
+                    event.lora_name,
                 )
             )
         elif isinstance(event, BlockRemoved):
@@ -132,6 +137,7 @@ def run(scenario: Scenario) -> Trace:
             break
         arrived: list[TraceEvent] = []
         for request in arrivals.get(index, []):
+            lora = request.lora
             submitted = Request(
                 token_ids=list(request.prompt),
                 max_tokens=request.max_tokens,
@@ -141,6 +147,9 @@ def run(scenario: Scenario) -> Trace:
                 stop_token_ids=request.stop_token_ids or None,
                 min_tokens=request.min_tokens,
                 cache_salt=request.cache_salt,
+                lora_request=None
+                if lora is None
+                else LoraRequest(lora.name, lora.int_id, lora.path),
             )
             effects = engine.apply(Submit(submitted), now_ms=now_ms)
             arrived += trace_events(effects.kv_events)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from parity.scenario import Config, Scenario, ScenarioRequest
+from parity.scenario import Adapter, Config, Scenario, ScenarioRequest
 
 VOCAB = 32000
 
@@ -34,11 +34,17 @@ def random_mix(
     adaptive: bool = False,
     prefill_interval: int = 1,
     scheduled: int | None = None,
+    adapters: int = 0,
+    max_loras: int = 1,
+    salted: bool = False,
 ) -> Scenario:
     """`count` requests over 8 shared prefixes (16-128 tokens) with their own suffixes,
     arriving over about `count / 2` steps; under the priority policy each has a priority in
-    0-3. The name says every setting that is not the default."""
+    0-3. With `adapters`, LoRA is on (`max_loras`) and two requests in three run one of
+    that many adapters (the rest the base model); `salted` gives two in three a cache salt
+    of two. The name says every setting that is not the default."""
     rng = random.Random(seed)
+    loras = [Adapter(f"adapter-{n}", n + 1, f"/adapters/{n}") for n in range(adapters)]
     prefixes = [random_tokens(rng, rng.randrange(16, 129)) for _ in range(8)]
     requests = []
     for i in range(count):
@@ -51,6 +57,8 @@ def random_mix(
                 prompt=prompt,
                 max_tokens=rng.randrange(1, 65),
                 priority=rng.randrange(4) if policy == "priority" else 0,
+                lora=(None if rng.random() < 1 / 3 else rng.choice(loras)) if loras else None,
+                cache_salt=rng.choice([None, "a", "b"]) if salted else None,
             )
         )
     requests.sort(key=lambda r: r.arrival)
@@ -64,6 +72,8 @@ def random_mix(
             (f"long{long_prefill}" + ("-adaptive" if adaptive else ""), long_prefill > 0),
             (f"interval{prefill_interval}", prefill_interval > 1),
             (f"scheduled{scheduled}", scheduled is not None),
+            (f"lora{adapters}-max{max_loras}", adapters > 0),
+            ("salted", salted),
         )
         if on
     ]
@@ -86,6 +96,8 @@ def random_mix(
             long_prefill_token_threshold_adaptive=adaptive,
             prefill_schedule_interval=prefill_interval,
             max_num_scheduled_tokens=scheduled,
+            enable_lora=adapters > 0,
+            max_loras=max_loras,
         ),
         requests=requests,
     )

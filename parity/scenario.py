@@ -41,9 +41,20 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     max_num_scheduled_tokens: int | None = None
     # vLLM's --prefill-schedule-interval: prefill every N steps while requests decode.
     prefill_schedule_interval: int = 1
+    # vLLM's --enable-lora and --max-loras (its `LoRAConfig`).
+    enable_lora: bool = False
+    max_loras: int = 1
     # engined only: draw output tokens from [0, vocab_size), so stop ids come up (vLLM samples
     # nothing: it is given engined's tokens).
     vocab_size: int | None = None
+
+
+class Adapter(msgspec.Struct, frozen=True, array_like=True):
+    """A request's LoRA adapter, vLLM's `LoRARequest(lora_name, lora_int_id, lora_path)`."""
+
+    name: str
+    int_id: int
+    path: str
 
 
 class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +70,8 @@ class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     min_tokens: int = 0
     cache_salt: str | None = None
+    # Its LoRA adapter (None: the base model).
+    lora: Adapter | None = None
     # engined's planned output (its length is `max_tokens`); vLLM is given it as engined's
     # tokens, like any other.
     output_token_ids: list[int] | None = None

@@ -11,6 +11,7 @@ import random
 
 import msgspec
 
+from parity.lora_scenarios import lora_pressure, lora_shared_prefix
 from parity.random_mix import random_mix, random_tokens
 from parity.scenario import Config, Scenario, ScenarioRequest
 
@@ -312,6 +313,13 @@ def all_scenarios() -> list[Scenario]:
         stop_pressure(),
         cache_salt(),
         cache_salt("sha256_cbor"),
+        lora_pressure(),
+        lora_pressure(max_loras=1),
+        lora_shared_prefix(),
+        random_mix(16, num_blocks=64, budget=256, adapters=4, max_loras=2),
+        random_mix(17, num_blocks=96, budget=128, adapters=3, max_loras=1, salted=True),
+        random_mix(18, num_blocks=64, budget=256, policy="priority", adapters=4, max_loras=2),
+        random_mix(19, num_blocks=96, budget=256, prefill_interval=3, adapters=3, max_loras=2),
         *async_scenarios(),
     ]
 
@@ -339,5 +347,9 @@ def async_scenarios() -> list[Scenario]:
             pressure(watermark=0.1),
             stop_pressure(),
             cache_salt(),
+            lora_pressure(),
+            lora_shared_prefix(),
+            random_mix(16, num_blocks=64, budget=256, adapters=4, max_loras=2),
+            random_mix(18, num_blocks=64, budget=256, policy="priority", adapters=4, max_loras=2),
         )
     ]

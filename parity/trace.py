@@ -48,8 +48,12 @@ class Stored(msgspec.Struct, frozen=True, tag="stored"):
     parent: str | None
     token_ids: list[int]
     block_size: int
-    # One entry per block as the event carries it (a salted first block: `[salt]`).
+    # One entry per block as the event carries it (a salted first block: `[salt]`; a LoRA
+    # request's blocks: `[name]`, `[name, salt]`).
     extra_keys: list[list[str] | None] | None = None
+    # A LoRA request's blocks: its adapter's id and name.
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 class Removed(msgspec.Struct, frozen=True, tag="removed"):
@@ -96,31 +100,39 @@ class CanonicalBlock(msgspec.Struct, frozen=True, array_like=True):
     parent: str | None = None
 
 
-def prefix_identity(tokens: list[int], salt: str | None = None) -> str:
-    """`len:digest` of a token prefix (and the cache salt its first block was stored under):
-    equal prefixes under equal salts, equal identities."""
+def prefix_identity(tokens: list[int], salt: str | None = None, lora: str | None = None) -> str:
+    """`len:digest` of a token prefix (and the cache salt its first block was stored under,
+    and the LoRA adapter its blocks were, `id:name`): equal prefixes under equal salts and
+    adapters, equal identities."""
     digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8)
     if salt is not None:
         digest.update(b"\x00salt\x00" + salt.encode())
+    if lora is not None:
+        digest.update(b"\x00lora\x00" + lora.encode())
     return f"{len(tokens)}:{digest.hexdigest()}"
+
+
+# What a block's prefix is stored under: its tokens, its first block's salt, its adapter.
+_Prefix = tuple[list[int], str | None, str | None]
 
 
 class Canonicalizer:
     """Follows one side's events in order, mapping each raw hash to the token prefix it
-    closes (and the salt of that prefix's first block, from its `extra_keys`). A removal or
-    parent of a hash never stored is named `unknown:<hash>`."""
+    closes (and the salt of that prefix's first block, from its `extra_keys`, and the LoRA
+    adapter of the event). A removal or parent of a hash never stored is named
+    `unknown:<hash>`."""
 
     __slots__ = ("_prefixes",)
 
     def __init__(self) -> None:
-        self._prefixes: dict[str, tuple[list[int], str | None]] = {}
+        self._prefixes: dict[str, _Prefix] = {}
 
     def step(self, events: list[KvEvent]) -> list[CanonicalBlock]:
         blocks: list[CanonicalBlock] = []
         prefixes = self._prefixes
         for event in events:
             if isinstance(event, Stored):
-                parent: tuple[list[int], str | None] | None = ([], None)
+                parent: _Prefix | None = ([], None, None)
                 parent_id: str | None = None
                 if event.parent is not None:
                     parent = prefixes.get(event.parent)
@@ -130,14 +142,17 @@ class Canonicalizer:
                         else f"unknown:{event.parent}"
                     )
                 prefix, salt = (list(parent[0]), parent[1]) if parent is not None else ([], None)
+                lora = None if event.lora_name is None else f"{event.lora_id}:{event.lora_name}"
                 size = event.block_size
                 for i, block_hash in enumerate(event.block_hashes):
                     keys = event.extra_keys[i] if event.extra_keys else None
-                    if not prefix and keys:
-                        salt = keys[0]
+                    # The adapter's name comes first among a LoRA block's keys.
+                    salted = keys[1:] if keys and lora is not None else keys
+                    if not prefix and salted:
+                        salt = salted[0]
                     prefix = prefix + event.token_ids[i * size : (i + 1) * size]
-                    prefixes[block_hash] = (prefix, salt)
-                    identity = prefix_identity(prefix, salt)
+                    prefixes[block_hash] = (prefix, salt, lora)
+                    identity = prefix_identity(prefix, salt, lora)
                     blocks.append(CanonicalBlock("stored", identity, parent_id))
                     parent_id = identity
             elif isinstance(event, Removed):

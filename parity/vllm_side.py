@@ -95,6 +95,8 @@ class _Recorder:
                         None
                         if event.extra_keys is None
                         else [None if k is None else list(k) for k in event.extra_keys],
+                        event.lora_id,
+                        event.lora_name,
                     )
                 )
             elif kind == "BlockRemoved":
@@ -116,6 +118,7 @@ class VllmRun:
         from vllm.config import (
             CacheConfig,
             KVEventsConfig,
+            LoRAConfig,
             ModelConfig,
             SchedulerConfig,
             VllmConfig,
@@ -167,6 +170,7 @@ class VllmRun:
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+            lora_config=LoRAConfig(max_loras=config.max_loras) if config.enable_lora else None,
         )
         spec = FullAttentionSpec(
             block_size=config.block_size, num_kv_heads=1, head_size=16, dtype=torch.float32
@@ -205,6 +209,7 @@ class VllmRun:
             self.hasher = get_request_block_hasher(config.block_size, hash_fn, 0)
 
     def _request(self, request: ScenarioRequest) -> Any:
+        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
@@ -226,6 +231,9 @@ class VllmRun:
             block_hasher=self.hasher,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_request=None
+            if request.lora is None
+            else LoRARequest(request.lora.name, request.lora.int_id, request.lora.path),
         )
 
     def _token(self, request_id: str, position: int) -> int:

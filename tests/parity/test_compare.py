@@ -148,6 +148,26 @@ def test_a_salted_prefix_is_another_block_and_its_children_inherit_the_salt() ->
     assert canon.step([Removed("c")])[0].identity == prefix_identity(A + B, "a")
 
 
+def test_an_adapters_blocks_are_other_blocks_and_its_name_is_no_salt() -> None:
+    """A LoRA request's blocks carry the adapter's name first among their keys: the same
+    tokens under another adapter (by id and name), or none, are other blocks, and only the
+    key after the name is a salt."""
+    canon = Canonicalizer()
+    plain = canon.step([Stored(["p"], None, A, 4, [None])])
+    sql = canon.step([Stored(["q"], None, A, 4, [["sql"]], 1, "sql")])
+    salted = canon.step([Stored(["s"], None, A, 4, [["sql", "a"]], 1, "sql")])
+    other = canon.step([Stored(["o"], None, A, 4, [["sql"]], 4, "sql")])
+    child = canon.step([Stored(["c"], "s", B, 4, [["sql"]], 1, "sql")])
+    assert plain[0].identity == prefix_identity(A)
+    assert sql[0].identity == prefix_identity(A, None, "1:sql") != plain[0].identity
+    assert salted[0].identity == prefix_identity(A, "a", "1:sql") != sql[0].identity
+    assert other[0].identity == prefix_identity(A, None, "4:sql") != sql[0].identity
+    assert (child[0].identity, child[0].parent) == (
+        prefix_identity(A + B, "a", "1:sql"),
+        prefix_identity(A, "a", "1:sql"),
+    )
+
+
 def test_blocks_never_stored_are_named_unknown() -> None:
     blocks = Canonicalizer().step([Removed("7"), Stored(["8"], "6", A, 4)])
     assert [(b.identity, b.parent) for b in blocks] == [

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engined.core.engine import Engine
 from engined.core.types import Request, Submit
 from parity import engined_side
+from parity.lora_scenarios import lora_pressure, lora_shared_prefix
 from parity.scenarios import cache_salt, chunked_prompt, pressure, stop_pressure
 from parity.trace import Scheduled, StopReport, Stored
 
@@ -77,6 +78,33 @@ def test_salted_stores_carry_the_salt_and_hit_only_their_own() -> None:
     # short prompt's generated first block is hit under its salt only.
     assert (cached["c2"], cached["c3"], cached["c4"]) == (0, 64, 64)
     assert (cached["c-grown0"], cached["c-grown1"], cached["c-grown2"]) == (16, 0, 16)
+
+
+def test_lora_stores_carry_the_adapter_and_hit_only_their_own() -> None:
+    """The first Stored of each root names its adapter. k3 (sql) hits k0's prefix and k5
+    (chat) what eviction left of k1's; k4 (sql, salted), k6 (sql at another path) and k7
+    (salted, base) share nothing with earlier requests, and k8 (sql, salted) comes after
+    k4's blocks were evicted (vLLM's numbers, as the lora-salt-shared-prefix scenario
+    checks). The short sql prompt's generated first block is hit by sql only."""
+    trace = engined_side.run(lora_shared_prefix())
+    roots = [
+        (e.lora_id, e.lora_name, (e.extra_keys or [None])[0])
+        for s in trace.steps
+        for e in s.events
+        if isinstance(e, Stored) and e.parent is None
+    ]
+    assert roots[:3] == [(1, "sql", ["sql"]), (2, "chat", ["chat"]), (None, None, None)]
+    cached = {c.request_id: c.cached_tokens for s in trace.steps for c in s.cached}
+    assert [cached[f"k{i}"] for i in range(3, 9)] == [64, 0, 32, 0, 0, 0]
+    assert [cached[f"k-grown{i}"] for i in range(4)] == [16, 0, 0, 16]
+
+
+def test_max_loras_holds_a_third_adapter_back() -> None:
+    """max_loras 2: of the first four (sql, chat, base, math), math waits while sql, chat
+    and the base model run."""
+    trace = engined_side.run(lora_pressure())
+    assert [a.request_id for a in trace.steps[0].admitted] == ["l0", "l1", "l2"]
+    assert (trace.steps[0].running, trace.steps[0].waiting) == (3, 1)
 
 
 def test_an_engine_not_recording_gives_no_trace() -> None:
