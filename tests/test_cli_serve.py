@@ -258,9 +258,9 @@ def test_vllm_serve_command_line_runs_unchanged() -> None:
         "qwen",
         "--num-gpu-blocks-override",
         "512",
-        "--lora-modules",
-        "a=b",
-        "c=d",
+        "--ignore-patterns",
+        "*.pt",
+        "original/*",
         "--rank-processes",
         "-1",
         "--port",
@@ -277,7 +277,7 @@ def test_vllm_serve_command_line_runs_unchanged() -> None:
     assert config["rank_processes"] == -1
     assert result.stderr == (
         "engined serve: ignoring vLLM options engined does not model: "
-        "--gpu-memory-utilization, --tensor-parallel-size, --enforce-eager, --lora-modules\n"
+        "--gpu-memory-utilization, --tensor-parallel-size, --enforce-eager, --ignore-patterns\n"
     )
 
 

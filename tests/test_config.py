@@ -20,6 +20,7 @@ from engined.config import (
     env_name,
     load_config,
 )
+from engined.config.lora_modules import LoraModule, parse_lora_modules
 from engined.core.args import EngineArgs, EngineType, PrefixHitRule, SglangArgs, WorkerType
 from engined.core.vllm_hashing import HashAlgo
 
@@ -588,6 +589,7 @@ ISSUE_FLAGS = {
     "--model": "model",
     "--model-aliases": "model_aliases",
     "--tokenizer": "tokenizer",
+    "--lora-modules": "lora_modules",
     "--host": "api_host",
     "--port": "api_port",
     "--api-server-count": "api_server_count",
@@ -980,3 +982,101 @@ def test_a_refused_sub_table_key_is_reported_once_and_the_rest_still_judged(
         "engine.engine_type: sglang is not supported: engined simulates the vllm and trtllm "
         f"schedulers only (from {source})",
     ]
+
+
+# --- lora_modules (vLLM's --lora-modules) -----------------------------------------------------
+
+
+def test_lora_modules_from_every_layer(tmp_path: Path) -> None:
+    """A list in TOML, one value in the environment, a list from the flag (the CLI splits
+    vLLM's several values); the strings are kept as given and read by the API servers."""
+    assert load().lora_modules == ()
+    toml = 'lora_modules = ["a=/x", \'{"name": "b", "path": "/y"}\']\n'
+    assert load(toml, tmp_path=tmp_path).lora_modules == ("a=/x", '{"name": "b", "path": "/y"}')
+    assert load(env={"ENGINED_LORA_MODULES": "c=/z"}).lora_modules == ("c=/z",)
+    assert load(flags={"lora_modules": ("d=/p", "e=/q")}).lora_modules == ("d=/p", "e=/q")
+
+
+def test_lora_modules_are_read_as_vllm_reads_them() -> None:
+    """vLLM's LoRAParserAction: `name=path` when there is a `=` and no `,` (split at the
+    first `=`, even inside what looks like JSON), else a JSON object; "" and "None" skipped;
+    a `base_model_name` that is not a string is no base model."""
+    assert parse_lora_modules(
+        [
+            "a=/x",
+            "b=c=d",
+            "",
+            "None",
+            '{"name": "e", "path": "/f", "base_model_name": "m", "is_3d_lora_weight": true}',
+            '{"name": "g", "path": "/h", "base_model_name": 5}',
+            '{"name":"i=j"}',
+            "=",
+        ]
+    ) == (
+        LoraModule("a", "/x"),
+        LoraModule("b", "c=d"),
+        LoraModule("e", "/f", "m"),
+        LoraModule("g", "/h"),
+        LoraModule('{"name":"i', 'j"}'),
+        LoraModule("", ""),
+    )
+
+
+# vLLM 0.33's `vllm serve ... --lora-modules VALUE` refusals, as its parser printed them.
+_MODULE = "vllm.entrypoints.openai.models.protocol.LoRAModulePath()"
+LORA_PARSE_ERRORS = [
+    ("notjson", "Invalid JSON format for --lora-modules: notjson"),
+    ("a=/x,y", "Invalid JSON format for --lora-modules: a=/x,y"),
+    ('"s', 'Invalid JSON format for --lora-modules: "s'),
+    (
+        "[1]",
+        f"Invalid fields for --lora-modules: [1] - {_MODULE} argument after ** must be a "
+        "mapping, not list",
+    ),
+    (
+        "null",
+        f"Invalid fields for --lora-modules: null - {_MODULE} argument after ** must be a "
+        "mapping, not NoneType",
+    ),
+    (
+        "true",
+        f"Invalid fields for --lora-modules: true - {_MODULE} argument after ** must be a "
+        "mapping, not bool",
+    ),
+    (
+        '{"name":"a"}',
+        'Invalid fields for --lora-modules: {"name":"a"} - LoRAModulePath.__init__() missing '
+        "1 required positional argument: 'path'",
+    ),
+    (
+        "{}",
+        "Invalid fields for --lora-modules: {} - LoRAModulePath.__init__() missing 2 required "
+        "positional arguments: 'name' and 'path'",
+    ),
+    (
+        '{"name":"a","path":"/p","x":1}',
+        'Invalid fields for --lora-modules: {"name":"a","path":"/p","x":1} - '
+        "LoRAModulePath.__init__() got an unexpected keyword argument 'x'",
+    ),
+    (
+        '{"path":"p","y":2}',
+        'Invalid fields for --lora-modules: {"path":"p","y":2} - LoRAModulePath.__init__() '
+        "got an unexpected keyword argument 'y'",
+    ),
+    # engined's: vLLM takes these here and fails at start-up in pydantic's words.
+    (
+        '{"name":1,"path":"/p"}',
+        'Invalid fields for --lora-modules: {"name":1,"path":"/p"} - \'name\' must be a '
+        "string, got int",
+    ),
+]
+
+
+@pytest.mark.parametrize(("value", "message"), LORA_PARSE_ERRORS)
+def test_lora_module_parse_errors_are_vllms(value: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_lora_modules(["ok=/fine", value])
+    assert str(info.value) == message
+    with pytest.raises(ConfigError) as error:
+        load(env={"ENGINED_LORA_MODULES": value})
+    assert str(error.value) == f"lora_modules: {message} (from ENGINED_LORA_MODULES)"

@@ -101,7 +101,11 @@ def _flag_option(flag: Flag, defaults: DaemonConfig) -> inspect.Parameter:
     same message, naming the key, whether it came from a flag, the environment or the file.
     The help shows the built-in default (the option's own default is None, so typer cannot).
     """
-    repeat = " Repeat it for several." if flag.repeated else ""
+    repeat = ""
+    if flag.repeated:
+        repeat = " Repeat it for several."
+    elif flag.many:
+        repeat = " One or more values after it, as vLLM's; given again, the last one's win."
     help_text = f"{flag.help}{repeat}  [default: {_default_text(flag, defaults)}]"
     if flag.is_switch:
         annotation: Any = Annotated[
@@ -114,7 +118,7 @@ def _flag_option(flag: Flag, defaults: DaemonConfig) -> inspect.Parameter:
                 show_default=False,
             ),
         ]
-    elif flag.repeated:
+    elif flag.repeated or flag.many:
         annotation = Annotated[
             list[str] | None,
             typer.Option(
@@ -267,22 +271,29 @@ class ServeCommand(PlainHelpCommand):
 
 
 SERVED_MODEL_NAME = "--served-model-name"
+# engined's own options that take vLLM's `nargs="+"` (`Flag.many`).
+MANY_OWN = frozenset(flag.name for flag in FLAGS if flag.many)
 
 
 def split_vllm_only(args: list[str], own: dict[str, bool]) -> tuple[list[str], list[str]]:
     """`args` without vLLM's options that engined does not have, and those options' names.
 
     `own` maps engined's option names to whether they take a value, so that a value such as
-    `--rank-processes -1` is never read as an option.
+    `--rank-processes -1` is never read as an option. An option of `MANY_OWN` takes every
+    word up to the next option, and only its last occurrence counts, as in vLLM; its values
+    are passed on one per option, as click's list options take them (and one with no value
+    alone, for click to refuse).
     """
     kept: list[str] = []
     ignored: list[str] = []
+    many: dict[str, list[str]] = {}
+    rest: list[str] = []
     index = 0
     while index < len(args):
         token = args[index]
         index += 1
         if token == "--":
-            kept.extend(args[index - 1 :])
+            rest = args[index - 1 :]
             break
         if not token.startswith("-") or token == "-":
             kept.append(token)
@@ -291,6 +302,13 @@ def split_vllm_only(args: list[str], own: dict[str, bool]) -> tuple[list[str], l
         if name.startswith("--"):
             name = "--" + name[2:].replace("_", "-")
         token = name + equals + value
+        if name in MANY_OWN:
+            values = [value] if equals else []
+            while not equals and index < len(args) and not args[index].startswith("-"):
+                values.append(args[index])
+                index += 1
+            many[name] = values
+            continue
         if name == SERVED_MODEL_NAME and not equals:
             # vLLM's `nargs="+"`: every word up to the next option is a served name; the
             # first is model_name, the others aliases (as argparse reads it, greedily).
@@ -323,4 +341,6 @@ def split_vllm_only(args: list[str], own: dict[str, bool]) -> tuple[list[str], l
                         break
         else:
             kept.append(token)
-    return kept, ignored
+    for name, values in many.items():
+        kept.extend(name if not values else f"{name}={value}" for value in values or [""])
+    return kept + rest, ignored

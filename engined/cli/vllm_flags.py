@@ -248,7 +248,6 @@ MANY_VALUES: Final = frozenset(
         "--ignore-patterns",
         "--kv-cache-dtype-skip-layers",
         "--logits-processors",
-        "--lora-modules",
         "--lora-target-modules",
         "--numa-bind-cpus",
         "--numa-bind-nodes",

@@ -25,6 +25,10 @@ class Flag:
     # Given once per value (`--model-aliases a --model-aliases b`) for a list of opaque
     # strings, where no separator can be reserved.
     repeated: bool = False
+    # vLLM's `nargs="+"` for a list of opaque strings: one or more values follow the flag, up
+    # to the next option, and the flag given again replaces them, as vLLM's `--lora-modules`
+    # action does (engined.cli.serve reads a command line so).
+    many: bool = False
 
     @property
     def help(self) -> str:
@@ -150,6 +154,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--model", "model", metavar_override="MODEL"),
     Flag("--model-aliases", "model_aliases", metavar_override="NAME", repeated=True),
     Flag("--tokenizer", "tokenizer"),
+    Flag("--lora-modules", "lora_modules", metavar_override="NAME=PATH|JSON", many=True),
     Flag("--host", "api_host"),
     Flag("--port", "api_port"),
     Flag("--api-server-count", "api_server_count"),

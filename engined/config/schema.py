@@ -200,6 +200,16 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tokenizer: Annotated[
         str, _help('Tokenizer, when not the model\'s ("builtin" = the embedded one).')
     ] = ""
+    # vLLM's `--lora-modules`: the LoRA adapters every API server process serves from its
+    # start, each `name=path` or vLLM's JSON object (engined.config.lora_modules); they need
+    # engine.enable_lora, as in vLLM. Requests name them in `model`; the daemon reads no path.
+    lora_modules: Annotated[
+        tuple[str, ...],
+        _help(
+            "LoRA adapters the API servers serve from their start, as vLLM's --lora-modules: "
+            'each name=path or {"name", "path", "base_model_name"} JSON (needs --enable-lora).'
+        ),
+    ] = ()
     # vLLM binds every interface by default ("" here), which a pod's readiness probe needs.
     api_host: Annotated[
         str, _help('Address the OpenAI API listens on ("" = every interface, as vLLM).')

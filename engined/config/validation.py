@@ -23,6 +23,7 @@ from engined.config.fields import (
     table_struct,
     unconstrained,
 )
+from engined.config.lora_modules import parse_lora_modules
 from engined.config.schema import ConfigError, DaemonConfig
 from engined.core.args import EngineArgs, EngineType
 from engined.core.assembly import check_vllm_only, runs_vllm_pool
@@ -121,6 +122,10 @@ def validate(layers: Layers) -> DaemonConfig:
     if config.model and "model_name" not in layers.sources:
         # vLLM serves MODEL under its own name unless --served-model-name says otherwise.
         config = msgspec.structs.replace(config, model_name=config.model)
+    try:
+        parse_lora_modules(config.lora_modules)
+    except ValueError as error:
+        layers.report("lora_modules", str(error))
     config = _with_api_keys(config, layers)
     layers.check()
     return config
