@@ -277,7 +277,8 @@ class Engine:
         state = self._state
         active = kv.num_active_blocks()
         waiting = self.num_waiting()
-        deferred = len(self._book.held) + len(self._parking) + len(state.deferred)
+        loading = len(self._book.held) + len(self._parking)
+        deferred = loading + len(state.deferred)
         num_blocks = self.num_blocks
         tiers = kv.offload
         if tiers is None:
@@ -293,6 +294,7 @@ class Engine:
                 waiting,
                 state.preemptions_total,
                 waiting_deferred=deferred,
+                waiting_for_kv=loading,
             )
         g2 = tiers.engine.g2.pool
         g3 = tiers.engine.g3.pool if tiers.engine.g3 is not None else None
@@ -312,6 +314,7 @@ class Engine:
             g3.num_inactive if g3 is not None else 0,
             g3.num_blocks if g3 is not None else 0,
             deferred,
+            loading,
         )
 
     # --- inspection (engined/core/inspection.py) ------------------------------------------

@@ -56,3 +56,6 @@ class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
     # reserved destinations awaiting their transfer, requests parked on an onboard, and
     # requests an admission scan passed over (a LoRA adapter beyond `max_loras`).
     waiting_deferred: int = 0
+    # Of those, the ones blocked on a KV load (vLLM's WAITING_FOR_REMOTE_KVS and its offload
+    # loads): a P/D destination's `kv_fetch` stage `in_progress`.
+    waiting_for_kv: int = 0

@@ -12,11 +12,11 @@ import itertools
 from prometheus_client import generate_latest
 
 from engined.config import DaemonConfig
-from engined.core.args import EngineArgs
+from engined.core.args import EngineArgs, WorkerType
 from engined.core.types import LoraRequest, Request, RequestOutput, Submit
 from engined.server.ops.prometheus_lora import LoraRequestsInfo
 from engined.server.ops.prometheus_metrics import VllmMetrics
-from tests.server.test_metrics import parse
+from tests.server.test_metrics import parse, value
 from tests.server.test_metrics_families import FIXED, Driver
 
 NAME = "vllm:lora_requests_info"
@@ -140,3 +140,28 @@ def test_a_request_counts_from_its_first_output_with_tokens() -> None:
     info.finished(0, "r2")
     info.logged()
     assert [labels[1] for labels, _ in info.rows()] == ["", "b,a", "a"]
+
+
+def test_a_request_held_back_by_max_loras_is_deferred_not_fetching() -> None:
+    """A decode worker (vLLM: a KV consumer) with `max_loras` 1: the request for a second
+    adapter waits `deferred`, as vLLM's skipped request, but no KV fetch is in progress."""
+    engine: dict[str, object] = {
+        "enable_lora": True,
+        "max_loras": 1,
+        "worker_type": WorkerType.DECODE,
+    }
+    args = EngineArgs(**{**FIXED, **engine}).normalized()  # type: ignore[arg-type]
+    metrics = VllmMetrics.from_config(DaemonConfig(model_name="m", engine=args))
+    driver = Driver(metrics, **engine)
+    driver.command(lora_submit("r-a", 100, 4, "a"), at=0.0)
+    driver.command(lora_submit("r-b", 200, 4, "b"), at=0.0)
+    driver.passes(1)
+    families = parse(generate_latest(metrics.registry).decode())
+
+    def read(family: str, **labels: str) -> float:
+        return value(families[family], family, **labels)
+
+    assert read("vllm:num_requests_running") == 1
+    assert read("vllm:num_requests_waiting_by_reason", reason="deferred") == 1
+    assert read("vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+    assert read("vllm:num_requests_kv_fetch_by_stage", stage="in_progress") == 0

@@ -243,7 +243,7 @@ class VllmMetrics(Collector):
         if self.kv_fetch:
             fetch: list[Row] = []
             for labels, t, g in snapshots:
-                counts = (0, g.waiting_deferred, len(t.fetched))
+                counts = (0, g.waiting_for_kv, len(t.fetched))
                 stages = zip(spec.KV_FETCH_STAGES, counts, strict=True)
                 fetch += [((*labels, stage), n) for stage, n in stages]
             add((spec.KV_FETCH_BY_STAGE, fetch))
