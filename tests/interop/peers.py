@@ -280,11 +280,15 @@ class DynamoIndexer:
         assert status == 200, (status, reply)
         return reply
 
-    def query(self, token_ids: Sequence[int]) -> dict[tuple[int, int], int]:
-        """`POST /query`: matched device-tier TOKENS per (instance_id, dp_rank), zeros omitted."""
-        status, reply = self.http(
-            "POST", "/query", {"token_ids": list(token_ids), "model_name": self.model}
-        )
+    def query(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> dict[tuple[int, int], int]:
+        """`POST /query`: matched device-tier TOKENS per (instance_id, dp_rank), zeros omitted;
+        `lora_name` asks for the blocks of that LoRA adapter."""
+        body: dict[str, Any] = {"token_ids": list(token_ids), "model_name": self.model}
+        if lora_name is not None:
+            body["lora_name"] = lora_name
+        status, reply = self.http("POST", "/query", body)
         assert status == 200, f"{self.name}: /query -> {status} {reply}"
         out: dict[tuple[int, int], int] = {}
         for worker, ranks in reply["scores"].items():
