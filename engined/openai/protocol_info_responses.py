@@ -47,8 +47,9 @@ class ModelList(msgspec.Struct, kw_only=True):
 
 
 def model_card(name: str, root: str, max_model_len: int, created: int) -> ModelCard:
-    """`/v1/models`' card for one served name, with vLLM's one default permission."""
-    permission = ModelPermission(id=f"modelperm-{uuid.uuid4().hex}", created=created)
+    """`/v1/models`' card for one served name, with vLLM's one default permission (its id
+    vLLM's `random_uuid()`: 16 hex digits)."""
+    permission = ModelPermission(id=f"modelperm-{uuid.uuid4().hex[:16]}", created=created)
     return ModelCard(
         id=name,
         created=created,
