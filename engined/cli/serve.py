@@ -63,6 +63,7 @@ def serve(
         return
     # NOTE: imported here: the tokenizer stack is not needed to print the configuration.
     from engined.openai.launch import with_model
+    from engined.openai.served_models import check_startup
 
     try:
         effective = with_model(
@@ -71,6 +72,7 @@ def serve(
             max_model_len_given=effective.engine.max_model_len is not None,
             budget_given="engine.max_num_batched_tokens" in given,
         )
+        check_startup(effective, os.environ)
     except ConfigError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(CONFIG_ERROR) from None

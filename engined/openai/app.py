@@ -56,7 +56,8 @@ class ApiApp:
         context = ServingContext.build(
             config=config, client=client, welcome=welcome, tokenizer=tokenizer, counters=counters
         )
-        self.model_names = context.model_names
+        models = context.models
+        self.model_names = models.names
         self._context = context
         self._keys = BearerKeys(tuple(config.api_key or ()), guard_metrics=config.api_key_metrics)
         completions = CompletionServer(context)
@@ -67,7 +68,7 @@ class ApiApp:
             "/v1/completions": {"POST": load.track(completions.create)},
             "/v1/chat/completions": {"POST": load.track(chat.create)},
             "/load": {"GET": load.load},
-            "/v1/models": {"GET": misc.models},
+            "/v1/models": {"GET": models.models_route},
             "/health": {"GET": misc.health},
             "/ping": {"GET": misc.health, "POST": misc.health},
             "/version": {"GET": misc.version},
@@ -76,6 +77,21 @@ class ApiApp:
             "/metrics": {"GET": misc.metrics},
             "/kv_event_sources": {"GET": misc.kv_event_sources},
         }
+        for adapter in models.adapters():
+            log.info(
+                "LoRA adapter loaded",
+                lora_name=adapter.lora_name,
+                lora_path=adapter.lora_path,
+                lora_int_id=adapter.lora_int_id,
+            )
+        if models.runtime_updating:
+            # vLLM attaches these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING (else 404).
+            self._routes["/v1/load_lora_adapter"] = {"POST": models.load_route}
+            self._routes["/v1/unload_lora_adapter"] = {"POST": models.unload_route}
+            log.warning(
+                "LoRA dynamic loading & unloading is enabled in the API server. "
+                "This should ONLY be used for local development!"
+            )
 
     async def handle(self, request: HttpRequest) -> Reply:
         path = unquote(request.path)

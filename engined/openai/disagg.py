@@ -39,7 +39,12 @@ from engined.client.handoff_coordinator import (
 from engined.config.endpoints import WILDCARD_HOSTS, parse_endpoint
 from engined.model_clock import ModelClock
 from engined.openai.api_errors import ApiError, validation_error
-from engined.wire.control import DestinationAccepted, Submitted, TransferTiming
+from engined.wire.control import (
+    DestinationAccepted,
+    Submitted,
+    TransferTiming,
+    WireLoraRequest,
+)
 
 # The extra key of engined's own parameters inside `kv_transfer_params`.
 EXTRA_KEY: Final = "engined"
@@ -226,8 +231,10 @@ class Disaggregation:
         request_id: str,
         seed: int | None,
         priority: int,
+        lora_request: WireLoraRequest | None = None,
     ) -> Submitted:
-        """The prompt as a handoff source, one token long (llm-d's prefill asks for one)."""
+        """The prompt as a handoff source, one token long (llm-d's prefill asks for one), with
+        the adapter the request names (its blocks are the adapter's, as the decode's are)."""
         return await client.submit_handoff_prefill(
             role.handoff_id,
             token_ids,
@@ -235,6 +242,7 @@ class Disaggregation:
             request_id=request_id,
             seed=seed,
             priority=priority,
+            lora_request=lora_request,
         )
 
     async def finish_prefill(

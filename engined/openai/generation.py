@@ -29,7 +29,7 @@ from engined.client import EngineClient
 from engined.client.handoff_coordinator import DestinationRequest
 from engined.openai.disagg import DecodeRole, Disaggregation, PrefillRole, Role
 from engined.openai.queue_admission import Ticket
-from engined.wire.control import OutputEntry, Submitted
+from engined.wire.control import OutputEntry, Submitted, WireLoraRequest
 
 # Bounds every control call of the API server; the daemon answers within a pass or two.
 CALL_TIMEOUT_S = 30.0
@@ -48,6 +48,8 @@ class Sample:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     cache_salt: str | None = None
+    # The LoRA adapter the request's `model` names, vLLM's `lora_request`.
+    lora_request: WireLoraRequest | None = None
 
 
 @dataclass(slots=True)
@@ -165,6 +167,7 @@ class Generation:
                     stop_token_ids=sample.stop_token_ids or None,
                     min_tokens=sample.min_tokens,
                     cache_salt=sample.cache_salt,
+                    lora_request=sample.lora_request,
                     timeout=CALL_TIMEOUT_S,
                 )
                 for sample in self.samples
@@ -193,6 +196,7 @@ class Generation:
                 request_id=sample.request_id,
                 seed=sample.seed,
                 priority=sample.priority,
+                lora_request=sample.lora_request,
             )
             self._choices.append(_Choice(sample, self._ticket(0)))
             return
@@ -208,6 +212,7 @@ class Generation:
             stop_token_ids=sample.stop_token_ids or None,
             min_tokens=sample.min_tokens,
             cache_salt=sample.cache_salt,
+            lora_request=sample.lora_request,
         )
         await disagg.pull(role, destination)
         self._choices.append(_Choice(sample, self._ticket(0)))

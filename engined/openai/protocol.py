@@ -1,7 +1,8 @@
 """vLLM 0.33's OpenAI request bodies as msgspec structs, and their decoding.
 
 Every field vLLM's `CompletionRequest`, `ChatCompletionRequest`, `TokenizeCompletionRequest`
-/ `TokenizeChatRequest` and `DetokenizeRequest` accept is here, with its name, default and
+/ `TokenizeChatRequest`, `DetokenizeRequest` and `LoadLoRAAdapterRequest` /
+`UnloadLoRAAdapterRequest` (the runtime LoRA routes) accept is here, with its name, default and
 (nearly) its type, in vLLM's order (pydantic reports errors in that order). Unknown fields are
 accepted and ignored, as vLLM does. Fields that shape only sampling (temperature, top_p,
 penalties, ...) are typed and checked but change nothing in a simulated engine.
@@ -63,14 +64,18 @@ __all__ = [
     "ChatMessageParam",
     "CompletionRequest",
     "DetokenizeRequest",
+    "LoadLoRAAdapterRequest",
     "StreamOptions",
     "TokenizeChatRequest",
     "TokenizeCompletionRequest",
     "TokenizeRequest",
+    "UnloadLoRAAdapterRequest",
     "decode_chat_request",
     "decode_completion_request",
     "decode_detokenize_request",
+    "decode_load_lora_request",
     "decode_tokenize_request",
+    "decode_unload_lora_request",
 ]
 
 INT64_MIN: Final = -(2**63)
@@ -261,6 +266,18 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]]
 
 
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 def _struct(cls: type[msgspec.Struct]) -> mi.StructType:
     info = mi.type_info(cls)
     assert isinstance(info, mi.StructType)
@@ -273,6 +290,8 @@ _CHAT: Final = _struct(ChatCompletionRequest)
 _TOKENIZE_PROMPT: Final = _struct(TokenizeCompletionRequest)
 _TOKENIZE_CHAT: Final = _struct(TokenizeChatRequest)
 _DETOKENIZE: Final = _struct(DetokenizeRequest)
+_LOAD_LORA: Final = _struct(LoadLoRAAdapterRequest)
+_UNLOAD_LORA: Final = _struct(UnloadLoRAAdapterRequest)
 for _format in (ResponseFormat, StructuralTagResponseFormat, LegacyStructuralTagResponseFormat):
     register_literals(_format)
 STRUCT_CHECKS[StructuredOutputsParams] = check_structured_outputs
@@ -348,4 +367,19 @@ def decode_detokenize_request(
     body: bytes, content_type: str | None = "application/json"
 ) -> DetokenizeRequest:
     request: DetokenizeRequest = convert(_root(body, content_type, _DETOKENIZE), _DETOKENIZE)
+    return request
+
+
+def decode_load_lora_request(
+    body: bytes, content_type: str | None = "application/json"
+) -> LoadLoRAAdapterRequest:
+    request: LoadLoRAAdapterRequest = convert(_root(body, content_type, _LOAD_LORA), _LOAD_LORA)
+    return request
+
+
+def decode_unload_lora_request(
+    body: bytes, content_type: str | None = "application/json"
+) -> UnloadLoRAAdapterRequest:
+    raw = _root(body, content_type, _UNLOAD_LORA)
+    request: UnloadLoRAAdapterRequest = convert(raw, _UNLOAD_LORA)
     return request

@@ -29,7 +29,8 @@ class ModelPermission(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
-    """One served name: `root` is the model path vLLM was started with, `parent` null."""
+    """One served name: `root` is the model path vLLM was started with, `parent` null; or one
+    LoRA adapter: `root` its path, `parent` the served name it is for, no `max_model_len`."""
 
     id: str
     object: str = "model"
@@ -46,14 +47,17 @@ class ModelList(msgspec.Struct, kw_only=True):
     data: list[ModelCard] = []
 
 
-def model_card(name: str, root: str, max_model_len: int, created: int) -> ModelCard:
-    """`/v1/models`' card for one served name, with vLLM's one default permission (its id
-    vLLM's `random_uuid()`: 16 hex digits)."""
+def model_card(
+    name: str, root: str, max_model_len: int | None, created: int, *, parent: str | None = None
+) -> ModelCard:
+    """`/v1/models`' card for one served name or adapter, with vLLM's one default permission
+    (its id vLLM's `random_uuid()`: 16 hex digits)."""
     permission = ModelPermission(id=f"modelperm-{uuid.uuid4().hex[:16]}", created=created)
     return ModelCard(
         id=name,
         created=created,
         root=root,
+        parent=parent,
         max_model_len=max_model_len,
         permission=[permission],
     )

@@ -22,7 +22,6 @@ from engined.openai.api_errors import (
     context_length_error,
     engine_overloaded,
     http_error,
-    model_not_found,
     validation_error,
 )
 from engined.openai.disagg import Disaggregation, advertised, parse_role
@@ -35,8 +34,9 @@ from engined.openai.protocol_sampling import (
     requested_max_tokens,
 )
 from engined.openai.queue_admission import Admission
+from engined.openai.served_models import ServedModels
 from engined.openai.tokenizer import Tokenizer
-from engined.wire.control import Welcome
+from engined.wire.control import Welcome, WireLoraRequest
 
 Request = CompletionRequest | ChatCompletionRequest
 
@@ -61,10 +61,8 @@ def engine_refusal(error: EngineError) -> ApiError:
 class ServingContext:
     client: EngineClient
     tokenizer: Tokenizer
-    # The first is the name responses carry; any may be asked for.
-    model_names: tuple[str, ...]
-    # What `/v1/models` gives as `root`: the model as the server was started with it.
-    root: str
+    # The served names and this process's LoRA adapters: what a request's `model` names.
+    models: ServedModels
     max_model_len: int
     block_size: int
     prefix_caching: bool
@@ -85,12 +83,17 @@ class ServingContext:
         tokenizer: Tokenizer,
         counters: AdmissionCounters,
     ) -> ServingContext:
+        """Raises ApiError: a static LoRA adapter vLLM would not load (`engined serve`
+        refuses it before the daemon starts)."""
+        max_model_len = welcome.max_model_len or config.engine.max_model_len or 0
         return cls(
             client=client,
             tokenizer=tokenizer,
-            model_names=(config.model_name, *config.model_aliases),
-            root=config.model or tokenizer.name,
-            max_model_len=welcome.max_model_len or config.engine.max_model_len or 0,
+            # `root`: the model as the server was started with it, as vLLM's cards give it.
+            models=ServedModels.of(
+                config, root=config.model or tokenizer.name, max_model_len=max_model_len
+            ),
+            max_model_len=max_model_len,
             block_size=welcome.block_size,
             prefix_caching=bool(welcome.enable_prefix_caching),
             prompt_tokens_details=config.enable_prompt_tokens_details,
@@ -110,20 +113,10 @@ class ServingContext:
             ),
         )
 
-    @property
-    def model_name(self) -> str:
-        return self.model_names[0]
-
     def stream_interval_of(self, request: Request) -> int:
         """vLLM's: the request's `stream_interval`, never below the server's."""
         asked = request.stream_interval
         return self.stream_interval if asked is None else max(asked, self.stream_interval)
-
-    def check_model(self, requested: str | None) -> str:
-        """The name to answer with; vLLM's 404 for a model this server does not serve."""
-        if not requested or requested in self.model_names:
-            return self.model_name
-        raise model_not_found(requested, self.model_names)
 
     def truncate(self, request: Request, ids: list[int]) -> list[int]:
         """`truncate_prompt_tokens` as vLLM applies it: the first or last N tokens
@@ -235,9 +228,11 @@ def samples(
     ids: list[int],
     max_tokens: int,
     first_choice: int,
+    lora: WireLoraRequest | None = None,
 ) -> list[Sample]:
     """The engine requests of one prompt: vLLM's `{request}-{prompt}` id for completions, its
-    ParentRequest's `{j}_{...}` child ids when n > 1, and seed + j for sample j."""
+    ParentRequest's `{j}_{...}` child ids when n > 1, and seed + j for sample j; each runs
+    with the adapter the request's `model` names (`lora`), as vLLM's `lora_request`."""
     n = request.n or 1
     item = request_id if prompt_index is None else f"{request_id}-{prompt_index}"
     stop_ids = tuple(dict.fromkeys(request.stop_token_ids or ()))
@@ -252,6 +247,7 @@ def samples(
             stop_token_ids=stop_ids,
             min_tokens=request.min_tokens,
             cache_salt=request.cache_salt,
+            lora_request=lora,
         )
         for j in range(n)
     ]

@@ -71,7 +71,7 @@ class ChatServer:
     async def create(self, http: HttpRequest) -> HttpResponse | StreamingResponse:
         context = self._context
         request = decode_chat_request(http.body, http.headers.get("content-type"))
-        model = context.check_model(request.model)
+        served = context.models.check(request.model)
         context.admission.check(request.n or 1)
         check_template_trust(request)
         messages = [msgspec.to_builtins(message) for message in request.messages]
@@ -92,7 +92,13 @@ class ChatServer:
         max_tokens = context.check_prompt(request, ids, from_text=True)
         request_id = f"chatcmpl-{base_request_id(http.headers, request.request_id)}"
         runs = samples(
-            request, request_id, prompt_index=None, ids=ids, max_tokens=max_tokens, first_choice=0
+            request,
+            request_id,
+            prompt_index=None,
+            ids=ids,
+            max_tokens=max_tokens,
+            first_choice=0,
+            lora=served.lora,
         )
         generation = await context.generate(request, runs, [ids])
         stop = stop_strings(request)
@@ -111,7 +117,9 @@ class ChatServer:
         echo = ""
         if request.echo and messages and messages[-1].get("role") == role:
             echo = _content_text(messages[-1].get("content"))
-        run = _Run(context, request, request_id, created_now(), model, ids, choices, role, echo)
+        run = _Run(
+            context, request, request_id, created_now(), served.name, ids, choices, role, echo
+        )
         if request.stream:
             return StreamingResponse(200, ClosingBody(run.stream(generation), generation.close))
         return await run.collect(generation)

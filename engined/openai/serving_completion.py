@@ -63,7 +63,7 @@ class CompletionServer:
     async def create(self, http: HttpRequest) -> HttpResponse | StreamingResponse:
         context = self._context
         request = decode_completion_request(http.body, http.headers.get("content-type"))
-        model = context.check_model(request.model)
+        served = context.models.check(request.model)
         context.admission.check(request.n or 1)
         check_completion_prompt(request)
         tokenizer = context.tokenizer
@@ -89,6 +89,7 @@ class CompletionServer:
                     ids=ids,
                     max_tokens=1 if echo_only(request) else max_tokens,
                     first_choice=i * n,
+                    lora=served.lora,
                 )
             )
         generation = await context.generate(request, runs, [ids for _, ids in prompts])
@@ -105,7 +106,7 @@ class CompletionServer:
             )
             for sample in runs
         ]
-        run = _Run(context, request, request_id, created_now(), model, prompts, choices)
+        run = _Run(context, request, request_id, created_now(), served.name, prompts, choices)
         if request.stream:
             return StreamingResponse(200, ClosingBody(run.stream(generation), generation.close))
         return await run.collect(generation)

@@ -1,4 +1,7 @@
-"""The small routes: models, health, version, tokenize, detokenize, metrics, KV event sources."""
+"""The small routes: health, version, tokenize, detokenize, metrics, KV event sources.
+
+`/v1/models` is the served models' own (engined.openai.served_models).
+"""
 
 from __future__ import annotations
 
@@ -17,12 +20,10 @@ from engined.openai.protocol import (
 from engined.openai.protocol_responses import (
     ENCODE,
     DetokenizeResponse,
-    ModelList,
     TokenizeResponse,
     VersionResponse,
-    model_card,
 )
-from engined.openai.serving import ServingContext, check_template_trust, created_now
+from engined.openai.serving import ServingContext, check_template_trust
 
 # The vLLM release whose API this server speaks (`GET /version`, as `vllm --version`).
 VLLM_VERSION = "0.33.0"
@@ -32,16 +33,7 @@ HEALTH_TIMEOUT_S = 5.0
 class MiscServer:
     def __init__(self, context: ServingContext, *, config: DaemonConfig, welcome: Any) -> None:
         self._context = context
-        self._created = created_now()
         self._sources = _kv_event_sources(config, welcome)
-
-    async def models(self, http: HttpRequest) -> HttpResponse:
-        context = self._context
-        cards = [
-            model_card(name, context.root, context.max_model_len, self._created)
-            for name in context.model_names
-        ]
-        return HttpResponse(200, ENCODE(ModelList(data=cards)))
 
     async def health(self, http: HttpRequest) -> HttpResponse:
         """200 while the daemon answers, 503 when it does not (vLLM: while the engine lives)."""
@@ -57,7 +49,8 @@ class MiscServer:
     async def tokenize(self, http: HttpRequest) -> HttpResponse:
         context = self._context
         request = decode_tokenize_request(http.body, http.headers.get("content-type"))
-        context.check_model(request.model)
+        # NOTE: an adapter's name is served here too; vLLM tokenizes with the base tokenizer.
+        context.models.check(request.model)
         if isinstance(request, TokenizeChatRequest):
             if request.chat_template is not None:
                 check_template_trust(request)  # type: ignore[arg-type]
@@ -79,7 +72,7 @@ class MiscServer:
     async def detokenize(self, http: HttpRequest) -> HttpResponse:
         context = self._context
         request = decode_detokenize_request(http.body, http.headers.get("content-type"))
-        context.check_model(request.model)
+        context.models.check(request.model)
         try:
             text = context.tokenizer.decode(request.tokens)
         except ValueError as error:

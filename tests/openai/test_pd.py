@@ -50,7 +50,12 @@ FLAGS = (
     "--kv-transfer-bandwidth",
     str(KV_BANDWIDTH_GB_S),
     "--enable-prompt-tokens-details",
+    "--enable-lora",
+    "--lora-modules",
+    "pd=/adapters/pd",
 )
+# The LoRA adapter both pods serve (`--lora-modules`).
+ADAPTER = "pd"
 # The sidecar's prefill: vLLM's keys, the ones it does not know yet null.
 SIDECAR_PREFILL = {
     "do_remote_decode": True,
@@ -321,6 +326,26 @@ def test_failed_pulls_are_500_and_both_servers_serve_on(pair: Pair) -> None:
         assert (stats.active_blocks, stats.running, stats.waiting) == (0, 0, 0)
         status, answer = post(api, "/v1/completions", completion(prompt(800), 3))
         assert (status, answer["usage"]["completion_tokens"]) == (200, 3)
+
+
+def test_an_adapter_runs_on_both_sides_of_a_handoff(pair: Pair) -> None:
+    """llm-d's sidecar sends both pods the same `model`: the prefill's source and the
+    decode's destination run with that LoRA adapter, so on each daemon the prompt's blocks
+    are the adapter's, found by its requests and not by the base model's."""
+    ids = prompt(1000)
+    body = completion(ids, 1, stream=False, kv_transfer_params=SIDECAR_PREFILL, model=ADAPTER)
+    status, answer = post(pair.prefill, "/v1/completions", body)
+    assert (status, answer["model"]) == (200, ADAPTER), answer
+    body = completion(ids, 4, kv_transfer_params=answer["kv_transfer_params"], model=ADAPTER)
+    status, decoded = post(pair.decode, "/v1/completions", body)
+    assert (status, decoded["model"], decoded["usage"]["completion_tokens"]) == (200, ADAPTER, 4)
+    for api in (pair.prefill, pair.decode):
+        cached = []
+        for model in ("engined", ADAPTER):
+            status, plain = post(api, "/v1/completions", completion(ids, 1, model=model))
+            assert status == 200, plain
+            cached.append(plain["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert cached == [0, 32]
 
 
 def test_the_transfer_wait_is_the_source_timing_at_its_speedup(pair: Pair) -> None:

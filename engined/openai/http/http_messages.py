@@ -25,7 +25,7 @@ class HttpRequest:
 class HttpResponse:
     status: int
     body: bytes = b""
-    content_type: str = "application/json"
+    content_type: str = "application/json"  # "": no content-type header
     headers: tuple[tuple[str, str], ...] = ()
 
 

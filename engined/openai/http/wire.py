@@ -45,14 +45,13 @@ def head(
     keep_alive_10: bool = False,
 ) -> bytes:
     """The status line and headers. `length` None: chunked, unless `close` delimits the body.
+    An empty `content_type` sends none (a Starlette `Response` without a media type).
 
     Raises ValueError for a header that could split the response (CR or LF, non-latin-1).
     """
-    parts = [
-        b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b"Unknown")),
-        _date(),
-        b"content-type: " + _field(content_type) + b"\r\n",
-    ]
+    parts = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b"Unknown")), _date()]
+    if content_type:
+        parts.append(b"content-type: " + _field(content_type) + b"\r\n")
     if length is not None:
         parts.append(b"content-length: %d\r\n" % length)
     elif not close:
