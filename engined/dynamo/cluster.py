@@ -28,13 +28,12 @@ import structlog
 
 from engined.client import EngineClient
 from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids
+from engined.dynamo.cards import register, runtime_config
 from engined.dynamo.handler import Limits, RequestHandler
 from engined.dynamo.worker import (
     READY_LINE,
-    _runtime_config,
     follow,
     rank_publishers,
-    register,
     shut_down,
     warn_without_kv_events,
 )
@@ -91,7 +90,7 @@ async def serve_per_rank(args: WorkerArgs) -> int:
 
         await client.watch_load(on_load)
         for worker in workers:
-            config = _runtime_config(welcome, context)
+            config = runtime_config(welcome, context)
             config.data_parallel_start_rank = worker.rank
             config.data_parallel_size = 1
             await register(args, worker.endpoint, name, welcome, config)

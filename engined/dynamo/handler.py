@@ -13,7 +13,8 @@ handoff source (`submit_handoff_prefill`, max_tokens 1) and returns `disaggregat
 naming the handoff, its daemon and rank; the decode worker reserves a destination for it,
 waits out the modeled transfer, activates it, releases the source on the prefill daemon (as
 vLLM's decode side frees the prefill's blocks) and streams the decode. The request's fields
-are read and checked in `engined.dynamo.request_fields`.
+are read and checked in `engined.dynamo.request_fields`; its LoRA adapter (named by `model`,
+passed to both sides of a handoff) is `engined.dynamo.lora`'s.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ from engined.dynamo.engine_outputs import (
     merge,
     output_options,
 )
+from engined.dynamo.lora import BASE_MODEL_ONLY, BaseModelOnly, LoraAdapters
 from engined.dynamo.request_fields import (
+    PARAMS_KEY,
     core_fields,
+    handoff_params,
     pin_rank,
     prefill_cached_tokens,
     single_sample,
@@ -55,14 +59,11 @@ from engined.dynamo.request_fields import (
 )
 from engined.dynamo.worker_args import DisaggregationMode
 from engined.model_clock import ModelClock
-from engined.wire.control import DestinationReservedEvent, TransferTiming
+from engined.wire.control import DestinationReservedEvent, TransferTiming, WireLoraRequest
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
-# The key under `disaggregated_params` that carries engined's handoff (other engines' keys
-# never collide with it).
-PARAMS_KEY: Final = "engined"
 # engined error code -> HTTP status the frontend returns (vLLM's choices: a bad request is
 # 400, an engine that cannot take more work right now is 503).
 _HTTP_STATUS: Final = {
@@ -117,8 +118,11 @@ class RequestHandler:
         *,
         connect: Callable[[str], Awaitable[EngineClient]],
         rank: int | None = None,
+        adapters: LoraAdapters | BaseModelOnly = BASE_MODEL_ONLY,
     ) -> None:
         self._client = client
+        # The adapter a request's `model` names (`--enable-lora`, engined.dynamo.lora).
+        self._adapters = adapters
         # `--worker-per-rank`: every request goes to this rank (`pin_rank`).
         self._rank = rank
         # Set once the worker follows its daemon; not a wrapping generator (a re-yield per chunk).
@@ -143,18 +147,19 @@ class RequestHandler:
             pin_rank(request, self._rank)
         self.in_flight += 1
         try:
-            # Set up here, so each chunk passes one re-yielding generator fewer.
-            source: AsyncIterator[Chunk] | None
-            if self._mode is DisaggregationMode.PREFILL:
-                source = self._prefill(request, context)
-            elif self._mode is DisaggregationMode.DECODE and request.get("prefill_result"):
-                source = await self._decode(request, context)
-            else:
-                source = await self._aggregated(request, context)
-            if source is None:
-                return
-            async for chunk in source:
-                yield chunk
+            async with self._adapters.admitted(request.get("model")) as lora:
+                # Set up here, so each chunk passes one re-yielding generator fewer.
+                source: AsyncIterator[Chunk] | None
+                if self._mode is DisaggregationMode.PREFILL:
+                    source = self._prefill(request, context, lora)
+                elif self._mode is DisaggregationMode.DECODE and request.get("prefill_result"):
+                    source = await self._decode(request, context, lora)
+                else:
+                    source = await self._aggregated(request, context, lora)
+                if source is None:
+                    return
+                async for chunk in source:
+                    yield chunk
         except RequestFailed as exc:
             raise http_error(exc) from None
         except DaemonLost:
@@ -168,7 +173,9 @@ class RequestHandler:
 
     # --- the three modes ------------------------------------------------------------------
 
-    async def _aggregated(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+    async def _aggregated(
+        self, request: dict[str, Any], context: Context, lora: WireLoraRequest | None
+    ) -> AsyncIterator[Chunk]:
         """Submit the request (each of its `n` choices) and return its chunks' stream."""
         token_ids, max_tokens, dp_rank, seed = core_fields(request, self._limits.context_length)
         stop_token_ids, min_tokens = stop_fields(request)
@@ -189,6 +196,7 @@ class RequestHandler:
                         seed=None if seed is None else seed + j,
                         stop_token_ids=stop_token_ids,
                         min_tokens=min_tokens,
+                        lora_request=lora,
                         timeout=CALL_TIMEOUT_S,
                     )
                 )
@@ -200,7 +208,9 @@ class RequestHandler:
             raise
         return streams[0] if len(streams) == 1 else _interleaved(streams)
 
-    async def _prefill(self, request: dict[str, Any], context: Context) -> AsyncIterator[Chunk]:
+    async def _prefill(
+        self, request: dict[str, Any], context: Context, lora: WireLoraRequest | None
+    ) -> AsyncIterator[Chunk]:
         # The prefill makes one token whatever the client asked: Dynamo's PrefillRouter sends
         # `max_tokens` 1 with the client's `min_tokens`, which dynamo.vllm caps to 1 as well.
         stop = request.get("stop_conditions") or {}
@@ -217,6 +227,7 @@ class RequestHandler:
                 request_id=request_id,
                 dp_rank=dp_rank,
                 seed=seed,
+                lora_request=lora,
                 timeout=CALL_TIMEOUT_S,
             )
         )
@@ -248,7 +259,7 @@ class RequestHandler:
         yield last
 
     async def _decode(
-        self, request: dict[str, Any], context: Context
+        self, request: dict[str, Any], context: Context, lora: WireLoraRequest | None
     ) -> AsyncIterator[Chunk] | None:
         """Pull the prefill's handoff and return the decode's chunks (None: the Dynamo side
         went away meanwhile)."""
@@ -256,7 +267,7 @@ class RequestHandler:
         stop_token_ids, min_tokens = stop_fields(request)
         options = single_sample(request)
         prefill_result = request["prefill_result"]
-        params = _handoff_params(prefill_result)
+        params = handoff_params(prefill_result)
         handoff_id = params["handoff_id"]
         peer = await self._handoffs.peer(params["control_endpoint"])
         destination = DestinationRequest(
@@ -267,6 +278,7 @@ class RequestHandler:
             seed=seed,
             stop_token_ids=stop_token_ids,
             min_tokens=min_tokens,
+            lora_request=lora,
         )
         accepted = await _refusing(
             self._handoffs.pull(
@@ -353,22 +365,6 @@ def _request_id(context: Context) -> str:
             if isinstance(value, str) and value:
                 return value
     return str(uuid.uuid4())
-
-
-def _handoff_params(prefill_result: Any) -> dict[str, Any]:
-    params = (prefill_result or {}).get("disaggregated_params") or {}
-    ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
-    if not isinstance(ours, dict) or not isinstance(ours.get("handoff_id"), str):
-        raise RequestFailed(
-            400,
-            "prefill_result.disaggregated_params carries no engined handoff: the prefill "
-            "worker is not an engined dynamo-worker",
-        )
-    if not isinstance(ours.get("control_endpoint"), str):
-        raise RequestFailed(
-            400, "prefill_result.disaggregated_params.engined.control_endpoint: missing"
-        )
-    return ours
 
 
 def _transfer_wait_s(params: dict[str, Any], reserved: DestinationReservedEvent) -> float:

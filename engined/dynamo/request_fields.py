@@ -7,7 +7,7 @@ is not usable (bad input never reaches the daemon unexplained).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import structlog
 
@@ -15,6 +15,10 @@ from engined.core.token_stream import SEED_MAX, SEED_MIN
 from engined.dynamo.engine_outputs import OutputOptions, RequestFailed, field_map, output_options
 
 log = structlog.get_logger(__name__)
+
+# The key under `disaggregated_params` that carries engined's handoff (other engines' keys
+# never collide with it).
+PARAMS_KEY: Final = "engined"
 
 
 def core_fields(
@@ -102,3 +106,21 @@ def prefill_cached_tokens(prefill_result: Any) -> int:
     details = (prefill_result or {}).get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return cached if isinstance(cached, int) and cached >= 0 else 0
+
+
+def handoff_params(prefill_result: Any) -> dict[str, Any]:
+    """The engined handoff a prefill worker's result names (under PARAMS_KEY); a 400 when
+    it names none: the prefill worker is not an engined one."""
+    params = (prefill_result or {}).get("disaggregated_params") or {}
+    ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    if not isinstance(ours, dict) or not isinstance(ours.get("handoff_id"), str):
+        raise RequestFailed(
+            400,
+            "prefill_result.disaggregated_params carries no engined handoff: the prefill "
+            "worker is not an engined dynamo-worker",
+        )
+    if not isinstance(ours.get("control_endpoint"), str):
+        raise RequestFailed(
+            400, "prefill_result.disaggregated_params.engined.control_endpoint: missing"
+        )
+    return ours

@@ -4,7 +4,9 @@ What `dynamo.vllm` does for a vLLM engine, done for an engined daemon: read the 
 real limits (here the daemon's `welcome`), register the model card with them, point one
 `KvEventPublisher` and one `FpmEventRelay` per data-parallel rank at the daemon's PUB
 sockets, publish each rank's used blocks for the router, and serve `generate` until SIGTERM.
-With `--worker-per-rank`, engined/dynamo/cluster.py registers each rank as a worker instead.
+With `--enable-lora` it serves dynamo.vllm's LoRA endpoints beside `generate` and registers
+each loaded adapter's card (engined/dynamo/lora.py, engined/dynamo/cards.py). With
+`--worker-per-rank`, engined/dynamo/cluster.py registers each rank as a worker instead.
 Every start-up failure is a `SetupError` printed as one line, never a traceback.
 """
 
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -23,12 +24,30 @@ import structlog
 
 from engined import event_loop
 from engined.client import EngineClient
-from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids, set_vocabulary
+from engined.dynamo.attach import (
+    as_operator,
+    attach,
+    connect_daemon,
+    set_fpm_worker_ids,
+    set_vocabulary,
+)
+from engined.dynamo.cards import (
+    adapter_runtime_config,
+    register,
+    register_adapter,
+    runtime_config,
+    unregister_adapter,
+)
+from engined.dynamo.cards import (
+    # Re-exported: its rule is the worker's (tests/dynamo/test_model.py checks it here).
+    publishes_kv_events as publishes_kv_events,
+)
 from engined.dynamo.handler import Limits, RequestHandler
+from engined.dynamo.lora import BASE_MODEL_ONLY, BaseModelOnly, LoraAdapters, dynamo_naming
 from engined.dynamo.model import SetupError, read_model
 from engined.dynamo.recovery import DaemonFollower
 from engined.dynamo.startup import dynamo_step, runtime_failure
-from engined.dynamo.worker_args import DisaggregationMode, WorkerArgs, parse_args
+from engined.dynamo.worker_args import WorkerArgs, parse_args
 from engined.logs import configure_logging
 from engined.wire.control import Load, Welcome
 
@@ -71,44 +90,6 @@ def main(argv: Sequence[str] | None = None, *, serve_per_rank: Serve | None = No
 
 def _run(server: Serve, args: WorkerArgs) -> int:
     return event_loop.run(server(args))
-
-
-def _runtime_config(welcome: Welcome, context: int) -> Any:
-    from dynamo.llm import ModelRuntimeConfig
-
-    config = ModelRuntimeConfig()
-    config.context_length = context
-    config.total_kv_blocks = welcome.num_gpu_blocks  # per rank, as Dynamo wants it
-    config.max_num_seqs = welcome.max_num_seqs
-    config.max_num_batched_tokens = welcome.max_num_batched_tokens
-    config.data_parallel_start_rank = 0
-    config.data_parallel_size = welcome.dp_size
-    # The worker-local indexer (kept by each rank's KvEventPublisher) is what a restarted
-    # frontend, or one started later, asks for this worker's cached blocks; without it a new
-    # router starts blind ("KV source is live-only"). dynamo.vllm turns it on for every worker
-    # that publishes KV events, decode workers included, and has no flag to turn it off.
-    config.enable_local_indexer = publishes_kv_events(welcome)
-    config.kv_event_publishing_enabled = publishes_kv_events(welcome)
-    # The frontend refuses prompts (and prompt + max_tokens) past the context up front, as
-    # dynamo.vllm asks it to (`dynamo/vllm/capacity.py`).
-    budget = {
-        "combined_limit": context,
-        "reject_prompt_overflow": True,
-        "reject_total_overflow": True,
-    }
-    config.set_engine_specific("token_budget", json.dumps(budget))
-    return config
-
-
-def publishes_kv_events(welcome: Welcome) -> bool:
-    """Whether the daemon's ranks publish KV events a router can index.
-
-    A daemon with `kv_events_endpoint = ""` (vLLM's `enable_kv_cache_events: false`) is
-    registered without them, as dynamo.vllm registers such an engine: Dynamo's KV router then
-    warns that the worker's publisher is disabled, or, with `--no-kv-events`, predicts cache
-    state from its own routing decisions.
-    """
-    return bool(welcome.enable_prefix_caching and welcome.kv_events_endpoints)
 
 
 def _publishers(endpoint: Any, welcome: Welcome) -> list[Any]:
@@ -173,6 +154,7 @@ async def serve(args: WorkerArgs) -> int:
         fpm_ids: list[tuple[int | None, int]] = [(None, worker_id)]
         await set_fpm_worker_ids(client, args, welcome, fpm_ids)
         name = args.served_model_name or welcome.model_name
+        adapters, lora_endpoints = _lora(args, runtime, endpoint, client, welcome, context, name)
         handler = RequestHandler(
             client,
             args.disaggregation_mode,
@@ -183,6 +165,7 @@ async def serve(args: WorkerArgs) -> int:
                 read_model(args.model_path).vocab_size,
             ),
             connect=EngineClient.connect,
+            adapters=adapters,
         )
         with dynamo_step("Dynamo refused the KV event, FPM or load publishers"):
             publishers = _publishers(endpoint, welcome)
@@ -194,7 +177,7 @@ async def serve(args: WorkerArgs) -> int:
 
         await client.watch_load(on_load)
         mode = args.disaggregation_mode
-        await register(args, endpoint, name, welcome, _runtime_config(welcome, context))
+        await register(args, endpoint, name, welcome, runtime_config(welcome, context))
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runtime.shutdown)
 
@@ -218,10 +201,15 @@ async def serve(args: WorkerArgs) -> int:
         )
         try:
             with dynamo_step(f"Dynamo stopped serving {args.endpoint_path}"):
-                await endpoint.serve_endpoint(
-                    handler.generate,
-                    graceful_shutdown=True,
-                    metrics_labels=[("model", name)],
+                labels = [("model", name)]
+                await asyncio.gather(
+                    endpoint.serve_endpoint(
+                        handler.generate, graceful_shutdown=True, metrics_labels=labels
+                    ),
+                    *(
+                        lora.serve_endpoint(serve, metrics_labels=labels)
+                        for lora, serve in lora_endpoints
+                    ),
                 )
         finally:
             following.cancel()
@@ -232,6 +220,52 @@ async def serve(args: WorkerArgs) -> int:
         if handler is not None:
             await handler.close()
         await client.close()
+
+
+def _lora(
+    args: WorkerArgs,
+    runtime: Any,
+    endpoint: Any,
+    client: EngineClient,
+    welcome: Welcome,
+    context: int,
+    name: str,
+) -> tuple[LoraAdapters | BaseModelOnly, list[tuple[Any, Callable[..., Any]]]]:
+    """The worker's adapters, and the endpoints that load, unload and list them: with
+    `--enable-lora` only, as dynamo.vllm serves `load_lora`, `unload_lora` and `list_loras`
+    beside `generate` (dynamo/vllm/worker_factory.py), each adapter a card on `generate`."""
+    if not args.enable_lora:
+        return BASE_MODEL_ONLY, []
+
+    async def publish(lora_name: str, lora_id: int) -> None:
+        config = adapter_runtime_config(welcome, context)
+        await register_adapter(args, endpoint, welcome, config, lora_name, lora_id)
+
+    async def reset_prefix_cache() -> None:
+        await as_operator(
+            client,
+            welcome,
+            args.control_endpoint,
+            "a prefix cache reset",
+            lambda c: c.reset_prefix_cache(),
+        )
+
+    adapters = LoraAdapters(
+        (name, str(args.model_path)),
+        publish=publish,
+        withdraw=lambda lora_name: unregister_adapter(endpoint, lora_name),
+        reset_prefix_cache=reset_prefix_cache,
+        naming=dynamo_naming(),
+        env=os.environ,
+    )
+    prefix = f"{args.namespace}.{args.component}"
+    with dynamo_step(f"Dynamo refused the LoRA endpoints of {prefix}"):
+        served = [
+            (runtime.endpoint(f"{prefix}.load_lora"), adapters.load_lora),
+            (runtime.endpoint(f"{prefix}.unload_lora"), adapters.unload_lora),
+            (runtime.endpoint(f"{prefix}.list_loras"), adapters.list_loras),
+        ]
+    return adapters, served
 
 
 def follow(
@@ -274,38 +308,3 @@ def shut_down(publishers: list[Any]) -> None:
     for publisher in publishers:
         with contextlib.suppress(Exception):
             publisher.shutdown()
-
-
-async def register(
-    args: WorkerArgs, endpoint: Any, name: str, welcome: Welcome, runtime_config: Any
-) -> None:
-    """Register the model on `endpoint` as the disaggregation mode's worker type.
-
-    Raises:
-        SetupError: Dynamo refused it.
-    """
-    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
-
-    mode = args.disaggregation_mode
-    if mode is DisaggregationMode.PREFILL:
-        # ModelType.Prefill is the legacy marker older frontends detect prefill by.
-        model_type, worker_type = ModelType.Prefill, WorkerType.Prefill
-        needs = [[WorkerType.Decode]]
-    elif mode is DisaggregationMode.DECODE:
-        model_type = ModelType.Chat | ModelType.Completions
-        worker_type, needs = WorkerType.Decode, [[WorkerType.Prefill]]
-    else:
-        model_type = ModelType.Chat | ModelType.Completions
-        worker_type, needs = WorkerType.Aggregated, []
-    with dynamo_step("Dynamo refused to register the model"):
-        await register_model(
-            ModelInput.Tokens,
-            model_type,
-            endpoint,
-            str(args.model_path),
-            name,
-            worker_type=worker_type,
-            needs=needs,
-            kv_cache_block_size=welcome.block_size,
-            runtime_config=runtime_config,
-        )

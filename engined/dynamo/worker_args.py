@@ -4,7 +4,9 @@ Users move between `python -m dynamo.vllm`, `python -m dynamo.mocker` and this w
 flags, their defaults and their environment variables are Dynamo 1.6.1's
 (`dynamo/common/configuration/groups/runtime_args.py`); only `--control-endpoint` is ours,
 with the same default and variable as every other engined command, and
-`--daemon-liveness`, the bound within which a lost daemon is noticed.
+`--daemon-liveness`, the bound within which a lost daemon is noticed. The LoRA flags are the
+vLLM engine arguments `python -m dynamo.vllm` takes for them (`--enable-lora`, `--max-loras`,
+vLLM's defaults): the daemon has its own, which schedule; the worker's serve the adapters.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class WorkerArgs:
     connect_timeout: float
     worker_per_rank: bool = False
     daemon_liveness: float = DEFAULT_LIVENESS_S
+    enable_lora: bool = False
+    max_loras: int = 1
 
     @property
     def endpoint_path(self) -> str:
@@ -165,7 +169,32 @@ def build_parser() -> argparse.ArgumentParser:
         "heartbeats; at least 0.1): its streams then end with EngineShutdown, which the "
         "frontend migrates with --migration-limit",
     )
+    parser.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve LoRA adapters as dynamo.vllm does: the load_lora, unload_lora and "
+        "list_loras endpoints (loading needs DYN_LORA_ENABLED=true, as Dynamo's); the daemon "
+        "needs --enable-lora too",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=_positive_int,
+        default=1,
+        help="adapters one batch may use, as the daemon's --max-loras: advertised on the "
+        "model cards (max_gpu_lora_count), as dynamo.vllm does",
+    )
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
 
 
 def parse_args(argv: Sequence[str]) -> WorkerArgs:
@@ -179,6 +208,8 @@ def parse_args(argv: Sequence[str]) -> WorkerArgs:
         if len(parts) != 3 or not all(parts):
             parser.error(f"--endpoint {endpoint!r}: expected dyn://namespace.component.endpoint")
         namespace, component, endpoint = parts
+    if ns.enable_lora and ns.worker_per_rank:
+        parser.error("--enable-lora: adapters are not served with --worker-per-rank")
     if component is None:
         component = "prefill" if mode is DisaggregationMode.PREFILL else "backend"
     return WorkerArgs(
@@ -195,4 +226,6 @@ def parse_args(argv: Sequence[str]) -> WorkerArgs:
         connect_timeout=ns.connect_timeout,
         worker_per_rank=ns.worker_per_rank,
         daemon_liveness=ns.daemon_liveness,
+        enable_lora=ns.enable_lora,
+        max_loras=ns.max_loras,
     )
