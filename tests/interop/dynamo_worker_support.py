@@ -192,10 +192,13 @@ def add_worker(
     namespace: str,
     disaggregation_mode: str = "agg",
     env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    system_port: bool = False,
 ) -> EnginedWorker:
     """A started worker for `daemon` serving `model` (its own name, not the cluster's), which
     every running frontend of its namespace (or of all namespaces) lists. A decode worker's
-    model is only listed once its prefill worker is up: start the prefill one first."""
+    model is only listed once its prefill worker is up: start the prefill one first.
+    `system_port`: Dynamo's system status server on a port of its own (`worker.system_port`)."""
     worker = _start_worker(
         cluster,
         daemon,
@@ -204,6 +207,8 @@ def add_worker(
         namespace=namespace,
         disaggregation_mode=disaggregation_mode,
         env=env,
+        extra_args=extra_args,
+        system_port=system_port,
     )
     for frontend in cluster.frontends():
         if frontend.namespace in (None, namespace):
@@ -221,6 +226,7 @@ def _start_worker(
     disaggregation_mode: str = "agg",
     env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
+    system_port: bool = False,
 ) -> EnginedWorker:
     """An `EnginedWorker` for `daemon` in `cluster`, started, and stopped (its exit status
     kept) by `cluster.close()`."""
@@ -236,6 +242,7 @@ def _start_worker(
         disaggregation_mode=disaggregation_mode,
         env=env,
         extra_args=extra_args,
+        system_port=system_port,
     )
     cluster.processes.append(worker)
     worker.start()
