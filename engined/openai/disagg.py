@@ -231,10 +231,12 @@ class Disaggregation:
         request_id: str,
         seed: int | None,
         priority: int,
+        cache_salt: str | None = None,
         lora_request: WireLoraRequest | None = None,
     ) -> Submitted:
         """The prompt as a handoff source, one token long (llm-d's prefill asks for one), with
-        the adapter the request names (its blocks are the adapter's, as the decode's are)."""
+        the request's salt and the adapter it names (its blocks are salted and the adapter's,
+        as the decode's are)."""
         return await client.submit_handoff_prefill(
             role.handoff_id,
             token_ids,
@@ -242,6 +244,7 @@ class Disaggregation:
             request_id=request_id,
             seed=seed,
             priority=priority,
+            cache_salt=cache_salt,
             lora_request=lora_request,
         )
 

@@ -196,6 +196,7 @@ class Generation:
                 request_id=sample.request_id,
                 seed=sample.seed,
                 priority=sample.priority,
+                cache_salt=sample.cache_salt,
                 lora_request=sample.lora_request,
             )
             self._choices.append(_Choice(sample, self._ticket(0)))

@@ -348,6 +348,27 @@ def test_an_adapter_runs_on_both_sides_of_a_handoff(pair: Pair) -> None:
         assert cached == [0, 32]
 
 
+def test_a_salted_request_is_salted_on_both_sides_of_a_handoff(pair: Pair) -> None:
+    """The prefill's source and the decode's destination run with the request's
+    `cache_salt`: on each daemon the prompt's blocks are found under that salt only."""
+    ids = prompt(3000)
+    salted = {"cache_salt": "t"}
+    body = completion(ids, 1, stream=False, kv_transfer_params=SIDECAR_PREFILL, **salted)
+    status, answer = post(pair.prefill, "/v1/completions", body)
+    assert status == 200, answer
+    body = completion(ids, 4, kv_transfer_params=answer["kv_transfer_params"], **salted)
+    status, decoded = post(pair.decode, "/v1/completions", body)
+    assert (status, decoded["usage"]["completion_tokens"]) == (200, 4), decoded
+    for api in (pair.prefill, pair.decode):
+        cached = []
+        for salt in (None, "u", "t"):
+            extra = {} if salt is None else {"cache_salt": salt}
+            status, plain = post(api, "/v1/completions", completion(ids, 1, **extra))
+            assert status == 200, plain
+            cached.append(plain["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert cached == [0, 0, 32]
+
+
 def test_the_transfer_wait_is_the_source_timing_at_its_speedup(pair: Pair) -> None:
     """The decode side's coordinator on an injected clock: the wait it asks for is the
     modelled transfer of the prompt, divided by the source daemon's speedup."""
