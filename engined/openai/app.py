@@ -104,7 +104,9 @@ class ApiApp:
             return _answer(_NOT_FOUND)
         route = methods.get(request.method)
         if route is None:
-            return _answer(_NOT_ALLOWED)
+            # Starlette's 405 names the route's methods (FastAPI adds no HEAD to a GET).
+            allow = (("allow", ", ".join(sorted(methods))),)
+            return HttpResponse(_NOT_ALLOWED.status, _NOT_ALLOWED.body(), headers=allow)
         try:
             return await route(request)
         except ApiError as error:

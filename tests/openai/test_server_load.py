@@ -72,6 +72,7 @@ def test_without_the_flag_load_is_zero(tmp_path: Path) -> None:
             connection.request("POST", "/load", body=b"{" * 1000)
             refused = connection.getresponse()
             assert (refused.status, refused.read()) == (405, method_not_allowed().body())
+            assert refused.getheader("allow") == "GET"
             connection.request("GET", "/load", body=b"x" * 100_000)
             reply = connection.getresponse()
             assert (reply.status, json.loads(reply.read())) == (200, {"server_load": 0})
