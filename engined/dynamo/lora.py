@@ -39,6 +39,7 @@ from typing import Any, Final
 import structlog
 
 from engined.dynamo.engine_outputs import RequestFailed
+from engined.wire.constraints import LORA_NAME_MAX_BYTES, LORA_PATH_MAX_BYTES
 from engined.wire.control import WireLoraRequest
 
 log = structlog.get_logger(__name__)
@@ -87,6 +88,19 @@ def parse_unload(request: Any) -> str:
     if not isinstance(name, str) or not name:
         raise LoraRequestError("'lora_name' is required and must be a string")
     return name
+
+
+def _too_long(name: str, path: str) -> str | None:
+    """engined's own refusal: a name or path the control protocol cannot carry, which the
+    daemon would refuse on every request for the adapter."""
+    for field, value, limit in (
+        ("lora_name", name, LORA_NAME_MAX_BYTES),
+        ("lora_path", path, LORA_PATH_MAX_BYTES),
+    ):
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            return f"`{field}` must be at most {limit} bytes of UTF-8, got {size}"
+    return None
 
 
 def adapter_path(uri: str, cache_path: Callable[[str], str]) -> str:
@@ -237,6 +251,9 @@ class LoraAdapters:
             path = adapter_path(uri, self._cache_path)
         except LoraRequestError as exc:
             return {"status": "error", "message": str(exc)}
+        too_long = _too_long(name, path)
+        if too_long is not None:
+            return {"status": "error", "message": too_long}
         lora_id = self._lora_id(name)
         if old is not None:
             await self._wait_idle(name)  # its requests run on the old path to the end
