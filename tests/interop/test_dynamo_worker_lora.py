@@ -107,11 +107,15 @@ def module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Module]:
 # --- calling the worker as a Dynamo user does --------------------------------------------------
 
 
-def call(module: Module, worker: EnginedWorker, endpoint: str, body: object) -> list[Any]:
-    """Every response of one request to `worker`'s `endpoint`, through Dynamo's client."""
+def call(
+    module: Module, worker: EnginedWorker, endpoint: str, body: object, *, direct: bool = False
+) -> list[Any]:
+    """Every response of one request to `worker`'s `endpoint`, through Dynamo's client: round
+    robin over the endpoint's instances, or `direct` to the worker's own."""
     path = f"{worker.namespace}.{worker.component}.{endpoint}"
+    target = [str(worker.instance_id)] if direct else []
     run = subprocess.run(
-        [str(module.cluster.python), str(CLIENT), "call", path, json.dumps(body)],
+        [str(module.cluster.python), str(CLIENT), "call", path, json.dumps(body), *target],
         env=worker.env,
         capture_output=True,
         text=True,
