@@ -30,6 +30,7 @@ from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.paged.pass_limits import PassLimits
 from engined.core.paged.residency import BlockResidency
 from engined.core.paged.scheduler import PagedScheduler
+from engined.core.pausing import PauseControl
 from engined.core.perf_model import make_perf_model
 from engined.core.policy import AdmissionPolicy, TrtllmNoEvictPolicy, context_length
 from engined.core.preemption import Preempter
@@ -64,6 +65,8 @@ class EngineParts(NamedTuple):
     preempter: Preempter
     # With `async_scheduling`: the batch queue the passes run through.
     batches: AsyncBatches | None = None
+    # vLLM's pause and sleep: vLLM semantics without async scheduling only.
+    pausing: PauseControl | None = None
 
 
 def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
@@ -271,6 +274,9 @@ def assemble(
         perf=perf,
         fast_paths=fast_paths,
     )
+    pausing = (
+        PauseControl(state, kv, book, preempter) if paged and not args.async_scheduling else None
+    )
     commands = Commands(
         block_size=bs,
         num_blocks=kv.usable_blocks,
@@ -283,6 +289,7 @@ def assemble(
         capacity=capacity,
         policy=policy,
         vocab=vocab,
+        pausing=pausing,
     )
     batches = None
     if args.async_scheduling:
@@ -302,4 +309,5 @@ def assemble(
         finisher,
         preempter,
         batches,
+        pausing,
     )

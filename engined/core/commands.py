@@ -1,5 +1,5 @@
 """Commands an engine accepts between passes: submit, cancel, the handoff commands, vocabulary,
-and the prefix-cache reset.
+the prefix-cache reset, and vLLM's pause and sleep (engined/core/pausing.py; vLLM semantics).
 
 Every command either succeeds with a typed result or raises a `CoreError` having changed
 nothing. Every command is followed by a retry of the head of the pending-destination FIFO,
@@ -25,6 +25,7 @@ from engined.core.handoff_book import HandoffBook, HeldDestination
 from engined.core.intake import RequestIntake
 from engined.core.kv_cache import KvCache
 from engined.core.named_tuples import new_tuple
+from engined.core.pausing import PauseControl
 from engined.core.policy import AdmissionPolicy
 from engined.core.state import SchedulerState
 from engined.core.types import (
@@ -42,16 +43,21 @@ from engined.core.types import (
     EndedRequest,
     FinishReason,
     LifecycleEvent,
+    Pause,
+    PauseMode,
     Refused,
     ReleaseSource,
     Request,
     RequestStatus,
     ReserveDestination,
     ResetPrefixCache,
+    Resume,
     SetVocabulary,
+    Sleep,
     Submit,
     SubmitHandoffPrefill,
     Submitted,
+    WakeUp,
 )
 from engined.core.vocab import Vocabulary, vocabulary_error
 
@@ -75,6 +81,7 @@ class Commands:
         "_intake",
         "_kv",
         "_max_num_seqs",
+        "_pausing",
         "_policy",
         "_state",
         "_vocab",
@@ -96,6 +103,7 @@ class Commands:
         capacity: CapacityGeneration,
         policy: AdmissionPolicy,
         vocab: Vocabulary,
+        pausing: PauseControl | None,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -108,6 +116,8 @@ class Commands:
         self._capacity = capacity
         self._policy = policy
         self._vocab = vocab
+        # vLLM semantics only (None: refused).
+        self._pausing = pausing
 
     def apply(self, command: Command, now_ms: float) -> CommandOutcome:
         """Apply `command` at `now_ms`, then retry the pending destination.
@@ -138,6 +148,11 @@ class Commands:
                 result = self._set_vocabulary(vocab_size, excluded)
             case ResetPrefixCache():
                 result = APPLIED if self._kv.reset_prefix_cache() else Refused(_BLOCKS_IN_USE)
+            case Pause() | Resume() | Sleep() | WakeUp():
+                result = self._pause_command(command, ended)
+        if ended and self._pausing is not None:
+            # vLLM's `finished_req_ids`: the next step runs to report them.
+            self._pausing.finished_pending = True
         lifecycle: list[LifecycleEvent] = []
         if isinstance(result, Applied | DestinationAccepted):
             lifecycle = self.retry_pending_destinations(now_ms)
@@ -164,6 +179,22 @@ class Commands:
         if not self._finisher.drop(request_id):
             return NOOP
         ended.append(EndedRequest(request_id, _CANCELLED))
+        return APPLIED
+
+    def _pause_command(
+        self, command: Pause | Resume | Sleep | WakeUp, ended: list[EndedRequest]
+    ) -> CommandResult:
+        """vLLM's pause and sleep; an `abort` ends every request first, as cancels do, in
+        the order the engine took them (vLLM's `finish_requests(None, ...)`)."""
+        pausing = self._pausing
+        if pausing is None:
+            raise UnsupportedError("pause and sleep need vLLM semantics, without async scheduling")
+        pausing.validate(command)
+        if isinstance(command, Pause | Sleep) and command.mode is PauseMode.ABORT:
+            for request_id in list(self._state.requests):
+                self._drop(request_id, ended)
+            pausing.finished_pending = pausing.finished_pending or bool(ended)
+        pausing.apply(command)
         return APPLIED
 
     def _set_vocabulary(self, vocab_size: int | None, excluded: tuple[int, ...]) -> CommandResult:

@@ -3,7 +3,7 @@
 This file is the engine's whole contract. Everything is a call that returns what it did:
 
 * `apply(command, *, now_ms) -> CommandEffects`: a command between passes (submit, cancel,
-  the handoff commands, vocabulary, prefix-cache reset), with the requests it ended, the
+  the handoff commands, vocabulary, prefix-cache reset, vLLM's pause and sleep), with the requests it ended, the
   handoff events and KV events it caused.
 * `execute_pass(now_ms) -> PassResult`: vLLM's `schedule()` and `update_from_output()` in
   one deterministic call (with `async_scheduling`, one `step_with_batch_queue()`: the
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import sys
 
+import msgspec
+
 from engined.core import inspection
 from engined.core.args import EngineArgs, EngineType
 from engined.core.assembly import EngineParts, assemble
@@ -39,6 +41,9 @@ from engined.core.fpm import build_snapshot
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.pass_context import PassContext
+from engined.core.pass_trace import PassTrace
+from engined.core.pause_types import PauseState
+from engined.core.pausing import PauseControl
 from engined.core.types import (
     Command,
     CommandEffects,
@@ -46,6 +51,7 @@ from engined.core.types import (
     EndedRequest,
     EngineMetrics,
     FinishReason,
+    FpmSnapshot,
     Noop,
     PassResult,
     RequestOutput,
@@ -68,6 +74,7 @@ class Engine:
         "_kv",
         "_parking",
         "_parts",
+        "_pausing",
         "_queued",
         "_residency",
         "_scheduler",
@@ -133,6 +140,7 @@ class Engine:
         self._emitter = parts.emitter
         self._commands = parts.commands
         self._batches = parts.batches
+        self._pausing = parts.pausing
         parts.preempter.victims = [] if record else None
 
     @property
@@ -159,9 +167,54 @@ class Engine:
         """One engine step starting at `now_ms`: advance the tiers (with them), schedule
         running then waiting requests, emit the ready tokens, then retry the pending
         destination. The result's `end_ms` is the step's modeled end (`now_ms` when it did
-        nothing that takes time, or the next tier deadline when it could only wait)."""
-        before = self.metrics()
+        nothing that takes time, or the next tier deadline when it could only wait).
+        Paused or asleep (engined/core/pausing.py), `_paused_pass` runs it instead."""
+        pausing = self._pausing
+        if pausing is not None and pausing.engaged:
+            return self._paused_pass(pausing, now_ms)
         ctx = PassContext(now_ms, self._scheduler.max_batched_tokens, self._parts.preempter.victims)
+        result = self._pass(ctx)
+        if pausing is not None:
+            pausing.finished_pending = bool(result.ended)
+        return result
+
+    def _paused_pass(self, pausing: PauseControl, now_ms: float) -> PassResult:
+        """A pass under vLLM's pause: none at all without work (EngineCore does not step),
+        else one with no budget (PAUSED_ALL) or admitting only requests holding KV
+        (PAUSED_NEW); then the pauses complete if the engine is left without work, their
+        preemptions and AllBlocksCleared joining the pass's."""
+        victims = self._parts.preempter.victims
+        if pausing.has_work():
+            state = pausing.state
+            budget = 0 if state is PauseState.PAUSED_ALL else self._scheduler.max_batched_tokens
+            ctx = PassContext(now_ms, budget, victims)
+            ctx.kv_holding_only = state is PauseState.PAUSED_NEW
+            result = self._pass(ctx)
+        else:
+            trace = None if victims is None else PassTrace([], [])
+            metrics = self.metrics()
+            result = PassResult(
+                now_ms, [], Decodes(), [], [], [], metrics, [], FpmSnapshot(), False, trace=trace
+            )
+        before = result.metrics
+        pausing.after_pass(bool(result.ended))
+        if victims:
+            # The cache clear's preemptions (or a command's before this pass) are this pass's.
+            trace = result.trace
+            assert trace is not None
+            result = msgspec.structs.replace(
+                result, trace=PassTrace(trace.scheduled, trace.preempted + victims)
+            )
+            victims.clear()
+        metrics = self.metrics()
+        if metrics == before:
+            return result
+        events = result.kv_events + self._kv.take_events()
+        return msgspec.structs.replace(result, metrics=metrics, kv_events=events, progressed=True)
+
+    def _pass(self, ctx: PassContext) -> PassResult:
+        now_ms = ctx.now_ms
+        before = self.metrics()
         tiers = self._kv.offload
         if tiers is not None:
             self._parking.advance(now_ms)
@@ -253,7 +306,11 @@ class Engine:
     # --- state --------------------------------------------------------------------------
 
     def is_empty(self) -> bool:
-        """No request is queued, running or parked (held sources and destinations aside)."""
+        """No request is queued, running or parked (held sources and destinations aside),
+        and no pause waits for a pass to complete (engined/core/pausing.py)."""
+        pausing = self._pausing
+        if pausing is not None and pausing.engaged and pausing.pending_step():
+            return False
         return not self._state.requests
 
     def is_drained(self) -> bool:
@@ -273,6 +330,12 @@ class Engine:
 
     def metrics(self) -> EngineMetrics:
         """The rank's gauges now (every `PassResult` carries them as of its end)."""
+        pausing = self._pausing
+        if pausing is not None and pausing.engaged:
+            return pausing.gauges(self._metrics())
+        return self._metrics()
+
+    def _metrics(self) -> EngineMetrics:
         kv = self._kv
         state = self._state
         active = kv.num_active_blocks()

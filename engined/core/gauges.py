@@ -59,3 +59,13 @@ class EngineMetrics(msgspec.Struct, frozen=True, gc=False):
     # Of those, the ones blocked on a KV load (vLLM's WAITING_FOR_REMOTE_KVS and its offload
     # loads): a P/D destination's `kv_fetch` stage `in_progress`.
     waiting_for_kv: int = 0
+    # vLLM's pause and sleep (engined/core/pausing.py): the scheduler's `PauseState` value,
+    # whether a pause waits for the engine to go idle to complete, whether new requests are
+    # to be refused (`reject_new_requests`), the executor's sleeping pools, and the sleep
+    # state vLLM's frontend records (`record_sleep_state(asleep, sleep_level)`).
+    pause_state: int = 0
+    pause_pending: bool = False
+    rejecting: bool = False
+    sleeping_tags: tuple[str, ...] = ()
+    asleep: bool = False
+    sleep_level: int = 0

@@ -36,6 +36,7 @@ class PassContext:
         "ended",
         "fused",
         "fused_len",
+        "kv_holding_only",
         "lifecycle",
         "long_prefill_cap",
         "now_ms",
@@ -59,6 +60,8 @@ class PassContext:
         # whether it carried any (a running chunk or an admission with prompt to compute).
         self.defer_prefills = False
         self.prefilled = False
+        # Paused (PAUSED_NEW, engined/core/pausing.py): admit only requests holding KV.
+        self.kv_holding_only = False
         # What each scheduled request computes, in schedule order, for FPM and for undoing a
         # preemption; each names its request (`request_id`). The request itself is the
         # common case, a decode of one token, by its `scheduled_len` (building a

@@ -67,7 +67,21 @@ class Preempter:
             )
         if req is None:
             return None
+        self._evict(req)
+        return req.request_id
+
+    def preempt_all(self) -> None:
+        """Preempt every running request, last first, whatever the policy: vLLM's
+        `reset_prefix_cache(reset_running_requests=True)`, which a pause's cache clear runs,
+        so that the requests come back in their running order."""
+        running = self._state.running
+        while running:
+            self._evict(running[-1])
+
+    def _evict(self, req: RequestState) -> None:
         victim = req.request_id
+        state = self._state
+        kv = self._kv
         state.remove_running(victim)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -83,4 +97,3 @@ class Preempter:
         kv.free_all(moves)
         if self.victims is not None:
             self.victims.append(victim)
-        return victim

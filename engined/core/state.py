@@ -168,6 +168,10 @@ class SchedulerState:
             return request_id
         return None
 
+    def has_prebuilt_waiting(self) -> bool:
+        """Whether a waiting request's prompt is built already (its KV is here)."""
+        return bool(self._prebuilt)
+
     def skip_waiting(self, request_id: str) -> None:
         """Take a waiting request out of the queue for the rest of an admission scan, and
         count it deferred."""

@@ -28,6 +28,11 @@ from engined.core.gauges import EngineMetrics as EngineMetrics
 from engined.core.gauges import FpmSnapshot as FpmSnapshot
 from engined.core.kv_residency import KvBlockEviction
 from engined.core.pass_trace import PassTrace
+from engined.core.pause_types import Pause as Pause
+from engined.core.pause_types import PauseMode as PauseMode
+from engined.core.pause_types import Resume as Resume
+from engined.core.pause_types import Sleep as Sleep
+from engined.core.pause_types import WakeUp as WakeUp
 
 # NOTE: re-exported: the transfer timing model is part of the lifecycle events below.
 from engined.core.transfer_timing import KvTransferTimingMode as KvTransferTimingMode
@@ -62,14 +67,10 @@ class FinishReason(enum.StrEnum):
 
 
 class OffloadWait(NamedTuple):
-    """An allocation waiting on an offload: the one name for it (upstream `BlockedOnOffload`).
-
-    The tier engine returns it when evicted blocks are still being copied out of G1; the
-    waiting request keeps it (refreshed at each retry) instead of preempting. `lease_id` is
-    the offload lease; `deadline_ms` the earliest completion on the G1->G2 link (not
-    necessarily one of this lease's batches), upstream's wake-up; None for a transfer
-    without bytes. (engined/core/offload/__init__.py has the glossary.)
-    """
+    """An allocation waiting on an offload (upstream `BlockedOnOffload`): evicted blocks are
+    still being copied out of G1, so the request keeps it (refreshed at each retry) instead of
+    preempting. `deadline_ms`: the earliest completion on the G1->G2 link, upstream's wake-up
+    (None for a transfer without bytes). engined/core/offload/__init__.py has the glossary."""
 
     lease_id: int
     deadline_ms: float | None
@@ -190,6 +191,10 @@ Command = (
     | CancelDestination
     | SetVocabulary
     | ResetPrefixCache
+    | Pause
+    | Resume
+    | Sleep
+    | WakeUp
 )
 
 
@@ -272,11 +277,9 @@ class EndedRequest(msgspec.Struct, frozen=True, gc=False):
 class RequestOutput(msgspec.Struct, frozen=True, gc=False):
     """What one request produced in one pass (vLLM's `EngineCoreOutput`).
 
-    `new_token_ids` are this pass's tokens (one, an MTP burst, or none for a token-less
-    end); `finish_reason` is set on the request's last output. `cached_tokens` rides only
-    on a request's first output (prefix tokens found at its first admission);
-    `handoff_delay_ms` only on the last output of a prefill worker's request (the modeled
-    transfer of its full prompt).
+    `new_token_ids`: this pass's tokens (one, an MTP burst, or none); `finish_reason` on the
+    last output. `cached_tokens` only on the first (the prefix hit at its first admission);
+    `handoff_delay_ms` on a prefill worker's last (the modeled transfer of its prompt).
     """
 
     request_id: RequestId
@@ -291,12 +294,10 @@ class Decodes(msgspec.Struct, frozen=True, gc=False):
     """A pass's plain decode steps, column-wise: `request_ids[i]` produced the one token
     `token_ids[i]`, is not finished and has no cached tokens to report.
 
-    Nearly every output of a decoding engine is one of these; a `RequestOutput` and a
-    one-token list for each was the largest per-token cost of a steady pass. So the emitter
-    appends them to two lists, as vLLM's model runner reports sampled tokens by batch
-    position, and only the daemon's routing makes per-request entries of them.
-    `before[i]` is how many of these steps came before the pass's `outputs[i]`, so that
-    both together keep emission order (`in_order`).
+    Nearly every output of a decoding engine is one of these; a `RequestOutput` each was the
+    largest per-token cost of a steady pass. So they are columns, as vLLM's model runner
+    reports sampled tokens, and only the daemon's routing makes per-request entries of them.
+    `before[i]`: how many came before the pass's `outputs[i]` (emission order, `in_order`).
     """
 
     request_ids: list[RequestId] = msgspec.field(default_factory=list)

@@ -186,7 +186,7 @@ def load_message(metrics: core.EngineMetrics) -> Load:
 
 
 # The core's gauges that a `stats` entry reports, under the same names (all but
-# `waiting_deferred` and `waiting_for_kv`, which `stats` does not report).
+# `waiting_deferred`, `waiting_for_kv` and the pause and sleep state, which it does not).
 _STATS_GAUGES: Final[tuple[str, ...]] = tuple(
     name for name in core.EngineMetrics.__struct_fields__ if name in RankStats.__struct_fields__
 )

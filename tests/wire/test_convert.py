@@ -210,7 +210,16 @@ def test_rank_stats_reports_every_core_gauge_it_names() -> None:
     stats_hints = get_type_hints(control.RankStats)
     core_hints = get_type_hints(core.EngineMetrics)
     shared = {name for name in core_hints if name in stats_hints}
-    assert set(core_hints) - shared == {"waiting_deferred", "waiting_for_kv"}
+    assert set(core_hints) - shared == {
+        "waiting_deferred",
+        "waiting_for_kv",
+        "pause_state",
+        "pause_pending",
+        "rejecting",
+        "sleeping_tags",
+        "asleep",
+        "sleep_level",
+    }
     assert {name: stats_hints[name] for name in shared} == {
         name: core_hints[name] for name in shared
     }

@@ -95,8 +95,9 @@ class PagedAdmission:
         bs = self._block_size
         policy = self._policy
         # While a P/D destination waits for KV, only activated ones (their prompt's KV
-        # already here) are admitted, as on the mocker's pool.
-        pending_head = bool(self._pending)
+        # already here) are admitted, as on the mocker's pool; and only those while paused
+        # (vLLM's PAUSED_NEW admits only requests holding KV).
+        pending_head = bool(self._pending) or ctx.kv_holding_only
         while ctx.budget > 0 and len(state.running_members) < self._max_num_seqs:
             request_id = state.next_waiting(pending_head)
             if request_id is None:
