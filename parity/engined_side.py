@@ -16,14 +16,18 @@ from engined.core.types import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Command,
     KvEvent,
     LoraRequest,
     PassResult,
+    Pause,
+    PauseMode,
     Request,
+    Resume,
     Submit,
 )
 from engined.core.vllm_hashing import HashAlgo
-from parity.scenario import MAX_STEPS, Scenario
+from parity.scenario import MAX_STEPS, Control, Scenario
 from parity.trace import (
     Admitted,
     CachedReport,
@@ -119,6 +123,12 @@ def _step(index: int, result: PassResult) -> Step:
     return step
 
 
+def _command(control: Control) -> Command:
+    if control.kind == "pause":
+        return Pause(PauseMode(control.mode), control.clear_cache)
+    return Resume()
+
+
 def run(scenario: Scenario) -> Trace:
     """The scenario through a fresh engine; the trace carries the tokens it generated."""
     # The vLLM side inherits this environment: both derive NONE_HASH from the same seed.
@@ -126,7 +136,7 @@ def run(scenario: Scenario) -> Trace:
         engine_args(scenario), record=True, python_hash_seed=os.environ.get("PYTHONHASHSEED")
     )
     arrivals = scenario.arrivals()
-    last_arrival = max(arrivals, default=-1)
+    last_arrival = scenario.last_event()
     trace = Trace(scenario=scenario.name)
     generated: dict[str, list[int]] = {}
     now_ms = 0.0
@@ -136,6 +146,8 @@ def run(scenario: Scenario) -> Trace:
             trace.error = f"still busy after {MAX_STEPS} steps"
             break
         arrived: list[TraceEvent] = []
+        for control in scenario.controls_at(index):
+            arrived += trace_events(engine.apply(_command(control), now_ms=now_ms).kv_events)
         for request in arrivals.get(index, []):
             lora = request.lora
             submitted = Request(

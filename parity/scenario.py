@@ -77,12 +77,31 @@ class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
     output_token_ids: list[int] | None = None
 
 
+class Control(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's pause or resume, before the arrivals of step `step` (0-based): `pause`
+    (EngineCore's `pause_generation(mode, clear_cache)`) or `resume` (`resume_scheduler`)."""
+
+    step: int
+    kind: str
+    mode: str = "abort"
+    clear_cache: bool = True
+
+
 class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     config: Config
     requests: list[ScenarioRequest]
     # One line for the parity table.
     description: str = ""
+    # Pauses and resumes, in step order.
+    controls: list[Control] = []
+
+    def last_event(self) -> int:
+        """The last step with an arrival or a control (-1: none): both sides run past it."""
+        return max([r.arrival for r in self.requests] + [c.step for c in self.controls] + [-1])
+
+    def controls_at(self, step: int) -> list[Control]:
+        return [c for c in self.controls if c.step == step]
 
     def arrivals(self) -> dict[int, list[ScenarioRequest]]:
         """The requests by arrival step, each step's in scenario order."""

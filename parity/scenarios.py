@@ -12,6 +12,7 @@ import random
 import msgspec
 
 from parity.lora_scenarios import lora_pressure, lora_shared_prefix
+from parity.pause_scenarios import pause_scenarios
 from parity.random_mix import random_mix, random_tokens
 from parity.scenario import Config, Scenario, ScenarioRequest
 
@@ -321,6 +322,7 @@ def all_scenarios() -> list[Scenario]:
         random_mix(18, num_blocks=64, budget=256, policy="priority", adapters=4, max_loras=2),
         random_mix(19, num_blocks=96, budget=256, prefill_interval=3, adapters=3, max_loras=2),
         *async_scenarios(),
+        *pause_scenarios(),
     ]
 
 

@@ -4,12 +4,20 @@ Reads a msgpack list of `VllmJob` on stdin and writes a msgpack list of `Trace` 
 one vLLM import for every scenario (the import alone takes 15-100 s). It may import only
 vllm, torch, msgspec, the stdlib and the engined-free `parity.scenario`/`parity.trace`.
 
-One step is what `EngineCore.step()` does without a model: add the requests arriving at it,
+One step is what `EngineCore.step()` does without a model: apply the pauses and resumes of
+the step (`pause_generation`, `resume_scheduler`: below), add the requests arriving at it,
 `schedule()`, a `ModelRunnerOutput` with one sampled token for every scheduled request that
 has caught up with its tokens (none for a partial prefill chunk), `update_from_output()`.
 The sampled token is engined's token for that request at that output position. Preemptions
 are recorded by wrapping the scheduler's `_preempt_request`, in call order; KV events by a
 recorder in place of the (null) publisher.
+
+A pause is EngineCoreProc's: `abort` calls `finish_requests(None, FINISHED_ABORTED)`, then
+`set_pause_state` (PAUSED_ALL for `keep`, else PAUSED_NEW); it completes at once if the
+engine has no work (`not scheduler.has_requests()`), else once a step leaves it none (the
+idle callbacks, last registered first); completing with `clear_cache` is `_reset_caches`'
+`reset_prefix_cache(reset_running_requests=True, reset_connector=True)`. While a pause is
+set or pending, a step without work schedules nothing, as EngineCore does not step then.
 
 With `async_scheduling` the scheduler is vLLM's `AsyncScheduler` and one step is one
 `EngineCore.step_with_batch_queue()` with its batch queue of 2: schedule a batch if there
@@ -28,6 +36,7 @@ import tempfile
 import traceback
 from collections import deque
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -38,6 +47,7 @@ import msgspec
 from parity.scenario import (
     MAX_STEPS,
     Config,
+    Control,
     Scenario,
     ScenarioRequest,
     VllmJob,
@@ -202,6 +212,9 @@ class VllmRun:
 
         self.scheduler._preempt_request = preempt
         self.arrivals = 0
+        # Pauses waiting for the engine to go idle (their `clear_cache`), EngineCore's
+        # idle callbacks.
+        self.pending_pauses: list[bool] = []
         self.hasher: Callable[[Any], Any] | None = None
         if config.enable_prefix_caching:
             hash_fn = get_hash_fn_by_name(config.prefix_caching_hash_algo)
@@ -243,20 +256,76 @@ class VllmRun:
     def run(self) -> Trace:
         scenario: Scenario = self.job.scenario
         arrivals = scenario.arrivals()
-        last_arrival = max(arrivals, default=-1)
+        last_arrival = scenario.last_event()
         scheduler = self.scheduler
         trace = Trace(scenario=scenario.name)
         index = 0
-        while index <= last_arrival or scheduler.get_num_unfinished_requests():
+        # A pause waiting to complete keeps EngineCore stepping until it is idle.
+        while (
+            index <= last_arrival or scheduler.get_num_unfinished_requests() or self.pending_pauses
+        ):
             if index >= MAX_STEPS:
                 trace.error = f"still busy after {MAX_STEPS} steps"
                 break
+            commanded: list[str] = []
+            self.preempted = commanded
+            for control in scenario.controls_at(index):
+                self._control(control)
             for request in arrivals.get(index, []):
                 scheduler.add_request(self._request(request))
-            step = self._async_step if self.asynchronous else self._step
-            trace.steps.append(step(index, trace.output_tokens))
+            if self._idle_while_paused():
+                step = self._close(Step(index=index))
+            else:
+                run_step = self._async_step if self.asynchronous else self._step
+                step = run_step(index, trace.output_tokens)
+            step.preempted[:0] = commanded
+            if self.pending_pauses:
+                self.preempted = step.preempted
+                self._complete_pauses()
+                step.running, step.waiting = scheduler.get_request_counts()
+                step.events += self.recorder.events
+                self.recorder.events = []
+            trace.steps.append(step)
             index += 1
         return trace
+
+    def _control(self, control: Control) -> None:
+        """EngineCoreProc's `pause_generation` or `resume_scheduler`."""
+        from vllm.v1.core.sched.interface import PauseState
+        from vllm.v1.request import RequestStatus
+
+        scheduler = self.scheduler
+        if control.kind == "resume":
+            scheduler.set_pause_state(PauseState.UNPAUSED)
+            return
+        if control.mode == "abort":
+            scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        keep = control.mode == "keep"
+        scheduler.set_pause_state(PauseState.PAUSED_ALL if keep else PauseState.PAUSED_NEW)
+        if scheduler.has_requests():
+            self.pending_pauses.append(control.clear_cache)
+        else:
+            self._finish_pause(control.clear_cache)
+
+    def _finish_pause(self, clear_cache: bool) -> None:
+        """EngineCore's `_finish_pause`: `_reset_caches` with `clear_cache`. Its KV events
+        are recorded when they happen (vLLM publishes them with the next step's output;
+        engined when they happen, as for any command)."""
+        if clear_cache:
+            scheduler = self.scheduler
+            assert scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+            self.recorder.publish(SimpleNamespace(events=scheduler.kv_cache_manager.take_events()))
+
+    def _idle_while_paused(self) -> bool:
+        from vllm.v1.core.sched.interface import PauseState
+
+        paused = self.scheduler.pause_state != PauseState.UNPAUSED or self.pending_pauses
+        return bool(paused) and not self.scheduler.has_requests()
+
+    def _complete_pauses(self) -> None:
+        """EngineCore's idle callbacks, once a step left the engine without work."""
+        while self.pending_pauses and not self.scheduler.has_requests():
+            self._finish_pause(self.pending_pauses.pop())
 
     def _step(self, index: int, generated: dict[str, list[int]]) -> Step:
         """One `EngineCore.step()` with fabricated model output; `generated` gains the

@@ -1,0 +1,92 @@
+"""The pause parity scenarios: vLLM's `pause_generation` in each mode, requests submitted
+while paused, and `resume_scheduler` mid-run (EngineCoreProc's pause, vllm/v1/engine/core.py).
+
+`abort` ends every request and sets PAUSED_NEW; `wait` sets PAUSED_NEW, so the running
+requests drain while the queued ones (and those arriving) stay queued; `keep` sets
+PAUSED_ALL, so nothing is scheduled. A pause completes when the engine has no work (at once
+when idle), and with `clear_cache` then preempts the running requests and resets the prefix
+cache: after `resume` the same prompts find nothing cached.
+"""
+
+from __future__ import annotations
+
+import random
+
+from parity.random_mix import random_tokens
+from parity.scenario import Config, Control, Scenario, ScenarioRequest
+
+_CONFIG = Config(num_gpu_blocks=96, max_num_batched_tokens=128, max_num_seqs=4)
+
+
+def _requests(seed: int, prefix: list[int], arrivals: list[int]) -> list[ScenarioRequest]:
+    """Requests sharing `prefix` (so a cleared cache shows), one per arrival step."""
+    rng = random.Random(seed)
+    return [
+        ScenarioRequest(
+            id=f"r{i}",
+            arrival=arrival,
+            prompt=prefix + random_tokens(rng, 24 + 8 * (i % 3)),
+            max_tokens=12 + 4 * (i % 4),
+        )
+        for i, arrival in enumerate(arrivals)
+    ]
+
+
+def pause(mode: str, *, clear_cache: bool = True, resume_at: int = 30) -> Scenario:
+    """Eight requests (at most 4 running), paused at step 6 with some running and some
+    queued, two more arriving while paused, resumed at `resume_at`; with `resume_at` early
+    (`wait`), the resume comes before the running requests drained, and the pause still
+    completes (clears the cache) once they have."""
+    rng = random.Random(30)
+    prefix = random_tokens(rng, 32)
+    arrivals = [0, 0, 0, 1, 2, 3, 4, 5, 8, 9]
+    name = f"pause-{mode}" + ("" if clear_cache else "-keep-cache")
+    if resume_at < 20:
+        name += "-early-resume"
+    what = {
+        "abort": "ends every request",
+        "wait": "lets the running drain",
+        "keep": "freezes everything",
+    }[mode]
+    return Scenario(
+        name=name,
+        description=f"pause {mode} at step 6 ({what}"
+        + (", cache kept" if not clear_cache else ", cache cleared")
+        + f"), 2 arrivals while paused, resume at step {resume_at}",
+        config=_CONFIG,
+        requests=_requests(31, prefix, arrivals),
+        controls=[
+            Control(step=6, kind="pause", mode=mode, clear_cache=clear_cache),
+            Control(step=resume_at, kind="resume"),
+        ],
+    )
+
+
+def pause_idle() -> Scenario:
+    """A pause of an idle engine completes at once: its cache is cleared before the next
+    request arrives, and that request queues until the resume."""
+    rng = random.Random(40)
+    prefix = random_tokens(rng, 48)
+    return Scenario(
+        name="pause-idle",
+        description="4 requests, idle pause (wait) at step 40 clears the cache, "
+        "2 arrivals queue until resume at step 45",
+        config=_CONFIG,
+        requests=_requests(41, prefix, [0, 0, 1, 2, 42, 43]),
+        controls=[
+            Control(step=40, kind="pause", mode="wait"),
+            Control(step=45, kind="resume"),
+        ],
+    )
+
+
+def pause_scenarios() -> list[Scenario]:
+    return [
+        pause("abort"),
+        pause("wait"),
+        pause("keep"),
+        pause("keep", clear_cache=False),
+        pause("wait", clear_cache=False),
+        pause("wait", resume_at=10),
+        pause_idle(),
+    ]
