@@ -3,8 +3,8 @@
 This file is the engine's whole contract. Everything is a call that returns what it did:
 
 * `apply(command, *, now_ms) -> CommandEffects`: a command between passes (submit, cancel,
-  the handoff commands, vocabulary, prefix-cache reset, vLLM's pause and sleep), with the requests it ended, the
-  handoff events and KV events it caused.
+  the handoff commands, vocabulary, prefix-cache reset, vLLM's pause and sleep), with the
+  requests it ended, the handoff events and KV events it caused.
 * `execute_pass(now_ms) -> PassResult`: vLLM's `schedule()` and `update_from_output()` in
   one deterministic call (with `async_scheduling`, one `step_with_batch_queue()`: the
   schedule of a batch and the update from the one before; engined/core/paged/async_batches.py):
