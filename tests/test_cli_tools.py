@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -702,7 +703,7 @@ def test_stats_tier_rows_appear_only_with_tiers() -> None:
     from engined.wire.control import RankStats
 
     def rank(n: int, **tiers: int) -> RankStats:
-        return RankStats(
+        stats = RankStats(
             dp_rank=n,
             active_blocks=0,
             inactive_blocks=0,
@@ -712,8 +713,8 @@ def test_stats_tier_rows_appear_only_with_tiers() -> None:
             waiting=0,
             preemptions_total=0,
             passes_total=0,
-            **tiers,
         )
+        return msgspec.structs.replace(stats, **tiers)
 
     assert tier_rows([rank(0), rank(1)]) == []
     rows = tier_rows(

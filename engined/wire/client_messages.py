@@ -22,13 +22,16 @@ from engined.wire.constraints import (
     LoraPath,
     MessageId,
     NonNegativeInt,
+    PauseModeStr,
     PromptTokenIds,
     RequestIdStr,
     RequestPriority,
     RequestSeed,
+    SleepLevel,
     StopTokenIds,
     TokenId,
     VocabSize,
+    WakeUpTags,
     WorkerIdStr,
 )
 
@@ -186,6 +189,34 @@ class Metrics(ClientMessageBase, tag="metrics"):
     accept: AcceptStr | None = None
 
 
+class Pause(ClientMessageBase, tag="pause"):
+    """vLLM's `pause_generation(mode, clear_cache)` on every rank (its DP client pauses every
+    engine); answered (`stats`) once every rank's pause has completed, as vLLM's call returns.
+    Operators only: it stops everyone's generation."""
+
+    mode: PauseModeStr = "abort"
+    clear_cache: bool = True
+
+
+class Resume(ClientMessageBase, tag="resume"):
+    """vLLM's `resume_generation` on every rank; answered with `stats`. Operators only."""
+
+
+class Sleep(ClientMessageBase, tag="sleep"):
+    """vLLM's `sleep(level, mode)` on every rank; answered (`stats`) once every rank sleeps.
+    Operators only."""
+
+    level: SleepLevel = 1
+    mode: PauseModeStr = "abort"
+
+
+class WakeUp(ClientMessageBase, tag="wake_up"):
+    """vLLM's `wake_up(tags)` on every rank (nil: every pool); answered with `stats`, whose
+    `asleep` says whether every rank is fully awake. Operators only."""
+
+    tags: WakeUpTags | None = None
+
+
 ClientMessage: TypeAlias = (
     Hello
     | Submit
@@ -204,6 +235,10 @@ ClientMessage: TypeAlias = (
     | SetFpmWorkerId
     | WatchLoad
     | Metrics
+    | Pause
+    | Resume
+    | Sleep
+    | WakeUp
 )
 
 # The `type` tags of every client message, in declaration order (fuzzers, docs and tests).

@@ -7,7 +7,7 @@ strings) are named functions in `engined.wire.control`.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
@@ -113,4 +113,16 @@ AcceptStr = Annotated[
         max_length=ACCEPT_MAX_LENGTH,
         description="An HTTP Accept header, at most 4096 characters.",
     ),
+]
+
+# `pause` and `sleep`: vLLM's `PauseMode`, and the sleep levels its `/sleep` route accepts.
+PauseModeStr = Literal["abort", "wait", "keep"]
+SleepLevel = Annotated[int, Meta(ge=0, le=2, description="0: no memory; 1: weights; 2: all.")]
+
+# `wake_up`'s pools ("weights", "kv_cache", "scheduling"); a tag no pool has wakes nothing.
+WAKE_UP_TAG_MAX_LENGTH = 64
+WAKE_UP_TAGS_MAX = 16
+WakeUpTags = Annotated[
+    list[Annotated[str, Meta(max_length=WAKE_UP_TAG_MAX_LENGTH)]],
+    Meta(max_length=WAKE_UP_TAGS_MAX, description="At most 16 tags of at most 64 characters."),
 ]

@@ -106,6 +106,9 @@ from engined.wire.messages import (
     OutputEntry as OutputEntry,
 )
 from engined.wire.messages import (
+    Pause as Pause,
+)
+from engined.wire.messages import (
     Ping as Ping,
 )
 from engined.wire.messages import (
@@ -124,10 +127,16 @@ from engined.wire.messages import (
     ResetPrefixCache as ResetPrefixCache,
 )
 from engined.wire.messages import (
+    Resume as Resume,
+)
+from engined.wire.messages import (
     SetFpmWorkerId as SetFpmWorkerId,
 )
 from engined.wire.messages import (
     SetVocabulary as SetVocabulary,
+)
+from engined.wire.messages import (
+    Sleep as Sleep,
 )
 from engined.wire.messages import (
     SourceHeldEvent as SourceHeldEvent,
@@ -152,6 +161,9 @@ from engined.wire.messages import (
 )
 from engined.wire.messages import (
     WaitIdle as WaitIdle,
+)
+from engined.wire.messages import (
+    WakeUp as WakeUp,
 )
 from engined.wire.messages import (
     WatchLoad as WatchLoad,

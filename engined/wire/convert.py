@@ -19,14 +19,18 @@ from engined.wire.control import (
     FinishReason,
     Load,
     OutputEntry,
+    Pause,
     RankStats,
     ReleaseSource,
     ReserveDestination,
     ResetPrefixCache,
+    Resume,
     SetVocabulary,
+    Sleep,
     SourceHeldEvent,
     Submit,
     SubmitHandoffPrefill,
+    WakeUp,
     WireLifecycleEvent,
     WireLoraRequest,
     WireRequest,
@@ -74,6 +78,10 @@ RankMessage: TypeAlias = (
     | CancelDestination
     | ResetPrefixCache
     | SetVocabulary
+    | Pause
+    | Resume
+    | Sleep
+    | WakeUp
 )
 
 
@@ -96,8 +104,9 @@ def to_core_command(
 
     (`hello`, `stats`, `ping`, `wait_idle` and the others a rank has no command for are
     answered without one.) `request_id` and `stream_name` are those of the request of a
-    message that carries one, as in `to_core_request`. `reset_prefix_cache` and
-    `set_vocabulary` become the command each rank they name is given.
+    message that carries one, as in `to_core_request`. `reset_prefix_cache`,
+    `set_vocabulary` and the pause and sleep messages become the command each rank they name
+    is given.
     """
     match msg:
         case Submit():
@@ -124,6 +133,14 @@ def to_core_command(
             return core.ResetPrefixCache()
         case SetVocabulary():
             return core.SetVocabulary(msg.vocab_size, tuple(msg.excluded_token_ids))
+        case Pause():
+            return core.Pause(core.PauseMode(msg.mode), msg.clear_cache)
+        case Resume():
+            return core.Resume()
+        case Sleep():
+            return core.Sleep(msg.level, core.PauseMode(msg.mode))
+        case WakeUp():
+            return core.WakeUp(None if msg.tags is None else tuple(msg.tags))
         case _:
             return None
 
@@ -186,7 +203,7 @@ def load_message(metrics: core.EngineMetrics) -> Load:
 
 
 # The core's gauges that a `stats` entry reports, under the same names (all but
-# `waiting_deferred`, `waiting_for_kv` and the pause and sleep state, which it does not).
+# `waiting_deferred` and `waiting_for_kv`, which it does not).
 _STATS_GAUGES: Final[tuple[str, ...]] = tuple(
     name for name in core.EngineMetrics.__struct_fields__ if name in RankStats.__struct_fields__
 )

@@ -48,6 +48,9 @@ from engined.wire.client_messages import (
     Metrics as Metrics,
 )
 from engined.wire.client_messages import (
+    Pause as Pause,
+)
+from engined.wire.client_messages import (
     Ping as Ping,
 )
 from engined.wire.client_messages import (
@@ -60,10 +63,16 @@ from engined.wire.client_messages import (
     ResetPrefixCache as ResetPrefixCache,
 )
 from engined.wire.client_messages import (
+    Resume as Resume,
+)
+from engined.wire.client_messages import (
     SetFpmWorkerId as SetFpmWorkerId,
 )
 from engined.wire.client_messages import (
     SetVocabulary as SetVocabulary,
+)
+from engined.wire.client_messages import (
+    Sleep as Sleep,
 )
 from engined.wire.client_messages import (
     Stats as Stats,
@@ -76,6 +85,9 @@ from engined.wire.client_messages import (
 )
 from engined.wire.client_messages import (
     WaitIdle as WaitIdle,
+)
+from engined.wire.client_messages import (
+    WakeUp as WakeUp,
 )
 from engined.wire.client_messages import (
     WatchLoad as WatchLoad,
@@ -201,6 +213,16 @@ class RankStats(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # KV event messages a slow subscriber missed because its byte budget was full
     # (`kv_events_buffer_bytes`); also `engined:kv_events_overflows_total`.
     kv_events_overflows: int = 0
+    # vLLM's pause and sleep (`pause`, `sleep`): the scheduler's PauseState (0 unpaused,
+    # 1 PAUSED_NEW, 2 PAUSED_ALL), whether a pause still waits for the rank to go idle,
+    # whether new requests are refused (`paused`), the sleeping pools, and the sleep state
+    # vLLM records (`asleep`, `sleep_level`), as the core's gauges of those names.
+    pause_state: int = 0
+    pause_pending: bool = False
+    rejecting: bool = False
+    sleeping_tags: tuple[str, ...] = ()
+    asleep: bool = False
+    sleep_level: int = 0
 
 
 class StatsReply(DirectReply, tag="stats"):

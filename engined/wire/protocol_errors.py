@@ -25,6 +25,7 @@ ErrorCode = Literal[
     "overloaded",
     "shutting_down",
     "forbidden",
+    "paused",
 ]
 
 # A quoted piece of client input inside a message keeps at most this many UTF-8 bytes, so the

@@ -73,6 +73,13 @@ CLIENT_MESSAGES: list[control.ClientMessage] = [
     control.SetFpmWorkerId(worker_id="10477718404275941139"),
     control.SetFpmWorkerId(worker_id="7", dp_rank=3),
     control.WatchLoad(id=9),
+    control.Pause(),
+    control.Pause(id=1, mode="keep", clear_cache=False),
+    control.Resume(),
+    control.Sleep(level=0, mode="wait"),
+    control.Sleep(level=2),
+    control.WakeUp(),
+    control.WakeUp(tags=["weights", "scheduling"]),
 ]
 
 DAEMON_MESSAGES: list[control.DaemonMessage] = [
@@ -181,6 +188,10 @@ def test_tags_are_the_protocols_snake_case_names() -> None:
         "set_vocabulary",
         "set_fpm_worker_id",
         "watch_load",
+        "pause",
+        "resume",
+        "sleep",
+        "wake_up",
     }
     daemon = {msgspec.msgpack.decode(control.encode_reply(m))["type"] for m in DAEMON_MESSAGES}
     assert daemon == {
@@ -253,6 +264,19 @@ def _submit(**request: Any) -> bytes:
 
 
 BAD_MESSAGE_CASES = [
+    pytest.param(
+        encode({"type": "pause", "mode": "drain"}), r"Invalid enum value 'drain'", id="pause-mode"
+    ),
+    pytest.param(
+        encode({"type": "pause", "clear_cache": "yes"}),
+        r"Expected `bool`, got `str` - at `\$\.clear_cache`",
+        id="pause-clear-cache-str",
+    ),
+    pytest.param(
+        encode({"type": "wake_up", "tags": "weights"}),
+        r"Expected `array \| null`, got `str` - at `\$\.tags`",
+        id="wake-up-tags-str",
+    ),
     pytest.param(
         _submit(seed="7"),
         r"Expected `int \| null`, got `str` - at `\$\.request\.seed`",
@@ -533,6 +557,22 @@ INVALID_REQUEST_CASES = [
         encode({"type": "wait_idle", "dp_rank": -1}),
         r"`\$\.dp_rank`",
         id="wait-idle-negative-rank",
+    ),
+    pytest.param(
+        encode({"type": "sleep", "level": 3}), r"<= 2 - at `\$\.level`", id="sleep-level-3"
+    ),
+    pytest.param(
+        encode({"type": "sleep", "level": -1}), r">= 0 - at `\$\.level`", id="sleep-level-neg"
+    ),
+    pytest.param(
+        encode({"type": "wake_up", "tags": ["t"] * 17}),
+        r"length <= 16 - at `\$\.tags`",
+        id="wake-up-17-tags",
+    ),
+    pytest.param(
+        encode({"type": "wake_up", "tags": ["t" * 10_000_000]}),
+        r"length <= 64 - at `\$\.tags\[0\]`",
+        id="wake-up-tag-10MB",
     ),
     pytest.param(
         _submit(request_id=""), r"length >= 1 - at `\$\.request\.request_id`", id="empty-request-id"

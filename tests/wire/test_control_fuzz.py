@@ -114,4 +114,8 @@ def test_client_message_tags_cover_the_protocol() -> None:
         "set_fpm_worker_id",
         "watch_load",
         "metrics",
+        "pause",
+        "resume",
+        "sleep",
+        "wake_up",
     )
