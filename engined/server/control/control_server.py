@@ -29,13 +29,14 @@ from engined.server.control.control_reader import SHUTTING_DOWN, ControlReader
 from engined.server.control.episodes import Episode
 from engined.server.control.load import LoadWatch
 from engined.server.control.ownership import Ownership
+from engined.server.control.pauses import Pauses
 from engined.server.control.rank_commands import RankCommands
 from engined.server.control.reports import Reports
 from engined.server.control.request_ids import RequestIds
 from engined.server.control.settings import RuntimeSettings
 from engined.server.ranks.deadlines import Deadlines
 from engined.server.ranks.rank_handle import RankHandle
-from engined.server.security.gatekeeper import ROLE_PROPERTY, Role
+from engined.server.security.gatekeeper import forbidden, is_operator
 from engined.wire import control as wire
 from engined.wire.convert import to_wire_lifecycle
 from engined.wire.output_bytes import OutputWriter
@@ -47,22 +48,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 NO_METRICS = "this daemon keeps no metrics: they are collected with http_port or api_port set"
-
-
-def is_operator(frame: zmq.Frame) -> bool:
-    """Whether the connection a frame came on has the operator role (the gatekeeper's say;
-    a socket without a gatekeeper has no operators)."""
-    try:
-        return frame.get(ROLE_PROPERTY) == Role.OPERATOR
-    except zmq.ZMQError:
-        return False
-
-
-def forbidden(what: str) -> str:
-    return (
-        f"{what} needs the operator role: connect to the welcome's operator_endpoint as the "
-        "daemon's user, or with an operator CURVE key"
-    )
 
 
 class ControlServer:
@@ -132,6 +117,7 @@ class ControlServer:
         self._load: LoadWatch
         self._reports: Reports
         self._commands: RankCommands
+        self._pauses: Pauses
 
     def attach(self, loops: Sequence[RankHandle]) -> None:
         """Route for these ranks (rank r at index r); once, before `serve`."""
@@ -145,6 +131,13 @@ class ControlServer:
         )
         self._load = LoadWatch(loops, self._clients.send)
         self._reports = Reports(loops)
+        self._pauses = Pauses(
+            loops,
+            ownership=self._ownership,
+            reports=self._reports,
+            reply=self._reply,
+            error=self._error,
+        )
         self._commands = RankCommands(
             loops,
             ownership=self._ownership,
@@ -154,6 +147,7 @@ class ControlServer:
             error=self._error,
             max_queued_requests=self._max_queued,
             inflight_bytes=self._inflight_bytes,
+            rejecting=self._pauses.rejecting,
         )
 
     @property
@@ -173,6 +167,7 @@ class ControlServer:
             "backlogs": len(self._clients.backlogs),
             "queued_bytes": self._clients.backlogs.bytes,
             "idle_waiting": self._reports.waiting_clients,
+            "pause_waiting": self._pauses.waiting_clients,
         }
 
     # --- reading ------------------------------------------------------------------------
@@ -224,27 +219,30 @@ class ControlServer:
             case wire.ActivateDestination() | wire.CancelDestination():
                 routes = self._ownership.destinations
                 self._command(identity, self._commands.handoff(identity, msg, routes))
-            case wire.ResetPrefixCache() | wire.SetVocabulary() | wire.SetFpmWorkerId() if (
-                not is_operator(frame)
-            ):
+            case (
+                wire.ResetPrefixCache()
+                | wire.SetVocabulary()
+                | wire.SetFpmWorkerId()
+                | wire.Pause()
+                | wire.Resume()
+                | wire.Sleep()
+                | wire.WakeUp()
+            ) if not is_operator(frame):
                 self._error(
                     identity, msg.id, "forbidden", forbidden(str(msg.__struct_config__.tag))
                 )
+            case wire.Pause() | wire.Resume() | wire.Sleep() | wire.WakeUp():
+                refusal = self._pauses.admit(identity, msg)
+                if refusal is None:
+                    self._command(identity, self._pauses.apply(identity, msg))
+                else:
+                    self._error(identity, msg.id, *refusal)
             case wire.ResetPrefixCache():
                 self._command(identity, self._commands.reset_prefix_cache(identity, msg))
             case wire.SetVocabulary():
                 self._command(identity, self._commands.set_vocabulary(identity, msg))
             case wire.SetFpmWorkerId():
-                if msg.dp_rank is not None and msg.dp_rank >= len(self._loops):
-                    self._error(
-                        identity,
-                        msg.id,
-                        "invalid_request",
-                        f"dp_rank: {msg.dp_rank} is out of range [0, {len(self._loops)})",
-                    )
-                else:
-                    self._settings.set_fpm_worker_id(msg.worker_id, msg.dp_rank)
-                    self._reply(identity, wire.Applied(id=msg.id))
+                self._commands.set_fpm_worker_id(identity, msg)
             case wire.WatchLoad():
                 self._reply(identity, wire.Applied(id=msg.id))
                 self._load.watch(identity)
@@ -352,6 +350,7 @@ class ControlServer:
         `hello` and `ping` from now on, and return once every command read before has been
         answered, so that nothing awaits the ranks any more and they may stop."""
         await self._ownership.end_all()
+        self._pauses.close()
         self._reader.closing = True
         handlers = [task for task in self._tasks if task is not self._retry]
         if handlers:

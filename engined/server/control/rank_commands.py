@@ -18,6 +18,7 @@ from engined.core import types as core
 from engined.core.errors import CoreError
 from engined.server.control.budgets import over_budget, request_bytes, text_bytes
 from engined.server.control.ownership import HandoffRoute, Ownership
+from engined.server.control.pauses import PAUSED_MESSAGE
 from engined.server.control.request_ids import RequestIds
 from engined.server.control.settings import RuntimeSettings
 from engined.server.ranks.rank_handle import RankHandle
@@ -43,7 +44,10 @@ class RankCommands:
         error: Error,
         max_queued_requests: int,
         inflight_bytes: int,
+        rejecting: Sequence[bool] = (),
     ) -> None:
+        """`rejecting[rank]`: whether the rank refuses new requests, generation being paused
+        (`engined.server.control.pauses`); empty: none ever does."""
         self._ranks = ranks
         self._ownership = ownership
         self._ids = ids
@@ -52,6 +56,7 @@ class RankCommands:
         self._error = error
         self._max_queued = max_queued_requests
         self._inflight_bytes = inflight_bytes
+        self._rejecting = rejecting
         self._unnamed = itertools.count()
         self._rr = itertools.cycle(range(len(ranks)))
         # Submits refused for a full queue (`max_queued_requests`): vLLM's admission rejections.
@@ -76,6 +81,10 @@ class RankCommands:
                 "invalid_request",
                 f"request.dp_rank: {request.dp_rank} is out of range [0, {len(self._ranks)})",
             )
+            return
+        if self._rejecting and self._rejecting[rank]:
+            # vLLM's engine finishes such a request at once with a retryable error.
+            self._error(identity, msg.id, "paused", PAUSED_MESSAGE)
             return
         loop = self._ranks[rank]
         capacity = loop.capacity_tokens
@@ -249,3 +258,16 @@ class RankCommands:
                 return
         self._settings.vocabulary_applied(msg.vocab_size, msg.excluded_token_ids)
         self._reply(identity, wire.Applied(id=msg.id))
+
+    def set_fpm_worker_id(self, identity: bytes, msg: wire.SetFpmWorkerId) -> None:
+        """Kept by the daemon (`RuntimeSettings`), which stamps the ranks' FPM with it."""
+        if msg.dp_rank is not None and msg.dp_rank >= len(self._ranks):
+            self._error(
+                identity,
+                msg.id,
+                "invalid_request",
+                f"dp_rank: {msg.dp_rank} is out of range [0, {len(self._ranks)})",
+            )
+        else:
+            self._settings.set_fpm_worker_id(msg.worker_id, msg.dp_rank)
+            self._reply(identity, wire.Applied(id=msg.id))

@@ -247,8 +247,11 @@ class VllmMetrics(Collector):
                 stages = zip(spec.KV_FETCH_STAGES, counts, strict=True)
                 fetch += [((*labels, stage), n) for stage, n in stages]
             add((spec.KV_FETCH_BY_STAGE, fetch))
-        # engined has no sleep mode: always awake, as vLLM reports an engine never put to sleep.
-        sleep = [((*labels, state), awake) for labels, _, _ in snapshots for state, awake in _SLEEP]
+        sleep = [
+            ((*labels, state), value)
+            for labels, _, g in snapshots
+            for state, value in zip(spec.SLEEP_STATES, _sleep_state(g), strict=True)
+        ]
         add((spec.SLEEP_STATE, sleep))
         add((spec.KV_CACHE_USAGE, [(labels, g.kv_cache_usage) for labels, _, g in snapshots]))
         if any(g.g2_total_blocks for _, _, g in snapshots):
@@ -287,7 +290,15 @@ class VllmMetrics(Collector):
         return families
 
 
-_SLEEP: Final = tuple(zip(spec.SLEEP_STATES, (1, 0, 0), strict=True))
+def _sleep_state(g: EngineMetrics) -> tuple[int, int, int]:
+    """(awake, weights_offloaded, discard_all) as vLLM's `record_sleep_state(sleep, level)`
+    sets them (vllm/v1/metrics/loggers.py) once a sleep or a full wake-up returns: asleep at
+    level 0 is neither offloaded nor discarded."""
+    if not g.asleep:
+        return 1, 0, 0
+    return 0, int(g.sleep_level == 1), int(g.sleep_level == 2)
+
+
 _Snapshot: TypeAlias = tuple[tuple[str, ...], RankMetrics, EngineMetrics]
 _COUNTERS: Final[tuple[tuple[Family, Callable[[RankMetrics, EngineMetrics], int]], ...]] = (
     (spec.PREFIX_CACHE_QUERIES, lambda t, g: t.prefix_cache_queries),

@@ -56,6 +56,23 @@ class Role(StrEnum):
     OPERATOR = "operator"
 
 
+def is_operator(frame: zmq.Frame) -> bool:
+    """Whether the connection a frame came on has the operator role (the gatekeeper's say;
+    a socket without a gatekeeper has no operators)."""
+    try:
+        return frame.get(ROLE_PROPERTY) == Role.OPERATOR
+    except zmq.ZMQError:
+        return False
+
+
+def forbidden(what: str) -> str:
+    """The message refusing an engine-wide command `what` to a client without the role."""
+    return (
+        f"{what} needs the operator role: connect to the welcome's operator_endpoint as the "
+        "daemon's user, or with an operator CURVE key"
+    )
+
+
 class Domain(StrEnum):
     """What a socket is, as its ZAP requests say; roles matter on the control socket only."""
 

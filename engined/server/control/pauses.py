@@ -1,0 +1,169 @@
+"""vLLM's pause and sleep across the daemon's ranks: `pause`, `resume`, `sleep`, `wake_up`.
+
+vLLM's DP client sends these utility calls to every engine (`DPLBAsyncMPClient`'s
+`call_utility_async` goes to all of them, vllm/v1/engine/core_client.py), and `pause_generation`
+and `sleep` return only once every engine's pause has completed. So each message here is
+applied to every rank in turn, the requests an `abort` ended go to their owners as a cancel's
+do (`Ownership.end_ended`: one `cancelled` terminal each), and the reply (a `stats`, which
+carries the pause and sleep gauges) waits until no rank's pause is pending.
+
+A wait is bounded by count, not by time (vLLM's call has no deadline either): at most
+`PAUSE_CLIENT_LIMIT` waiting replies per client and `PAUSE_LIMIT` in all, each holding one
+future, so a client that sends many, or disconnects while waiting, holds no more than that;
+the pause itself never blocks anything else. Shutdown answers the waits still held
+(`close`), since a pause waiting on a request nobody ends would otherwise hold it.
+
+Whether a rank refuses new requests (vLLM's `reject_new_requests`, set by `abort` and `wait`
+pauses) is the core's gauge `rejecting`; it changes only with these commands, so it is read
+once after each and kept here for every submit to check cheaply (`rejecting`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+from engined.core.command_report import CommandReport
+from engined.core.errors import CoreError
+from engined.core.pass_report import PassReport
+from engined.core.types import Command
+from engined.server.control.ownership import Ownership
+from engined.server.control.reports import Reports
+from engined.server.ranks.rank_handle import RankHandle
+from engined.wire import control as wire
+from engined.wire.convert import to_core_command
+
+# (identity, message id, error code, message): an `error` reply.
+Error = Callable[[bytes, int | str | None, str, str], None]
+Reply = Callable[[bytes, wire.DaemonMessage], None]
+PauseMessage = wire.Pause | wire.Resume | wire.Sleep | wire.WakeUp
+
+# `pause` and `sleep` replies waiting at once, from one client and from all together.
+PAUSE_CLIENT_LIMIT = 16
+PAUSE_LIMIT = 256
+
+# vLLM's `RequestError` message for a request added while generation is paused
+# (`EngineCore._reject_add_while_paused`, vllm/v1/engine/core.py).
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+
+
+class ShuttingDown(Exception):
+    """The daemon shuts down while a pause reply waits."""
+
+
+class Pauses:
+    """The pause and sleep handlers of one control server, over its ranks."""
+
+    def __init__(
+        self,
+        ranks: Sequence[RankHandle],
+        *,
+        ownership: Ownership,
+        reports: Reports,
+        reply: Reply,
+        error: Error,
+    ) -> None:
+        self._ranks = ranks
+        self._ownership = ownership
+        self._reports = reports
+        self._reply = reply
+        self._error = error
+        # Per rank: whether it refuses new requests, as of the last pause command applied.
+        self.rejecting = [rank.gauges().metrics.rejecting for rank in ranks]
+        # Per rank: futures set once its pause is no longer pending.
+        self._waiters: list[list[asyncio.Future[None]]] = [[] for _ in ranks]
+        self._waits_of: dict[bytes, int] = {}
+        self._waits = 0
+        self._closed = False
+        for loop in ranks:
+            loop.pass_observers.append(self._after_pass)
+            loop.command_observers.append(self._after_command)
+
+    def admit(self, identity: bytes, msg: PauseMessage) -> tuple[wire.ErrorCode, str] | None:
+        """Count a waiting reply for `identity` and return None, or why it cannot wait
+        (code, message)."""
+        if not isinstance(msg, wire.Pause | wire.Sleep):
+            return None
+        mine = self._waits_of.get(identity, 0)
+        if mine >= PAUSE_CLIENT_LIMIT:
+            return "overloaded", (
+                f"this client has {PAUSE_CLIENT_LIMIT} pause or sleep replies waiting already"
+            )
+        if self._waits >= PAUSE_LIMIT:
+            return "overloaded", f"{PAUSE_LIMIT} pause or sleep replies are already waiting"
+        self._waits += 1
+        self._waits_of[identity] = mine + 1
+        return None
+
+    async def apply(self, identity: bytes, msg: PauseMessage) -> None:
+        """Apply `msg` on every rank, then reply `stats` (once the pauses completed, for
+        `pause` and `sleep`, admitted by `admit`). The cores refuse alike (mocker semantics,
+        async scheduling), so a refusal comes from the first rank, before any has changed."""
+        waits = isinstance(msg, wire.Pause | wire.Sleep)
+        try:
+            command = to_core_command(msg)
+            for rank, loop in enumerate(self._ranks):
+                try:
+                    report = await loop.call(command)
+                except CoreError as exc:
+                    self._error(identity, msg.id, exc.code, str(exc))
+                    return
+                self.rejecting[rank] = loop.gauges().metrics.rejecting
+                self._ownership.end_ended(rank, report.ended)
+            if waits:
+                for rank in range(len(self._ranks)):
+                    await self._completed(rank)
+        except ShuttingDown:
+            self._error(identity, msg.id, "shutting_down", "the daemon is shutting down")
+            return
+        finally:
+            if waits:
+                self._release(identity)
+        self._reply(identity, self._reports.stats(msg.id))
+
+    def close(self) -> None:
+        """Shutdown: answer every waiting reply `shutting_down`, and wait no more."""
+        self._closed = True
+        for waiters in self._waiters:
+            for future in waiters:
+                if not future.done():
+                    future.set_exception(ShuttingDown())
+            waiters.clear()
+
+    @property
+    def waiting_clients(self) -> int:
+        """Identities with a pause reply waiting (tests: the per-client counts are freed)."""
+        return len(self._waits_of)
+
+    async def _completed(self, rank: int) -> None:
+        if not self._ranks[rank].gauges().metrics.pause_pending:
+            return
+        if self._closed:
+            raise ShuttingDown()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[rank].append(future)
+        await future
+
+    def _release(self, identity: bytes) -> None:
+        self._waits -= 1
+        left = self._waits_of[identity] - 1
+        if left:
+            self._waits_of[identity] = left
+        else:
+            del self._waits_of[identity]
+
+    def _after_pass(self, rank: int, start_ms: float, report: PassReport) -> None:
+        if self._waiters[rank] and not report.metrics.pause_pending:
+            self._wake(rank)
+
+    def _after_command(
+        self, rank: int, called_ms: float, command: Command, report: CommandReport
+    ) -> None:
+        if self._waiters[rank] and not self._ranks[rank].gauges().metrics.pause_pending:
+            self._wake(rank)
+
+    def _wake(self, rank: int) -> None:
+        waiters, self._waiters[rank] = self._waiters[rank], []
+        for future in waiters:
+            if not future.done():
+                future.set_result(None)

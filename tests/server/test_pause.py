@@ -1,0 +1,213 @@
+"""`pause`, `resume`, `sleep` and `wake_up` against a running daemon (PROTOCOL.md §1.1).
+
+vLLM's pause_generation / sleep on every rank: the reply (`stats`) comes once every rank's
+pause completed; an `abort` ends requests as a cancel does; a submit while generation is
+paused (abort, wait) is refused `paused`, and queued under `keep`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from engined.client import EngineClient, EngineError
+from engined.server.control.pauses import PAUSE_CLIENT_LIMIT, PAUSED_MESSAGE
+from engined.wire.control import StatsReply
+from tests.server.daemon_harness import (
+    DaemonProcess,
+    free_tcp_port,
+    start_daemon,
+    start_tcp_daemon,
+)
+from tests.support import run
+
+FLAGS = ("--speedup-ratio", "1", "--data-parallel-size", "2")
+PROMPT = list(range(1, 33))
+# Long enough to be running whenever a pause arrives; a test ends it itself.
+LONG = 1000
+
+
+def _states(stats: StatsReply) -> set[tuple[int, bool, bool, bool, int]]:
+    return {
+        (r.pause_state, r.pause_pending, r.rejecting, r.asleep, r.sleep_level) for r in stats.ranks
+    }
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    # An HTTP port, so that the daemon keeps the metrics `metrics` answers with.
+    with start_daemon(tmp_path, *FLAGS, "--http-port", str(free_tcp_port())) as process:
+        yield process
+
+
+def test_abort_ends_every_request_as_a_cancel_and_refuses_submits(daemon: DaemonProcess) -> None:
+    async def scenario() -> None:
+        async with (
+            await EngineClient.connect(daemon.control) as owner,
+            await EngineClient.connect(daemon.control) as operator,
+        ):
+            running = [await owner.submit(PROMPT, LONG, dp_rank=r) for r in (0, 1)]
+            stats = await operator.pause()
+            assert len(stats.ranks) == 2 and _states(stats) == {(1, False, True, False, 0)}
+            for request in running:
+                got = await owner.collect(request)
+                assert got.finish_reason == "cancelled" and len(got.token_ids) < LONG
+            with pytest.raises(EngineError) as refused:
+                await owner.submit(PROMPT, 4)
+            assert (refused.value.code, refused.value.message) == ("paused", PAUSED_MESSAGE)
+            assert _states(await operator.resume()) == {(0, False, False, False, 0)}
+            got = await owner.generate(PROMPT, 4)
+            assert (len(got.token_ids), got.finish_reason) == (4, "length")
+
+    run(scenario())
+
+
+def test_wait_replies_once_the_running_requests_finished(daemon: DaemonProcess) -> None:
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            running = await client.submit(PROMPT, 20, dp_rank=1)
+            stats = await client.pause("wait", clear_cache=False)
+            assert _states(stats) == {(1, False, True, False, 0)}
+            # Its last output came before the reply.
+            got = await client.collect(running, timeout=0)
+            assert (len(got.token_ids), got.finish_reason) == (20, "length")
+            await client.resume()
+
+    run(scenario())
+
+
+def test_keep_queues_new_requests_until_resume(daemon: DaemonProcess) -> None:
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            frozen = await client.submit(PROMPT, 8, dp_rank=0)
+            assert _states(await client.pause("keep")) == {(2, False, False, False, 0)}
+            queued = await client.submit(PROMPT[::-1], 8, dp_rank=1)
+            stats = await client.stats()
+            assert stats.ranks[1].waiting == 1 and stats.ranks[1].running == 0
+            await client.resume()
+            for request in (frozen, queued):
+                got = await client.collect(request)
+                assert (len(got.token_ids), got.finish_reason) == (8, "length")
+
+    run(scenario())
+
+
+def test_sleep_and_wake_up_follow_vllms_tags_and_metrics(daemon: DaemonProcess) -> None:
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            stats = await client.sleep(2)
+            assert _states(stats) == {(1, False, False, True, 2)}
+            assert {r.sleeping_tags for r in stats.ranks} == {("kv_cache", "weights")}
+            text = (await client.metrics()).text
+            assert 'sleep_state="discard_all"} 1.0' in text
+            assert 'sleep_state="awake"} 0.0' in text
+            # A tag that does not sleep wakes nothing; "scheduling" alone wakes nothing.
+            for tags in (["weights", "nope"], ["scheduling"]):
+                assert {r.asleep for r in (await client.wake_up(tags)).ranks} == {True}
+            stats = await client.wake_up(["weights"])
+            assert {(r.sleeping_tags, r.asleep) for r in stats.ranks} == {(("kv_cache",), True)}
+            stats = await client.wake_up()
+            assert _states(stats) == {(0, False, False, False, 0)}
+            assert 'sleep_state="awake"} 1.0' in (await client.metrics()).text
+            got = await client.generate(PROMPT, 3)
+            assert got.finish_reason == "length"
+
+    run(scenario())
+
+
+def test_a_disconnect_while_a_pause_waits_leaves_the_daemon_serving(
+    daemon: DaemonProcess,
+) -> None:
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control) as owner:
+            running = await owner.submit(PROMPT, LONG, dp_rank=0)
+            async with await EngineClient.connect(daemon.control) as waiter:
+                calls = [asyncio.ensure_future(waiter.pause("wait")) for _ in range(20)]
+                # One client may hold PAUSE_CLIENT_LIMIT waiting replies; the rest are refused
+                # at once, and are the first to complete.
+                for completed in asyncio.as_completed(calls):
+                    with pytest.raises(EngineError) as refused:
+                        await completed
+                    assert refused.value.code == "overloaded"
+                    if sum(call.done() for call in calls) == 20 - PAUSE_CLIENT_LIMIT:
+                        break
+                assert sum(call.done() for call in calls) == 20 - PAUSE_CLIENT_LIMIT
+                for call in calls:
+                    call.cancel()
+            # The waiter is gone; its pauses hold until the request ends. A command to rank 0
+            # read after them is applied after them (refused: the request holds its blocks).
+            with pytest.raises(EngineError, match="still hold KV blocks"):
+                await owner.reset_prefix_cache(0)
+            stats = await owner.stats()
+            assert stats.ranks[0].pause_pending and stats.ranks[0].rejecting
+            await owner.cancel(running.request_id)
+            stats = await owner.pause("keep")
+            assert _states(stats) == {(2, False, False, False, 0)}
+            await owner.resume()
+            assert (await owner.generate(PROMPT, 2)).finish_reason == "length"
+
+    run(scenario())
+
+
+def test_malformed_and_huge_pause_messages_are_refused(daemon: DaemonProcess) -> None:
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"type": "sleep", "level": 3}, "invalid_request"),
+        ({"type": "pause", "mode": "drain"}, "bad_message"),
+        ({"type": "wake_up", "tags": ["t" * 10_000_000]}, "invalid_request"),
+        ({"type": "wake_up", "tags": ["t"] * 100_000}, "invalid_request"),
+        ({"type": "pause", "k" * 5_000_000: 1}, "bad_message"),
+    ]
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.connect(daemon.control)
+            for n, (body, code) in enumerate(cases):
+                await sock.send(msgspec.msgpack.encode({**body, "id": n}))
+                reply = msgspec.msgpack.decode(await sock.recv())
+                assert (reply["type"], reply["code"], reply["id"]) == ("error", code, n)
+                assert len(reply["message"]) <= 512
+        finally:
+            sock.close(0)
+            ctx.term()
+        async with await EngineClient.connect(daemon.control) as client:
+            assert _states(await client.stats()) == {(0, False, False, False, 0)}
+
+    run(scenario())
+
+
+def test_the_mocker_semantics_refuses_pause_and_sleep(tmp_path: Path) -> None:
+    async def scenario(daemon: DaemonProcess) -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            for call in (client.pause(), client.sleep(), client.resume(), client.wake_up()):
+                with pytest.raises(EngineError) as refused:
+                    await call
+                assert refused.value.code == "unsupported"
+
+    with start_daemon(tmp_path, *FLAGS, "--semantics", "mocker-1.3.0") as daemon:
+        run(scenario(daemon))
+
+
+def test_pause_and_sleep_need_the_operator_role(tmp_path: Path) -> None:
+    async def scenario(daemon: DaemonProcess) -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            for call, what in (
+                (client.pause(), "pause"),
+                (client.resume(), "resume"),
+                (client.sleep(), "sleep"),
+                (client.wake_up(), "wake_up"),
+            ):
+                with pytest.raises(EngineError) as refused:
+                    await call
+                assert refused.value.code == "forbidden"
+                assert refused.value.message.startswith(f"{what} needs the operator role")
+
+    with start_tcp_daemon(tmp_path, *FLAGS) as daemon:
+        run(scenario(daemon))
