@@ -97,6 +97,17 @@ class ApiError(Exception):
         return b"data: " + data + b"\n\n"
 
 
+class GenerationFailure(ApiError):
+    """vLLM's `GenerationError`s (a failed or retryable generation): a chat stream renders
+    every one as "InternalServerError" with the error's own status, whatever its type."""
+
+    def stream_event(self, *, chat: bool) -> bytes:
+        if not chat:
+            return super().stream_event(chat=False)
+        internal = ApiError(self.status, self.message, "InternalServerError")
+        return internal.stream_event(chat=True)
+
+
 class DetailError(ApiError):
     """A refusal FastAPI makes itself, which vLLM's handlers never reshape: `{"detail": ...}`."""
 
@@ -185,7 +196,13 @@ def engine_dead() -> ApiError:
 
 def generation_error() -> ApiError:
     """A request the engine ended with an error (`finish_reason == "error"`)."""
-    return ApiError(500, "Internal server error", "InternalServerError")
+    return GenerationFailure(500, "Internal server error", "InternalServerError")
+
+
+def generation_paused(message: str) -> GenerationFailure:
+    """vLLM's `RetryableRequestError` for a request the engine refused while generation is
+    paused (abort or wait mode): a 503 the client may retry after the resume."""
+    return GenerationFailure(503, message, "ServiceUnavailableError")
 
 
 def beam_search_stream() -> ApiError:

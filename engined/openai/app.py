@@ -28,6 +28,7 @@ from engined.openai.server_load import ServerLoad
 from engined.openai.serving import ServingContext, engine_refusal
 from engined.openai.serving_chat import ChatServer
 from engined.openai.serving_completion import CompletionServer
+from engined.openai.serving_dev import DevServer
 from engined.openai.serving_misc import MiscServer
 from engined.openai.tokenizer import Tokenizer
 from engined.wire.control import Welcome
@@ -52,7 +53,10 @@ class ApiApp:
         welcome: Welcome,
         tokenizer: Tokenizer,
         counters: AdmissionCounters,
+        operator: EngineClient | None = None,
     ) -> None:
+        """`operator`: the daemon connection with the operator role that vLLM's development
+        routes need; None leaves them out (`VLLM_SERVER_DEV_MODE` unset)."""
         context = ServingContext.build(
             config=config, client=client, welcome=welcome, tokenizer=tokenizer, counters=counters
         )
@@ -77,6 +81,9 @@ class ApiApp:
             "/metrics": {"GET": misc.metrics},
             "/kv_event_sources": {"GET": misc.kv_event_sources},
         }
+        if operator is not None:
+            for path, methods in DevServer(operator).routes().items():
+                self._routes[path] = {method: route for method, route in methods.items()}
         for adapter in models.adapters():
             log.info(
                 "LoRA adapter loaded",

@@ -2,9 +2,10 @@
 
 The daemon starts it (engined.server.api_servers) with the listening socket inherited as a
 file descriptor and the whole configuration on stdin. It runs its own event loop (uvloop
-when importable), connects to the daemon's control endpoint as an ordinary client, and
-serves until SIGTERM or SIGINT: then it stops accepting, lets its streams finish for up to
-the daemon's `drain_timeout`, and exits 0. It also ends when the daemon does (Linux's
+when importable), connects to the daemon's control endpoint as an ordinary client (and,
+for vLLM's development routes, to its operator endpoint), and serves until SIGTERM or
+SIGINT: then it stops accepting, lets its streams finish for up to the daemon's
+`drain_timeout`, and exits 0. It also ends when the daemon does (Linux's
 parent-death signal), so no API server outlives its engine.
 """
 
@@ -29,6 +30,7 @@ from engined.client import EngineClient
 from engined.config import DaemonConfig
 from engined.config.endpoints import WILDCARD_HOSTS, parse_endpoint
 from engined.logs import configure_logging
+from engined.wire.control import Welcome
 
 log = structlog.get_logger(__name__)
 
@@ -56,20 +58,53 @@ def control_target(config: DaemonConfig) -> str:
     return config.control_endpoint
 
 
+async def operator_connection(
+    client: EngineClient, connected_to: str, welcome: Welcome
+) -> EngineClient:
+    """The connection the development routes send engine-wide commands on.
+
+    Those need the operator role, which the daemon gives the peers of its `operator_endpoint`
+    running as its user, as this process does: `client` itself when it already connected
+    there (an ipc control endpoint), else a second connection. A daemon that names none
+    (CURVE only) leaves `client`, whose commands it refuses `forbidden` unless its key is an
+    operator's.
+    """
+    endpoint = welcome.operator_endpoint
+    if endpoint is None or endpoint == connected_to:
+        return client
+    operator = await EngineClient.connect(endpoint)
+    try:
+        await operator.hello(timeout=CONNECT_TIMEOUT_S)
+    except BaseException:
+        await operator.close()
+        raise
+    return operator
+
+
 async def serve(config: DaemonConfig, listen_fd: int, index: int, counters_fd: int) -> int:
     # NOTE: imported here so that a bad command line fails before the heavy imports.
     from engined.openai.app import ApiApp
     from engined.openai.http import HttpLimits, HttpServer
+    from engined.openai.serving_dev import dev_mode_from_environment
     from engined.openai.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model or None, config.tokenizer or None)
     sock = socket.socket(fileno=listen_fd)
     counters = AdmissionCounters.attach(counters_fd, config.api_server_count, index)
-    client = await EngineClient.connect(control_target(config))
+    target = control_target(config)
+    client = await EngineClient.connect(target)
+    operator: EngineClient | None = None
     try:
         welcome = await client.hello(timeout=CONNECT_TIMEOUT_S)
+        if dev_mode_from_environment():
+            operator = await operator_connection(client, target, welcome)
         app = ApiApp(
-            config=config, client=client, welcome=welcome, tokenizer=tokenizer, counters=counters
+            config=config,
+            client=client,
+            welcome=welcome,
+            tokenizer=tokenizer,
+            counters=counters,
+            operator=operator,
         )
         server = HttpServer(app.handle, app.error_response, HttpLimits())
         loop = asyncio.get_running_loop()
@@ -93,6 +128,8 @@ async def serve(config: DaemonConfig, listen_fd: int, index: int, counters_fd: i
         finally:
             await app.close()
     finally:
+        if operator is not None and operator is not client:
+            await operator.close()
         await client.close()
         sock.close()
         counters.close()

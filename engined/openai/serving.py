@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 
 from engined.admission_counters import AdmissionCounters
@@ -19,14 +19,18 @@ from engined.client.handoff_coordinator import Coordinator
 from engined.config import DaemonConfig
 from engined.openai.api_errors import (
     ApiError,
+    GenerationFailure,
     context_length_error,
     engine_overloaded,
+    generation_paused,
     http_error,
     validation_error,
 )
 from engined.openai.disagg import Disaggregation, advertised, parse_role
 from engined.openai.generation import Generation, Sample, Transfer
+from engined.openai.http.http_messages import StreamingResponse
 from engined.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engined.openai.protocol_responses import SSE_DONE
 from engined.openai.protocol_sampling import (
     check_engine,
     check_sampling,
@@ -52,9 +56,29 @@ def engine_refusal(error: EngineError) -> ApiError:
     """A refusal by the daemon, as the error a vLLM client meets for the same condition."""
     if error.code in ("overloaded", "shutting_down"):
         return engine_overloaded()
+    if error.code == "paused":
+        # The daemon's message is vLLM's ("Generation is paused. Please retry after it resumes.").
+        return generation_paused(error.message)
     if error.code in ("invalid_request", "capacity", "duplicate_request", "unsupported"):
         return validation_error(error.message)
     return http_error(500, error.message)
+
+
+def refused_stream(request: Request, error: ApiError, *, chat: bool) -> StreamingResponse:
+    """The answer to a streamed request whose generation the engine refused (paused).
+
+    vLLM adds the request, and its engine answers with an error output, which the stream
+    generator meets at its first step: the client gets the 200, then the error event and
+    `[DONE]`. Anything else refused before the stream starts is raised again.
+    """
+    if not (request.stream and isinstance(error, GenerationFailure)):
+        raise error
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        yield error.stream_event(chat=chat)
+        yield SSE_DONE
+
+    return StreamingResponse(200, events())
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ from engined.openai.serving import (
     base_request_id,
     check_template_trust,
     created_now,
+    refused_stream,
     samples,
     stop_strings,
 )
@@ -100,7 +101,10 @@ class ChatServer:
             first_choice=0,
             lora=served.lora,
         )
-        generation = await context.generate(request, runs, [ids])
+        try:
+            generation = await context.generate(request, runs, [ids])
+        except ApiError as error:
+            return refused_stream(request, error, chat=True)
         stop = stop_strings(request)
         choices = [
             _Choice(

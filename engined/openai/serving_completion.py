@@ -43,6 +43,7 @@ from engined.openai.serving import (
     ServingContext,
     base_request_id,
     created_now,
+    refused_stream,
     samples,
     stop_strings,
 )
@@ -92,7 +93,10 @@ class CompletionServer:
                     lora=served.lora,
                 )
             )
-        generation = await context.generate(request, runs, [ids for _, ids in prompts])
+        try:
+            generation = await context.generate(request, runs, [ids for _, ids in prompts])
+        except ApiError as error:
+            return refused_stream(request, error, chat=False)
         stop = stop_strings(request)
         choices = [
             _Choice(

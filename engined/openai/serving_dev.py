@@ -1,0 +1,195 @@
+"""vLLM 0.33's development routes for RL loops: pause, resume, sleep, wake up, reset the cache.
+
+`vllm serve` attaches them only when `VLLM_SERVER_DEV_MODE` is set to a non-zero integer
+(vllm/entrypoints/launchers/api_server/routers.py); without it they are FastAPI's 404. They
+are vLLM's `/pause`, `/resume`, `/is_paused` (vllm/entrypoints/rl/online/api_router.py),
+`/sleep`, `/wake_up`, `/is_sleeping` (entrypoints/serve/dev/sleep/api_router.py) and
+`/reset_prefix_cache` (entrypoints/serve/dev/cache/api_router.py), carried out by the
+daemon's engine-wide control messages, which need the operator role: the API server sends
+them on its operator connection (engined.openai.process).
+
+Their query parameters are validated as FastAPI does (the last value of a repeated one
+counts, pydantic's lax rules) and a refusal is vLLM's 400 for a `RequestValidationError`.
+`is_paused` and `is_sleeping` are vLLM's DP client's consensus over the ranks: ranks that
+disagree (a pause not yet applied everywhere) are vLLM's `RuntimeError`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Annotated, Any, Final, TypeVar
+from urllib.parse import parse_qsl
+
+import msgspec
+import msgspec.inspect as mi
+import structlog
+
+from engined.client import EngineClient, EngineError
+from engined.openai.api_errors import ApiError, Errors, request_validation_error
+from engined.openai.http.http_messages import HttpRequest, HttpResponse
+from engined.openai.protocol_lax import FAIL, register_literals, validate_struct
+from engined.wire.constraints import PauseModeStr
+from engined.wire.messages import RankStats
+
+log = structlog.get_logger(__name__)
+
+DEV_MODE_ENV: Final = "VLLM_SERVER_DEV_MODE"
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def dev_mode(env: Mapping[str, str]) -> bool:
+    """vLLM's reading of `VLLM_SERVER_DEV_MODE`: `bool(int(value))`. vLLM fails at start on
+    a value that is no integer; here such a value leaves the routes off, with a warning."""
+    value = env.get(DEV_MODE_ENV, "0")
+    try:
+        return bool(int(value))
+    except ValueError:
+        log.warning("not an integer: development routes stay off", variable=DEV_MODE_ENV)
+        return False
+
+
+def dev_mode_from_environment() -> bool:
+    return dev_mode(os.environ)
+
+
+class PauseQuery(msgspec.Struct):
+    mode: PauseModeStr = "abort"
+    clear_cache: bool = True
+
+
+class SleepQuery(msgspec.Struct):
+    level: Annotated[int, msgspec.Meta(ge=0, le=2)] = 1
+    mode: PauseModeStr = "abort"
+
+
+class ResetQuery(msgspec.Struct):
+    reset_running_requests: bool = False
+    reset_external: bool = False
+
+
+for _query_type in (PauseQuery, SleepQuery, ResetQuery):
+    register_literals(_query_type)
+
+
+def parse_query(query: str, t: type[T]) -> T:
+    """The query parameters of `t`, as FastAPI reads them.
+
+    Raises:
+        ApiError: vLLM's 400 for the parameters pydantic refuses.
+    """
+    # Starlette's QueryParams: blank values kept, the last of a repeated name wins.
+    raw: dict[str, Any] = dict(parse_qsl(query, keep_blank_values=True))
+    info = mi.type_info(t)
+    assert isinstance(info, mi.StructType)
+    errors = Errors()
+    result = validate_struct(raw, info, ("query",), errors)
+    if result is FAIL:
+        raise request_validation_error(errors)
+    assert isinstance(result, t)
+    return result
+
+
+def _json(content: object, status: int = 200) -> HttpResponse:
+    return HttpResponse(status, msgspec.json.encode(content))
+
+
+def _consensus(ranks: list[RankStats], method: str, of: Callable[[RankStats], bool]) -> bool:
+    """vLLM's `call_utility_consensus_async`: every rank's answer, which must agree.
+
+    Raises:
+        RuntimeError: vLLM's, for ranks that answered differently.
+    """
+    results = [of(rank) for rank in ranks]
+    if any(result != results[0] for result in results):
+        raise RuntimeError(f"Engines returned different {method} results: {results}")
+    return results[0]
+
+
+def _paused(rank: RankStats) -> bool:
+    """EngineCore.is_scheduler_paused: any pause state."""
+    return rank.pause_state != 0
+
+
+def _sleeping(rank: RankStats) -> bool:
+    """EngineCore.is_sleeping: paused, or a pool asleep."""
+    return _paused(rank) or bool(rank.sleeping_tags)
+
+
+class DevServer:
+    """The routes, over the API server's operator connection."""
+
+    def __init__(self, operator: EngineClient) -> None:
+        self._operator = operator
+
+    def routes(self) -> dict[str, dict[str, Callable[[HttpRequest], Awaitable[HttpResponse]]]]:
+        return {
+            "/pause": {"POST": self.pause},
+            "/resume": {"POST": self.resume},
+            "/is_paused": {"GET": self.is_paused},
+            "/sleep": {"POST": self.sleep},
+            "/wake_up": {"POST": self.wake_up},
+            "/is_sleeping": {"GET": self.is_sleeping},
+            "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
+        }
+
+    async def pause(self, request: HttpRequest) -> HttpResponse:
+        query = parse_query(request.query, PauseQuery)
+        try:
+            # No deadline: vLLM's call returns once every rank's pause completed.
+            await self._operator.pause(query.mode, query.clear_cache, timeout=None)
+        except EngineError as error:
+            log.error("failed to pause generation", code=error.code, message=error.message)
+            return _json({"error": f"Failed to pause generation: {error.message}"}, 500)
+        return _json({"status": "paused"})
+
+    async def resume(self, request: HttpRequest) -> HttpResponse:
+        try:
+            await self._operator.resume()
+        except EngineError as error:
+            log.error("failed to resume generation", code=error.code, message=error.message)
+            return _json({"error": f"Failed to resume generation: {error.message}"}, 500)
+        return _json({"status": "resumed"})
+
+    async def is_paused(self, request: HttpRequest) -> HttpResponse:
+        stats = await self._operator.stats()
+        try:
+            paused = _consensus(stats.ranks, "is_scheduler_paused", _paused)
+        except RuntimeError as error:
+            return _json({"error": f"Failed to fetch pause status: {error}"}, 500)
+        return _json({"is_paused": paused})
+
+    async def sleep(self, request: HttpRequest) -> HttpResponse:
+        query = parse_query(request.query, SleepQuery)
+        await self._operator.sleep(query.level, query.mode, timeout=None)
+        return _json({"status": "sleeping", "level": query.level})
+
+    async def wake_up(self, request: HttpRequest) -> HttpResponse:
+        pairs = parse_qsl(request.query, keep_blank_values=True)
+        tags = [value for name, value in pairs if name == "tags"] or None
+        stats = await self._operator.wake_up(tags)
+        # vLLM's `all(...)` of every engine's `not model_executor.is_sleeping`.
+        awake = all(not rank.sleeping_tags for rank in stats.ranks)
+        return _json({"status": "awake" if awake else "sleeping", "tags": tags})
+
+    async def is_sleeping(self, request: HttpRequest) -> HttpResponse:
+        stats = await self._operator.stats()
+        try:
+            sleeping = _consensus(stats.ranks, "is_sleeping", _sleeping)
+        except RuntimeError as error:
+            # vLLM's handler of any other exception.
+            raise ApiError(500, str(error), "InternalServerError") from None
+        return _json({"is_sleeping": sleeping})
+
+    async def reset_prefix_cache(self, request: HttpRequest) -> HttpResponse:
+        # `reset_running_requests` (preempt what runs first) and `reset_external` (a KV
+        # connector's cache) have nothing to act on here: a rank holding blocks refuses.
+        parse_query(request.query, ResetQuery)
+        try:
+            await self._operator.reset_prefix_cache()
+        except EngineError as error:
+            if error.code != "invalid_request":
+                raise
+            return _json({"success": False})
+        return _json({"success": True})
