@@ -29,6 +29,7 @@ from engined.core.pass_report import PassReport
 from engined.core.types import Command
 from engined.server.control.ownership import Ownership
 from engined.server.control.reports import Reports
+from engined.server.control.wait_slots import WaitSlots
 from engined.server.ranks.rank_handle import RankHandle
 from engined.wire import control as wire
 from engined.wire.convert import to_core_command
@@ -72,8 +73,9 @@ class Pauses:
         self.rejecting = [rank.gauges().metrics.rejecting for rank in ranks]
         # Per rank: futures set once its pause is no longer pending.
         self._waiters: list[list[asyncio.Future[None]]] = [[] for _ in ranks]
-        self._waits_of: dict[bytes, int] = {}
-        self._waits = 0
+        self._slots = WaitSlots(
+            per_client=PAUSE_CLIENT_LIMIT, total=PAUSE_LIMIT, what="pause or sleep replies"
+        )
         self._closed = False
         for loop in ranks:
             loop.pass_observers.append(self._after_pass)
@@ -84,16 +86,7 @@ class Pauses:
         (code, message)."""
         if not isinstance(msg, wire.Pause | wire.Sleep):
             return None
-        mine = self._waits_of.get(identity, 0)
-        if mine >= PAUSE_CLIENT_LIMIT:
-            return "overloaded", (
-                f"this client has {PAUSE_CLIENT_LIMIT} pause or sleep replies waiting already"
-            )
-        if self._waits >= PAUSE_LIMIT:
-            return "overloaded", f"{PAUSE_LIMIT} pause or sleep replies are already waiting"
-        self._waits += 1
-        self._waits_of[identity] = mine + 1
-        return None
+        return self._slots.admit(identity)
 
     async def apply(self, identity: bytes, msg: PauseMessage) -> None:
         """Apply `msg` on every rank, then reply `stats` (once the pauses completed, for
@@ -118,7 +111,7 @@ class Pauses:
             return
         finally:
             if waits:
-                self._release(identity)
+                self._slots.release(identity)
         self._reply(identity, self._reports.stats(msg.id))
 
     def close(self) -> None:
@@ -133,7 +126,7 @@ class Pauses:
     @property
     def waiting_clients(self) -> int:
         """Identities with a pause reply waiting (tests: the per-client counts are freed)."""
-        return len(self._waits_of)
+        return self._slots.clients
 
     async def _completed(self, rank: int) -> None:
         if not self._ranks[rank].gauges().metrics.pause_pending:
@@ -143,14 +136,6 @@ class Pauses:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters[rank].append(future)
         await future
-
-    def _release(self, identity: bytes) -> None:
-        self._waits -= 1
-        left = self._waits_of[identity] - 1
-        if left:
-            self._waits_of[identity] = left
-        else:
-            del self._waits_of[identity]
 
     def _after_pass(self, rank: int, start_ms: float, report: PassReport) -> None:
         if self._waiters[rank] and not report.metrics.pause_pending:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from engined.server.control.wait_slots import WaitSlots
 from engined.server.ranks.rank_gauges import RankGauges
 from engined.server.ranks.rank_handle import RankHandle
 from engined.wire import control as wire
@@ -27,9 +28,9 @@ class Reports:
 
     def __init__(self, loops: Sequence[RankHandle]) -> None:
         self._loops = loops
-        self._waits = 0
-        # Waits per client identity; an identity leaves with its last wait.
-        self._waits_of: dict[bytes, int] = {}
+        self._slots = WaitSlots(
+            per_client=WAIT_IDLE_CLIENT_LIMIT, total=WAIT_IDLE_LIMIT, what="wait_idle messages"
+        )
 
     def stats(self, msg_id: int | str | None = None) -> wire.StatsReply:
         """Every rank's figures as known here now."""
@@ -46,16 +47,7 @@ class Reports:
         wait (code, message)."""
         if msg.dp_rank is not None and msg.dp_rank >= len(self._loops):
             return "invalid_request", f"dp_rank: {msg.dp_rank} is out of range"
-        mine = self._waits_of.get(identity, 0)
-        if mine >= WAIT_IDLE_CLIENT_LIMIT:
-            return "overloaded", (
-                f"this client has {WAIT_IDLE_CLIENT_LIMIT} wait_idle messages waiting already"
-            )
-        if self._waits >= WAIT_IDLE_LIMIT:
-            return "overloaded", f"{WAIT_IDLE_LIMIT} wait_idle messages are already waiting"
-        self._waits += 1
-        self._waits_of[identity] = mine + 1
-        return None
+        return self._slots.admit(identity)
 
     async def until_idle(self, msg: wire.WaitIdle, identity: bytes) -> wire.StatsReply:
         """The stats once the named ranks are idle (after `admit_wait` admitted it)."""
@@ -64,18 +56,13 @@ class Reports:
             for rank in ranks:
                 await self._loops[rank].until_idle()
         finally:
-            self._waits -= 1
-            left = self._waits_of[identity] - 1
-            if left:
-                self._waits_of[identity] = left
-            else:
-                del self._waits_of[identity]
+            self._slots.release(identity)
         return self.stats(msg.id)
 
     @property
     def waiting_clients(self) -> int:
         """Identities with a `wait_idle` waiting (tests: the per-client counts are freed)."""
-        return len(self._waits_of)
+        return self._slots.clients
 
 
 class Refresh:
