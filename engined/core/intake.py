@@ -104,11 +104,7 @@ class RequestIntake:
         # vLLM salts only with a non-empty salt (`if request.cache_salt`).
         salt = request.cache_salt or None
         if salt is not None and not self._paged:
-            raise UnsupportedError(
-                "request.cache_salt needs vLLM semantics: this engine keeps Dynamo mocker "
-                "1.3.0's KV cache (semantics, prefix_hit_rule, MTP, TRT-LLM or offload tiers), "
-                "whose block hashes are the router's and take no salt"
-            )
+            raise _needs_vllm("cache_salt", "whose block hashes are the router's and take no salt")
         lora = request.lora_request
         if lora is not None:
             self._check_lora(lora)
@@ -148,15 +144,19 @@ class RequestIntake:
         if not lora.lora_path:
             raise InvalidRequestError("lora_path cannot be empty")
         if not self._paged:
-            raise UnsupportedError(
-                "request.lora_request needs vLLM semantics: this engine keeps Dynamo mocker "
-                "1.3.0's KV cache (semantics, prefix_hit_rule, MTP, TRT-LLM or offload tiers), "
-                "which has no LoRA adapters"
-            )
+            raise _needs_vllm("lora_request", "which has no LoRA adapters")
         if not self._lora:
             raise InvalidRequestError(
                 f"Got lora_request {vllm_repr(lora)} but LoRA is not enabled!"
             )
+
+
+def _needs_vllm(field: str, why: str) -> UnsupportedError:
+    """The refusal of a request field the mocker's KV cache cannot honour."""
+    return UnsupportedError(
+        f"request.{field} needs vLLM semantics: this engine keeps Dynamo mocker 1.3.0's KV "
+        f"cache (semantics, prefix_hit_rule, MTP, TRT-LLM or offload tiers), {why}"
+    )
 
 
 def vllm_repr(lora: LoraRequest) -> str:
