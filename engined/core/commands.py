@@ -185,7 +185,9 @@ class Commands:
         self, command: Pause | Resume | Sleep | WakeUp, ended: list[EndedRequest]
     ) -> CommandResult:
         """vLLM's pause and sleep; an `abort` ends every request first, as cancels do, in
-        the order the engine took them (vLLM's `finish_requests(None, ...)`)."""
+        the order the engine took them (vLLM's `finish_requests(None, ...)`), then the P/D
+        destinations not yet activated, held ones first: vLLM aborts its requests waiting
+        for remote KV with the rest, and a pause would otherwise wait on their transfers."""
         pausing = self._pausing
         if pausing is None:
             raise UnsupportedError("pause and sleep need vLLM semantics, without async scheduling")
@@ -193,6 +195,9 @@ class Commands:
         if isinstance(command, Pause | Sleep) and command.mode is PauseMode.ABORT:
             for request_id in list(self._state.requests):
                 self._drop(request_id, ended)
+            book = self._book
+            for handoff_id in [*book.held.by_handoff, *book.pending.queue]:
+                self._cancel_destination(handoff_id, ended)
             pausing.finished_pending = pausing.finished_pending or bool(ended)
         pausing.apply(command)
         return APPLIED

@@ -14,12 +14,15 @@ from engined.core.engine import Engine
 from engined.core.errors import InvalidRequestError, UnsupportedError
 from engined.core.types import (
     APPLIED,
+    NOOP,
+    ActivateDestination,
     AllBlocksCleared,
     EndedRequest,
     EngineMetrics,
     FinishReason,
     Pause,
     PauseMode,
+    ReserveDestination,
     Resume,
     Sleep,
     WakeUp,
@@ -253,3 +256,31 @@ def test_async_scheduling_refuses_pause() -> None:
     core = Engine(EngineArgs(block_size=4, num_gpu_blocks=32, async_scheduling=True))
     with pytest.raises(UnsupportedError, match="without async scheduling"):
         core.apply(Pause(), now_ms=0.0)
+
+
+def test_abort_also_ends_the_destinations_not_yet_activated() -> None:
+    """vLLM aborts its requests waiting for remote KV with the rest: a held destination
+    (h1: 28 of the 31 usable blocks reserved) and a pending one (h2: 8 blocks, 3 free) end
+    after the queued request, and the pause completes at the next pass instead of waiting
+    for their transfers. Their handoffs are gone: activating h1 then changes nothing."""
+    core = engine()
+    held = core.apply(ReserveDestination("h1", request("d1", range(1, 113), 4)), now_ms=0.0)
+    assert len(held.lifecycle_events) == 1
+    pending = core.apply(ReserveDestination("h2", request("d2", range(201, 233), 4)), now_ms=0.0)
+    assert pending.lifecycle_events == []
+    load(core, 1)
+    before = core.metrics()
+    assert (before.waiting, before.active_blocks) == (3, 28)
+    effects = core.apply(Pause(PauseMode.ABORT), now_ms=0.0)
+    assert effects.ended == [
+        EndedRequest("r0", FinishReason.CANCELLED),
+        EndedRequest("d1", FinishReason.CANCELLED),
+        EndedRequest("d2", FinishReason.CANCELLED),
+    ]
+    after = core.metrics()
+    assert (after.waiting, after.active_blocks) == (0, 0)
+    assert pause_gauges(after) == (1, True, True)
+    done = core.execute_pass(0.0)
+    assert pause_gauges(done.metrics) == (1, False, True)
+    assert core.is_drained()
+    assert core.apply(ActivateDestination("h1"), now_ms=0.0).result == NOOP

@@ -39,10 +39,13 @@ def _states(stats: StatsReply) -> set[tuple[int, bool, bool, bool, int]]:
     }
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+@pytest.fixture(params=["0", "2"], ids=["in-process-ranks", "rank-processes"])
+def daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
+    # Both layouts, whatever the machine's cores: the ranks in the daemon's loop, and one
+    # worker process per rank (the commands and their gauges cross the rank boundary).
     # An HTTP port, so that the daemon keeps the metrics `metrics` answers with.
-    with start_daemon(tmp_path, *FLAGS, "--http-port", str(free_tcp_port())) as process:
+    flags = (*FLAGS, "--rank-processes", request.param, "--http-port", str(free_tcp_port()))
+    with start_daemon(tmp_path, *flags) as process:
         yield process
 
 
@@ -64,6 +67,25 @@ def test_abort_ends_every_request_as_a_cancel_and_refuses_submits(daemon: Daemon
             assert _states(await operator.resume()) == {(0, False, False, False, 0)}
             got = await owner.generate(PROMPT, 4)
             assert (len(got.token_ids), got.finish_reason) == (4, "length")
+
+    run(scenario())
+
+
+def test_abort_ends_a_reserved_destination_and_completes(daemon: DaemonProcess) -> None:
+    """A destination reserved and never activated holds KV (vLLM's request waiting for
+    remote KV): the abort ends it, so the pause completes without its transfer."""
+
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            accepted = await client.reserve_destination("h1", PROMPT, 4, dp_rank=1)
+            await client.next_lifecycle("h1")
+            stats = await client.pause()
+            assert _states(stats) == {(1, False, True, False, 0)}
+            assert stats.ranks[1].active_blocks == 0
+            got = await client.collect(accepted)
+            assert (got.token_ids, got.finish_reason) == ([], "cancelled")
+            await client.resume()
+            assert type(await client.activate_destination("h1")).__name__ == "Noop"
 
     run(scenario())
 
