@@ -40,8 +40,15 @@ def _set_token_budget(config: Any, context: int) -> None:
     config.set_engine_specific("token_budget", json.dumps(budget))
 
 
-def runtime_config(welcome: Welcome, context: int) -> Any:
-    """The base card's runtime config: the daemon's limits, all of its ranks."""
+def _set_ranks(config: Any, welcome: Welcome, rank: int | None) -> None:
+    """The card's data-parallel range: all of the daemon's ranks, or `[rank, rank + 1)` for
+    one rank served as a worker of its own (`--worker-per-rank`, engined.dynamo.cluster)."""
+    config.data_parallel_start_rank = 0 if rank is None else rank
+    config.data_parallel_size = welcome.dp_size if rank is None else 1
+
+
+def runtime_config(welcome: Welcome, context: int, rank: int | None = None) -> Any:
+    """The base card's runtime config: the daemon's limits, for all of its ranks or `rank`."""
     from dynamo.llm import ModelRuntimeConfig
 
     config = ModelRuntimeConfig()
@@ -49,8 +56,7 @@ def runtime_config(welcome: Welcome, context: int) -> Any:
     config.total_kv_blocks = welcome.num_gpu_blocks  # per rank, as Dynamo wants it
     config.max_num_seqs = welcome.max_num_seqs
     config.max_num_batched_tokens = welcome.max_num_batched_tokens
-    config.data_parallel_start_rank = 0
-    config.data_parallel_size = welcome.dp_size
+    _set_ranks(config, welcome, rank)
     # The worker-local indexer (kept by each rank's KvEventPublisher) is what a restarted
     # frontend, or one started later, asks for this worker's cached blocks; without it a new
     # router starts blind ("KV source is live-only"). dynamo.vllm turns it on for every worker
@@ -61,15 +67,14 @@ def runtime_config(welcome: Welcome, context: int) -> Any:
     return config
 
 
-def adapter_runtime_config(welcome: Welcome, context: int) -> Any:
+def adapter_runtime_config(welcome: Welcome, context: int, rank: int | None = None) -> Any:
     """An adapter card's runtime config: what dynamo.vllm's `_register_lora_discovery` sets on
     a fresh one (the data-parallel range, the context and its token budget, whether KV events
     are published), not the engine's limits, which only the base card carries."""
     from dynamo.llm import ModelRuntimeConfig
 
     config = ModelRuntimeConfig()
-    config.data_parallel_start_rank = 0
-    config.data_parallel_size = welcome.dp_size
+    _set_ranks(config, welcome, rank)
     config.context_length = context
     _set_token_budget(config, context)
     config.kv_event_publishing_enabled = publishes_kv_events(welcome)

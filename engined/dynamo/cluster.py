@@ -13,7 +13,10 @@ loop and Dynamo's one tokio runtime, as `dynamo.mocker --num-workers` does), so 
 instance id; registration with the rank range `[r, r + 1)`, which is where the router files
 the rank's KV events (they name rank r) and what it routes to; a `KvEventPublisher` and an
 `FpmEventRelay` on the rank's PUB sockets; the rank's load; FPM stamped with its own worker
-id (`set_fpm_worker_id` with `dp_rank`). Requests are pinned to the rank.
+id (`set_fpm_worker_id` with `dp_rank`). Requests are pinned to the rank. With
+`--enable-lora`, each rank's worker serves its own `load_lora`, `unload_lora` and
+`list_loras`, as each dynamo.vllm worker does: an adapter loaded through one rank's instance
+is that rank's (its card names the rank's range; its requests run there).
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from engined.client import EngineClient
 from engined.dynamo.attach import attach, connect_daemon, set_fpm_worker_ids
 from engined.dynamo.cards import register, runtime_config
 from engined.dynamo.handler import Limits, RequestHandler
+from engined.dynamo.model import read_model
 from engined.dynamo.worker import (
     READY_LINE,
     follow,
+    lora_service,
     rank_publishers,
     shut_down,
     warn_without_kv_events,
@@ -54,6 +59,8 @@ class RankWorker:
     handler: RequestHandler
     metrics: Any = None
     publishers: list[Any] = field(default_factory=list)
+    # (endpoint, handler) of `load_lora`, `unload_lora` and `list_loras` (`--enable-lora`).
+    lora_endpoints: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 class Runtimes:
@@ -78,9 +85,10 @@ async def serve_per_rank(args: WorkerArgs) -> int:
         welcome, context = await attach(client, args)
         warn_without_kv_events(welcome)
         name = args.served_model_name or welcome.model_name
-        limits = Limits(args.control_endpoint, context, welcome.speedup_ratio or 0.0)
+        vocab_size = read_model(args.model_path).vocab_size
+        limits = Limits(args.control_endpoint, context, welcome.speedup_ratio or 0.0, vocab_size)
         for rank in range(welcome.dp_size):
-            workers.append(await _start_rank(args, client, welcome, limits, rank, runtimes))
+            workers.append(await _start_rank(args, client, welcome, limits, name, rank, runtimes))
 
         def on_load(load: Load) -> None:
             if load.dp_rank < len(workers):
@@ -90,9 +98,7 @@ async def serve_per_rank(args: WorkerArgs) -> int:
 
         await client.watch_load(on_load)
         for worker in workers:
-            config = runtime_config(welcome, context)
-            config.data_parallel_start_rank = worker.rank
-            config.data_parallel_size = 1
+            config = runtime_config(welcome, context, worker.rank)
             await register(args, worker.endpoint, name, welcome, config)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -122,15 +128,19 @@ async def serve_per_rank(args: WorkerArgs) -> int:
             context_length=context,
         )
         try:
+            labels = [("model", name)]
             await asyncio.gather(
                 *(
                     w.endpoint.serve_endpoint(
-                        w.handler.generate,
-                        graceful_shutdown=True,
-                        metrics_labels=[("model", name)],
+                        w.handler.generate, graceful_shutdown=True, metrics_labels=labels
                     )
                     for w in workers
-                )
+                ),
+                *(
+                    lora.serve_endpoint(serve, metrics_labels=labels)
+                    for w in workers
+                    for lora, serve in w.lora_endpoints
+                ),
             )
         finally:
             following.cancel()
@@ -150,6 +160,7 @@ async def _start_rank(
     client: EngineClient,
     welcome: Welcome,
     limits: Limits,
+    name: str,
     rank: int,
     runtimes: Runtimes,
 ) -> RankWorker:
@@ -166,10 +177,19 @@ async def _start_rank(
     endpoint = runtime.endpoint(args.endpoint_path)
     instance_id = endpoint.connection_id()
     await set_fpm_worker_ids(client, args, welcome, [(rank, instance_id)])
+    adapters, lora_endpoints = lora_service(
+        args, runtime, endpoint, client, welcome, limits.context_length, name, rank
+    )
     handler = RequestHandler(
-        client, args.disaggregation_mode, limits, connect=EngineClient.connect, rank=rank
+        client,
+        args.disaggregation_mode,
+        limits,
+        connect=EngineClient.connect,
+        rank=rank,
+        adapters=adapters,
     )
     worker = RankWorker(rank, runtime, endpoint, instance_id, handler)
+    worker.lora_endpoints = lora_endpoints
     worker.publishers = rank_publishers(endpoint, welcome, rank)
     worker.metrics = WorkerMetricsPublisher()
     await worker.metrics.create_endpoint(endpoint)

@@ -154,7 +154,9 @@ async def serve(args: WorkerArgs) -> int:
         fpm_ids: list[tuple[int | None, int]] = [(None, worker_id)]
         await set_fpm_worker_ids(client, args, welcome, fpm_ids)
         name = args.served_model_name or welcome.model_name
-        adapters, lora_endpoints = _lora(args, runtime, endpoint, client, welcome, context, name)
+        adapters, lora_endpoints = lora_service(
+            args, runtime, endpoint, client, welcome, context, name
+        )
         handler = RequestHandler(
             client,
             args.disaggregation_mode,
@@ -222,7 +224,7 @@ async def serve(args: WorkerArgs) -> int:
         await client.close()
 
 
-def _lora(
+def lora_service(
     args: WorkerArgs,
     runtime: Any,
     endpoint: Any,
@@ -230,15 +232,19 @@ def _lora(
     welcome: Welcome,
     context: int,
     name: str,
+    rank: int | None = None,
 ) -> tuple[LoraAdapters | BaseModelOnly, list[tuple[Any, Callable[..., Any]]]]:
     """The worker's adapters, and the endpoints that load, unload and list them: with
     `--enable-lora` only, as dynamo.vllm serves `load_lora`, `unload_lora` and `list_loras`
-    beside `generate` (dynamo/vllm/worker_factory.py), each adapter a card on `generate`."""
+    beside `generate` (dynamo/vllm/worker_factory.py), each adapter a card on `generate`.
+    With `rank` (`--worker-per-rank`), the adapters of that rank's worker alone, as each
+    dynamo.vllm worker keeps its own: their cards name the rank, and a hot swap clears that
+    rank's prefix cache only."""
     if not args.enable_lora:
         return BASE_MODEL_ONLY, []
 
     async def publish(lora_name: str, lora_id: int) -> None:
-        config = adapter_runtime_config(welcome, context)
+        config = adapter_runtime_config(welcome, context, rank)
         await register_adapter(args, endpoint, welcome, config, lora_name, lora_id)
 
     async def reset_prefix_cache() -> None:
@@ -247,7 +253,7 @@ def _lora(
             welcome,
             args.control_endpoint,
             "a prefix cache reset",
-            lambda c: c.reset_prefix_cache(),
+            lambda c: c.reset_prefix_cache(rank),
         )
 
     adapters = LoraAdapters(

@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="serve LoRA adapters as dynamo.vllm does: the load_lora, unload_lora and "
-        "list_loras endpoints (loading needs DYN_LORA_ENABLED=true, as Dynamo's); the daemon "
-        "needs --enable-lora too",
+        "list_loras endpoints (loading needs DYN_LORA_ENABLED=true, as Dynamo's; with "
+        "--worker-per-rank, each rank's own); the daemon needs --enable-lora too",
     )
     parser.add_argument(
         "--max-loras",
@@ -208,8 +208,6 @@ def parse_args(argv: Sequence[str]) -> WorkerArgs:
         if len(parts) != 3 or not all(parts):
             parser.error(f"--endpoint {endpoint!r}: expected dyn://namespace.component.endpoint")
         namespace, component, endpoint = parts
-    if ns.enable_lora and ns.worker_per_rank:
-        parser.error("--enable-lora: adapters are not served with --worker-per-rank")
     if component is None:
         component = "prefill" if mode is DisaggregationMode.PREFILL else "backend"
     return WorkerArgs(

@@ -259,7 +259,14 @@ def fresh_prompt(n: int) -> str:
 
 
 def start_worker_per_rank(
-    cluster: DynamoCluster, daemon: EnginedDaemon, *, name: str, model: str, namespace: str
+    cluster: DynamoCluster,
+    daemon: EnginedDaemon,
+    *,
+    name: str,
+    model: str,
+    namespace: str,
+    env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> tuple[EnginedWorker, list[int]]:
     """A started `--worker-per-rank` worker for `daemon`, and its ranks' instance ids in
     rank order (its ready line's `worker_ids`)."""
@@ -269,7 +276,8 @@ def start_worker_per_rank(
         name=name,
         model=model,
         namespace=namespace,
-        extra_args=["--worker-per-rank"],
+        env=env,
+        extra_args=["--worker-per-rank", *extra_args],
     )
     ready = json.loads(worker.wait_for_log(READY_LINE))
     return worker, [int(i) for i in ready["worker_ids"]]

@@ -108,12 +108,21 @@ def module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Module]:
 
 
 def call(
-    module: Module, worker: EnginedWorker, endpoint: str, body: object, *, direct: bool = False
+    module: Module,
+    worker: EnginedWorker,
+    endpoint: str,
+    body: object,
+    *,
+    direct: bool = False,
+    instance: int | None = None,
 ) -> list[Any]:
     """Every response of one request to `worker`'s `endpoint`, through Dynamo's client: round
-    robin over the endpoint's instances, or `direct` to the worker's own."""
+    robin over the endpoint's instances, `direct` to the worker's own, or to `instance` (one
+    rank of a `--worker-per-rank` worker)."""
     path = f"{worker.namespace}.{worker.component}.{endpoint}"
-    target = [str(worker.instance_id)] if direct else []
+    if direct:
+        instance = int(worker.instance_id or 0)
+    target = [] if instance is None else [str(instance)]
     run = subprocess.run(
         [str(module.cluster.python), str(CLIENT), "call", path, json.dumps(body), *target],
         env=worker.env,
