@@ -42,7 +42,8 @@ from tests.interop.dynamo_worker_support import (
     wait_routable,
 )
 from tests.interop.peers import require_peers
-from tests.interop.tiny_model import words
+from tests.interop.test_dynamo_worker_outputs import expected_logprobs, text_ids
+from tests.interop.tiny_model import FIRST_WORD_ID, words
 
 RANKS: Final = 4
 MODEL: Final = "tiny-ranks"
@@ -140,3 +141,24 @@ def test_fpm_of_each_rank_carries_its_instance_id(per_rank: PerRank) -> None:
     assert fpm_stamps(per_rank.daemon, per_rank.peers_python) == [
         (str(instance_id), rank) for rank, instance_id in enumerate(per_rank.instance_ids)
     ]
+
+
+def test_each_rank_makes_up_logprobs_over_the_models_vocabulary(per_rank: PerRank) -> None:
+    """A rank's worker draws alternatives below the model's `vocab_size`, as a single worker
+    does (it once drew them below 1: every alternative was token 0)."""
+    for rank, owner in enumerate(per_rank.instance_ids[:2]):
+        reply = completions(
+            per_rank.frontend,
+            words(5, start=40 + 7 * rank),
+            model=MODEL,
+            max_tokens=3,
+            logprobs=2,
+            nvext={"backend_instance_id": owner},
+        )
+        (choice,) = reply["choices"]
+        expected = expected_logprobs(text_ids(choice["text"]), 2, 0)
+        logprobs = choice["logprobs"]
+        assert logprobs["token_logprobs"] == pytest.approx([lp for lp, _ in expected])
+        for top, (_, entries) in zip(logprobs["top_logprobs"], expected, strict=True):
+            want = {f"w{token - FIRST_WORD_ID}": lp for token, lp in entries}
+            assert top == pytest.approx(want, rel=1e-6)

@@ -52,11 +52,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     assert set(codes.values()) == {0}, codes
 
 
-def _ids(text: str) -> list[int]:
+def text_ids(text: str) -> list[int]:
     return [int(w[1:]) + FIRST_WORD_ID for w in text.split()]
 
 
-def _expected(ids: list[int], k: int, index: int) -> list[tuple[float, list[tuple[int, float]]]]:
+def expected_logprobs(
+    ids: list[int], k: int, index: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
     at = [position_logprobs(t, i, k, key=index, vocab_size=VOCAB_SIZE) for i, t in enumerate(ids)]
     return [(p.logprob, p.entries) for p in at]
 
@@ -91,7 +93,7 @@ def test_completion_logprobs_are_engineds_made_up_ones(served: Served) -> None:
     logprobs = choice["logprobs"]
     tokens = choice["text"].split()
     assert logprobs["tokens"] == tokens
-    expected = _expected(_ids(choice["text"]), 2, 0)
+    expected = expected_logprobs(text_ids(choice["text"]), 2, 0)
     assert logprobs["token_logprobs"] == pytest.approx([lp for lp, _ in expected])
     for top, (_, entries) in zip(logprobs["top_logprobs"], expected, strict=True):
         want = {f"w{token - FIRST_WORD_ID}": lp for token, lp in entries}
@@ -116,7 +118,7 @@ def test_chat_logprobs_stream_per_chunk(served: Served) -> None:
     ]
     assert len(content) == 3
     ids = [item["token_id"] for item in content]
-    expected = _expected(ids, 2, 0)
+    expected = expected_logprobs(ids, 2, 0)
     for item, (lp, entries) in zip(content, expected, strict=True):
         assert item["token"] == f"w{item['token_id'] - FIRST_WORD_ID}"
         assert item["logprob"] == pytest.approx(lp)
