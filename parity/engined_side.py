@@ -22,9 +22,12 @@ from engined.core.types import (
     PassResult,
     Pause,
     PauseMode,
+    ReleaseKvCacheMemory,
     Request,
+    ResetPrefixCache,
     Resume,
     Submit,
+    WakeUp,
 )
 from engined.core.vllm_hashing import HashAlgo
 from parity.scenario import MAX_STEPS, Control, Scenario
@@ -124,8 +127,15 @@ def _step(index: int, result: PassResult) -> Step:
 
 
 def _command(control: Control) -> Command:
-    if control.kind == "pause":
-        return Pause(PauseMode(control.mode), control.clear_cache)
+    match control.kind:
+        case "pause":
+            return Pause(PauseMode(control.mode), control.clear_cache)
+        case "reset_running":
+            return ResetPrefixCache(reset_running_requests=True)
+        case "release":
+            return ReleaseKvCacheMemory()
+        case "wake_up":
+            return WakeUp(("kv_cache",))
     return Resume()
 
 

@@ -80,6 +80,41 @@ def pause_idle() -> Scenario:
     )
 
 
+def reset_running() -> Scenario:
+    """vLLM's `reset_prefix_cache(reset_running_requests=True)` mid-run, unpaused: every
+    running request preempted (last first) and the cache cleared, then re-admitted in order
+    and recomputed from nothing cached."""
+    rng = random.Random(50)
+    prefix = random_tokens(rng, 32)
+    return Scenario(
+        name="reset-running",
+        description="reset_prefix_cache(reset_running_requests=True) at step 7, 4 running "
+        "and 4 queued",
+        config=_CONFIG,
+        requests=_requests(51, prefix, [0, 0, 0, 1, 2, 3, 4, 5, 9]),
+        controls=[Control(step=7, kind="reset_running")],
+    )
+
+
+def release_kv_cache() -> Scenario:
+    """`release_kv_cache_memory()` after a `keep` pause that kept the cache: the frozen
+    running requests preempted and the cache cleared, then `wake_up(["kv_cache"])` resumes."""
+    rng = random.Random(60)
+    prefix = random_tokens(rng, 32)
+    return Scenario(
+        name="release-kv-cache",
+        description="pause keep at step 6 (cache kept), release_kv_cache_memory at step 8, "
+        "wake_up kv_cache at step 12",
+        config=_CONFIG,
+        requests=_requests(61, prefix, [0, 0, 0, 1, 2, 3, 9, 10]),
+        controls=[
+            Control(step=6, kind="pause", mode="keep", clear_cache=False),
+            Control(step=8, kind="release"),
+            Control(step=12, kind="wake_up"),
+        ],
+    )
+
+
 def pause_scenarios() -> list[Scenario]:
     return [
         pause("abort"),
@@ -89,4 +124,6 @@ def pause_scenarios() -> list[Scenario]:
         pause("wait", clear_cache=False),
         pause("wait", resume_at=10),
         pause_idle(),
+        reset_running(),
+        release_kv_cache(),
     ]

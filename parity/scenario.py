@@ -78,8 +78,10 @@ class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Control(msgspec.Struct, frozen=True, kw_only=True):
-    """vLLM's pause or resume, before the arrivals of step `step` (0-based): `pause`
-    (EngineCore's `pause_generation(mode, clear_cache)`) or `resume` (`resume_scheduler`)."""
+    """An EngineCore call before the arrivals of step `step` (0-based): `pause`
+    (`pause_generation(mode, clear_cache)`), `resume` (`resume_scheduler`), `reset_running`
+    (`reset_prefix_cache(reset_running_requests=True)`), `release`
+    (`release_kv_cache_memory()`) or `wake_up` (`wake_up(["kv_cache"])`)."""
 
     step: int
     kind: str

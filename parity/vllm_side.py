@@ -295,8 +295,20 @@ class VllmRun:
         from vllm.v1.request import RequestStatus
 
         scheduler = self.scheduler
-        if control.kind == "resume":
+        if control.kind in ("resume", "wake_up"):
+            # wake_up(["kv_cache"]) once nothing else sleeps: `resume_scheduler`.
             scheduler.set_pause_state(PauseState.UNPAUSED)
+            return
+        if control.kind in ("reset_running", "release"):
+            # `release_kv_cache_memory` after its check (a completed pause): `_reset_caches`,
+            # then the executor discards the KV cache (nothing to model here).
+            if control.kind == "release":
+                paused = scheduler.pause_state != PauseState.UNPAUSED
+                assert paused and not scheduler.has_requests() and not self.pending_pauses
+            assert scheduler.reset_prefix_cache(
+                reset_running_requests=True, reset_connector=control.kind == "release"
+            )
+            self.recorder.publish(SimpleNamespace(events=scheduler.kv_cache_manager.take_events()))
             return
         if control.mode == "abort":
             scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)

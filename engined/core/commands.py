@@ -25,6 +25,7 @@ from engined.core.handoff_book import HandoffBook, HeldDestination
 from engined.core.intake import RequestIntake
 from engined.core.kv_cache import KvCache
 from engined.core.named_tuples import new_tuple
+from engined.core.pause_types import PauseCommand
 from engined.core.pausing import PauseControl
 from engined.core.policy import AdmissionPolicy
 from engined.core.state import SchedulerState
@@ -46,6 +47,7 @@ from engined.core.types import (
     Pause,
     PauseMode,
     Refused,
+    ReleaseKvCacheMemory,
     ReleaseSource,
     Request,
     RequestStatus,
@@ -146,9 +148,9 @@ class Commands:
                 result = self._cancel_destination(handoff_id, ended)
             case SetVocabulary(vocab_size, excluded):
                 result = self._set_vocabulary(vocab_size, excluded)
-            case ResetPrefixCache():
-                result = APPLIED if self._kv.reset_prefix_cache() else Refused(_BLOCKS_IN_USE)
-            case Pause() | Resume() | Sleep() | WakeUp():
+            case ResetPrefixCache(reset_running_requests):
+                result = self._reset_prefix_cache(reset_running_requests)
+            case Pause() | Resume() | Sleep() | WakeUp() | ReleaseKvCacheMemory():
                 result = self._pause_command(command, ended)
         if ended and self._pausing is not None:
             # vLLM's `finished_req_ids`: the next step runs to report them.
@@ -181,9 +183,18 @@ class Commands:
         ended.append(EndedRequest(request_id, _CANCELLED))
         return APPLIED
 
-    def _pause_command(
-        self, command: Pause | Resume | Sleep | WakeUp, ended: list[EndedRequest]
-    ) -> CommandResult:
+    def _reset_prefix_cache(self, reset_running_requests: bool) -> CommandResult:
+        if not reset_running_requests:
+            return APPLIED if self._kv.reset_prefix_cache() else Refused(_BLOCKS_IN_USE)
+        pausing = self._pausing
+        if pausing is None:
+            raise UnsupportedError(
+                "reset_running_requests needs vLLM semantics, without async scheduling"
+            )
+        pausing.reset_caches(reset_running_requests=True)
+        return APPLIED
+
+    def _pause_command(self, command: PauseCommand, ended: list[EndedRequest]) -> CommandResult:
         """vLLM's pause and sleep; an `abort` ends every request first, as cancels do, in
         the order the engine took them (vLLM's `finish_requests(None, ...)`), then the P/D
         destinations not yet activated, held ones first: vLLM aborts its requests waiting

@@ -1,5 +1,5 @@
-"""The pause and sleep commands of vLLM 0.33's engine core, as core values (types.py
-re-exports them; engined/core/pausing.py carries them out).
+"""The pause, sleep and cache-reset commands of vLLM 0.33's engine core, as core values
+(types.py re-exports them; engined/core/pausing.py carries them out).
 
 RL frameworks call these between rollouts: pause generation (or put the engine to sleep),
 update the weights, resume (or wake it up). vLLM's `EngineCore.pause_scheduler`,
@@ -40,7 +40,8 @@ class PauseState(enum.IntEnum):
 
 # The executor's memory pools that sleep puts away (vLLM's `SLEEP_TAGS`), in the order
 # the gauges list them; "scheduling" names the pause itself in a wake-up's tags.
-SLEEP_TAGS: tuple[str, ...] = ("kv_cache", "weights")
+KV_CACHE_TAG = "kv_cache"
+SLEEP_TAGS: tuple[str, ...] = (KV_CACHE_TAG, "weights")
 SCHEDULING_TAG = "scheduling"
 MAX_SLEEP_LEVEL = 2
 
@@ -80,4 +81,26 @@ class WakeUp(msgspec.Struct, frozen=True, tag=True):
     tags: tuple[str, ...] | None = None
 
 
-PauseCommand = Pause | Resume | Sleep | WakeUp
+class ResetPrefixCache(msgspec.Struct, frozen=True, tag=True):
+    """Forget every cached block (vLLM's `reset_prefix_cache`), publishing AllBlocksCleared.
+
+    `Applied` when done; `Refused` while any block is in use, as vLLM refuses: the router
+    would be told to drop blocks still held. With `reset_running_requests` (vLLM semantics
+    without async scheduling, else `UnsupportedError`), every running request is preempted
+    first, last first, as vLLM's scheduler does; blocks still held then (a P/D hold) raise
+    `InvalidRequestError` with vLLM's message instead of a refusal.
+    """
+
+    reset_running_requests: bool = False
+
+
+class ReleaseKvCacheMemory(msgspec.Struct, frozen=True, tag=True):
+    """vLLM's `release_kv_cache_memory()`: after a completed pause, with every pool awake,
+    clear the caches as a pause's clear does (the running requests preempted, the prefix
+    cache reset: AllBlocksCleared) and put the KV cache to sleep (the frontend records the
+    engine asleep at level 0). `WakeUp(("kv_cache",))` brings it back and resumes. Refused
+    (`InvalidRequestError`, vLLM's messages) before the pause has completed or while a pool
+    sleeps."""
+
+
+PauseCommand = Pause | Resume | Sleep | WakeUp | ReleaseKvCacheMemory

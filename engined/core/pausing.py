@@ -24,9 +24,17 @@ The reference is `EngineCoreProc` (vllm/v1/engine/core.py) over its `Scheduler`:
 * `wake_up(tags)`: "scheduling" is dropped from the tags; if any are left (or None), the
   executor wakes them (all of them, or nothing if one does not sleep, or if none sleeps);
   once no pool sleeps, scheduling resumes and the frontend records the engine awake.
+* `release_kv_cache_memory()`: only after a completed pause (paused, no request to step,
+  no completion pending) with no pool asleep; `_reset_caches`, then the executor discards
+  the `kv_cache` pool, and the frontend records the engine asleep at level 0.
+* `reset_prefix_cache(reset_running_requests)`, the scheduler's, which `_reset_caches` calls
+  with True: preempt every running request, last first, then reset; a reset that still
+  fails then is vLLM's RuntimeError (`RESET_FAILED`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import msgspec
 
@@ -34,6 +42,7 @@ from engined.core.errors import InvalidRequestError
 from engined.core.handoff_book import HandoffBook
 from engined.core.kv_cache import KvCache
 from engined.core.pause_types import (
+    KV_CACHE_TAG,
     MAX_SLEEP_LEVEL,
     SCHEDULING_TAG,
     SLEEP_TAGS,
@@ -41,6 +50,7 @@ from engined.core.pause_types import (
     PauseCommand,
     PauseMode,
     PauseState,
+    ReleaseKvCacheMemory,
     Resume,
     Sleep,
     WakeUp,
@@ -48,6 +58,15 @@ from engined.core.pause_types import (
 from engined.core.preemption import Preempter
 from engined.core.state import SchedulerState
 from engined.core.types import EngineMetrics
+
+# vLLM's messages (vllm/v1/engine/core.py, vllm/v1/core/sched/scheduler.py).
+RESET_FAILED = (
+    "Failed to reset KV cache even when all the running requests are preempted and moved "
+    "to the waiting queue. This is likely due to the presence of running requests waiting "
+    "for remote KV transfer, which is not supported yet."
+)
+RELEASE_BEFORE_PAUSE = "release_kv_cache_memory() requires a completed pause first"
+RELEASE_WHILE_ASLEEP = "release_kv_cache_memory() requires all executor memory to be resident"
 
 _UNPAUSED = PauseState.UNPAUSED
 _PAUSED_NEW = PauseState.PAUSED_NEW
@@ -92,11 +111,16 @@ class PauseControl:
         # Whether anything here differs from a fresh engine: the one flag a pass checks.
         self.engaged = False
 
-    @staticmethod
-    def validate(command: PauseCommand) -> None:
-        """Raises `InvalidRequestError` for a sleep level outside 0..2, having changed nothing."""
+    def validate(self, command: PauseCommand) -> None:
+        """Raises `InvalidRequestError` for a sleep level outside 0..2, or a release before
+        its pause completed or while a pool sleeps, having changed nothing."""
         if isinstance(command, Sleep) and not 0 <= command.level <= MAX_SLEEP_LEVEL:
             raise InvalidRequestError(f"sleep level must be 0 to {MAX_SLEEP_LEVEL}")
+        if isinstance(command, ReleaseKvCacheMemory):
+            if self.state is _UNPAUSED or self._completions or self.has_work():
+                raise InvalidRequestError(RELEASE_BEFORE_PAUSE)
+            if self.sleeping_tags:
+                raise InvalidRequestError(RELEASE_WHILE_ASLEEP)
 
     def apply(self, command: PauseCommand) -> None:
         """Carry out a validated command; an `abort` pause's requests are already ended."""
@@ -110,7 +134,23 @@ class PauseControl:
                 self._resume()
             case WakeUp(tags):
                 self._wake_up(tags)
+            case ReleaseKvCacheMemory():
+                self.reset_caches(reset_running_requests=True)
+                self.sleeping_tags.add(KV_CACHE_TAG)
+                self.asleep = True
+                self.sleep_level = 0
         self._update_engaged()
+
+    def reset_caches(self, *, reset_running_requests: bool) -> bool:
+        """The scheduler's `reset_prefix_cache`: with `reset_running_requests`, every
+        running request preempted first (last first), and a reset that still fails raises
+        `InvalidRequestError(RESET_FAILED)`; without, False while blocks are in use."""
+        if reset_running_requests:
+            self._preempter.preempt_all()
+        reset = self._kv.reset_prefix_cache()
+        if reset_running_requests and not reset:
+            raise InvalidRequestError(RESET_FAILED)
+        return reset
 
     def _pause(self, mode: PauseMode, clear_cache: bool, sleep_level: int | None) -> None:
         self.state = _PAUSED_ALL if mode is PauseMode.KEEP else _PAUSED_NEW
@@ -170,8 +210,9 @@ class PauseControl:
     def _complete(self, clear_cache: bool, sleep_level: int | None) -> None:
         """EngineCore's `_finish_pause`, then the sleep that waited on it."""
         if clear_cache:
-            self._preempter.preempt_all()
-            self._kv.reset_prefix_cache()
+            # vLLM fails the pause's future then; here the pause completes all the same.
+            with contextlib.suppress(InvalidRequestError):
+                self.reset_caches(reset_running_requests=True)
         if sleep_level is None:
             return
         if sleep_level >= 1 and "weights" not in self.sleeping_tags:

@@ -30,6 +30,8 @@ from engined.core.kv_residency import KvBlockEviction
 from engined.core.pass_trace import PassTrace
 from engined.core.pause_types import Pause as Pause
 from engined.core.pause_types import PauseMode as PauseMode
+from engined.core.pause_types import ReleaseKvCacheMemory as ReleaseKvCacheMemory
+from engined.core.pause_types import ResetPrefixCache as ResetPrefixCache
 from engined.core.pause_types import Resume as Resume
 from engined.core.pause_types import Sleep as Sleep
 from engined.core.pause_types import WakeUp as WakeUp
@@ -172,14 +174,6 @@ class SetVocabulary(msgspec.Struct, frozen=True, tag=True):
     excluded_token_ids: tuple[int, ...] = ()
 
 
-class ResetPrefixCache(msgspec.Struct, frozen=True, tag=True):
-    """Forget every cached block (vLLM's `reset_prefix_cache`), publishing AllBlocksCleared.
-
-    `Applied` when done; `Refused` while any block is in use, as vLLM refuses: the router
-    would be told to drop blocks still held.
-    """
-
-
 Command = (
     Submit
     | Cancel
@@ -195,6 +189,7 @@ Command = (
     | Resume
     | Sleep
     | WakeUp
+    | ReleaseKvCacheMemory
 )
 
 
