@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from engined.client.client_errors import EngineError
 from engined.client.dealer_connection import DEFAULT_TIMEOUT
 from engined.client.handoff_calls import HandoffCalls, wire_request
-from engined.wire.constraints import PauseModeStr
+from engined.client.pause_calls import PauseCalls
 from engined.wire.control import (
     Applied,
     Cancel,
@@ -29,20 +29,16 @@ from engined.wire.control import (
     MetricsReply,
     Noop,
     OutputEntry,
-    Pause,
     Ping,
     Pong,
     ResetPrefixCache,
-    Resume,
     SetFpmWorkerId,
     SetVocabulary,
-    Sleep,
     Stats,
     StatsReply,
     Submit,
     Submitted,
     WaitIdle,
-    WakeUp,
     WatchLoad,
     Welcome,
     WireLoraRequest,
@@ -67,7 +63,7 @@ class Generation:
     stop_reason: int | None = None
 
 
-class EngineClient(HandoffCalls):
+class EngineClient(HandoffCalls, PauseCalls):
     """A connection to one daemon's control socket; build it with `await connect(...)`.
 
     Use it as `async with await EngineClient.connect(endpoint) as client:`, or call
@@ -303,46 +299,18 @@ class EngineClient(HandoffCalls):
         return await self._call(msg, StatsReply, timeout)
 
     async def reset_prefix_cache(
-        self, dp_rank: int | None = None, *, timeout: float | None = DEFAULT_TIMEOUT
+        self,
+        dp_rank: int | None = None,
+        *,
+        reset_running_requests: bool = False,
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Applied:
-        """Clear the prefix cache of `dp_rank`, or of every rank when None."""
-        msg = ResetPrefixCache(dp_rank=dp_rank, id=self._next_id())
+        """Clear the prefix cache of `dp_rank`, or of every rank when None; with
+        `reset_running_requests`, vLLM's: preempt the running requests first."""
+        msg = ResetPrefixCache(
+            dp_rank=dp_rank, reset_running_requests=reset_running_requests, id=self._next_id()
+        )
         return await self._call(msg, Applied, timeout)
-
-    async def pause(
-        self,
-        mode: PauseModeStr = "abort",
-        clear_cache: bool = True,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT,
-    ) -> StatsReply:
-        """vLLM's `pause_generation` on every rank (operators only): the stats once every
-        rank's pause has completed (`abort` ends every request, `cancelled`)."""
-        msg = Pause(mode=mode, clear_cache=clear_cache, id=self._next_id())
-        return await self._call(msg, StatsReply, timeout)
-
-    async def resume(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> StatsReply:
-        """vLLM's `resume_generation` on every rank (operators only)."""
-        return await self._call(Resume(id=self._next_id()), StatsReply, timeout)
-
-    async def sleep(
-        self,
-        level: int = 1,
-        mode: PauseModeStr = "abort",
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT,
-    ) -> StatsReply:
-        """vLLM's `sleep(level, mode)` on every rank (operators only), once every rank sleeps."""
-        msg = Sleep(level=level, mode=mode, id=self._next_id())
-        return await self._call(msg, StatsReply, timeout)
-
-    async def wake_up(
-        self, tags: Sequence[str] | None = None, *, timeout: float | None = DEFAULT_TIMEOUT
-    ) -> StatsReply:
-        """vLLM's `wake_up(tags)` on every rank (operators only); fully awake when no rank's
-        stats say `asleep`."""
-        msg = WakeUp(tags=None if tags is None else list(tags), id=self._next_id())
-        return await self._call(msg, StatsReply, timeout)
 
     async def set_vocabulary(
         self,

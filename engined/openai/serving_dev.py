@@ -3,8 +3,9 @@
 `vllm serve` attaches them only when `VLLM_SERVER_DEV_MODE` is set to a non-zero integer
 (vllm/entrypoints/launchers/api_server/routers.py); without it they are FastAPI's 404. They
 are vLLM's `/pause`, `/resume`, `/is_paused` (vllm/entrypoints/rl/online/api_router.py),
-`/sleep`, `/wake_up`, `/is_sleeping` (entrypoints/serve/dev/sleep/api_router.py) and
-`/reset_prefix_cache` (entrypoints/serve/dev/cache/api_router.py), carried out by the
+`/sleep`, `/release_kv_cache_memory`, `/wake_up`, `/is_sleeping`
+(entrypoints/serve/dev/sleep/api_router.py) and `/reset_prefix_cache`
+(entrypoints/serve/dev/cache/api_router.py), carried out by the
 daemon's engine-wide control messages, which need the operator role: the API server sends
 them on its operator connection (engined.openai.process).
 
@@ -117,6 +118,11 @@ def _sleeping(rank: RankStats) -> bool:
     return _paused(rank) or bool(rank.sleeping_tags)
 
 
+def _failed_call(method: str, error: EngineError) -> ApiError:
+    """vLLM's 500 for an engine utility call that raised (EngineCore's failure message)."""
+    return ApiError(500, f"Call to {method} method failed: {error.message}", "InternalServerError")
+
+
 class DevServer:
     """The routes, over the API server's operator connection."""
 
@@ -129,6 +135,7 @@ class DevServer:
             "/resume": {"POST": self.resume},
             "/is_paused": {"GET": self.is_paused},
             "/sleep": {"POST": self.sleep},
+            "/release_kv_cache_memory": {"POST": self.release_kv_cache_memory},
             "/wake_up": {"POST": self.wake_up},
             "/is_sleeping": {"GET": self.is_sleeping},
             "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
@@ -165,6 +172,15 @@ class DevServer:
         await self._operator.sleep(query.level, query.mode, timeout=None)
         return _json({"status": "sleeping", "level": query.level})
 
+    async def release_kv_cache_memory(self, request: HttpRequest) -> HttpResponse:
+        try:
+            await self._operator.release_kv_cache_memory()
+        except EngineError as error:
+            # vLLM's RuntimeError (no completed pause, a pool asleep), as its engine client
+            # raises a failed utility call, through its handler of any other exception.
+            raise _failed_call("release_kv_cache_memory", error) from None
+        return _json({"status": "kv_cache_released"})
+
     async def wake_up(self, request: HttpRequest) -> HttpResponse:
         pairs = parse_qsl(request.query, keep_blank_values=True)
         tags = [value for name, value in pairs if name == "tags"] or None
@@ -183,13 +199,17 @@ class DevServer:
         return _json({"is_sleeping": sleeping})
 
     async def reset_prefix_cache(self, request: HttpRequest) -> HttpResponse:
-        # `reset_running_requests` (preempt what runs first) and `reset_external` (a KV
-        # connector's cache) have nothing to act on here: a rank holding blocks refuses.
-        parse_query(request.query, ResetQuery)
+        # `reset_external` resets a KV connector's cache; with none, vLLM's reset of it is a
+        # success that changes nothing.
+        query = parse_query(request.query, ResetQuery)
+        reset_running = query.reset_running_requests
         try:
-            await self._operator.reset_prefix_cache()
+            await self._operator.reset_prefix_cache(reset_running_requests=reset_running)
         except EngineError as error:
             if error.code != "invalid_request":
                 raise
+            if reset_running:
+                # vLLM's scheduler raises instead (blocks a P/D hold keeps).
+                raise _failed_call("reset_prefix_cache", error) from None
             return _json({"success": False})
         return _json({"success": True})

@@ -130,9 +130,11 @@ class Stats(ClientMessageBase, tag="stats"):
 
 
 class ResetPrefixCache(ClientMessageBase, tag="reset_prefix_cache"):
-    """Clear the prefix cache of `dp_rank`, or of every rank when absent."""
+    """Clear the prefix cache of `dp_rank`, or of every rank when absent; with
+    `reset_running_requests` (vLLM's), preempt the running requests first."""
 
     dp_rank: DpRank | None = None
+    reset_running_requests: bool = False
 
 
 class Ping(ClientMessageBase, tag="ping"):
@@ -217,6 +219,12 @@ class WakeUp(ClientMessageBase, tag="wake_up"):
     tags: WakeUpTags | None = None
 
 
+class ReleaseKvCacheMemory(ClientMessageBase, tag="release_kv_cache_memory"):
+    """vLLM's `release_kv_cache_memory()` on every rank, after a completed `pause`: clear
+    the caches and put the KV cache to sleep (`wake_up` with tags `["kv_cache"]` brings it
+    back); answered with `stats`. Operators only."""
+
+
 ClientMessage: TypeAlias = (
     Hello
     | Submit
@@ -239,6 +247,7 @@ ClientMessage: TypeAlias = (
     | Resume
     | Sleep
     | WakeUp
+    | ReleaseKvCacheMemory
 )
 
 # The `type` tags of every client message, in declaration order (fuzzers, docs and tests).

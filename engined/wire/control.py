@@ -118,6 +118,9 @@ from engined.wire.messages import (
     RankStats as RankStats,
 )
 from engined.wire.messages import (
+    ReleaseKvCacheMemory as ReleaseKvCacheMemory,
+)
+from engined.wire.messages import (
     ReleaseSource as ReleaseSource,
 )
 from engined.wire.messages import (

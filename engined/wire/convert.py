@@ -21,6 +21,7 @@ from engined.wire.control import (
     OutputEntry,
     Pause,
     RankStats,
+    ReleaseKvCacheMemory,
     ReleaseSource,
     ReserveDestination,
     ResetPrefixCache,
@@ -82,6 +83,7 @@ RankMessage: TypeAlias = (
     | Resume
     | Sleep
     | WakeUp
+    | ReleaseKvCacheMemory
 )
 
 
@@ -130,7 +132,7 @@ def to_core_command(
         case CancelDestination():
             return core.CancelDestination(msg.handoff_id)
         case ResetPrefixCache():
-            return core.ResetPrefixCache()
+            return core.ResetPrefixCache(msg.reset_running_requests)
         case SetVocabulary():
             return core.SetVocabulary(msg.vocab_size, tuple(msg.excluded_token_ids))
         case Pause():
@@ -141,6 +143,8 @@ def to_core_command(
             return core.Sleep(msg.level, core.PauseMode(msg.mode))
         case WakeUp():
             return core.WakeUp(None if msg.tags is None else tuple(msg.tags))
+        case ReleaseKvCacheMemory():
+            return core.ReleaseKvCacheMemory()
         case _:
             return None
 

@@ -54,6 +54,9 @@ from engined.wire.client_messages import (
     Ping as Ping,
 )
 from engined.wire.client_messages import (
+    ReleaseKvCacheMemory as ReleaseKvCacheMemory,
+)
+from engined.wire.client_messages import (
     ReleaseSource as ReleaseSource,
 )
 from engined.wire.client_messages import (

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from engined.client import EngineClient
+from engined.core.pausing import RELEASE_BEFORE_PAUSE, RELEASE_WHILE_ASLEEP
 from tests.openai.api_harness import ApiDaemon, start_api
 from tests.server.daemon_harness import free_tcp_port
 from tests.support import run
@@ -130,7 +131,7 @@ def test_a_request_while_paused_gets_vllms_503(api: ApiDaemon) -> None:
 def test_the_development_routes_are_404_without_the_variable(api: ApiDaemon) -> None:
     for method, path in (("POST", "/pause"), ("GET", "/is_paused"), ("POST", "/sleep")):
         assert answer(api.port, method, path) == (404, {"detail": "Not Found"})
-    for path in ("/resume", "/wake_up", "/reset_prefix_cache"):
+    for path in ("/resume", "/wake_up", "/reset_prefix_cache", "/release_kv_cache_memory"):
         assert answer(api.port, "POST", path) == (404, {"detail": "Not Found"})
     assert answer(api.port, "GET", "/is_sleeping") == (404, {"detail": "Not Found"})
 
@@ -180,6 +181,42 @@ def test_reset_prefix_cache_over_http(dev_api: ApiDaemon) -> None:
         200,
         {"success": True},
     )
+    assert answer(port, "POST", "/reset_prefix_cache?reset_running_requests=true") == (
+        200,
+        {"success": True},
+    )
+    _generates(dev_api)
+
+
+def _internal_error(message: str) -> dict[str, object]:
+    """vLLM's 500 for an exception of an engine call, as its handler renders it."""
+    return {
+        "error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}
+    }
+
+
+def test_release_kv_cache_memory_over_http(dev_api: ApiDaemon) -> None:
+    port = dev_api.port
+    assert answer(port, "POST", "/release_kv_cache_memory") == (
+        500,
+        _internal_error(f"Call to release_kv_cache_memory method failed: {RELEASE_BEFORE_PAUSE}"),
+    )
+    assert answer(port, "POST", "/pause?mode=keep") == (200, {"status": "paused"})
+    assert answer(port, "POST", "/release_kv_cache_memory") == (
+        200,
+        {"status": "kv_cache_released"},
+    )
+    assert answer(port, "GET", "/is_sleeping") == (200, {"is_sleeping": True})
+    assert answer(port, "POST", "/release_kv_cache_memory") == (
+        500,
+        _internal_error(f"Call to release_kv_cache_memory method failed: {RELEASE_WHILE_ASLEEP}"),
+    )
+    assert answer(port, "POST", "/wake_up?tags=kv_cache") == (
+        200,
+        {"status": "awake", "tags": ["kv_cache"]},
+    )
+    assert answer(port, "GET", "/is_sleeping") == (200, {"is_sleeping": False})
+    _generates(dev_api)
 
 
 @pytest.mark.parametrize("case", sorted(RECORDED))

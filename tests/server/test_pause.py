@@ -8,6 +8,7 @@ paused (abort, wait) is refused `paused`, and queued under `keep`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from engined.client import EngineClient, EngineError
+from engined.core.pausing import RELEASE_BEFORE_PAUSE, RELEASE_WHILE_ASLEEP
 from engined.server.control.pauses import PAUSE_CLIENT_LIMIT, PAUSED_MESSAGE
 from engined.wire.control import StatsReply
 from tests.server.daemon_harness import (
@@ -143,6 +145,62 @@ def test_sleep_and_wake_up_follow_vllms_tags_and_metrics(daemon: DaemonProcess) 
     run(scenario())
 
 
+def test_release_kv_cache_memory_after_a_pause_until_the_kv_cache_wakes(
+    daemon: DaemonProcess,
+) -> None:
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            with pytest.raises(EngineError) as early:
+                await client.release_kv_cache_memory()
+            assert (early.value.code, early.value.message) == (
+                "invalid_request",
+                RELEASE_BEFORE_PAUSE,
+            )
+            frozen = await client.submit(PROMPT, 8, dp_rank=0)
+            await client.pause("keep", clear_cache=False)
+            stats = await client.release_kv_cache_memory()
+            assert _states(stats) == {(2, False, False, True, 0)}
+            assert {r.sleeping_tags for r in stats.ranks} == {("kv_cache",)}
+            assert {(r.active_blocks, r.inactive_blocks) for r in stats.ranks} == {(0, 0)}
+            text = (await client.metrics()).text
+            assert 'sleep_state="awake"} 0.0' in text
+            assert 'sleep_state="weights_offloaded"} 0.0' in text
+            with pytest.raises(EngineError) as again:
+                await client.release_kv_cache_memory()
+            assert (again.value.code, again.value.message) == (
+                "invalid_request",
+                RELEASE_WHILE_ASLEEP,
+            )
+            stats = await client.wake_up(["kv_cache"])
+            assert _states(stats) == {(0, False, False, False, 0)}
+            # The frozen request was preempted by the release, and runs to its end.
+            got = await client.collect(frozen)
+            assert (len(got.token_ids), got.finish_reason) == (8, "length")
+            assert (await client.stats()).ranks[0].preemptions_total == 1
+
+    run(scenario())
+
+
+def test_reset_running_requests_preempts_them_and_clears(daemon: DaemonProcess) -> None:
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            running = await client.submit(PROMPT, LONG, dp_rank=1)
+            async with contextlib.aclosing(client.outputs(running.request_id)) as outputs:
+                await anext(outputs)  # scheduled: it holds KV blocks
+            with pytest.raises(EngineError, match="still hold KV blocks"):
+                await client.reset_prefix_cache(1)
+            await client.reset_prefix_cache(1, reset_running_requests=True)
+            stats = await client.stats()
+            assert stats.ranks[1].preemptions_total == 1
+            # It runs on after its preemption; its stream ends with the cancel.
+            collecting = asyncio.ensure_future(client.collect(running))
+            await client.cancel(running.request_id)
+            got = await collecting
+            assert got.finish_reason == "cancelled" and got.token_ids
+
+    run(scenario())
+
+
 def test_a_disconnect_while_a_pause_waits_leaves_the_daemon_serving(
     daemon: DaemonProcess,
 ) -> None:
@@ -184,6 +242,8 @@ def test_malformed_and_huge_pause_messages_are_refused(daemon: DaemonProcess) ->
         ({"type": "wake_up", "tags": ["t" * 10_000_000]}, "invalid_request"),
         ({"type": "wake_up", "tags": ["t"] * 100_000}, "invalid_request"),
         ({"type": "pause", "k" * 5_000_000: 1}, "bad_message"),
+        ({"type": "release_kv_cache_memory", "level": 1}, "bad_message"),
+        ({"type": "reset_prefix_cache", "reset_running_requests": "yes"}, "bad_message"),
     ]
 
     async def scenario() -> None:
@@ -208,7 +268,14 @@ def test_malformed_and_huge_pause_messages_are_refused(daemon: DaemonProcess) ->
 def test_the_mocker_semantics_refuses_pause_and_sleep(tmp_path: Path) -> None:
     async def scenario(daemon: DaemonProcess) -> None:
         async with await EngineClient.connect(daemon.control) as client:
-            for call in (client.pause(), client.sleep(), client.resume(), client.wake_up()):
+            for call in (
+                client.pause(),
+                client.sleep(),
+                client.resume(),
+                client.wake_up(),
+                client.release_kv_cache_memory(),
+                client.reset_prefix_cache(reset_running_requests=True),
+            ):
                 with pytest.raises(EngineError) as refused:
                     await call
                 assert refused.value.code == "unsupported"
@@ -225,6 +292,7 @@ def test_pause_and_sleep_need_the_operator_role(tmp_path: Path) -> None:
                 (client.resume(), "resume"),
                 (client.sleep(), "sleep"),
                 (client.wake_up(), "wake_up"),
+                (client.release_kv_cache_memory(), "release_kv_cache_memory"),
             ):
                 with pytest.raises(EngineError) as refused:
                     await call

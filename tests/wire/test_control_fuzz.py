@@ -118,4 +118,5 @@ def test_client_message_tags_cover_the_protocol() -> None:
         "resume",
         "sleep",
         "wake_up",
+        "release_kv_cache_memory",
     )

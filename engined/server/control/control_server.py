@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import structlog
 import zmq
@@ -29,7 +29,7 @@ from engined.server.control.control_reader import SHUTTING_DOWN, ControlReader
 from engined.server.control.episodes import Episode
 from engined.server.control.load import LoadWatch
 from engined.server.control.ownership import Ownership
-from engined.server.control.pauses import Pauses
+from engined.server.control.pauses import PAUSE_MESSAGES, Pauses
 from engined.server.control.rank_commands import RankCommands
 from engined.server.control.reports import Reports
 from engined.server.control.request_ids import RequestIds
@@ -48,6 +48,13 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 NO_METRICS = "this daemon keeps no metrics: they are collected with http_port or api_port set"
+# The engine-wide commands, which only an operator's connection may send (§1.5).
+_ENGINE_WIDE: Final = (
+    wire.ResetPrefixCache,
+    wire.SetVocabulary,
+    wire.SetFpmWorkerId,
+    *PAUSE_MESSAGES,
+)
 
 
 class ControlServer:
@@ -219,19 +226,11 @@ class ControlServer:
             case wire.ActivateDestination() | wire.CancelDestination():
                 routes = self._ownership.destinations
                 self._command(identity, self._commands.handoff(identity, msg, routes))
-            case (
-                wire.ResetPrefixCache()
-                | wire.SetVocabulary()
-                | wire.SetFpmWorkerId()
-                | wire.Pause()
-                | wire.Resume()
-                | wire.Sleep()
-                | wire.WakeUp()
-            ) if not is_operator(frame):
+            case _ if isinstance(msg, _ENGINE_WIDE) and not is_operator(frame):
                 self._error(
                     identity, msg.id, "forbidden", forbidden(str(msg.__struct_config__.tag))
                 )
-            case wire.Pause() | wire.Resume() | wire.Sleep() | wire.WakeUp():
+            case _ if isinstance(msg, PAUSE_MESSAGES):
                 refusal = self._pauses.admit(identity, msg)
                 if refusal is None:
                     self._command(identity, self._pauses.apply(identity, msg))

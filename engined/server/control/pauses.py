@@ -1,4 +1,5 @@
-"""vLLM's pause and sleep across the daemon's ranks: `pause`, `resume`, `sleep`, `wake_up`.
+"""vLLM's pause and sleep across the daemon's ranks: `pause`, `resume`, `sleep`, `wake_up`,
+`release_kv_cache_memory`.
 
 vLLM's DP client sends these utility calls to every engine (`DPLBAsyncMPClient`'s
 `call_utility_async` goes to all of them, vllm/v1/engine/core_client.py), and `pause_generation`
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from engined.core.command_report import CommandReport
 from engined.core.errors import CoreError
@@ -37,7 +39,14 @@ from engined.wire.convert import to_core_command
 # (identity, message id, error code, message): an `error` reply.
 Error = Callable[[bytes, int | str | None, str, str], None]
 Reply = Callable[[bytes, wire.DaemonMessage], None]
-PauseMessage = wire.Pause | wire.Resume | wire.Sleep | wire.WakeUp
+PauseMessage = wire.Pause | wire.Resume | wire.Sleep | wire.WakeUp | wire.ReleaseKvCacheMemory
+PAUSE_MESSAGES: Final = (
+    wire.Pause,
+    wire.Resume,
+    wire.Sleep,
+    wire.WakeUp,
+    wire.ReleaseKvCacheMemory,
+)
 
 # `pause` and `sleep` replies waiting at once, from one client and from all together.
 PAUSE_CLIENT_LIMIT = 16
@@ -91,7 +100,10 @@ class Pauses:
     async def apply(self, identity: bytes, msg: PauseMessage) -> None:
         """Apply `msg` on every rank, then reply `stats` (once the pauses completed, for
         `pause` and `sleep`, admitted by `admit`). The cores refuse alike (mocker semantics,
-        async scheduling), so a refusal comes from the first rank, before any has changed."""
+        async scheduling), so a refusal comes from the first rank, before any has changed;
+        a `release_kv_cache_memory` may find ranks in different states (one still pausing),
+        and, as vLLM's call to every engine, leaves the ranks before the refusing one
+        released."""
         waits = isinstance(msg, wire.Pause | wire.Sleep)
         try:
             command = to_core_command(msg)

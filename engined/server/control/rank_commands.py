@@ -234,7 +234,12 @@ class RankCommands:
         refused = []
         reset = to_core_command(msg)
         for rank in ranks:
-            report = await self._ranks[rank].call(reset)
+            try:
+                report = await self._ranks[rank].call(reset)
+            except CoreError as exc:
+                # `reset_running_requests` under mocker semantics, or vLLM's failed reset.
+                self._error(identity, msg.id, exc.code, str(exc))
+                return
             if not isinstance(report.result, core.Applied):
                 refused.append(rank)
         if refused:
