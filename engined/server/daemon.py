@@ -179,7 +179,8 @@ class Daemon:
         if self.observability is not None:
             api = None if self.api is None else self.api.counters
             self.observability.watch(ranks.handles, ranks.watched_publishers, control, api)
-        control.attach(ranks.handles)
+        obs = self.observability
+        control.attach(ranks.handles, None if obs is None else obs.sleep_operations.record)
         self.control = control
         self._tasks.append(asyncio.create_task(control.serve(), name="control"))
         self._tasks.append(asyncio.create_task(control.expire_handoffs(), name="handoff-timeouts"))

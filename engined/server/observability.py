@@ -20,6 +20,7 @@ from engined.server.ops.build_info import BuildInfo
 from engined.server.ops.exposition import Exposition, MetricsRequests
 from engined.server.ops.http_endpoint import HealthState, HttpServer
 from engined.server.ops.prometheus_metrics import VllmMetrics
+from engined.server.ops.sleep_mode_operations import SleepModeOperations
 from engined.server.publish.prometheus_publishers import WatchedPublisher
 from engined.server.ranks.rank_handle import RankHandle
 
@@ -29,6 +30,8 @@ class Observability:
         """`ranks` may still be empty: it is read at each scrape (the layout fills it)."""
         self.metrics = VllmMetrics.from_config(cfg)
         self.metrics.register(BuildInfo(cfg.model_name, engined.__version__, running_core()))
+        self.sleep_operations = SleepModeOperations()
+        self.metrics.register(self.sleep_operations)
         # One exposition for /metrics and the control protocol's `metrics` command.
         self.exposition = Exposition(self.metrics.registry, Refresh(ranks), rendered=self.metrics)
         self.requests = MetricsRequests(self.exposition)

@@ -250,5 +250,17 @@ ClientMessage: TypeAlias = (
     | ReleaseKvCacheMemory
 )
 
+# The engine-wide commands, which only an operator's connection may send (PROTOCOL.md §1.5).
+OPERATOR_ONLY: Final = (
+    ResetPrefixCache,
+    SetVocabulary,
+    SetFpmWorkerId,
+    Pause,
+    Resume,
+    Sleep,
+    WakeUp,
+    ReleaseKvCacheMemory,
+)
+
 # The `type` tags of every client message, in declaration order (fuzzers, docs and tests).
 CLIENT_MESSAGE_TAGS: Final = tuple(str(c.__struct_config__.tag) for c in get_args(ClientMessage))

@@ -28,6 +28,9 @@ from engined.wire.messages import (
     MESSAGE_ID_MAX_BYTES as MESSAGE_ID_MAX_BYTES,
 )
 from engined.wire.messages import (
+    OPERATOR_ONLY as OPERATOR_ONLY,
+)
+from engined.wire.messages import (
     PROTOCOL_VERSION as PROTOCOL_VERSION,
 )
 from engined.wire.messages import (

@@ -24,6 +24,9 @@ from engined.wire.client_messages import (
     CLIENT_MESSAGE_TAGS as CLIENT_MESSAGE_TAGS,
 )
 from engined.wire.client_messages import (
+    OPERATOR_ONLY as OPERATOR_ONLY,
+)
+from engined.wire.client_messages import (
     ActivateDestination as ActivateDestination,
 )
 from engined.wire.client_messages import (

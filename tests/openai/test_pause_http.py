@@ -172,6 +172,15 @@ def test_sleep_and_wake_up_over_http(dev_api: ApiDaemon) -> None:
     assert answer(port, "POST", "/sleep") == (200, {"status": "sleeping", "level": 1})
     assert answer(port, "POST", "/wake_up") == (200, {"status": "awake", "tags": None})
     _generates(dev_api)
+    # vLLM's sleep-mode operation metrics, on the API server's /metrics.
+    status, text = request(port, "GET", "/metrics")
+    assert status == 200
+    for operation in ("sleep", "wake"):
+        assert f'vllm:sleep_mode_operations_in_flight{{operation="{operation}"}} 0.0' in text
+        assert (
+            f'vllm:sleep_mode_operation_duration_seconds_bucket{{le="+Inf",operation="{operation}"}}'
+            in text
+        )
 
 
 def test_reset_prefix_cache_over_http(dev_api: ApiDaemon) -> None:

@@ -125,6 +125,7 @@ def test_keep_queues_new_requests_until_resume(daemon: DaemonProcess) -> None:
 def test_sleep_and_wake_up_follow_vllms_tags_and_metrics(daemon: DaemonProcess) -> None:
     async def scenario() -> None:
         async with await EngineClient.connect(daemon.control) as client:
+            assert "sleep_mode" not in (await client.metrics()).text
             stats = await client.sleep(2)
             assert _states(stats) == {(1, False, False, True, 2)}
             assert {r.sleeping_tags for r in stats.ranks} == {("kv_cache", "weights")}
@@ -138,7 +139,17 @@ def test_sleep_and_wake_up_follow_vllms_tags_and_metrics(daemon: DaemonProcess) 
             assert {(r.sleeping_tags, r.asleep) for r in stats.ranks} == {(("kv_cache",), True)}
             stats = await client.wake_up()
             assert _states(stats) == {(0, False, False, False, 0)}
-            assert 'sleep_state="awake"} 1.0' in (await client.metrics()).text
+            text = (await client.metrics()).text
+            assert 'sleep_state="awake"} 1.0' in text
+            # vLLM's sleep-mode operation metrics: one sleep, four wake-ups, none awaited.
+            for operation, count in (("sleep", 1), ("wake", 4)):
+                assert (
+                    "vllm:sleep_mode_operation_duration_seconds_count"
+                    f'{{operation="{operation}"}} {count}.0'
+                ) in text
+                assert (
+                    f'vllm:sleep_mode_operations_in_flight{{operation="{operation}"}} 0.0' in text
+                )
             got = await client.generate(PROMPT, 3)
             assert got.finish_reason == "length"
 

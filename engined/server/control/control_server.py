@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq
@@ -29,7 +29,7 @@ from engined.server.control.control_reader import SHUTTING_DOWN, ControlReader
 from engined.server.control.episodes import Episode
 from engined.server.control.load import LoadWatch
 from engined.server.control.ownership import Ownership
-from engined.server.control.pauses import PAUSE_MESSAGES, Pauses
+from engined.server.control.pauses import PAUSE_MESSAGES, Pauses, RecordOperation
 from engined.server.control.rank_commands import RankCommands
 from engined.server.control.reports import Reports
 from engined.server.control.request_ids import RequestIds
@@ -48,13 +48,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 NO_METRICS = "this daemon keeps no metrics: they are collected with http_port or api_port set"
-# The engine-wide commands, which only an operator's connection may send (§1.5).
-_ENGINE_WIDE: Final = (
-    wire.ResetPrefixCache,
-    wire.SetVocabulary,
-    wire.SetFpmWorkerId,
-    *PAUSE_MESSAGES,
-)
 
 
 class ControlServer:
@@ -126,8 +119,9 @@ class ControlServer:
         self._commands: RankCommands
         self._pauses: Pauses
 
-    def attach(self, loops: Sequence[RankHandle]) -> None:
-        """Route for these ranks (rank r at index r); once, before `serve`."""
+    def attach(self, loops: Sequence[RankHandle], record: RecordOperation | None = None) -> None:
+        """Route for these ranks (rank r at index r); once, before `serve`. `record` times
+        the sleep-mode operations (engined.server.control.pauses)."""
         assert not self._loops, "attached twice"
         self._loops = loops
         self._ownership = Ownership(
@@ -144,6 +138,7 @@ class ControlServer:
             reports=self._reports,
             reply=self._reply,
             error=self._error,
+            record=record,
         )
         self._commands = RankCommands(
             loops,
@@ -226,7 +221,7 @@ class ControlServer:
             case wire.ActivateDestination() | wire.CancelDestination():
                 routes = self._ownership.destinations
                 self._command(identity, self._commands.handoff(identity, msg, routes))
-            case _ if isinstance(msg, _ENGINE_WIDE) and not is_operator(frame):
+            case _ if isinstance(msg, wire.OPERATOR_ONLY) and not is_operator(frame):
                 self._error(
                     identity, msg.id, "forbidden", forbidden(str(msg.__struct_config__.tag))
                 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Final
 
 from engined.core.command_report import CommandReport
@@ -48,6 +49,15 @@ PAUSE_MESSAGES: Final = (
     wire.ReleaseKvCacheMemory,
 )
 
+# Times a sleep-mode operation by its name, around the block (`SleepModeOperations.record`).
+RecordOperation = Callable[[str], AbstractContextManager[None]]
+# The operations vLLM's dev routes time, by the message that carries each.
+_OPERATIONS: Final[dict[type, str]] = {
+    wire.Sleep: "sleep",
+    wire.ReleaseKvCacheMemory: "release_kv_cache_memory",
+    wire.WakeUp: "wake",
+}
+
 # `pause` and `sleep` replies waiting at once, from one client and from all together.
 PAUSE_CLIENT_LIMIT = 16
 PAUSE_LIMIT = 256
@@ -72,12 +82,17 @@ class Pauses:
         reports: Reports,
         reply: Reply,
         error: Error,
+        record: RecordOperation | None = None,
     ) -> None:
+        """`record` times the sleep-mode operations (`sleep`, `wake_up`,
+        `release_kv_cache_memory`), as vLLM's API server does
+        (engined.server.ops.sleep_mode_operations); None: a daemon without metrics."""
         self._ranks = ranks
         self._ownership = ownership
         self._reports = reports
         self._reply = reply
         self._error = error
+        self._record = record
         # Per rank: whether it refuses new requests, as of the last pause command applied.
         self.rejecting = [rank.gauges().metrics.rejecting for rank in ranks]
         # Per rank: futures set once its pause is no longer pending.
@@ -98,6 +113,14 @@ class Pauses:
         return self._slots.admit(identity)
 
     async def apply(self, identity: bytes, msg: PauseMessage) -> None:
+        operation = _OPERATIONS.get(type(msg))
+        if operation is None or self._record is None:
+            await self._apply(identity, msg)
+            return
+        with self._record(operation):
+            await self._apply(identity, msg)
+
+    async def _apply(self, identity: bytes, msg: PauseMessage) -> None:
         """Apply `msg` on every rank, then reply `stats` (once the pauses completed, for
         `pause` and `sleep`, admitted by `admit`). The cores refuse alike (mocker semantics,
         async scheduling), so a refusal comes from the first rank, before any has changed;
