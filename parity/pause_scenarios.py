@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 from parity.random_mix import random_tokens
-from parity.scenario import Config, Control, Scenario, ScenarioRequest
+from parity.scenario import Config, Control, Scenario, ScenarioRequest, asynchronous
 
 _CONFIG = Config(num_gpu_blocks=96, max_num_batched_tokens=128, max_num_seqs=4)
 
@@ -126,4 +126,11 @@ def pause_scenarios() -> list[Scenario]:
         pause_idle(),
         reset_running(),
         release_kv_cache(),
+        # Under the AsyncScheduler: a pause also waits for the batch in flight.
+        asynchronous(pause("abort")),
+        asynchronous(pause("wait")),
+        asynchronous(pause("keep")),
+        asynchronous(pause("wait", resume_at=10)),
+        asynchronous(pause_idle()),
+        asynchronous(release_kv_cache()),
     ]

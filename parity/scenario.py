@@ -126,3 +126,13 @@ def fallback_token(request_id: str, position: int) -> int:
     """The token for a position engined never produced (a side generating longer than the
     other): deterministic, so a rerun gives the same trace."""
     return (sum(request_id.encode()) * 31 + position) % 32000 + 1
+
+
+def asynchronous(scenario: Scenario) -> Scenario:
+    """`scenario` under vLLM's AsyncScheduler (`<name>-async`)."""
+    return msgspec.structs.replace(
+        scenario,
+        name=scenario.name + "-async",
+        description=scenario.description + "; async scheduling",
+        config=msgspec.structs.replace(scenario.config, async_scheduling=True),
+    )

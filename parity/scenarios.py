@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import random
 
-import msgspec
-
 from parity.lora_scenarios import lora_pressure, lora_shared_prefix
 from parity.pause_scenarios import pause_scenarios
 from parity.random_mix import random_mix, random_tokens
-from parity.scenario import Config, Scenario, ScenarioRequest
+from parity.scenario import Config, Scenario, ScenarioRequest, asynchronous
 
 
 def chunked_prompt() -> Scenario:
@@ -268,16 +266,6 @@ def cache_salt(hash_algo: str = "sha256") -> Scenario:
             prefix_caching_hash_algo=hash_algo,
         ),
         requests=requests,
-    )
-
-
-def asynchronous(scenario: Scenario) -> Scenario:
-    """`scenario` under vLLM's AsyncScheduler (`<name>-async`)."""
-    return msgspec.structs.replace(
-        scenario,
-        name=scenario.name + "-async",
-        description=scenario.description + "; async scheduling",
-        config=msgspec.structs.replace(scenario.config, async_scheduling=True),
     )
 
 

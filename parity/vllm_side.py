@@ -304,7 +304,7 @@ class VllmRun:
             # then the executor discards the KV cache (nothing to model here).
             if control.kind == "release":
                 paused = scheduler.pause_state != PauseState.UNPAUSED
-                assert paused and not scheduler.has_requests() and not self.pending_pauses
+                assert paused and not self._has_work() and not self.pending_pauses
             assert scheduler.reset_prefix_cache(
                 reset_running_requests=True, reset_connector=control.kind == "release"
             )
@@ -314,7 +314,7 @@ class VllmRun:
             scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
         keep = control.mode == "keep"
         scheduler.set_pause_state(PauseState.PAUSED_ALL if keep else PauseState.PAUSED_NEW)
-        if scheduler.has_requests():
+        if self._has_work():
             self.pending_pauses.append(control.clear_cache)
         else:
             self._finish_pause(control.clear_cache)
@@ -328,15 +328,19 @@ class VllmRun:
             assert scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
             self.recorder.publish(SimpleNamespace(events=scheduler.kv_cache_manager.take_events()))
 
+    def _has_work(self) -> bool:
+        """EngineCore's `has_work()`: the scheduler's requests, or a batch in flight."""
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
     def _idle_while_paused(self) -> bool:
         from vllm.v1.core.sched.interface import PauseState
 
         paused = self.scheduler.pause_state != PauseState.UNPAUSED or self.pending_pauses
-        return bool(paused) and not self.scheduler.has_requests()
+        return bool(paused) and not self._has_work()
 
     def _complete_pauses(self) -> None:
         """EngineCore's idle callbacks, once a step left the engine without work."""
-        while self.pending_pauses and not self.scheduler.has_requests():
+        while self.pending_pauses and not self._has_work():
             self._finish_pause(self.pending_pauses.pop())
 
     def _step(self, index: int, generated: dict[str, list[int]]) -> Step:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections import deque
 from typing import NamedTuple
 
 from engined.core.args import EngineArgs, EngineType, PreemptionMode, SchedulingPolicy
@@ -25,7 +26,7 @@ from engined.core.offload.config import OffloadConfig
 from engined.core.offload.parking import OnboardParking
 from engined.core.offload.tier_engine import TierEngine
 from engined.core.paged.admission import PagedAdmission
-from engined.core.paged.async_batches import AsyncBatches
+from engined.core.paged.async_batches import AsyncBatches, Batch
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.paged.pass_limits import PassLimits
 from engined.core.paged.residency import BlockResidency
@@ -274,9 +275,8 @@ def assemble(
         perf=perf,
         fast_paths=fast_paths,
     )
-    pausing = (
-        PauseControl(state, kv, book, preempter) if paged and not args.async_scheduling else None
-    )
+    in_flight: deque[Batch] = deque()
+    pausing = PauseControl(state, kv, book, preempter, in_flight) if paged else None
     commands = Commands(
         block_size=bs,
         num_blocks=kv.usable_blocks,
@@ -290,11 +290,19 @@ def assemble(
         policy=policy,
         vocab=vocab,
         pausing=pausing,
+        async_scheduling=args.async_scheduling,
     )
     batches = None
     if args.async_scheduling:
         assert isinstance(scheduler, PagedScheduler) and isinstance(kv, PagedKvManager)
-        batches = AsyncBatches(state=state, scheduler=scheduler, kv=kv, emitter=emitter)
+        batches = AsyncBatches(
+            state=state,
+            scheduler=scheduler,
+            kv=kv,
+            emitter=emitter,
+            queue=in_flight,
+            pausing=pausing,
+        )
     return EngineParts(
         state,
         kv,

@@ -10,12 +10,15 @@ The reference is `EngineCoreProc` (vllm/v1/engine/core.py) over its `Scheduler`:
   Completing (`_finish_pause`) with `clear_cache` is `_reset_caches`: the scheduler's
   `reset_prefix_cache(reset_running_requests=True)`, which preempts every running request,
   last first, and resets the prefix cache. Idle callbacks run last registered first.
-* `has_work()` is the scheduler's `has_requests()`: unfinished requests under the pause
-  state (`get_num_unfinished_requests`: none under PAUSED_ALL; running ones and waiting ones
-  holding KV under PAUSED_NEW), or requests finished since the last `schedule()` (its
-  `finished_req_ids`: a step or an abort that ended some makes one more step run).
-  Here a waiting request holds KV when its prompt is already built (an activated P/D
-  destination). EngineCore does not step without work, and neither does a paused pass.
+* `has_work()` is the scheduler's `has_requests()` (`has_requests` here) or, with async
+  scheduling, a batch in flight (EngineCore's `batch_queue`). `has_requests()` is unfinished
+  requests under the pause state (`get_num_unfinished_requests`: none under PAUSED_ALL;
+  running ones and waiting ones holding KV under PAUSED_NEW), or requests finished since the
+  last `schedule()` (its `finished_req_ids`: a step or an abort that ended some makes one
+  more step run). Here a waiting request holds KV when its prompt is already built (an
+  activated P/D destination). EngineCore does not step without work, and neither does a
+  paused pass; with async scheduling a paused step schedules only if `has_requests()`
+  (engined/core/paged/async_batches.py), as `step_with_batch_queue` does.
 * `pause_generation` is `pause_scheduler` that also rejects new requests (`abort`, `wait`);
   `resume_scheduler` unpauses and accepts them again; a pending completion still runs.
 * `sleep(level, mode)`: `pause_scheduler(mode, clear_cache=level >= 1)`; at level >= 1,
@@ -35,6 +38,7 @@ The reference is `EngineCoreProc` (vllm/v1/engine/core.py) over its `Scheduler`:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sized
 
 import msgspec
 
@@ -79,6 +83,7 @@ class PauseControl:
     __slots__ = (
         "_book",
         "_completions",
+        "_in_flight",
         "_kv",
         "_preempter",
         "_state",
@@ -92,8 +97,15 @@ class PauseControl:
     )
 
     def __init__(
-        self, state: SchedulerState, kv: KvCache, book: HandoffBook, preempter: Preempter
+        self,
+        state: SchedulerState,
+        kv: KvCache,
+        book: HandoffBook,
+        preempter: Preempter,
+        in_flight: Sized = (),
     ) -> None:
+        """`in_flight`: the batches in flight under async scheduling (their queue)."""
+        self._in_flight = in_flight
         self._state = state
         self._kv = kv
         self._book = book
@@ -182,6 +194,10 @@ class PauseControl:
 
     def has_work(self) -> bool:
         """Whether EngineCore would step now (`has_work()`, without a DP wave)."""
+        return self.has_requests() or bool(len(self._in_flight))
+
+    def has_requests(self) -> bool:
+        """The scheduler's `has_requests()` under the pause state."""
         if self.finished_pending:
             return True
         pause = self.state

@@ -7,6 +7,7 @@ admitted in a pass (prefill, first token), decodes 3 more passes, and ends in it
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from engined.core.args import EngineArgs, PerfModelKind, Semantics
@@ -23,6 +24,7 @@ from engined.core.types import (
     Pause,
     PauseMode,
     ReserveDestination,
+    ResetPrefixCache,
     Resume,
     Sleep,
     WakeUp,
@@ -252,10 +254,40 @@ def test_mocker_semantics_refuse_pause_and_sleep(cmd: object) -> None:
         core.apply(cmd, now_ms=0.0)  # type: ignore[arg-type]
 
 
-def test_async_scheduling_refuses_pause() -> None:
+def test_async_keep_resolves_the_batch_in_flight_then_clears() -> None:
+    """Async scheduling (a batch queue of 2): under `keep` no batch is scheduled, the one in
+    flight still resolves (its tokens delivered), and the pause completes once none is left,
+    as EngineCore's `has_work()` counts its batch queue."""
+    core = Engine(
+        msgspec.structs.replace(engine().args, async_scheduling=True).normalized(), record=True
+    )
+    load(core, 3)
+    assert core.execute_pass(0.0).request_outputs() == []  # batch 1 scheduled
+    second = core.execute_pass(0.0)  # batch 2 scheduled, batch 1 resolved
+    assert [o.request_id for o in second.request_outputs()] == ["r0", "r1", "r2"]
+    effects = core.apply(Pause(PauseMode.KEEP), now_ms=0.0)
+    assert effects.kv_events == []
+    assert pause_gauges(core.metrics()) == (2, True, False)
+    last = core.execute_pass(0.0)  # no schedule: batch 2 resolves, then the clear
+    assert last.trace is not None and last.trace.scheduled == []
+    assert [o.request_id for o in last.request_outputs()] == ["r0", "r1", "r2"]
+    assert [type(e) for e in last.kv_events][-1] is AllBlocksCleared
+    assert last.trace.preempted == ["r2", "r1", "r0"]
+    assert pause_gauges(last.metrics) == (2, False, False)
+    assert not core.execute_pass(0.0).progressed
+    core.apply(Resume(), now_ms=0.0)
+    resumed = core.execute_pass(0.0)
+    assert [(a.request_id, a.reused_input_tokens) for a in resumed.admissions] == [
+        ("r0", 0),
+        ("r1", 0),
+        ("r2", 0),
+    ]
+
+
+def test_async_scheduling_refuses_resetting_running_requests() -> None:
     core = Engine(EngineArgs(block_size=4, num_gpu_blocks=32, async_scheduling=True))
     with pytest.raises(UnsupportedError, match="without async scheduling"):
-        core.apply(Pause(), now_ms=0.0)
+        core.apply(ResetPrefixCache(reset_running_requests=True), now_ms=0.0)
 
 
 def test_abort_also_ends_the_destinations_not_yet_activated() -> None:

@@ -295,6 +295,30 @@ def test_the_mocker_semantics_refuses_pause_and_sleep(tmp_path: Path) -> None:
         run(scenario(daemon))
 
 
+def test_async_scheduling_pauses_once_the_batch_in_flight_resolved(tmp_path: Path) -> None:
+    """With `--async-scheduling` a `keep` pause completes once the batch in flight has
+    resolved (EngineCore's `has_work()` counts its batch queue); resumed, the request runs
+    to its end. Resetting running requests stays refused there."""
+
+    async def scenario(daemon: DaemonProcess) -> None:
+        async with await EngineClient.connect(daemon.control) as client:
+            frozen = await client.submit(PROMPT, 40, dp_rank=0)
+            async with contextlib.aclosing(client.outputs(frozen.request_id)) as outputs:
+                await anext(outputs)
+            stats = await client.pause("keep", clear_cache=False)
+            assert _states(stats) == {(2, False, False, False, 0)}
+            assert stats.ranks[0].running == 1
+            with pytest.raises(EngineError) as refused:
+                await client.reset_prefix_cache(reset_running_requests=True)
+            assert refused.value.code == "unsupported"
+            await client.resume()
+            got = await client.collect(frozen)  # the first token was read above
+            assert (len(got.token_ids), got.finish_reason) == (39, "length")
+
+    with start_daemon(tmp_path, *FLAGS, "--async-scheduling") as daemon:
+        run(scenario(daemon))
+
+
 def test_pause_and_sleep_need_the_operator_role(tmp_path: Path) -> None:
     async def scenario(daemon: DaemonProcess) -> None:
         async with await EngineClient.connect(daemon.control) as client:

@@ -24,6 +24,10 @@ resample it) but not its placeholder; vLLM's rule that holds back such a request
 stale output drains never fires with a queue of 2, since the batch drains in the same call
 that preempted it.
 
+Paused (engined/core/pausing.py), a pass schedules only if the scheduler has requests under
+the pause state, and otherwise only resolves the batch in flight, as `step_with_batch_queue`
+does; a pause completes once no batch is in flight either.
+
 Time: a pass lasts as long as the batch it resolves took to run (its prefill and decode
 modeled at its schedule); a schedule-only pass takes none. Its FPM describes the batch it
 scheduled. Outside vLLM semantics (mocker pool, MTP, offload tiers) async scheduling is
@@ -39,6 +43,7 @@ from engined.core.emission import TokenEmitter
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.paged.scheduler import PagedScheduler
 from engined.core.pass_context import PassContext
+from engined.core.pausing import PauseControl
 from engined.core.state import RequestState, SchedulerState
 from engined.core.types import RequestOutput, RequestStatus
 
@@ -58,7 +63,7 @@ class Batch(NamedTuple):
 class AsyncBatches:
     """EngineCore's batch queue (2 deep) over the paged scheduler."""
 
-    __slots__ = ("_emitter", "_kv", "_queue", "_scheduler", "_state")
+    __slots__ = ("_emitter", "_kv", "_pausing", "_queue", "_scheduler", "_state")
 
     def __init__(
         self,
@@ -67,24 +72,37 @@ class AsyncBatches:
         scheduler: PagedScheduler,
         kv: PagedKvManager,
         emitter: TokenEmitter,
+        queue: deque[Batch],
+        pausing: PauseControl | None = None,
     ) -> None:
+        """`queue` starts empty (the pause control sees it too); `pausing` says whether the
+        scheduler has requests while a pause is engaged."""
         self._state = state
         self._scheduler = scheduler
         self._kv = kv
         self._emitter = emitter
-        self._queue: deque[Batch] = deque()
+        self._queue = queue
+        self._pausing = pausing
 
     def step(self, ctx: PassContext) -> tuple[float, bool]:
         """One `step_with_batch_queue`: the modeled duration (ms) of the batch it resolved,
         and whether it resolved one (False: its KV events wait for the next pass)."""
         state = self._state
         queue = self._queue
-        if state.requests:
+        pausing = self._pausing
+        if pausing is not None and not pausing.engaged:
+            pausing = None
+        if state.requests if pausing is None else pausing.has_requests():
             self._scheduler.schedule(ctx)
             ctx.read_shares(state.requests)
             batch = self._placeholders(ctx)
             queue.appendleft(batch)
-            if len(queue) < 2 and (batch.requests or state.requests):
+            if pausing is None:
+                more = bool(state.requests)
+            else:
+                pausing.finished_pending = False  # `schedule()` took its finished ids
+                more = pausing.has_requests()
+            if len(queue) < 2 and (batch.requests or more):
                 return 0.0, False
         elif not queue:
             return 0.0, True
