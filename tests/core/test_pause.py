@@ -60,6 +60,16 @@ def sleep_gauges(m: EngineMetrics) -> tuple[tuple[str, ...], bool, int]:
     return (m.sleeping_tags, m.asleep, m.sleep_level)
 
 
+def readmitted_from_nothing(core: Engine) -> None:
+    """The next pass admits r0, r1, r2 again, in order, with nothing cached."""
+    resumed = core.execute_pass(0.0)
+    assert [(a.request_id, a.reused_input_tokens) for a in resumed.admissions] == [
+        ("r0", 0),
+        ("r1", 0),
+        ("r2", 0),
+    ]
+
+
 def load(core: Engine, n: int, start: int = 0) -> list[str]:
     return [
         submit(core, request(f"r{i}", range(100 * i + 1, 100 * i + 9), 4))
@@ -145,13 +155,8 @@ def test_keep_freezes_everything_and_its_clear_preempts_the_running() -> None:
     assert not frozen.progressed
     assert frozen.trace is not None and frozen.trace.preempted == ["r2", "r1", "r0"]
     core.apply(Resume(), now_ms=0.0)
-    resumed = core.execute_pass(0.0)
     # Back in their running order, recomputing the prompt and the token they had.
-    assert [(a.request_id, a.reused_input_tokens) for a in resumed.admissions] == [
-        ("r0", 0),
-        ("r1", 0),
-        ("r2", 0),
-    ]
+    readmitted_from_nothing(core)
     assert all(len(tokens[f"r{i}"]) == 1 for i in range(3))
 
 
@@ -276,12 +281,7 @@ def test_async_keep_resolves_the_batch_in_flight_then_clears() -> None:
     assert pause_gauges(last.metrics) == (2, False, False)
     assert not core.execute_pass(0.0).progressed
     core.apply(Resume(), now_ms=0.0)
-    resumed = core.execute_pass(0.0)
-    assert [(a.request_id, a.reused_input_tokens) for a in resumed.admissions] == [
-        ("r0", 0),
-        ("r1", 0),
-        ("r2", 0),
-    ]
+    readmitted_from_nothing(core)
 
 
 def test_async_scheduling_refuses_resetting_running_requests() -> None:

@@ -25,7 +25,13 @@ from engined.core.types import (
     WakeUp,
 )
 from tests.core.factories import make_args, make_core, request
-from tests.core.test_pause import engine, load, pause_gauges, sleep_gauges
+from tests.core.test_pause import (
+    engine,
+    load,
+    pause_gauges,
+    readmitted_from_nothing,
+    sleep_gauges,
+)
 
 
 def test_release_needs_a_completed_pause() -> None:
@@ -61,12 +67,7 @@ def test_release_clears_the_cache_and_sleeps_the_kv_pool_until_woken() -> None:
     core.apply(WakeUp(("kv_cache",)), now_ms=0.0)
     assert pause_gauges(core.metrics()) == (0, False, False)
     assert sleep_gauges(core.metrics()) == ((), False, 0)
-    resumed = core.execute_pass(0.0)
-    assert [(a.request_id, a.reused_input_tokens) for a in resumed.admissions] == [
-        ("r0", 0),
-        ("r1", 0),
-        ("r2", 0),
-    ]
+    readmitted_from_nothing(core)
 
 
 def test_release_after_a_sleep_is_refused_as_vllm_refuses_it() -> None:
