@@ -1,5 +1,6 @@
-"""vLLM's pause and sleep calls of the control protocol (§1.1), for operators: what an RL
-loop calls between rollouts (pause or sleep, update the weights, resume or wake up).
+"""vLLM's pause, sleep and weight-version calls of the control protocol (§1.1), for
+operators: what an RL loop calls between rollouts (pause or sleep, update the weights and
+label them, resume or wake up).
 
 Apart from `EngineClient`'s other calls because only an operator's connection may make them;
 `EngineClient` inherits them.
@@ -12,9 +13,11 @@ from collections.abc import Sequence
 from engined.client.dealer_connection import DEFAULT_TIMEOUT, Connection
 from engined.wire.constraints import PauseModeStr
 from engined.wire.control import (
+    Applied,
     Pause,
     ReleaseKvCacheMemory,
     Resume,
+    SetWeightVersion,
     Sleep,
     StatsReply,
     WakeUp,
@@ -66,3 +69,11 @@ class PauseCalls(Connection):
         completed `pause`; `wake_up(["kv_cache"])` undoes it."""
         msg = ReleaseKvCacheMemory(id=self._next_id())
         return await self._call(msg, StatsReply, timeout)
+
+    async def set_weight_version(
+        self, weight_version: str, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> Applied:
+        """vLLM's `update_weight_version` on every rank (operators only): the outputs of
+        later passes carry `weight_version` ("default" until set)."""
+        msg = SetWeightVersion(weight_version=weight_version, id=self._next_id())
+        return await self._call(msg, Applied, timeout)

@@ -32,6 +32,7 @@ from engined.wire.constraints import (
     TokenId,
     VocabSize,
     WakeUpTags,
+    WeightVersionStr,
     WorkerIdStr,
 )
 
@@ -219,6 +220,14 @@ class WakeUp(ClientMessageBase, tag="wake_up"):
     tags: WakeUpTags | None = None
 
 
+class SetWeightVersion(ClientMessageBase, tag="set_weight_version"):
+    """vLLM's `update_weight_version(new_version)` on every rank: the outputs of passes
+    after it carry `weight_version` (vLLM labels each step's outputs with the engine's
+    version; "default" until set); answered `applied`. Operators only."""
+
+    weight_version: WeightVersionStr
+
+
 class ReleaseKvCacheMemory(ClientMessageBase, tag="release_kv_cache_memory"):
     """vLLM's `release_kv_cache_memory()` on every rank, after a completed `pause`: clear
     the caches and put the KV cache to sleep (`wake_up` with tags `["kv_cache"]` brings it
@@ -248,6 +257,7 @@ ClientMessage: TypeAlias = (
     | Sleep
     | WakeUp
     | ReleaseKvCacheMemory
+    | SetWeightVersion
 )
 
 # The engine-wide commands, which only an operator's connection may send (PROTOCOL.md §1.5).
@@ -260,6 +270,7 @@ OPERATOR_ONLY: Final = (
     Sleep,
     WakeUp,
     ReleaseKvCacheMemory,
+    SetWeightVersion,
 )
 
 # The `type` tags of every client message, in declaration order (fuzzers, docs and tests).

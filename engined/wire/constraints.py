@@ -101,6 +101,10 @@ VocabSize = Annotated[
     int, Meta(ge=1, le=U32_LIMIT, description="Generated ids are drawn from [0, vocab_size).")
 ]
 
+# A weight version label (vLLM's `update_weight_version`): at most 256 UTF-8 bytes here.
+WEIGHT_VERSION_MAX_BYTES = 256
+WeightVersionStr = Annotated[str, Meta(description="At most 256 bytes of UTF-8.")]
+
 # An FPM worker id (Dynamo stamps the decimal connection id): at most 256 UTF-8 bytes.
 WorkerIdStr = Annotated[str, Meta(min_length=1, description="1 to 256 bytes of UTF-8.")]
 

@@ -17,6 +17,7 @@ from engined.wire.constraints import (
     CACHE_SALT_MAX_BYTES,
     LORA_NAME_MAX_BYTES,
     LORA_PATH_MAX_BYTES,
+    WEIGHT_VERSION_MAX_BYTES,
 )
 from engined.wire.messages import (
     CLIENT_MESSAGE_TAGS as CLIENT_MESSAGE_TAGS,
@@ -142,6 +143,9 @@ from engined.wire.messages import (
     SetVocabulary as SetVocabulary,
 )
 from engined.wire.messages import (
+    SetWeightVersion as SetWeightVersion,
+)
+from engined.wire.messages import (
     Sleep as Sleep,
 )
 from engined.wire.messages import (
@@ -240,6 +244,10 @@ def _check_fields(msg: ClientMessage) -> None:
             check_request_id(msg.request_id, "$.request_id")
         case SetFpmWorkerId():
             _check_utf8_max(msg.worker_id, WORKER_ID_MAX_BYTES, "worker_id", "$.worker_id")
+        case SetWeightVersion():
+            _check_utf8_max(
+                msg.weight_version, WEIGHT_VERSION_MAX_BYTES, "weight_version", "$.weight_version"
+            )
         case _:
             pass
 

@@ -145,6 +145,7 @@ def to_core_command(
             return core.WakeUp(None if msg.tags is None else tuple(msg.tags))
         case ReleaseKvCacheMemory():
             return core.ReleaseKvCacheMemory()
+        # SetWeightVersion is the daemon's (it labels the outputs it delivers).
         case _:
             return None
 
@@ -158,10 +159,13 @@ _FINISH_REASONS: Final[dict[core.FinishReason, FinishReason]] = {
 }
 
 
-def to_output_entry(output: core.RequestOutput, request_id: str | None = None) -> OutputEntry:
+def to_output_entry(
+    output: core.RequestOutput, request_id: str | None = None, weight_version: str | None = None
+) -> OutputEntry:
     """The streamed form of one request's output of one pass (a speculative burst stays one
     entry, so the protocol keeps one entry per request per pass), under `request_id` when
-    its owner knows it by another name (an alias, `RequestIds`)."""
+    its owner knows it by another name (an alias, `RequestIds`), labelled `weight_version`
+    (None: vLLM's "default")."""
     # Nearly every entry is unfinished: no enum hashing for those.
     finish_reason = output.finish_reason
     reason = None if finish_reason is None else _FINISH_REASONS[finish_reason]
@@ -173,6 +177,7 @@ def to_output_entry(output: core.RequestOutput, request_id: str | None = None) -
         cached_tokens=output.cached_tokens,
         handoff_delay_ms=output.handoff_delay_ms,
         stop_reason=output.stop_reason,
+        weight_version=weight_version,
     )
 
 
@@ -219,6 +224,7 @@ def rank_stats(
     passes_total: int,
     lateness_ms: tuple[float, float, float] = (0.0, 0.0, 0.0),
     kv_events_overflows: int = 0,
+    weight_version: str | None = None,
 ) -> RankStats:
     """One `stats` entry: the core's gauges as they are, the daemon's counters beside them."""
     gauges: dict[str, Any] = {name: getattr(metrics, name) for name in _STATS_GAUGES}
@@ -229,4 +235,5 @@ def rank_stats(
         lateness_p99_ms=lateness_ms[1],
         lateness_max_ms=lateness_ms[2],
         kv_events_overflows=kv_events_overflows,
+        weight_version="default" if weight_version is None else weight_version,
     )

@@ -78,6 +78,9 @@ from engined.wire.client_messages import (
     SetVocabulary as SetVocabulary,
 )
 from engined.wire.client_messages import (
+    SetWeightVersion as SetWeightVersion,
+)
+from engined.wire.client_messages import (
     Sleep as Sleep,
 )
 from engined.wire.client_messages import (
@@ -229,6 +232,8 @@ class RankStats(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     sleeping_tags: tuple[str, ...] = ()
     asleep: bool = False
     sleep_level: int = 0
+    # vLLM's `get_weight_version()`: the label the rank's outputs carry (`set_weight_version`).
+    weight_version: str = "default"
 
 
 class StatsReply(DirectReply, tag="stats"):
@@ -264,6 +269,9 @@ class OutputEntry(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True,
     cached_tokens: int | None = None
     handoff_delay_ms: float | None = None
     stop_reason: int | None = None
+    # The weight version that sampled the entry's tokens (`set_weight_version`; added later
+    # in v1), absent for vLLM's "default".
+    weight_version: str | None = None
 
 
 class Output(DaemonMessageBase, tag="output", gc=False):

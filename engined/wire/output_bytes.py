@@ -8,7 +8,9 @@ entry's encoding up to its token, kept while the request lives) and the token's 
 then one fixed tail; entries that carry more (a request's first, its last, a burst) are
 encoded from their Struct. The fixed segments are cut, at construction, from encodings of
 sentinel messages built with the wire Structs themselves, so the bytes stay msgspec's;
-tests/wire/test_output_bytes.py holds whole messages to the Struct path.
+tests/wire/test_output_bytes.py holds whole messages to the Struct path. A rank whose
+outputs carry a weight version (`set_weight_version`) has leads and a tail of their own,
+cut from a sentinel entry with a version: its tail ends with the version's encoding.
 
 Compiled with the core (`engined.core.COMPILED_MODULES`): it runs for every streamed token.
 """
@@ -28,6 +30,7 @@ from engined.wire.kv_event_bytes import array_head, cut
 _REQUEST_ID: Final = "engined-sentinel-request-id"
 _TOKEN: Final = 0xC1C2C3C4
 _RANK: Final = 0xD1D2D3D4
+_VERSION: Final = "engined-sentinel-weight-version"
 _EMPTY_ARRAY: Final = b"\x90"
 _ONE_ELEMENT: Final = b"\x91"
 # Where a message's pieces hold the array head of its entries, known once they are counted.
@@ -46,7 +49,16 @@ class OutputWriter:
             encoded from its Struct.
     """
 
-    __slots__ = ("_encode", "_entry_tail", "_head", "_leads", "_name_of", "_rank_tail", "_to_token")
+    __slots__ = (
+        "_encode",
+        "_entry_tail",
+        "_head",
+        "_leads",
+        "_name_of",
+        "_rank_tail",
+        "_to_token",
+        "_versioned",
+    )
 
     def __init__(self, name_of: Callable[[str], str]) -> None:
         encode = msgspec.msgpack.Encoder().encode
@@ -59,6 +71,12 @@ class OutputWriter:
         self._head = head
         self._to_token = to_token + _ONE_ELEMENT
         self._entry_tail = tail
+        labelled = msgspec.structs.replace(sentinel, weight_version=_VERSION)
+        pieces = cut(encode(labelled), [encode(_REQUEST_ID), encode([_TOKEN]), encode(_VERSION)])
+        if pieces[3]:
+            raise RuntimeError(f"unexpected encoding of a labelled entry: {pieces!r}")
+        # (lead head, to the token, tail up to the version, leads by request id)
+        self._versioned = _Versioned(pieces[0], pieces[1] + _ONE_ELEMENT, pieces[2])
         message_head, rank_tail = cut(encode(Output(dp_rank=_RANK, outputs=[])), [encode(_RANK)])
         if not rank_tail.endswith(_EMPTY_ARRAY):
             raise RuntimeError(f"unexpected encoding of an empty output: {rank_tail!r}")
@@ -72,9 +90,10 @@ class OutputWriter:
         decodes: core.Decodes,
         owners: dict[str, bytes],
         rank: int,
+        weight_version: str | None = None,
     ) -> tuple[dict[bytes, bytes], list[str]]:
         """Each owner's `output` message of this pass (its entries in emission order), and the
-        owned requests the pass ended.
+        owned requests the pass ended; every entry labelled `weight_version` when given.
 
         Outputs of requests nobody owns are dropped. `owners` is a dict, not a Mapping, so
         the compiled lookup is the dict's own; consecutive entries of one owner (a single
@@ -90,11 +109,16 @@ class OutputWriter:
         bounds = [*decodes.before, len(step_ids)]
         num_outputs = len(outputs)
         assert len(bounds) == num_outputs + 1, "Decodes.before needs one entry per output"
-        leads = self._leads
+        encode = self._encode
+        versioned = self._versioned if weight_version is not None else None
+        if versioned is None:
+            leads = self._leads
+            tail = self._entry_tail
+        else:
+            leads = versioned.leads
+            tail = versioned.tail + encode(weight_version)
         if len(leads) > MAX_LEADS:
             leads.clear()
-        encode = self._encode
-        tail = self._entry_tail
         taken = 0
         for index, stop in enumerate(bounds):
             while taken < stop:
@@ -105,7 +129,7 @@ class OutputWriter:
                         message, last_owner = self._message_of(messages, owner, rank), owner
                     lead = leads.get(request_id)
                     if lead is None:
-                        lead = leads[request_id] = self._lead(request_id)
+                        lead = leads[request_id] = self._lead(request_id, versioned)
                     pieces = message.pieces
                     pieces.append(lead)
                     pieces.append(encode(step_tokens[taken]))
@@ -118,7 +142,8 @@ class OutputWriter:
             request_id = output.request_id
             finished = output.finish_reason is not None
             if finished:
-                leads.pop(request_id, None)
+                self._leads.pop(request_id, None)
+                self._versioned.leads.pop(request_id, None)
             owner = owners.get(request_id)
             if owner is None:
                 continue
@@ -127,7 +152,7 @@ class OutputWriter:
             if last_owner is None or owner != last_owner:
                 message, last_owner = self._message_of(messages, owner, rank), owner
             name = self._name_of(request_id)
-            entry = to_output_entry(output, None if name == request_id else name)
+            entry = to_output_entry(output, None if name == request_id else name, weight_version)
             message.pieces.append(encode(entry))
             message.count += 1
         written: dict[bytes, bytes] = {}
@@ -136,8 +161,11 @@ class OutputWriter:
             written[owner] = b"".join(owned.pieces)
         return written, ended
 
-    def _lead(self, request_id: str) -> bytes:
-        return self._head + self._encode(self._name_of(request_id)) + self._to_token
+    def _lead(self, request_id: str, versioned: _Versioned | None) -> bytes:
+        name = self._encode(self._name_of(request_id))
+        if versioned is None:
+            return self._head + name + self._to_token
+        return versioned.head + name + versioned.to_token
 
     def _message_of(self, messages: dict[bytes, _Message], owner: bytes, rank: int) -> _Message:
         """The owner's message so far, begun with its head (the entries' array head blank)."""
@@ -147,6 +175,18 @@ class OutputWriter:
             head = [message_head, self._encode(rank), rank_tail, b""]
             found = messages[owner] = _Message(head)
         return found
+
+
+class _Versioned:
+    """The pieces of entries labelled with a weight version, and their requests' leads."""
+
+    __slots__ = ("head", "leads", "tail", "to_token")
+
+    def __init__(self, head: bytes, to_token: bytes, tail: bytes) -> None:
+        self.head = head
+        self.to_token = to_token
+        self.tail = tail
+        self.leads: dict[str, bytes] = {}
 
 
 class _Message:

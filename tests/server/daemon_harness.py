@@ -15,10 +15,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -228,6 +229,23 @@ class KvStream:
 
     def events(self) -> list[object]:
         return [event for batch in self.batches for event in batch.events]
+
+
+async def expect_refusals(endpoint: str, cases: Sequence[tuple[dict[str, object], str]]) -> None:
+    """Send each raw message (its `id` set to its index) and check the `error` reply's code;
+    a message is at most 512 characters, whatever the input."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(endpoint)
+        for n, (body, code) in enumerate(cases):
+            await sock.send(msgspec.msgpack.encode({**body, "id": n}))
+            reply = msgspec.msgpack.decode(await sock.recv())
+            assert (reply["type"], reply["code"], reply["id"]) == ("error", code, n), reply
+            assert len(reply["message"]) <= 512
+    finally:
+        sock.close(0)
+        ctx.term()
 
 
 async def read_fpm(

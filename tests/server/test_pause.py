@@ -12,10 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
-import zmq
-import zmq.asyncio
 
 from engined.client import EngineClient, EngineError
 from engined.core.pausing import RELEASE_BEFORE_PAUSE, RELEASE_WHILE_ASLEEP
@@ -23,6 +20,7 @@ from engined.server.control.pauses import PAUSE_CLIENT_LIMIT, PAUSED_MESSAGE
 from engined.wire.control import StatsReply
 from tests.server.daemon_harness import (
     DaemonProcess,
+    expect_refusals,
     free_tcp_port,
     start_daemon,
     start_tcp_daemon,
@@ -258,18 +256,7 @@ def test_malformed_and_huge_pause_messages_are_refused(daemon: DaemonProcess) ->
     ]
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.DEALER)
-        try:
-            sock.connect(daemon.control)
-            for n, (body, code) in enumerate(cases):
-                await sock.send(msgspec.msgpack.encode({**body, "id": n}))
-                reply = msgspec.msgpack.decode(await sock.recv())
-                assert (reply["type"], reply["code"], reply["id"]) == ("error", code, n)
-                assert len(reply["message"]) <= 512
-        finally:
-            sock.close(0)
-            ctx.term()
+        await expect_refusals(daemon.control, cases)
         async with await EngineClient.connect(daemon.control) as client:
             assert _states(await client.stats()) == {(0, False, False, False, 0)}
 

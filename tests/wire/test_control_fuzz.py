@@ -119,4 +119,5 @@ def test_client_message_tags_cover_the_protocol() -> None:
         "sleep",
         "wake_up",
         "release_kv_cache_memory",
+        "set_weight_version",
     )

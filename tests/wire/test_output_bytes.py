@@ -227,3 +227,47 @@ class TestBytes:
         messages, ended = route(outputs, decodes, owners, rank=1)
         assert messages[b"A"] == self.struct_message(outputs, decodes, 1)
         assert ended == ["stopped", "prefilled", "rejected"]
+
+
+class TestWeightVersions:
+    """Entries labelled with a weight version (`set_weight_version`): byte for byte the
+    Structs with `weight_version` set, and a request's unlabelled lead is not reused."""
+
+    @staticmethod
+    def labelled(
+        outputs: list[core.RequestOutput], decodes: core.Decodes, rank: int, version: str
+    ) -> bytes:
+        in_order = [convert.to_output_entry(o, None, version) for o in decodes.in_order(outputs)]
+        return ENCODE(control.Output(dp_rank=rank, outputs=in_order))
+
+    @pytest.mark.parametrize("version", ["v2", "", "ü" * 100, "x" * 256])
+    def test_every_kind_of_entry_labelled(self, version: str) -> None:
+        outputs = [
+            core.RequestOutput("first", [1, 2], None, 16),
+            core.RequestOutput("stopped", [6], core.FinishReason.STOP, stop_reason=6),
+        ]
+        decodes = core.Decodes(["s0", "s1", "s0"], [10, 70000, 3], [1, 2])
+        owners = dict.fromkeys(["first", "stopped", "s0", "s1"], b"A")
+        messages, _ = route_labelled(outputs, decodes, owners, 5, version)
+        assert messages[b"A"] == self.labelled(outputs, decodes, 5, version)
+        assert {e.weight_version for e in entries(messages[b"A"])} == {version}
+
+    def test_a_request_switches_between_labelled_and_not(self) -> None:
+        writer = OutputWriter(same_name)
+        owners = {"r": b"A"}
+        for version in (None, "v1", None, "v2"):
+            decodes = core.Decodes(["r"], [7], [])
+            messages, _ = writer.route([], decodes, owners, 0, version)
+            assert entries(messages[b"A"]) == [
+                msgspec.structs.replace(step("r", 7), weight_version=version)
+            ]
+
+
+def route_labelled(
+    outputs: list[core.RequestOutput],
+    decodes: core.Decodes,
+    owners: dict[str, bytes],
+    rank: int,
+    version: str,
+) -> tuple[dict[bytes, bytes], list[str]]:
+    return OutputWriter(same_name).route(outputs, decodes, owners, rank, version)

@@ -37,7 +37,7 @@ def test_control_client_schema_is_closed_and_tagged() -> None:
     doc = json.loads(RENDERED["control-client.json"])
     mapping = doc["discriminator"]["mapping"]
     assert doc["discriminator"]["propertyName"] == "type"
-    assert len(mapping) == 22 and "wait_idle" in mapping and "release_kv_cache_memory" in mapping
+    assert len(mapping) == 23 and "wait_idle" in mapping and "release_kv_cache_memory" in mapping
     assert doc["$defs"]["Metrics"]["properties"]["accept"]["anyOf"][0]["maxLength"] == 4096
     assert all(d.get("additionalProperties") is False for d in doc["$defs"].values())
     token_id = doc["$defs"]["WireRequest"]["properties"]["token_ids"]

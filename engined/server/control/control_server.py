@@ -131,7 +131,7 @@ class ControlServer:
             handoff_timeout_s=self._handoff_timeout_s,
         )
         self._load = LoadWatch(loops, self._clients.send)
-        self._reports = Reports(loops)
+        self._reports = Reports(loops, self._settings.weight_versions)
         self._pauses = Pauses(
             loops,
             ownership=self._ownership,
@@ -237,6 +237,8 @@ class ControlServer:
                 self._command(identity, self._commands.set_vocabulary(identity, msg))
             case wire.SetFpmWorkerId():
                 self._commands.set_fpm_worker_id(identity, msg)
+            case wire.SetWeightVersion():
+                self._command(identity, self._commands.set_weight_version(identity, msg))
             case wire.WatchLoad():
                 self._reply(identity, wire.Applied(id=msg.id))
                 self._load.watch(identity)
@@ -314,7 +316,9 @@ class ControlServer:
         self, rank: int, outputs: list[core.RequestOutput], decodes: core.Decodes
     ) -> None:
         ownership, ids = self._ownership, self._ids
-        messages, ended = self._outputs.route(outputs, decodes, ownership.owners_on(rank), rank)
+        version = self._settings.weight_versions.get(rank)
+        owners = ownership.owners_on(rank)
+        messages, ended = self._outputs.route(outputs, decodes, owners, rank, version)
         for request_id in ended:
             ownership.finished(rank, request_id)
             if ids:

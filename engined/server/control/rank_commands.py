@@ -26,6 +26,8 @@ from engined.wire import control as wire
 from engined.wire.convert import to_core_command
 
 Reply = Callable[[bytes, wire.DaemonMessage], None]
+# vLLM's weight version until one is set (EngineCore's `_weight_version`).
+DEFAULT_WEIGHT_VERSION = "default"
 # (identity, message id, error code, message): an `error` reply.
 Error = Callable[[bytes, int | str | None, str, str], None]
 
@@ -262,6 +264,19 @@ class RankCommands:
                 self._error(identity, msg.id, exc.code, str(exc))
                 return
         self._settings.vocabulary_applied(msg.vocab_size, msg.excluded_token_ids)
+        self._reply(identity, wire.Applied(id=msg.id))
+
+    async def set_weight_version(self, identity: bytes, msg: wire.SetWeightVersion) -> None:
+        """Every rank in turn, once the outputs of its passes so far are here (a worker
+        process answers `fresh_gauges` after them), so that a pass's outputs carry the
+        version in force when it ran, as each vLLM step's outputs do."""
+        versions = self._settings.weight_versions
+        for rank, loop in enumerate(self._ranks):
+            await loop.fresh_gauges()
+            if msg.weight_version == DEFAULT_WEIGHT_VERSION:
+                versions.pop(rank, None)
+            else:
+                versions[rank] = msg.weight_version
         self._reply(identity, wire.Applied(id=msg.id))
 
     def set_fpm_worker_id(self, identity: bytes, msg: wire.SetFpmWorkerId) -> None:

@@ -8,7 +8,7 @@ bound how many waits may be held.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engined.server.control.wait_slots import WaitSlots
 from engined.server.ranks.rank_gauges import RankGauges
@@ -26,21 +26,25 @@ WAIT_IDLE_CLIENT_LIMIT = 64
 class Reports:
     """`stats` and `wait_idle` over the daemon's ranks."""
 
-    def __init__(self, loops: Sequence[RankHandle]) -> None:
+    def __init__(
+        self, loops: Sequence[RankHandle], weight_versions: Mapping[int, str] | None = None
+    ) -> None:
+        """`weight_versions[rank]`: the label of the rank's outputs (absent: "default")."""
         self._loops = loops
+        self._versions: Mapping[int, str] = {} if weight_versions is None else weight_versions
         self._slots = WaitSlots(
             per_client=WAIT_IDLE_CLIENT_LIMIT, total=WAIT_IDLE_LIMIT, what="wait_idle messages"
         )
 
     def stats(self, msg_id: int | str | None = None) -> wire.StatsReply:
         """Every rank's figures as known here now."""
-        return _stats_reply(msg_id, [loop.gauges() for loop in self._loops])
+        return _stats_reply(msg_id, [loop.gauges() for loop in self._loops], self._versions)
 
     async def fresh_stats(self, msg_id: int | str | None) -> wire.StatsReply:
         """`stats` once every rank has sent its figures as of now (a worker's lateness would
         otherwise be as of its last heartbeat, up to a second old)."""
         gauges = await asyncio.gather(*(loop.fresh_gauges() for loop in self._loops))
-        return _stats_reply(msg_id, gauges)
+        return _stats_reply(msg_id, gauges, self._versions)
 
     def admit_wait(self, msg: wire.WaitIdle, identity: bytes) -> tuple[wire.ErrorCode, str] | None:
         """Count `msg` as waiting for `identity` and return None, or return why it cannot
@@ -77,7 +81,9 @@ class Refresh:
         await asyncio.gather(*(loop.fresh_gauges() for loop in self._loops))
 
 
-def _stats_reply(msg_id: int | str | None, ranks: Sequence[RankGauges]) -> wire.StatsReply:
+def _stats_reply(
+    msg_id: int | str | None, ranks: Sequence[RankGauges], versions: Mapping[int, str]
+) -> wire.StatsReply:
     return wire.StatsReply(
         id=msg_id,
         ranks=[
@@ -86,7 +92,8 @@ def _stats_reply(msg_id: int | str | None, ranks: Sequence[RankGauges]) -> wire.
                 passes_total=gauges.passes_total,
                 lateness_ms=gauges.lateness_ms,
                 kv_events_overflows=gauges.kv_overflows,
+                weight_version=versions.get(rank),
             )
-            for gauges in ranks
+            for rank, gauges in enumerate(ranks)
         ],
     )

@@ -6,6 +6,10 @@ forward-pass metrics (`set_fpm_worker_id`, for every rank or, when each rank is 
 worker of its own, for one). The cores hold the vocabulary they draw from and the publishers
 the id they stamp; this object keeps the daemon-wide view, so `welcome` tells every later
 client what is in force (the engine-wide id: a rank's own id is its worker's to know).
+
+An RL trainer labels the weights it loads (`set_weight_version`, vLLM's
+`update_weight_version`): each rank's label is kept here, and the control server labels the
+outputs it delivers for the rank with it (none: vLLM's "default", left out of the entries).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class RuntimeSettings:
         self._excluded = tuple(excluded_token_ids)
         self._fpm_worker_id = fpm_worker_id
         self._fpm = fpm
+        # By rank; a rank not here has vLLM's "default".
+        self.weight_versions: dict[int, str] = {}
 
     @property
     def vocab_size(self) -> int | None:
