@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 from engined.openai.api_errors import generation_error
 from engined.openai.generation import Delta, Generation
 from engined.openai.text import ChoiceText
+from engined.openai.weight_versions import VersionSpans, WeightVersionSpan
 
 FINISH_REASONS: Mapping[str, str] = {"length": "length", "stop": "stop", "cancelled": "abort"}
 
@@ -32,6 +33,7 @@ class Choice:
     stop_reason: int | str | None = None
     all_text: list[str] = field(default_factory=list)
     all_ids: list[int] = field(default_factory=list)
+    versions: VersionSpans = field(default_factory=VersionSpans)
 
     def advance(self, delta: Delta) -> tuple[str, list[int], int] | None:
         """(text, counted token ids, position of the first) of a delta; None once done."""
@@ -44,6 +46,7 @@ class Choice:
         )
         ids = delta.token_ids if counted == len(delta.token_ids) else delta.token_ids[:counted]
         first = self.tokens
+        self.versions.track(delta.versions, first, counted)
         self.tokens += counted
         if self.text.stopped is not None:
             self.done = True
@@ -55,6 +58,10 @@ class Choice:
             self.finish_reason = FINISH_REASONS.get(delta.finish_reason or "", "length")
             self.stop_reason = delta.stop_reason
         return text, ids, first
+
+    def weight_versions(self) -> list[WeightVersionSpan] | None:
+        """vLLM's spans of the finished choice's tokens by weight version."""
+        return self.versions.spans(self.tokens)
 
 
 C = TypeVar("C", bound=Choice)

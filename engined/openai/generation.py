@@ -29,6 +29,7 @@ from engined.client import EngineClient
 from engined.client.handoff_coordinator import DestinationRequest
 from engined.openai.disagg import DecodeRole, Disaggregation, PrefillRole, Role
 from engined.openai.queue_admission import Ticket
+from engined.openai.weight_versions import Runs, add_run, joined
 from engined.wire.control import OutputEntry, Submitted, WireLoraRequest
 
 # Bounds every control call of the API server; the daemon answers within a pass or two.
@@ -62,6 +63,8 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: int | None = None
     cached_tokens: int | None = None
+    # The weight version of its tokens, in runs (engined.openai.weight_versions).
+    versions: Runs = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -78,8 +81,10 @@ class _Choice:
 
 def _merge(choice: _Choice, entries: Sequence[OutputEntry]) -> Delta:
     tokens: list[int] = []
+    versions: Runs = []
     for entry in entries:
         tokens.extend(entry.token_ids)
+        add_run(versions, entry.weight_version, len(entry.token_ids))
         if entry.cached_tokens is not None and choice.cached_tokens is None:
             choice.cached_tokens = entry.cached_tokens
     last = entries[-1]
@@ -98,6 +103,7 @@ def _merge(choice: _Choice, entries: Sequence[OutputEntry]) -> Delta:
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
         cached_tokens=choice.cached_tokens,
+        versions=versions,
     )
 
 
@@ -263,6 +269,7 @@ class Generation:
         if held is not None:
             held.token_ids.extend(delta.token_ids)
             delta.token_ids = held.token_ids
+            delta.versions = joined(held.versions, delta.versions)
         if not delta.finished and choice.sent and len(delta.token_ids) < self.stream_interval:
             choice.held = delta
             return None

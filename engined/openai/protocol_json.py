@@ -81,6 +81,12 @@ def _loads(body: bytes) -> object:
     return parsed
 
 
+def read_body(body: bytes, content_type: str | None) -> object:
+    """The body's JSON value as FastAPI reads a route's `Body` parameters: None when empty or
+    of another media type (no media-type refusal: vLLM's RL routes have no such check)."""
+    return _loads(body) if body and _is_json(content_type) else None
+
+
 def parse_body(body: bytes, content_type: str | None) -> object:
     """The body's JSON value (None when empty), or the ApiError vLLM answers it with."""
     parsed = _loads(body) if body and _is_json(content_type) else None

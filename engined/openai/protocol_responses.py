@@ -351,6 +351,7 @@ def chat_finish_choice(
     logprobs: ChatCompletionLogProbs | None = None,
     stop_reason: int | str | None = None,
     token_ids: list[int] | None = None,
+    weight_versions: list[Any] | None = None,
 ) -> ChatCompletionResponseStreamChoice:
     """The choice of a choice's closing chunk."""
     return ChatCompletionResponseStreamChoice(
@@ -360,7 +361,7 @@ def chat_finish_choice(
         finish_reason=finish_reason,
         stop_reason=stop_reason,
         token_ids=token_ids,
-        weight_versions=None,
+        weight_versions=weight_versions,
     )
 
 

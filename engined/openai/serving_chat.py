@@ -216,6 +216,9 @@ class _Run:
                             logprobs=logprobs,
                             stop_reason=choice.stop_reason,
                             token_ids=ids if token_ids else None,
+                            weight_versions=choice.weight_versions()
+                            if self.request.return_weight_versions
+                            else None,
                         )
                     elif not text and logprobs is None and not token_ids:
                         continue
@@ -284,6 +287,9 @@ class _Run:
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
                     token_ids=choice.all_ids if token_ids else None,
+                    weight_versions=choice.weight_versions()
+                    if self.request.return_weight_versions
+                    else None,
                 )
                 for choice in self.choices
             ],

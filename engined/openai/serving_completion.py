@@ -185,6 +185,7 @@ class _Run:
         include_usage = options is not None and bool(options.include_usage)
         continuous = include_usage and options is not None and bool(options.continuous_usage_stats)
         token_ids = bool(self.request.return_token_ids)
+        versions = self.request.return_weight_versions
         try:
             progress = steps(generation, self.choices)
             async with contextlib.aclosing(progress):
@@ -205,6 +206,9 @@ class _Run:
                                 finish_reason=choice.finish_reason,
                                 stop_reason=choice.stop_reason,
                                 token_ids=ids if token_ids else None,
+                                weight_versions=choice.weight_versions()
+                                if versions and choice.finish_reason is not None
+                                else None,
                             )
                         ],
                         kv_transfer_params=generation.kv_transfer_params
@@ -266,6 +270,9 @@ class _Run:
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
                     token_ids=choice.all_ids if token_ids else None,
+                    weight_versions=choice.weight_versions()
+                    if self.request.return_weight_versions
+                    else None,
                 )
                 for choice in self.choices
             ],

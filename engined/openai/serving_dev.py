@@ -4,8 +4,10 @@
 (vllm/entrypoints/launchers/api_server/routers.py); without it they are FastAPI's 404. They
 are vLLM's `/pause`, `/resume`, `/is_paused` (vllm/entrypoints/rl/online/api_router.py),
 `/sleep`, `/release_kv_cache_memory`, `/wake_up`, `/is_sleeping`
-(entrypoints/serve/dev/sleep/api_router.py) and `/reset_prefix_cache`
-(entrypoints/serve/dev/cache/api_router.py), carried out by the
+(entrypoints/serve/dev/sleep/api_router.py), `/reset_prefix_cache`
+(entrypoints/serve/dev/cache/api_router.py), and the RL router's `/update_weight_version`,
+`/weight_info` and `/get_world_size` (vllm/entrypoints/rl/online/api_router.py; engined has
+one GPU per rank: no tensor or pipeline parallelism), carried out by the
 daemon's engine-wide control messages, which need the operator role: the API server sends
 them on its operator connection (engined.openai.process).
 
@@ -29,6 +31,7 @@ import structlog
 from engined.client import EngineClient, EngineError
 from engined.openai.api_errors import ApiError, Errors, request_validation_error
 from engined.openai.http.http_messages import HttpRequest, HttpResponse
+from engined.openai.protocol_json import read_body
 from engined.openai.protocol_lax import FAIL, register_literals, validate_struct
 from engined.wire.constraints import PauseModeStr
 from engined.wire.messages import RankStats
@@ -70,7 +73,11 @@ class ResetQuery(msgspec.Struct):
     reset_external: bool = False
 
 
-for _query_type in (PauseQuery, SleepQuery, ResetQuery):
+class WorldSizeQuery(msgspec.Struct):
+    include_dp: bool = True
+
+
+for _query_type in (PauseQuery, SleepQuery, ResetQuery, WorldSizeQuery):
     register_literals(_query_type)
 
 
@@ -139,6 +146,9 @@ class DevServer:
             "/wake_up": {"POST": self.wake_up},
             "/is_sleeping": {"GET": self.is_sleeping},
             "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
+            "/update_weight_version": {"POST": self.update_weight_version},
+            "/weight_info": {"GET": self.weight_info},
+            "/get_world_size": {"GET": self.get_world_size},
         }
 
     async def pause(self, request: HttpRequest) -> HttpResponse:
@@ -213,3 +223,44 @@ class DevServer:
                 raise _failed_call("reset_prefix_cache", error) from None
             return _json({"success": False})
         return _json({"success": True})
+
+    async def update_weight_version(self, request: HttpRequest) -> HttpResponse:
+        version = _new_version(request.body, request.headers.get("content-type"))
+        try:
+            await self._operator.set_weight_version(version)
+        except EngineError as error:
+            if error.code != "invalid_request":
+                raise
+            # engined's own bound on a label (the control protocol's); vLLM has none.
+            raise ApiError(400, error.message, "Bad Request", "body.new_version") from None
+        return _json({"success": True, "new_version": version})
+
+    async def weight_info(self, request: HttpRequest) -> HttpResponse:
+        # vLLM's DP client answers with its first engine's version.
+        stats = await self._operator.stats()
+        return _json({"weight_version": stats.ranks[0].weight_version})
+
+    async def get_world_size(self, request: HttpRequest) -> HttpResponse:
+        query = parse_query(request.query, WorldSizeQuery)
+        stats = await self._operator.stats()
+        # TP x PP is 1 here; with DP, one per rank.
+        return _json({"world_size": len(stats.ranks) if query.include_dp else 1})
+
+
+def _new_version(body: bytes, content_type: str | None) -> str:
+    """`new_version` of the body, as FastAPI's `Body(embed=True)` validates it.
+
+    Raises:
+        ApiError: vLLM's 400 for a missing or non-string label, or malformed JSON.
+    """
+    parsed = read_body(body, content_type)
+    value = parsed.get("new_version") if isinstance(parsed, dict) else None
+    if isinstance(value, str):
+        return value
+    errors = Errors()
+    loc = ("body", "new_version")
+    if value is None:
+        errors.add("missing", loc, "Field required", None)
+    else:
+        errors.add("string_type", loc, "Input should be a valid string", value)
+    raise request_validation_error(errors)
