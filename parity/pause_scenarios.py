@@ -133,4 +133,5 @@ def pause_scenarios() -> list[Scenario]:
         asynchronous(pause("wait", resume_at=10)),
         asynchronous(pause_idle()),
         asynchronous(release_kv_cache()),
+        asynchronous(reset_running()),
     ]

@@ -290,7 +290,6 @@ def assemble(
         policy=policy,
         vocab=vocab,
         pausing=pausing,
-        async_scheduling=args.async_scheduling,
     )
     batches = None
     if args.async_scheduling:

@@ -77,7 +77,6 @@ class CommandOutcome(NamedTuple):
 
 class Commands:
     __slots__ = (
-        "_async_scheduling",
         "_book",
         "_capacity",
         "_finisher",
@@ -107,7 +106,6 @@ class Commands:
         policy: AdmissionPolicy,
         vocab: Vocabulary,
         pausing: PauseControl | None,
-        async_scheduling: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -122,7 +120,6 @@ class Commands:
         self._vocab = vocab
         # vLLM semantics only (None: refused).
         self._pausing = pausing
-        self._async_scheduling = async_scheduling
 
     def apply(self, command: Command, now_ms: float) -> CommandOutcome:
         """Apply `command` at `now_ms`, then retry the pending destination.
@@ -190,11 +187,8 @@ class Commands:
         if not reset_running_requests:
             return APPLIED if self._kv.reset_prefix_cache() else Refused(_BLOCKS_IN_USE)
         pausing = self._pausing
-        if pausing is None or self._async_scheduling:
-            # vLLM drops the in-flight output of what it preempts so; engined delivers it.
-            raise UnsupportedError(
-                "reset_running_requests needs vLLM semantics, without async scheduling"
-            )
+        if pausing is None:
+            raise UnsupportedError("reset_running_requests needs vLLM semantics")
         pausing.reset_caches(reset_running_requests=True)
         return APPLIED
 

@@ -73,12 +73,14 @@ class Preempter:
     def preempt_all(self) -> None:
         """Preempt every running request, last first, whatever the policy: vLLM's
         `reset_prefix_cache(reset_running_requests=True)`, which a pause's cache clear runs,
-        so that the requests come back in their running order."""
+        so that the requests come back in their running order. What they have in flight
+        (async scheduling) is dropped, not delivered: they are resumed at once, and that
+        output would come after their recomputed positions."""
         running = self._state.running
         while running:
-            self._evict(running[-1])
+            self._evict(running[-1], drop_stale_output=True)
 
-    def _evict(self, req: RequestState) -> None:
+    def _evict(self, req: RequestState, *, drop_stale_output: bool = False) -> None:
         victim = req.request_id
         state = self._state
         kv = self._kv
@@ -86,7 +88,11 @@ class Preempter:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.steady_until = 0
-        # Async scheduling: what is in flight is delivered but no longer counted.
+        # Async scheduling: what is in flight is delivered but no longer counted (or dropped:
+        # `drop_stale_output`, which an earlier drop keeps while its share is undrained).
+        req.drop_stale_output = drop_stale_output or (
+            req.drop_stale_output and req.num_stale_output_tokens > 0
+        )
         req.num_stale_output_tokens = req.num_in_flight_tokens
         req.num_output_placeholders = 0
         req.num_preemptions += 1

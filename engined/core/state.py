@@ -34,10 +34,12 @@ class RequestState:
     arrival: int = 0
     # Async scheduling (engined/core/paged/async_batches.py), as vLLM's `Request` counts
     # them: tokens sampled by batches in flight (included in `num_computed_tokens`), tokens
-    # of batches in flight, and of those the ones a preemption made stale.
+    # of batches in flight, and of those the ones a preemption made stale; whether that
+    # stale output is dropped rather than delivered (a cache reset's preemption).
     num_output_placeholders: int = 0
     num_in_flight_tokens: int = 0
     num_stale_output_tokens: int = 0
+    drop_stale_output: bool = False
     # vLLM semantics, fused walk: below this length a decode step is steady (its slot in a
     # held block, filling none; its token ends nothing); 0 when unknown.
     # engined/core/paged/scheduler.py sets it, a preemption clears it.

@@ -284,10 +284,28 @@ def test_async_keep_resolves_the_batch_in_flight_then_clears() -> None:
     readmitted_from_nothing(core)
 
 
-def test_async_scheduling_refuses_resetting_running_requests() -> None:
-    core = Engine(EngineArgs(block_size=4, num_gpu_blocks=32, async_scheduling=True))
-    with pytest.raises(UnsupportedError, match="without async scheduling"):
-        core.apply(ResetPrefixCache(reset_running_requests=True), now_ms=0.0)
+def test_async_reset_drops_the_output_in_flight_of_what_it_preempts() -> None:
+    """vLLM's `drop_stale_output`: the batch in flight when a reset preempted r0-r2 resolves
+    without delivering their tokens (they resume at once and sample those positions again),
+    so the pass after the reset delivers nothing, and the next delivers one token each."""
+    core = Engine(
+        msgspec.structs.replace(engine().args, async_scheduling=True).normalized(), record=True
+    )
+    load(core, 3)
+    core.execute_pass(0.0)
+    second = core.execute_pass(0.0)  # batch 2 in flight, batch 1 resolved: token 1 each
+    tokens = {o.request_id: o.new_token_ids for o in second.request_outputs()}
+    assert core.apply(ResetPrefixCache(reset_running_requests=True), now_ms=0.0).result == APPLIED
+    dropped = core.execute_pass(0.0)  # re-admits r0-r2, resolves batch 2: dropped
+    assert dropped.request_outputs() == []
+    assert [a.request_id for a in dropped.admissions] == ["r0", "r1", "r2"]
+    again = core.execute_pass(0.0)
+    assert [(o.request_id, len(o.new_token_ids)) for o in again.request_outputs()] == [
+        ("r0", 1),
+        ("r1", 1),
+        ("r2", 1),
+    ]
+    assert all(len(tokens[f"r{i}"]) == 1 for i in range(3))
 
 
 def test_abort_also_ends_the_destinations_not_yet_activated() -> None:

@@ -22,7 +22,9 @@ first pass after an idle engine delivers nothing. A request preempted while a ba
 its was in flight keeps that batch's token (vLLM delivers stale output rather than
 resample it) but not its placeholder; vLLM's rule that holds back such a request until its
 stale output drains never fires with a queue of 2, since the batch drains in the same call
-that preempted it.
+that preempted it. A cache reset's preemption (`reset_running_requests`, a pause's clear)
+drops that token instead (vLLM's `drop_stale_output`): the request resumes at once, and the
+position is sampled again.
 
 Paused (engined/core/pausing.py), a pass schedules only if the scheduler has requests under
 the pause state, and otherwise only resolves the batch in flight, as `step_with_batch_queue`
@@ -151,6 +153,8 @@ class AsyncBatches:
             stale = req.num_stale_output_tokens > 0
             if stale:
                 req.num_stale_output_tokens -= num
+                if req.drop_stale_output:
+                    continue  # dropped: a cache reset resumed it at once
             if not sample:
                 continue
             seq = req.seq
