@@ -2,11 +2,11 @@
 
 Every decision lives elsewhere: settings, their layering and validation in `engined.config`,
 the daemon in `engined.server.daemon`, the operator commands (submit, events, fpm, stats,
-bench) in `engined.tools`. This package turns options into a flags dict or an options
-dataclass, errors into exit codes, and nothing more. Each subcommand is one function,
-registered on `app` here: `serve` (with its flag options) in `serve`, the operator commands
-in `tool_commands` (the options they share in `tool_options`), `dynamo-worker` in
-`dynamo_worker`.
+bench, and the engine-wide pause, sleep and weight-version ones) in `engined.tools`. This
+package turns options into a flags dict or an options dataclass, errors into exit codes, and
+nothing more. Each subcommand is one function, registered on `app` here: `serve` (with its
+flag options) in `serve`, the operator commands in `tool_commands` and `engine_commands` (the
+options they share in `tool_options`), `dynamo-worker` in `dynamo_worker`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from engined import __version__
-from engined.cli import dynamo_worker, tool_commands
+from engined.cli import dynamo_worker, engine_commands, tool_commands
 from engined.cli.serve import CONFIG_ERROR, STARTUP_FAILURE, ServeCommand, serve_command
 from engined.core import build as core_build
 
@@ -63,6 +63,13 @@ app.command("events")(tool_commands.events)
 app.command("fpm")(tool_commands.fpm)
 app.command("stats")(tool_commands.stats)
 app.command("bench")(tool_commands.bench)
+app.command("pause")(engine_commands.pause)
+app.command("resume")(engine_commands.resume)
+app.command("sleep")(engine_commands.sleep)
+app.command("wake-up")(engine_commands.wake_up)
+app.command("release-kv-cache")(engine_commands.release_kv_cache)
+app.command("reset-prefix-cache")(engine_commands.reset_prefix_cache)
+app.command("set-weight-version")(engine_commands.set_weight_version)
 app.command(
     "dynamo-worker",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
