@@ -4,6 +4,7 @@ imported inside the commands, so `serve` and `--help` never load it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
@@ -47,19 +48,6 @@ def pause(
     _run(control_endpoint, timeout, json_lines, call)
 
 
-def resume(
-    control_endpoint: ControlEndpoint = DEFAULT_CONTROL_ENDPOINT,
-    timeout: Timeout = DEFAULT_TIMEOUT,
-    json_lines: JsonLines = False,
-) -> None:
-    """Resume generation on every rank."""
-
-    async def call(client: EngineClient, wait: float) -> object:
-        return await client.resume(timeout=wait)
-
-    _run(control_endpoint, timeout, json_lines, call)
-
-
 def sleep(
     level: Annotated[int, typer.Option("--level", min=0, max=2, help="0-2, as vLLM's.")] = 1,
     mode: Mode = "abort",
@@ -88,19 +76,6 @@ def wake_up(
 
     async def call(client: EngineClient, wait: float) -> object:
         return await client.wake_up(tags or None, timeout=wait)
-
-    _run(control_endpoint, timeout, json_lines, call)
-
-
-def release_kv_cache(
-    control_endpoint: ControlEndpoint = DEFAULT_CONTROL_ENDPOINT,
-    timeout: Timeout = DEFAULT_TIMEOUT,
-    json_lines: JsonLines = False,
-) -> None:
-    """Release the KV cache of every rank after a pause, as vLLM's release_kv_cache_memory."""
-
-    async def call(client: EngineClient, wait: float) -> object:
-        return await client.release_kv_cache_memory(timeout=wait)
 
     _run(control_endpoint, timeout, json_lines, call)
 
@@ -139,3 +114,26 @@ def set_weight_version(
         return await client.set_weight_version(version, timeout=wait)
 
     _run(control_endpoint, timeout, json_lines, call)
+
+
+def _without_arguments(call: Call, doc: str) -> Callable[..., None]:
+    """A command whose only options are the connection and output ones."""
+
+    def command(
+        control_endpoint: ControlEndpoint = DEFAULT_CONTROL_ENDPOINT,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        json_lines: JsonLines = False,
+    ) -> None:
+        _run(control_endpoint, timeout, json_lines, call)
+
+    command.__doc__ = doc
+    return command
+
+
+resume = _without_arguments(
+    lambda client, wait: client.resume(timeout=wait), "Resume generation on every rank."
+)
+release_kv_cache = _without_arguments(
+    lambda client, wait: client.release_kv_cache_memory(timeout=wait),
+    "Release the KV cache of every rank after a pause, as vLLM's release_kv_cache_memory.",
+)
