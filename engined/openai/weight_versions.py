@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Final
 
 import msgspec
 
-DEFAULT: Final = "default"
+from engined.wire.control import DEFAULT_WEIGHT_VERSION
 
 # (label, tokens) runs of one delta's tokens, in order.
 Runs = list[tuple[str, int]]
@@ -34,7 +33,7 @@ def add_run(runs: Runs, label: str | None, tokens: int) -> None:
     """Append `tokens` sampled under `label` (None: "default") to `runs`."""
     if not tokens:
         return
-    version = DEFAULT if label is None else label
+    version = DEFAULT_WEIGHT_VERSION if label is None else label
     if runs and runs[-1][0] == version:
         runs[-1] = (version, runs[-1][1] + tokens)
     else:

@@ -23,6 +23,9 @@ from engined.wire.messages import (
     CLIENT_MESSAGE_TAGS as CLIENT_MESSAGE_TAGS,
 )
 from engined.wire.messages import (
+    DEFAULT_WEIGHT_VERSION as DEFAULT_WEIGHT_VERSION,
+)
+from engined.wire.messages import (
     HANDOFF_ID_MAX_BYTES as HANDOFF_ID_MAX_BYTES,
 )
 from engined.wire.messages import (

@@ -10,6 +10,7 @@ from typing import Any, Final, TypeAlias, overload
 
 from engined.core import types as core
 from engined.wire.control import (
+    DEFAULT_WEIGHT_VERSION,
     ActivateDestination,
     Cancel,
     CancelDestination,
@@ -235,5 +236,5 @@ def rank_stats(
         lateness_p99_ms=lateness_ms[1],
         lateness_max_ms=lateness_ms[2],
         kv_events_overflows=kv_events_overflows,
-        weight_version="default" if weight_version is None else weight_version,
+        weight_version=DEFAULT_WEIGHT_VERSION if weight_version is None else weight_version,
     )

@@ -119,6 +119,9 @@ REQUEST_ID_MAX_BYTES: Final = 256
 HANDOFF_ID_MAX_BYTES: Final = 256
 MESSAGE_ID_MAX_BYTES: Final = 128
 WORKER_ID_MAX_BYTES: Final = 256
+# vLLM's weight version until one is set (EngineCore's `_weight_version`); output entries
+# leave it out.
+DEFAULT_WEIGHT_VERSION: Final = "default"
 
 FinishReason: TypeAlias = Literal["length", "rejected", "cancelled", "stop"]
 
@@ -233,7 +236,7 @@ class RankStats(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     asleep: bool = False
     sleep_level: int = 0
     # vLLM's `get_weight_version()`: the label the rank's outputs carry (`set_weight_version`).
-    weight_version: str = "default"
+    weight_version: str = DEFAULT_WEIGHT_VERSION
 
 
 class StatsReply(DirectReply, tag="stats"):

@@ -26,8 +26,6 @@ from engined.wire import control as wire
 from engined.wire.convert import to_core_command
 
 Reply = Callable[[bytes, wire.DaemonMessage], None]
-# vLLM's weight version until one is set (EngineCore's `_weight_version`).
-DEFAULT_WEIGHT_VERSION = "default"
 # (identity, message id, error code, message): an `error` reply.
 Error = Callable[[bytes, int | str | None, str, str], None]
 
@@ -273,7 +271,7 @@ class RankCommands:
         versions = self._settings.weight_versions
         for rank, loop in enumerate(self._ranks):
             await loop.fresh_gauges()
-            if msg.weight_version == DEFAULT_WEIGHT_VERSION:
+            if msg.weight_version == wire.DEFAULT_WEIGHT_VERSION:
                 versions.pop(rank, None)
             else:
                 versions[rank] = msg.weight_version
