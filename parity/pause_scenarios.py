@@ -37,9 +37,6 @@ def pause(mode: str, *, clear_cache: bool = True, resume_at: int = 30) -> Scenar
     queued, two more arriving while paused, resumed at `resume_at`; with `resume_at` early
     (`wait`), the resume comes before the running requests drained, and the pause still
     completes (clears the cache) once they have."""
-    rng = random.Random(30)
-    prefix = random_tokens(rng, 32)
-    arrivals = [0, 0, 0, 1, 2, 3, 4, 5, 8, 9]
     name = f"pause-{mode}" + ("" if clear_cache else "-keep-cache")
     if resume_at < 20:
         name += "-early-resume"
@@ -48,13 +45,14 @@ def pause(mode: str, *, clear_cache: bool = True, resume_at: int = 30) -> Scenar
         "wait": "lets the running drain",
         "keep": "freezes everything",
     }[mode]
-    return Scenario(
-        name=name,
-        description=f"pause {mode} at step 6 ({what}"
+    return _scenario(
+        name,
+        f"pause {mode} at step 6 ({what}"
         + (", cache kept" if not clear_cache else ", cache cleared")
         + f"), 2 arrivals while paused, resume at step {resume_at}",
-        config=_CONFIG,
-        requests=_requests(31, prefix, arrivals),
+        seed=30,
+        prefix_len=32,
+        arrivals=[0, 0, 0, 1, 2, 3, 4, 5, 8, 9],
         controls=[
             Control(step=6, kind="pause", mode=mode, clear_cache=clear_cache),
             Control(step=resume_at, kind="resume"),
@@ -62,17 +60,37 @@ def pause(mode: str, *, clear_cache: bool = True, resume_at: int = 30) -> Scenar
     )
 
 
+def _scenario(
+    name: str,
+    description: str,
+    *,
+    seed: int,
+    prefix_len: int,
+    arrivals: list[int],
+    controls: list[Control],
+) -> Scenario:
+    """Requests sharing a prefix of `prefix_len` tokens drawn with `seed` (their own with
+    seed + 1), one per arrival step, under `controls`."""
+    prefix = random_tokens(random.Random(seed), prefix_len)
+    return Scenario(
+        name=name,
+        description=description,
+        config=_CONFIG,
+        requests=_requests(seed + 1, prefix, arrivals),
+        controls=controls,
+    )
+
+
 def pause_idle() -> Scenario:
     """A pause of an idle engine completes at once: its cache is cleared before the next
     request arrives, and that request queues until the resume."""
-    rng = random.Random(40)
-    prefix = random_tokens(rng, 48)
-    return Scenario(
-        name="pause-idle",
-        description="4 requests, idle pause (wait) at step 40 clears the cache, "
+    return _scenario(
+        "pause-idle",
+        "4 requests, idle pause (wait) at step 40 clears the cache, "
         "2 arrivals queue until resume at step 45",
-        config=_CONFIG,
-        requests=_requests(41, prefix, [0, 0, 1, 2, 42, 43]),
+        seed=40,
+        prefix_len=48,
+        arrivals=[0, 0, 1, 2, 42, 43],
         controls=[
             Control(step=40, kind="pause", mode="wait"),
             Control(step=45, kind="resume"),
@@ -84,14 +102,12 @@ def reset_running() -> Scenario:
     """vLLM's `reset_prefix_cache(reset_running_requests=True)` mid-run, unpaused: every
     running request preempted (last first) and the cache cleared, then re-admitted in order
     and recomputed from nothing cached."""
-    rng = random.Random(50)
-    prefix = random_tokens(rng, 32)
-    return Scenario(
-        name="reset-running",
-        description="reset_prefix_cache(reset_running_requests=True) at step 7, 4 running "
-        "and 4 queued",
-        config=_CONFIG,
-        requests=_requests(51, prefix, [0, 0, 0, 1, 2, 3, 4, 5, 9]),
+    return _scenario(
+        "reset-running",
+        "reset_prefix_cache(reset_running_requests=True) at step 7, 4 running and 4 queued",
+        seed=50,
+        prefix_len=32,
+        arrivals=[0, 0, 0, 1, 2, 3, 4, 5, 9],
         controls=[Control(step=7, kind="reset_running")],
     )
 
@@ -99,14 +115,13 @@ def reset_running() -> Scenario:
 def release_kv_cache() -> Scenario:
     """`release_kv_cache_memory()` after a `keep` pause that kept the cache: the frozen
     running requests preempted and the cache cleared, then `wake_up(["kv_cache"])` resumes."""
-    rng = random.Random(60)
-    prefix = random_tokens(rng, 32)
-    return Scenario(
-        name="release-kv-cache",
-        description="pause keep at step 6 (cache kept), release_kv_cache_memory at step 8, "
+    return _scenario(
+        "release-kv-cache",
+        "pause keep at step 6 (cache kept), release_kv_cache_memory at step 8, "
         "wake_up kv_cache at step 12",
-        config=_CONFIG,
-        requests=_requests(61, prefix, [0, 0, 0, 1, 2, 3, 9, 10]),
+        seed=60,
+        prefix_len=32,
+        arrivals=[0, 0, 0, 1, 2, 3, 9, 10],
         controls=[
             Control(step=6, kind="pause", mode="keep", clear_cache=False),
             Control(step=8, kind="release"),
