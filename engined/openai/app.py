@@ -82,7 +82,7 @@ class ApiApp:
             "/kv_event_sources": {"GET": misc.kv_event_sources},
         }
         if operator is not None:
-            for path, methods in DevServer(operator).routes().items():
+            for path, methods in DevServer(operator, context.in_flight).routes().items():
                 self._routes[path] = {method: route for method, route in methods.items()}
         for adapter in models.adapters():
             log.info(

@@ -28,6 +28,7 @@ from typing import Any
 from engined.client import EngineClient
 from engined.client.handoff_coordinator import DestinationRequest
 from engined.openai.disagg import DecodeRole, Disaggregation, PrefillRole, Role
+from engined.openai.in_flight import InFlight
 from engined.openai.queue_admission import Ticket
 from engined.openai.weight_versions import Runs, add_run, joined
 from engined.wire.control import OutputEntry, Submitted, WireLoraRequest
@@ -51,6 +52,11 @@ class Sample:
     cache_salt: str | None = None
     # The LoRA adapter the request's `model` names, vLLM's `lora_request`.
     lora_request: WireLoraRequest | None = None
+    # vLLM's external request id, which `/abort_requests` names, when it is not `request_id`:
+    # the prompt's, which its n samples share, or a decode's own under a prefill's id.
+    external_id: str | None = None
+    # One of a prompt's n > 1 samples: a child of vLLM's ParentRequest.
+    parallel: bool = False
 
 
 @dataclass(slots=True)
@@ -115,7 +121,8 @@ class Transfer:
     role: Role
 
 
-@dataclass(slots=True)
+# NOTE: eq=False: hashed by identity, as the in-flight registry holds it.
+@dataclass(slots=True, eq=False)
 class Generation:
     """The engine requests of one OpenAI request; `start`, then `deltas`, then `close`."""
 
@@ -130,6 +137,8 @@ class Generation:
     # Each sample's admission (engined.openai.queue_admission), in the order of `samples`; none
     # when the request was not counted.
     tickets: Sequence[Ticket] = ()
+    # Where it is registered while it runs, for `/abort_requests`.
+    in_flight: InFlight | None = None
     _choices: list[_Choice] = field(default_factory=list)
     _closed: bool = False
     _stopping: set[asyncio.Task[None]] = field(default_factory=set)
@@ -159,6 +168,8 @@ class Generation:
                     for sample in self.samples:
                         self._cancel_soon(sample.request_id)
             raise
+        if self.in_flight is not None:
+            self.in_flight.add(self)
 
     async def _submit_all(self) -> None:
         # NOTE: all at once: the samples of one request reach the same pass, as in vLLM.
@@ -209,7 +220,11 @@ class Generation:
             return
         # NOTE: under the prefill's request id, so an unseeded decode draws the tokens the
         # prefill started (a seeded one draws its seed's, whatever the id).
-        sample = replace(sample, request_id=role.request_id or sample.request_id)
+        sample = replace(
+            sample,
+            request_id=role.request_id or sample.request_id,
+            external_id=sample.external_id or sample.request_id,
+        )
         destination = DestinationRequest(
             sample.prompt_ids,
             sample.max_tokens,
@@ -318,6 +333,9 @@ class Generation:
             for task in pumps:
                 task.cancel()
 
+    def unfinished(self) -> list[Sample]:
+        return [choice.sample for choice in self._choices if not choice.finished]
+
     def stop(self, choice_index: int) -> None:
         """End one choice's engine request now (a stop string matched), as vLLM's output
         processor aborts it, without waiting for the daemon's answer."""
@@ -341,6 +359,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self.in_flight is not None:
+            self.in_flight.discard(self)
         self._leave_all()
         transfer = self.transfer
         if (

@@ -27,8 +27,9 @@ from engined.openai.api_errors import (
     validation_error,
 )
 from engined.openai.disagg import Disaggregation, advertised, parse_role
-from engined.openai.generation import Generation, Sample, Transfer
+from engined.openai.generation import CALL_TIMEOUT_S, Generation, Sample, Transfer
 from engined.openai.http.http_messages import StreamingResponse
+from engined.openai.in_flight import InFlight
 from engined.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engined.openai.protocol_responses import SSE_DONE
 from engined.openai.protocol_sampling import (
@@ -96,6 +97,8 @@ class ServingContext:
     speculative: bool
     disagg: Disaggregation
     admission: Admission
+    # The running requests, by vLLM's external ids (`/abort_requests`).
+    in_flight: InFlight
 
     @classmethod
     def build(
@@ -135,6 +138,7 @@ class ServingContext:
                 max_tokens=config.max_num_queued_tokens,
                 counters=counters,
             ),
+            in_flight=InFlight(client, timeout=CALL_TIMEOUT_S),
         )
 
     def stream_interval_of(self, request: Request) -> int:
@@ -213,6 +217,7 @@ class ServingContext:
             transfer,
             stream_interval=self.stream_interval_of(request),
             tickets=tickets,
+            in_flight=self.in_flight,
         )
         try:
             await generation.start()
@@ -272,6 +277,8 @@ def samples(
             min_tokens=request.min_tokens,
             cache_salt=request.cache_salt,
             lora_request=lora,
+            external_id=None if n == 1 else item,
+            parallel=n > 1,
         )
         for j in range(n)
     ]

@@ -9,7 +9,8 @@ are vLLM's `/pause`, `/resume`, `/is_paused` (vllm/entrypoints/rl/online/api_rou
 `/weight_info` and `/get_world_size` (vllm/entrypoints/rl/online/api_router.py; engined has
 one GPU per rank: no tensor or pipeline parallelism), carried out by the
 daemon's engine-wide control messages, which need the operator role: the API server sends
-them on its operator connection (engined.openai.process).
+them on its operator connection (engined.openai.process). The RL router's `/abort_requests`
+cancels this process's own requests (engined.openai.in_flight) on its ordinary connection.
 
 Their query parameters are validated as FastAPI does (the last value of a repeated one
 counts, pydantic's lax rules) and a refusal is vLLM's 400 for a `RequestValidationError`.
@@ -19,6 +20,7 @@ disagree (a pause not yet applied everywhere) are vLLM's `RuntimeError`.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Any, Final, TypeVar
@@ -29,8 +31,15 @@ import msgspec.inspect as mi
 import structlog
 
 from engined.client import EngineClient, EngineError
-from engined.openai.api_errors import ApiError, Errors, request_validation_error
+from engined.openai.api_errors import (
+    BAD_REQUEST,
+    ApiError,
+    Errors,
+    http_error,
+    request_validation_error,
+)
 from engined.openai.http.http_messages import HttpRequest, HttpResponse
+from engined.openai.in_flight import InFlight
 from engined.openai.protocol_json import read_body
 from engined.openai.protocol_lax import FAIL, register_literals, validate_struct
 from engined.wire.constraints import PauseModeStr
@@ -131,16 +140,18 @@ def _failed_call(method: str, error: EngineError) -> ApiError:
 
 
 class DevServer:
-    """The routes, over the API server's operator connection."""
+    """The routes, over the API server's operator connection (and its own requests)."""
 
-    def __init__(self, operator: EngineClient) -> None:
+    def __init__(self, operator: EngineClient, in_flight: InFlight) -> None:
         self._operator = operator
+        self._in_flight = in_flight
 
     def routes(self) -> dict[str, dict[str, Callable[[HttpRequest], Awaitable[HttpResponse]]]]:
         return {
             "/pause": {"POST": self.pause},
             "/resume": {"POST": self.resume},
             "/is_paused": {"GET": self.is_paused},
+            "/abort_requests": {"POST": self.abort_requests},
             "/sleep": {"POST": self.sleep},
             "/release_kv_cache_memory": {"POST": self.release_kv_cache_memory},
             "/wake_up": {"POST": self.wake_up},
@@ -176,6 +187,30 @@ class DevServer:
         except RuntimeError as error:
             return _json({"error": f"Failed to fetch pause status: {error}"}, 500)
         return _json({"is_paused": paused})
+
+    async def abort_requests(self, request: HttpRequest) -> HttpResponse:
+        """vLLM's abort without a pause: the requests `request_ids` names (vLLM's external
+        ids), or every request of this process when it names none; their streams end with
+        `abort`. The count is vLLM's: the ids given (a string's characters, as vLLM's
+        `len` counts them), else what it aborted."""
+        ids = _abort_body(request.body).get("request_ids")
+        try:
+            if not ids:
+                count = await self._in_flight.abort(None)
+            elif isinstance(ids, (str, list, dict)):
+                # vLLM's AsyncLLM.abort takes a string as one id and lists any other iterable;
+                # an id that is no string names no request.
+                named = [ids] if isinstance(ids, str) else [i for i in ids if isinstance(i, str)]
+                await self._in_flight.abort(frozenset(named))
+                count = len(ids)
+            else:
+                # A truthy number: vLLM's `list(request_ids)` fails.
+                failure = f"'{type(ids).__name__}' object is not iterable"
+                return _json({"error": f"Failed to abort requests: {failure}"}, 500)
+        except EngineError as error:
+            log.error("failed to abort requests", code=error.code, message=error.message)
+            return _json({"error": f"Failed to abort requests: {error.message}"}, 500)
+        return _json({"status": "aborted", "aborted": count})
 
     async def sleep(self, request: HttpRequest) -> HttpResponse:
         query = parse_query(request.query, SleepQuery)
@@ -245,6 +280,27 @@ class DevServer:
         stats = await self._operator.stats()
         # TP x PP is 1 here; with DP, one per rank.
         return _json({"world_size": len(stats.ranks) if query.include_dp else 1})
+
+
+def _abort_body(body: bytes) -> dict[str, Any]:
+    """The body as vLLM's `/abort_requests` reads it: `json.loads` whatever its media type.
+
+    Raises:
+        ApiError: vLLM's answers: 400 for text that is no JSON or no object, its handlers'
+            400 for a body `json` cannot decode (not UTF-8, an integer of over 4300 digits)
+            and 500 for one nested too deep.
+    """
+    try:
+        parsed = json.loads(body)
+    except json.JSONDecodeError:
+        raise http_error(400, "Invalid JSON format") from None
+    except RecursionError as error:
+        raise ApiError(500, str(error), "InternalServerError") from None
+    except ValueError as error:
+        raise ApiError(400, str(error), BAD_REQUEST) from None
+    if not isinstance(parsed, dict):
+        raise http_error(400, "Request body must be a JSON object")
+    return parsed
 
 
 def _new_version(body: bytes, content_type: str | None) -> str:

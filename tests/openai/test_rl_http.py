@@ -3,9 +3,10 @@
 With `VLLM_SERVER_DEV_MODE=1`, `POST /update_weight_version` labels the weights (the daemon's
 `set_weight_version` on every rank), `GET /weight_info` reads the label, `GET /get_world_size`
 counts the GPUs; a choice asked with `return_weight_versions` gets vLLM's spans of its output
-tokens by label. Requests go through the official `openai` client; the refusals in
-vllm_0_33_rl_routes.json were recorded from vLLM 0.33's own RL router (FastAPI TestClient,
-vLLM's exception handlers) and are compared byte for byte.
+tokens by label. `POST /abort_requests`'s answers to every body shape are here too (its
+effect on requests: test_abort_requests_http.py). Requests go through the official `openai`
+client; the refusals in vllm_0_33_rl_routes.json were recorded from vLLM 0.33's own RL router
+(FastAPI TestClient, vLLM's exception handlers) and are compared byte for byte.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiDaemon]:
         yield daemon
 
 
-@pytest.mark.parametrize("case", RECORDED, ids=lambda c: f"{c['method']} {c['path']} {c['body']}")
+@pytest.mark.parametrize(
+    "case", RECORDED, ids=lambda c: f"{c['method']} {c['path']} {str(c['body'])[:40]!r}"
+)
 def test_refusals_are_vllms(api: ApiDaemon, case: dict[str, Any]) -> None:
     answer = call(api.port, case["method"], case["path"], case["body"], case["content_type"])
     assert answer == (case["status"], case["text"])
