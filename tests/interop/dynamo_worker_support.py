@@ -267,9 +267,10 @@ def start_worker_per_rank(
     namespace: str,
     env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
+    system_port: bool = False,
 ) -> tuple[EnginedWorker, list[int]]:
     """A started `--worker-per-rank` worker for `daemon`, and its ranks' instance ids in
-    rank order (its ready line's `worker_ids`)."""
+    rank order (its ready line's `worker_ids`). `system_port`: as `add_worker`'s."""
     worker = _start_worker(
         cluster,
         daemon,
@@ -278,6 +279,7 @@ def start_worker_per_rank(
         namespace=namespace,
         env=env,
         extra_args=["--worker-per-rank", *extra_args],
+        system_port=system_port,
     )
     ready = json.loads(worker.wait_for_log(READY_LINE))
     return worker, [int(i) for i in ready["worker_ids"]]

@@ -7,6 +7,7 @@ through rank 1's `load_lora` instance is listed by rank 1 only, a request naming
 rank 1 with the adapter (a repeat is routed back there with the whole prompt as overlap: the
 router hashed it with the adapter's name, as it indexed rank 1's events), and rank 0 refuses
 it with Dynamo's 400 until it loads it too. Unloading it from both takes its card away.
+Dynamo's system status server (`/v1/loras`) reaches rank 0's adapters only.
 
 Every wait polls an observable condition (the frontend's models, its KV event counters, its
 route lines) under a deadline.
@@ -20,7 +21,7 @@ from typing import Final
 
 import pytest
 
-from tests.interop.dynamo_cluster import Frontend, completions, dynamo_cluster
+from tests.interop.dynamo_cluster import Frontend, completions, dynamo_cluster, http_json
 from tests.interop.dynamo_worker_support import (
     BLOCK_SIZE,
     FAST_ARGS,
@@ -80,6 +81,7 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PerRank]:
             namespace=NAMESPACE,
             env=LORA_ENV,
             extra_args=["--enable-lora", "--max-loras", "2"],
+            system_port=True,
         )
         wait_routable(frontend, ids)
         module = Module(cluster, frontend, daemon, worker, workdir / "adapters")
@@ -160,3 +162,36 @@ def test_each_rank_keeps_its_own_adapters(per_rank: PerRank) -> None:
         unloaded = _one(per_rank, rank, "unload_lora", {"lora_name": ADAPTER})
         assert isinstance(unloaded, dict) and unloaded["status"] == "success", unloaded
     frontend.wait_for_model(ADAPTER, present=False)
+
+
+def test_the_system_server_serves_rank_zeros_adapters(per_rank: PerRank) -> None:
+    """Dynamo's system status server runs in rank 0's runtime (the other ranks find its port
+    taken), so its `/v1/loras` loads, lists and unloads rank 0's adapters alone, every time
+    (three rounds: no round robin over the ranks' instances)."""
+    module, frontend, ids = per_rank.module, per_rank.frontend, per_rank.instance_ids
+    base = f"http://127.0.0.1:{module.lora.system_port}/v1/loras"
+    chat_id = dynamo_lora_id(module, "chat")
+    uri = module.adapter("chat")
+    for _ in range(3):
+        status, body = http_json("POST", base, {"lora_name": "chat", "source": {"uri": uri}})
+        assert (status, body["status"], body["lora_id"]) == (200, "success", chat_id), body
+        assert _one(per_rank, 0, "list_loras", {}) == {
+            "status": "success",
+            "loras": {"chat": chat_id},
+            "count": 1,
+        }
+        assert _one(per_rank, 1, "list_loras", {}) == {"status": "success", "loras": {}, "count": 0}
+        assert http_json("GET", base)[1]["loras"] == {"chat": chat_id}
+        frontend.wait_for_model("chat")
+        served = completions(
+            frontend,
+            fresh_prompt(4),
+            model="chat",
+            max_tokens=2,
+            nvext={"backend_instance_id": ids[0]},
+        )
+        assert served["usage"]["completion_tokens"] == 2, served
+        status, gone = http_json("DELETE", f"{base}/chat")
+        assert (status, gone["status"]) == (200, "success"), gone
+        assert _one(per_rank, 0, "list_loras", {}) == {"status": "success", "loras": {}, "count": 0}
+        frontend.wait_for_model("chat", present=False)
