@@ -1,5 +1,6 @@
 """The engine-wide operator commands (`engined pause|resume|sleep|wake-up|release-kv-cache|
-reset-prefix-cache|set-weight-version`) against a live daemon, through typer's CliRunner.
+reset-prefix-cache|set-weight-version`) and `engined cancel` against a live daemon, through
+typer's CliRunner.
 
 The test runs as the daemon's user on its ipc endpoint, so it is an operator; a tcp client is
 not, and is refused with the protocol's `forbidden`.
@@ -7,13 +8,16 @@ not, and is refused with the protocol's `forbidden`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from engined.client import EngineClient
 from engined.core.pausing import RELEASE_BEFORE_PAUSE
 from tests.server.daemon_harness import DaemonProcess, start_daemon, start_tcp_daemon
+from tests.support import run
 from tests.test_cli_tools import clean_environment, invoke, records
 
 __all__ = ["clean_environment"]
@@ -96,3 +100,33 @@ def test_refusals_are_the_daemons(daemon: DaemonProcess, tmp_path: Path) -> None
         assert refused.exit_code == 1
         (error,) = records(refused.stdout)
         assert error["error"]["code"] == "forbidden"
+
+
+def test_cancel_ends_another_clients_request(daemon: DaemonProcess) -> None:
+    """Held by a `keep` pause, the owner's request is still running when the command, on a
+    connection of its own, cancels it: the owner's stream ends `cancelled`; an id nobody runs
+    is `not running`, and exits 1."""
+
+    async def scenario() -> None:
+        async with await EngineClient.connect(daemon.control) as owner:
+            await owner.submit([5] * 32, 8, request_id="victim", timeout=10)
+            result = await asyncio.to_thread(
+                invoke, "cancel", "victim", "ghost", "--control-endpoint", daemon.control
+            )
+            assert (result.exit_code, result.stdout.splitlines()) == (
+                1,
+                ["victim: cancelled", "ghost: not running"],
+            ), result.output
+            entries = [entry async for entry in owner.outputs("victim", timeout=10)]
+            assert [(e.finished, e.finish_reason) for e in entries] == [(True, "cancelled")]
+
+    assert one_state(daemon, "pause", "--mode", "keep")["pause_state"] == 2
+    try:
+        run(scenario())
+    finally:
+        assert one_state(daemon, "resume")["pause_state"] == 0
+    again = invoke("cancel", "victim", "--json", "--control-endpoint", daemon.control)
+    assert (again.exit_code, records(again.stdout)) == (
+        1,
+        [{"request_id": "victim", "cancelled": False}],
+    )

@@ -70,6 +70,7 @@ app.command("wake-up")(engine_commands.wake_up)
 app.command("release-kv-cache")(engine_commands.release_kv_cache)
 app.command("reset-prefix-cache")(engine_commands.reset_prefix_cache)
 app.command("set-weight-version")(engine_commands.set_weight_version)
+app.command("cancel")(engine_commands.cancel)
 app.command(
     "dynamo-worker",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

@@ -1,6 +1,6 @@
 """The engine-wide operator commands: vLLM's pause, sleep, KV release, cache reset and weight
-version, each one control message (engined.tools.engine_control does the talking; it is
-imported inside the commands, so `serve` and `--help` never load it)."""
+version, each one control message, and `cancel` of requests by id (engined.tools.engine_control
+does the talking; it is imported inside the commands, so `serve` and `--help` never load it)."""
 
 from __future__ import annotations
 
@@ -114,6 +114,24 @@ def set_weight_version(
         return await client.set_weight_version(version, timeout=wait)
 
     _run(control_endpoint, timeout, json_lines, call)
+
+
+def cancel(
+    request_ids: Annotated[
+        list[str],
+        typer.Argument(help="Request ids, as the clients that submitted them named them."),
+    ],
+    control_endpoint: ControlEndpoint = DEFAULT_CONTROL_ENDPOINT,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+    json_lines: JsonLines = False,
+) -> None:
+    """Cancel requests by id, whoever submitted them (an operator's); exit 1 if one was not
+    running."""
+    from engined.tools import engine_control as tool
+
+    run_command(
+        json_lines, lambda out: tool.cancel_requests(control_endpoint, timeout, out, request_ids)
+    )
 
 
 def _without_arguments(call: Call, doc: str) -> Callable[..., None]:

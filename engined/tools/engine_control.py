@@ -1,11 +1,17 @@
 """`engined pause|resume|sleep|wake-up|release-kv-cache|set-weight-version|reset-prefix-cache`:
-vLLM's engine-wide calls from a shell, for an operator of a shared daemon.
+vLLM's engine-wide calls from a shell, for an operator of a shared daemon; and `engined cancel`.
 
 Each sends one control message on an operator connection (the daemon's user on its ipc
 endpoint, or an operator CURVE key) and shows every rank's state afterwards: its pause state,
 whether it refuses new requests, what sleeps, and its weight version. `pause` and `sleep`
 return once every rank's pause has completed, as vLLM's calls do, so `--timeout` bounds that
 wait too. JSON mode prints one object per rank with the protocol's keys.
+
+`cancel` ends requests by the ids their clients gave them (an operator's `cancel` reaches
+anyone's; a connection without the role reaches only its own): each one's stream ends with a
+`cancelled` terminal. It prints whether each was cancelled, and exits 1 when one was not
+running (unknown, already ended, or, without the role, another client's), as `kill` does for
+a process that is gone.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 from engined.client import EngineClient, EngineError
 from engined.tools.common import (
+    EXIT_FAILURE,
     EXIT_OK,
     Output,
     control_client,
@@ -22,7 +29,7 @@ from engined.tools.common import (
     no_answer,
     zmq_context,
 )
-from engined.wire.control import RankStats, StatsReply
+from engined.wire.control import Applied, RankStats, StatsReply
 
 Call = Callable[[EngineClient, float], Awaitable[object]]
 
@@ -46,6 +53,27 @@ async def engine_call(control_endpoint: str, timeout: float, out: Output, call: 
         else:
             out.line(state_line(rank))
     return EXIT_OK
+
+
+async def cancel_requests(
+    control_endpoint: str, timeout: float, out: Output, request_ids: list[str]
+) -> int:
+    async with zmq_context() as ctx, control_client(ctx, control_endpoint) as client:
+        cancelled: list[bool] = []
+        try:
+            for request_id in request_ids:
+                reply = await client.cancel(request_id, timeout=timeout)
+                cancelled.append(isinstance(reply, Applied))
+        except TimeoutError:
+            raise no_answer(control_endpoint, timeout) from None
+        except EngineError as error:
+            raise engine_failure(error) from None
+    for request_id, done in zip(request_ids, cancelled, strict=True):
+        if out.json:
+            out.record({"request_id": request_id, "cancelled": done})
+        else:
+            out.line(f"{request_id}: {'cancelled' if done else 'not running'}")
+    return EXIT_OK if all(cancelled) else EXIT_FAILURE
 
 
 def state_record(rank: RankStats) -> dict[str, Any]:
