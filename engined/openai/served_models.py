@@ -13,12 +13,15 @@ one API server process (`check_startup`), so no process lacks an adapter another
 it, a request for a model neither served nor loaded takes a number too, as vLLM's
 `resolve_lora` takes one before it finds no resolver, so later loads get vLLM's numbers.
 
+With `VLLM_LORA_RESOLVER_CACHE_DIR` too, such a model is looked up by vLLM's filesystem
+resolver (engined.openai.lora_resolver) and, when found, loaded under that number and served.
+
 The daemon loads no weights: a path is never read, only passed on with the adapter (it keys
-the adapter's KV blocks), so vLLM's 404 for a path without an adapter never happens here, and
-no LoRA resolver plugin is asked. Without `engine.enable_lora` a load fails as vLLM's engine
-fails it (500), once it has taken its number, so the daemon is never sent an adapter it would
-refuse. One refusal is engined's own: a name or a path longer than the control protocol
-carries (256 and 4,096 bytes of UTF-8), which the daemon would refuse on every request.
+the adapter's KV blocks), so vLLM's 404 for a path without an adapter never happens here.
+Without `engine.enable_lora` a load fails as vLLM's engine fails it (500), once it has taken
+its number, so the daemon is never sent an adapter it would refuse. One refusal is engined's
+own: a name or a path longer than the control protocol carries (256 and 4,096 bytes of
+UTF-8), which the daemon would refuse on every request.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from engined.config import ConfigError, DaemonConfig
 from engined.config.lora_modules import LoraModule, parse_lora_modules, runtime_lora_updating
 from engined.openai.api_errors import ApiError, model_not_found
 from engined.openai.http.http_messages import HttpRequest, HttpResponse
+from engined.openai.lora_resolver import FilesystemResolver, filesystem_resolver
 from engined.openai.protocol import decode_load_lora_request, decode_unload_lora_request
 from engined.openai.protocol_responses import ENCODE, ModelList, model_card
 from engined.wire.constraints import LORA_NAME_MAX_BYTES, LORA_PATH_MAX_BYTES
@@ -78,14 +82,18 @@ class ServedModels:
         enable_lora: bool,
         runtime_updating: bool,
         static: Sequence[LoraModule] = (),
+        resolver: FilesystemResolver | None = None,
     ) -> None:
-        """Raises ApiError: a static adapter vLLM would not load (it would not start)."""
+        """`resolver`: asked, with `runtime_updating`, for a model neither served nor loaded.
+
+        Raises ApiError: a static adapter vLLM would not load (it would not start)."""
         self.names = tuple(names)
         self.root = root
         self.max_model_len = max_model_len
         self.enable_lora = enable_lora
         # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load and unload routes exist.
         self.runtime_updating = runtime_updating
+        self._resolver = resolver
         self._adapters: dict[str, _Adapter] = {}
         self._last_id = 0
         for module in static:
@@ -99,9 +107,16 @@ class ServedModels:
         root: str,
         max_model_len: int,
         env: Mapping[str, str] = os.environ,
+        with_resolver: bool = True,
     ) -> ServedModels:
         """The process's models: `config`'s names and static adapters; `env` holds vLLM's
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING (the daemon's environment, which the process has)."""
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING and its resolver's variables (the daemon's
+        environment, which the process has).
+
+        Raises:
+            ApiError: a static adapter vLLM would not load.
+            ConfigError: the resolver's cache directory is not a directory.
+        """
         return cls(
             (config.model_name, *config.model_aliases),
             root,
@@ -109,14 +124,17 @@ class ServedModels:
             enable_lora=config.engine.enable_lora,
             runtime_updating=runtime_lora_updating(env),
             static=parse_lora_modules(config.lora_modules),
+            resolver=filesystem_resolver(env) if with_resolver else None,
         )
 
     def check(self, requested: str | None) -> Served:
         """What `requested` names, in vLLM's order: nothing or a served name is the base
-        model (answered as the first name), then the adapters; else vLLM's 404.
+        model (answered as the first name), then the adapters, then (with runtime updating)
+        an adapter the resolver finds, loaded now; else vLLM's 404.
 
         Raises:
-            ApiError: 404, the model is neither served nor loaded.
+            ApiError: 404, the model is neither served nor loaded nor found; vLLM's 400 for
+                one found that cannot be loaded; 500, its adapter_config.json is malformed.
         """
         if not requested or requested in self.names:
             return Served(self.names[0])
@@ -124,9 +142,35 @@ class ServedModels:
         if adapter is not None:
             return Served(requested, adapter.request)
         if self.runtime_updating:
-            # vLLM's resolve_lora numbers the adapter it then finds no resolver for.
+            # vLLM's resolve_lora numbers the adapter before it asks its resolvers.
             self._last_id += 1
+            path = None if self._resolver is None else self._resolver.resolve(self.root, requested)
+            if path is not None:
+                return self._resolved(requested, path)
         raise model_not_found(requested, self.names)
+
+    def _resolved(self, name: str, path: str) -> Served:
+        """A resolved adapter, loaded under the number just taken (vLLM's `add_lora`).
+
+        Raises:
+            ApiError: vLLM's 400 when it cannot be loaded (no `enable_lora`; here also a name
+                or path longer than the daemon takes).
+        """
+        problem = NOT_ENABLED if not self.enable_lora else _over_bounds(name, path)
+        if problem is not None:
+            log.warning("resolved LoRA adapter not loaded", lora_name=name, problem=problem)
+            message = f"LoRA adapter '{name}' was found but could not be loaded."
+            raise ApiError(400, message, "BadRequestError")
+        request = WireLoraRequest(lora_name=name, lora_int_id=self._last_id, lora_path=path)
+        self._adapters[name] = _Adapter(request, None)
+        log.info(
+            "Resolved and loaded LoRA adapter",
+            lora_name=name,
+            lora_path=path,
+            lora_int_id=request.lora_int_id,
+            resolver="FilesystemResolver",
+        )
+        return Served(name, request)
 
     def load(
         self,
@@ -177,17 +221,7 @@ class ServedModels:
                 f"The lora adapter '{name}' has already been loaded. If you want to load the "
                 "adapter in place, set 'load_inplace' to True."
             )
-        for field, text, limit in (
-            ("lora_name", name, LORA_NAME_MAX_BYTES),
-            ("lora_path", path, LORA_PATH_MAX_BYTES),
-        ):
-            size = len(text.encode("utf-8", "surrogatepass"))
-            if size > limit:
-                return (
-                    f"'{field}' is {size} bytes of UTF-8: engined serves adapters whose "
-                    f"{field} is at most {limit} bytes."
-                )
-        return None
+        return _over_bounds(name, path)
 
     def unload(self, name: str) -> str:
         """vLLM's `unload_lora_adapter`; its success text. The number is not reused.
@@ -248,6 +282,21 @@ class ServedModels:
         return _text(text)
 
 
+def _over_bounds(name: str, path: str) -> str | None:
+    """engined's own refusal: a name or path longer than the control protocol carries."""
+    for field, text, limit in (
+        ("lora_name", name, LORA_NAME_MAX_BYTES),
+        ("lora_path", path, LORA_PATH_MAX_BYTES),
+    ):
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            return (
+                f"'{field}' is {size} bytes of UTF-8: engined serves adapters whose "
+                f"{field} is at most {limit} bytes."
+            )
+    return None
+
+
 def _text(message: str) -> HttpResponse:
     """vLLM's `Response(status_code=200, content=message)`: the text, with no media type."""
     return HttpResponse(200, message.encode(), content_type="")
@@ -256,10 +305,12 @@ def _text(message: str) -> HttpResponse:
 def check_startup(config: DaemonConfig, env: Mapping[str, str]) -> None:
     """What vLLM refuses as its API servers start, refused by `engined serve` before the
     daemon starts: VLLM_ALLOW_RUNTIME_LORA_UPDATING with several API server processes (whose
-    adapters would drift apart), and a static adapter its first API server would not load.
+    adapters would drift apart), a LoRA resolver directory that is not one, and a static
+    adapter its first API server would not load.
 
     Raises:
-        ConfigError: naming `api_server_count` or `lora_modules`, with vLLM's words.
+        ConfigError: naming `api_server_count`, the resolver's variable or `lora_modules`,
+            with vLLM's words.
     """
     if config.api_port is not None and config.api_server_count > 1 and runtime_lora_updating(env):
         raise ConfigError(
@@ -268,8 +319,11 @@ def check_startup(config: DaemonConfig, env: Mapping[str, str]) -> None:
             f"got {config.api_server_count}",
             key="api_server_count",
         )
+    if config.api_port is not None:
+        # vLLM's resolver plugin refuses to load, and vLLM to start, without its directory.
+        filesystem_resolver(env)
     try:
-        ServedModels.of(config, root="", max_model_len=0, env=env)
+        ServedModels.of(config, root="", max_model_len=0, env=env, with_resolver=False)
     except ApiError as error:
         raise ConfigError(
             f"lora_modules: vLLM's API server would not start: {error.message}",
