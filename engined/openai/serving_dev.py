@@ -4,12 +4,14 @@
 (vllm/entrypoints/launchers/api_server/routers.py); without it they are FastAPI's 404. They
 are vLLM's `/pause`, `/resume`, `/is_paused` (vllm/entrypoints/rl/online/api_router.py),
 `/sleep`, `/release_kv_cache_memory`, `/wake_up`, `/is_sleeping`
-(entrypoints/serve/dev/sleep/api_router.py), `/reset_prefix_cache`
-(entrypoints/serve/dev/cache/api_router.py), and the RL router's `/update_weight_version`,
-`/weight_info` and `/get_world_size` (vllm/entrypoints/rl/online/api_router.py; engined has
-one GPU per rank: no tensor or pipeline parallelism), carried out by the
-daemon's engine-wide control messages, which need the operator role: the API server sends
-them on its operator connection (engined.openai.process). The RL router's `/abort_requests`
+(entrypoints/serve/dev/sleep/api_router.py), `/reset_prefix_cache`, `/reset_mm_cache` and
+`/reset_encoder_cache` (entrypoints/serve/dev/cache/api_router.py; engined has no multimodal
+or encoder cache, so the last two reset nothing, as vLLM's do for a text-only model), and
+the RL router's `/update_weight_version`, `/weight_info` and `/get_world_size`
+(vllm/entrypoints/rl/online/api_router.py; engined has one GPU per rank: no tensor or
+pipeline parallelism), carried out by the daemon's engine-wide control messages, which need
+the operator role: the API server sends them on its operator connection
+(engined.openai.process). The RL router's `/abort_requests`
 cancels this process's own requests (engined.openai.in_flight) on its ordinary connection.
 
 Their query parameters are validated as FastAPI does (the last value of a repeated one
@@ -157,6 +159,8 @@ class DevServer:
             "/wake_up": {"POST": self.wake_up},
             "/is_sleeping": {"GET": self.is_sleeping},
             "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
+            "/reset_mm_cache": {"POST": _nothing_to_reset},
+            "/reset_encoder_cache": {"POST": _nothing_to_reset},
             "/update_weight_version": {"POST": self.update_weight_version},
             "/weight_info": {"GET": self.weight_info},
             "/get_world_size": {"GET": self.get_world_size},
@@ -280,6 +284,11 @@ class DevServer:
         stats = await self._operator.stats()
         # TP x PP is 1 here; with DP, one per rank.
         return _json({"world_size": len(stats.ranks) if query.include_dp else 1})
+
+
+async def _nothing_to_reset(request: HttpRequest) -> HttpResponse:
+    """vLLM's `Response(status_code=200)`: no body, no media type."""
+    return HttpResponse(200, b"", content_type="")
 
 
 def _abort_body(body: bytes) -> dict[str, Any]:

@@ -131,7 +131,15 @@ def test_a_request_while_paused_gets_vllms_503(api: ApiDaemon) -> None:
 def test_the_development_routes_are_404_without_the_variable(api: ApiDaemon) -> None:
     for method, path in (("POST", "/pause"), ("GET", "/is_paused"), ("POST", "/sleep")):
         assert answer(api.port, method, path) == (404, {"detail": "Not Found"})
-    for path in ("/resume", "/wake_up", "/reset_prefix_cache", "/release_kv_cache_memory"):
+    for path in (
+        "/resume",
+        "/wake_up",
+        "/reset_prefix_cache",
+        "/release_kv_cache_memory",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/abort_requests",
+    ):
         assert answer(api.port, "POST", path) == (404, {"detail": "Not Found"})
     assert answer(api.port, "GET", "/is_sleeping") == (404, {"detail": "Not Found"})
 
@@ -194,6 +202,20 @@ def test_reset_prefix_cache_over_http(dev_api: ApiDaemon) -> None:
         200,
         {"success": True},
     )
+    _generates(dev_api)
+
+
+def test_multimodal_and_encoder_cache_resets_are_vllms(dev_api: ApiDaemon) -> None:
+    """vLLM's `Response(status_code=200)`; nothing to reset here (no multimodal inputs)."""
+    for path in ("/reset_mm_cache", "/reset_encoder_cache"):
+        connection = http.client.HTTPConnection("127.0.0.1", dev_api.port, timeout=30)
+        try:
+            connection.request("POST", path)
+            reply = connection.getresponse()
+            assert (reply.status, reply.read(), reply.getheader("content-type")) == (200, b"", None)
+        finally:
+            connection.close()
+        assert answer(dev_api.port, "GET", path)[0] == 405
     _generates(dev_api)
 
 
