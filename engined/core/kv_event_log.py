@@ -149,6 +149,11 @@ class KvEventLog:
                 event_id += 1
             self.next_event_id = event_id
 
+    def removed_one(self, block_hash: int) -> None:
+        """`removed_each([block_hash])`: the block a decode step's allocation evicts."""
+        if self.publish:
+            self._events.append(BlockRemoved(self.take_event_id(), self.dp_rank, [block_hash]))
+
     def removed(self, hashes: list[int], medium: Medium = Medium.GPU) -> None:
         """Publish blocks evicted from `medium` (nothing for an empty list)."""
         if hashes and self.publish:

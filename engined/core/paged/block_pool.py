@@ -126,12 +126,8 @@ class PagedBlockPool:
             block = nxt[block]
             taken.append(block)
             refs[block] = 1
-            key = key_of[block]
-            if key >= 0:
-                key_of[block] = -1
-                self._uncache(key, block)
-                del self.vllm_hash_of[block]
-                evicted.append(self.event_hash_of.pop(block))
+            if key_of[block] >= 0:
+                evicted.append(self._evict(block))
             if residency is not None:
                 residency.allocated(block, now_ms)
         rest = nxt[block]
@@ -142,6 +138,33 @@ class PagedBlockPool:
             self.num_cached_free -= len(evicted)
             self.log.removed_each(evicted)
         return taken
+
+    def get_new_block(self, now_ms: float) -> int:
+        """`get_new_blocks(1, now_ms)[0]` without its lists: the block a decode step opens."""
+        assert self.num_free, "allocation beyond the free blocks"
+        nxt = self._next
+        head = self._head
+        block = nxt[head]
+        rest = nxt[block]
+        nxt[head] = rest
+        self._prev[rest] = head
+        self.num_free -= 1
+        self.refs[block] = 1
+        if self.key_of[block] >= 0:
+            self.num_cached_free -= 1
+            self.log.removed_one(self._evict(block))
+        if self.residency is not None:
+            self.residency.allocated(block, now_ms)
+        return block
+
+    def _evict(self, block: int) -> int:
+        """Drop a cached block taken from the queue from the cache; its hash as events carry
+        it, for its Removed."""
+        key = self.key_of[block]
+        self.key_of[block] = -1
+        self._uncache(key, block)
+        del self.vllm_hash_of[block]
+        return self.event_hash_of.pop(block)
 
     def event_hash(self, block: int) -> int:
         """A cached block's hash as KV events carry it (`event_block_hash_int` of vLLM's)."""

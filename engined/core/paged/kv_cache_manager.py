@@ -161,7 +161,7 @@ class PagedKvManager:
         if length > len(table) * bs:
             if not pool.num_free:
                 return False
-            table.append(pool.get_new_blocks(1, now_ms)[0])
+            table.append(pool.get_new_block(now_ms))
         if length > seq.num_allocated_tokens:
             seq.num_allocated_tokens = length
         if self.caching and length % bs == 0:
