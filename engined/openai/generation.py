@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -83,6 +83,8 @@ class _Choice:
     # `stream_interval`: tokens sent so far, and a delta held back until it has enough.
     sent: int = 0
     held: Delta | None = None
+    # `/abort_requests` cancelled it (its terminal may not have arrived yet).
+    aborted: bool = False
 
 
 def _merge(choice: _Choice, entries: Sequence[OutputEntry]) -> Delta:
@@ -333,8 +335,19 @@ class Generation:
             for task in pumps:
                 task.cancel()
 
-    def unfinished(self) -> list[Sample]:
-        return [choice.sample for choice in self._choices if not choice.finished]
+    def abortable(self, external_ids: Collection[str] | None) -> list[Sample]:
+        """The engine requests still running that `external_ids` names (None: all), from
+        now on aborted: vLLM drops an aborted request's state at once, so a later abort
+        neither finds nor counts it."""
+        taken = []
+        for choice in self._choices:
+            sample = choice.sample
+            if choice.finished or choice.aborted:
+                continue
+            if external_ids is None or (sample.external_id or sample.request_id) in external_ids:
+                choice.aborted = True
+                taken.append(sample)
+        return taken
 
     def stop(self, choice_index: int) -> None:
         """End one choice's engine request now (a stop string matched), as vLLM's output

@@ -39,7 +39,9 @@ class EngineRequest(Protocol):
 class Running(Protocol):
     """An OpenAI request's engine requests (engined.openai.generation.Generation)."""
 
-    def unfinished(self) -> Sequence[EngineRequest]: ...
+    def abortable(self, external_ids: Collection[str] | None) -> Sequence[EngineRequest]:
+        """Those still running that `external_ids` names (None: all), now taken as aborted."""
+        ...
 
 
 class InFlight:
@@ -68,13 +70,11 @@ class InFlight:
         targets: list[str] = []
         parents: set[tuple[int, str]] = set()
         for running in list(self._running):
-            for request in running.unfinished():
-                external_id = request.external_id or request.request_id
-                if external_ids is None or external_id in external_ids:
-                    targets.append(request.request_id)
-                    if request.parallel:
-                        # Two requests may share an external id; each has its parent.
-                        parents.add((id(running), external_id))
+            for request in running.abortable(external_ids):
+                targets.append(request.request_id)
+                if request.parallel:
+                    # Two requests may share an external id; each has its parent.
+                    parents.add((id(running), request.external_id or request.request_id))
         results = await asyncio.gather(
             *(self._client.cancel(request_id, timeout=self._timeout) for request_id in targets),
             return_exceptions=True,
