@@ -10,6 +10,7 @@ The route's answers to malformed bodies are vLLM's own, recorded (test_rl_http.p
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -19,7 +20,9 @@ from typing import Any
 import openai
 import pytest
 
+from engined.client import EngineClient
 from tests.openai.api_harness import ApiDaemon, start_api
+from tests.support import run
 
 LONG = 400
 ALL_DONE = '{"status":"aborted","aborted":0}'
@@ -87,6 +90,45 @@ def test_an_abort_by_id_ends_only_that_request(api: ApiDaemon) -> None:
     assert finish_reasons(kept_chunks) == {0: "length"}
     assert completion_tokens(kept_chunks) == LONG
     assert abort(api.port, {}) == (200, ALL_DONE)
+
+
+def test_a_request_that_is_not_streamed_answers_with_its_abort(api: ApiDaemon) -> None:
+    """The response comes once the abort ends it: `finish_reason` "abort", the tokens so far.
+    Nothing marks the moment the API server has the request, so the abort is repeated until
+    the rank runs nothing (an abort that came too early found nothing and counted its id)."""
+
+    async def scenario() -> Any:
+        async with await EngineClient.connect(api.daemon.control) as daemon:
+            with openai.OpenAI(base_url=api.base_url, api_key="x", max_retries=0) as client:
+                model = client.models.list().data[0].id
+                call = asyncio.create_task(
+                    asyncio.to_thread(
+                        client.completions.create,
+                        model=model,
+                        prompt=list(range(100, 116)),
+                        max_tokens=LONG,
+                        extra_headers={"X-Request-Id": "quiet"},
+                    )
+                )
+                for _ in range(2000):
+                    if (await daemon.stats()).ranks[0].running:
+                        break
+                    await asyncio.sleep(0.005)
+                # NOTE: bounded polls of the daemon's own state, as tests.support.until does.
+                for _ in range(200):
+                    answer = await asyncio.to_thread(
+                        abort, api.port, {"request_ids": ["cmpl-quiet-0"]}
+                    )
+                    assert answer == (200, '{"status":"aborted","aborted":1}')
+                    if not (await daemon.stats()).ranks[0].running:
+                        break
+                    await asyncio.sleep(0.01)
+                return await call
+
+    reply = run(scenario())
+    assert reply.id == "cmpl-quiet"
+    assert reply.choices[0].finish_reason == "abort"
+    assert reply.usage is not None and reply.usage.completion_tokens < LONG
 
 
 def test_an_abort_by_id_ends_every_sample_of_the_prompt(api: ApiDaemon) -> None:
