@@ -66,7 +66,8 @@ def test_a_lora_adapter_of_the_base_model_is_found(tmp_path: Path) -> None:
     adapter(tmp_path, "ia3", {"peft_type": "IA3", "base_model_name_or_path": BASE})
     (tmp_path / "no-config").mkdir()
     assert resolver.resolve(BASE, "sql") == sql
-    for name in ("other-base", "ia3", "no-config", "absent"):
+    # Hostile names find nothing and raise nothing: a NUL, 100,000 characters, a surrogate.
+    for name in ("other-base", "ia3", "no-config", "absent", "a\x00b", "x" * 100_000, "\udcff"):
         assert resolver.resolve(BASE, name) is None, name
     # Nothing outside the directory, though vLLM's os.path.join would reach it.
     outside = tmp_path.parent / f"{tmp_path.name}-outside"
