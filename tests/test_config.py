@@ -599,6 +599,7 @@ ISSUE_FLAGS = {
     "--max-num-queued-reqs": "max_num_queued_reqs",
     "--max-num-queued-tokens": "max_num_queued_tokens",
     "--enable-server-load-tracking": "enable_server_load_tracking",
+    "--enable-request-id-headers": "enable_request_id_headers",
 }
 
 
@@ -656,6 +657,7 @@ def test_switches_and_metavars() -> None:
         "--enable-prompt-tokens-details",
         "--kv-cache-metrics",
         "--enable-server-load-tracking",
+        "--enable-request-id-headers",
     }
     assert by_name["--kv-cache-metrics-sample"].metavar == "FLOAT"
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"

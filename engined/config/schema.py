@@ -242,6 +242,13 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         bool,
         _help("Count each API server's requests in flight for GET /load, as vLLM's flag."),
     ] = False
+    enable_request_id_headers: Annotated[
+        bool,
+        _help(
+            "Every API response carries X-Request-Id: the request's own, else a fresh uuid, "
+            "as vLLM's flag."
+        ),
+    ] = False
     # vLLM's admission control in the API servers (engined.openai.queue_admission).
     max_num_queued_reqs: (
         Annotated[

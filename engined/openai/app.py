@@ -7,6 +7,8 @@ raises is a 500 with the same shape (logged once), so no request can end the pro
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from collections.abc import Awaitable, Callable
 from urllib.parse import unquote
 
@@ -64,6 +66,7 @@ class ApiApp:
         self.model_names = models.names
         self._context = context
         self._keys = BearerKeys(tuple(config.api_key or ()), guard_metrics=config.api_key_metrics)
+        self._request_id_headers = config.enable_request_id_headers
         completions = CompletionServer(context)
         chat = ChatServer(context)
         misc = MiscServer(context, config=config, welcome=welcome)
@@ -101,6 +104,17 @@ class ApiApp:
             )
 
     async def handle(self, request: HttpRequest) -> Reply:
+        reply = await self._handle(request)
+        if not self._request_id_headers:
+            return reply
+        # vLLM's XRequestIdMiddleware, outside its authentication: every answer of the app,
+        # refusals included, carries the request's id, or a fresh one.
+        request_id = request.headers.get("x-request-id")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        return dataclasses.replace(reply, headers=(*reply.headers, ("x-request-id", request_id)))
+
+    async def _handle(self, request: HttpRequest) -> Reply:
         path = unquote(request.path)
         if not self._keys.authorized(
             request.method, path, request.headers.get("authorization", "")
