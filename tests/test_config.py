@@ -600,6 +600,7 @@ ISSUE_FLAGS = {
     "--max-num-queued-tokens": "max_num_queued_tokens",
     "--enable-server-load-tracking": "enable_server_load_tracking",
     "--enable-request-id-headers": "enable_request_id_headers",
+    "--enable-force-include-usage": "enable_force_include_usage",
 }
 
 
@@ -658,6 +659,7 @@ def test_switches_and_metavars() -> None:
         "--kv-cache-metrics",
         "--enable-server-load-tracking",
         "--enable-request-id-headers",
+        "--enable-force-include-usage",
     }
     assert by_name["--kv-cache-metrics-sample"].metavar == "FLOAT"
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"

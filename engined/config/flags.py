@@ -165,6 +165,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-num-queued-tokens", "max_num_queued_tokens"),
     Flag("--enable-server-load-tracking", "enable_server_load_tracking"),
     Flag("--enable-request-id-headers", "enable_request_id_headers"),
+    Flag("--enable-force-include-usage", "enable_force_include_usage"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

@@ -242,6 +242,13 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         bool,
         _help("Count each API server's requests in flight for GET /load, as vLLM's flag."),
     ] = False
+    enable_force_include_usage: Annotated[
+        bool,
+        _help(
+            "Every streamed response carries usage, on each chunk and in a last chunk, "
+            "whatever its stream_options, as vLLM's flag."
+        ),
+    ] = False
     enable_request_id_headers: Annotated[
         bool,
         _help(

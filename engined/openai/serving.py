@@ -99,6 +99,8 @@ class ServingContext:
     admission: Admission
     # The running requests, by vLLM's external ids (`/abort_requests`).
     in_flight: InFlight
+    # vLLM's --enable-force-include-usage.
+    force_include_usage: bool
 
     @classmethod
     def build(
@@ -139,7 +141,17 @@ class ServingContext:
                 counters=counters,
             ),
             in_flight=InFlight(client, timeout=CALL_TIMEOUT_S),
+            force_include_usage=config.enable_force_include_usage,
         )
+
+    def usage_in_stream(self, request: Request) -> tuple[bool, bool]:
+        """vLLM's `should_include_usage`: whether a stream ends with a usage chunk, and
+        whether every chunk carries usage too (both with `--enable-force-include-usage`)."""
+        if self.force_include_usage:
+            return True, True
+        options = request.stream_options
+        include = options is not None and bool(options.include_usage)
+        return include, include and options is not None and bool(options.continuous_usage_stats)
 
     def stream_interval_of(self, request: Request) -> int:
         """vLLM's: the request's `stream_interval`, never below the server's."""

@@ -176,9 +176,7 @@ class _Run:
         return cached, self.context.created_cache_tokens(len(self.prompt_ids), cached)
 
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        options = self.request.stream_options
-        include_usage = options is not None and bool(options.include_usage)
-        continuous = include_usage and options is not None and bool(options.continuous_usage_stats)
+        include_usage, continuous = self.context.usage_in_stream(self.request)
         token_ids = bool(self.request.return_token_ids)
         prompt_tokens = len(self.prompt_ids)
         try:

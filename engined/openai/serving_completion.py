@@ -181,9 +181,7 @@ class _Run:
         return cached[0] if cached else None
 
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        options = self.request.stream_options
-        include_usage = options is not None and bool(options.include_usage)
-        continuous = include_usage and options is not None and bool(options.continuous_usage_stats)
+        include_usage, continuous = self.context.usage_in_stream(self.request)
         token_ids = bool(self.request.return_token_ids)
         versions = self.request.return_weight_versions
         try:
