@@ -601,6 +601,7 @@ ISSUE_FLAGS = {
     "--enable-server-load-tracking": "enable_server_load_tracking",
     "--enable-request-id-headers": "enable_request_id_headers",
     "--enable-force-include-usage": "enable_force_include_usage",
+    "--return-tokens-as-token-ids": "return_tokens_as_token_ids",
 }
 
 
@@ -660,6 +661,7 @@ def test_switches_and_metavars() -> None:
         "--enable-server-load-tracking",
         "--enable-request-id-headers",
         "--enable-force-include-usage",
+        "--return-tokens-as-token-ids",
     }
     assert by_name["--kv-cache-metrics-sample"].metavar == "FLOAT"
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"

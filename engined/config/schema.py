@@ -242,6 +242,13 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         bool,
         _help("Count each API server's requests in flight for GET /load, as vLLM's flag."),
     ] = False
+    return_tokens_as_token_ids: Annotated[
+        bool,
+        _help(
+            "Logprobs name tokens `token_id:{id}` rather than by their text, unless a request "
+            "says otherwise, as vLLM's flag."
+        ),
+    ] = False
     enable_force_include_usage: Annotated[
         bool,
         _help(

@@ -15,9 +15,11 @@ the top `k` in rank order (the sampled one not repeated), and the APIs cut that 
 completions keep the first `k + 1` (keyed by token text, so two ids of one text merge),
 chat the first `k`, so a chat `top_logprobs` list starts with the sampled token even when it
 was not the most likely. Token text comes from the caller's `decode(ids)`, one string per
-id, as vLLM decodes each id on its own. The values themselves are `engined.logprob_values`'s,
-which the Dynamo worker (engined/dynamo/engine_outputs.py) sends by token id for Dynamo's frontend
-to render.
+id, as vLLM decodes each id on its own; with `as_token_ids` (vLLM's
+`return_tokens_as_token_ids`) every token is named `token_id:{id}` instead, except a chat
+token's own `bytes`, which vLLM still takes from its text. The values themselves are
+`engined.logprob_values`'s, which the Dynamo worker (engined/dynamo/engine_outputs.py) sends
+by token id for Dynamo's frontend to render.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ from engined.openai.protocol_responses import (
 )
 
 Decode = Callable[[list[int]], list[str]]
+
+
+def token_id_names(ids: list[int]) -> list[str]:
+    """vLLM's `format_token_id_placeholder` of each id: a `Decode` naming tokens by id."""
+    return [f"token_id:{token_id}" for token_id in ids]
+
+
 __all__ = ["PositionLogprobs", "chat_logprobs", "completion_logprobs", "position_logprobs"]
 
 
@@ -46,6 +55,7 @@ def completion_logprobs(
     decode: Decode,
     text_offset: int = 0,
     first_is_none: bool = False,
+    as_token_ids: bool = False,
 ) -> CompletionLogProbs:
     """`/v1/completions` logprobs of `token_ids`, the first at `first_position`.
 
@@ -53,6 +63,8 @@ def completion_logprobs(
     chunk starts at the last offset plus the last token's length). `first_is_none` marks an
     echoed prompt's first token, which has no logprob in vLLM.
     """
+    if as_token_ids:
+        decode = token_id_names
     offsets: list[int] = []
     logprobs: list[float | None] = []
     tokens: list[str] = []
@@ -87,22 +99,26 @@ def chat_logprobs(
     key: int,
     vocab_size: int,
     decode: Decode,
+    as_token_ids: bool = False,
 ) -> ChatCompletionLogProbs:
     """`/v1/chat/completions` logprobs of `token_ids`, the first at `first_position`."""
+    name = token_id_names if as_token_ids else decode
     content: list[ChatCompletionLogProbsContent] = []
     for index, token_id in enumerate(token_ids):
         position = position_logprobs(
             token_id, first_position + index, k, key=key, vocab_size=vocab_size
         )
         kept = position.entries[: max(k, 1)]
-        texts = decode([entry[0] for entry in kept])
+        names = name([entry[0] for entry in kept])
         top = [
             ChatCompletionLogProb(token=text, logprob=lp, bytes=_utf8(text))
-            for text, (_, lp) in zip(texts[:k], kept[:k], strict=True)
+            for text, (_, lp) in zip(names[:k], kept[:k], strict=True)
         ]
+        # The token's bytes are its text's, named by id or not (vLLM's `decoded_token`).
+        text = decode([token_id])[0] if as_token_ids else names[0]
         content.append(
             ChatCompletionLogProbsContent(
-                token=texts[0], logprob=position.logprob, bytes=_utf8(texts[0]), top_logprobs=top
+                token=names[0], logprob=position.logprob, bytes=_utf8(text), top_logprobs=top
             )
         )
     return ChatCompletionLogProbs(content=content)

@@ -101,6 +101,8 @@ class ServingContext:
     in_flight: InFlight
     # vLLM's --enable-force-include-usage.
     force_include_usage: bool
+    # vLLM's --return-tokens-as-token-ids: a request's field overrides it.
+    tokens_as_ids: bool
 
     @classmethod
     def build(
@@ -142,6 +144,7 @@ class ServingContext:
             ),
             in_flight=InFlight(client, timeout=CALL_TIMEOUT_S),
             force_include_usage=config.enable_force_include_usage,
+            tokens_as_ids=config.return_tokens_as_token_ids,
         )
 
     def usage_in_stream(self, request: Request) -> tuple[bool, bool]:
@@ -152,6 +155,12 @@ class ServingContext:
         options = request.stream_options
         include = options is not None and bool(options.include_usage)
         return include, include and options is not None and bool(options.continuous_usage_stats)
+
+    def logprob_tokens_as_ids(self, request: Request) -> bool:
+        """Whether logprobs name tokens by id: the request's `return_tokens_as_token_ids`,
+        else the server's flag."""
+        asked = request.return_tokens_as_token_ids
+        return self.tokens_as_ids if asked is None else asked
 
     def stream_interval_of(self, request: Request) -> int:
         """vLLM's: the request's `stream_interval`, never below the server's."""

@@ -167,6 +167,7 @@ class _Run:
             key=choice.index,
             vocab_size=tokenizer.vocab_size,
             decode=tokenizer.logprob_tokens,
+            as_token_ids=self.context.logprob_tokens_as_ids(self.request),
         )
 
     def _cached(self, generation: Generation) -> tuple[int | None, int | None]:

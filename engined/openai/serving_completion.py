@@ -165,6 +165,7 @@ class _Run:
             decode=tokenizer.logprob_tokens,
             text_offset=choice.text_offset,
             first_is_none=bool(echoed),
+            as_token_ids=self.context.logprob_tokens_as_ids(self.request),
         )
         if logprobs.tokens:
             choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])

@@ -117,3 +117,35 @@ def test_bytes_are_utf8_and_a_tiny_vocabulary_still_works() -> None:
     assert logprobs.content is not None
     assert logprobs.content[0].bytes == [195, 169]
     assert len(logprobs.content[0].top_logprobs) == 1
+
+
+def test_tokens_named_by_id_as_vllms_return_tokens_as_token_ids() -> None:
+    """The same values, every token named `token_id:{id}` (offsets advance by those names);
+    a chat token's own `bytes` stay its text's, as vLLM takes them from `decoded_token`."""
+    logprobs = completion_logprobs(
+        [42, 43], 0, 1, key=7, vocab_size=VOCAB, decode=_decode, as_token_ids=True
+    )
+    assert ENCODE(logprobs) == (
+        b'{"text_offset":[0,11],"token_logprobs":[-2.1472,-0.1143],'
+        b'"tokens":["token_id:42","token_id:43"],'
+        b'"top_logprobs":[{"token_id:42":-2.1472,"token_id:166":-0.3753},{"token_id:43":-0.1143}]}'
+    )
+    echoed = completion_logprobs(
+        [5, 42],
+        0,
+        1,
+        key=7,
+        vocab_size=VOCAB,
+        decode=_decode,
+        first_is_none=True,
+        as_token_ids=True,
+    )
+    assert (echoed.tokens, echoed.text_offset) == (["token_id:5", "token_id:42"], [0, 10])
+    chat = chat_logprobs([42], 0, 2, key=7, vocab_size=VOCAB, decode=_decode, as_token_ids=True)
+    assert ENCODE(chat) == (
+        b'{"content":[{"token":"token_id:42","logprob":-2.1472,"bytes":[60,52,50,62],'
+        b'"top_logprobs":[{"token":"token_id:42","logprob":-2.1472,'
+        b'"bytes":[116,111,107,101,110,95,105,100,58,52,50]},'
+        b'{"token":"token_id:166","logprob":-0.3753,'
+        b'"bytes":[116,111,107,101,110,95,105,100,58,49,54,54]}]}]}'
+    )
