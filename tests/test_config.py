@@ -602,6 +602,7 @@ ISSUE_FLAGS = {
     "--enable-request-id-headers": "enable_request_id_headers",
     "--enable-force-include-usage": "enable_force_include_usage",
     "--return-tokens-as-token-ids": "return_tokens_as_token_ids",
+    "--response-role": "response_role",
 }
 
 

@@ -167,6 +167,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--enable-request-id-headers", "enable_request_id_headers"),
     Flag("--enable-force-include-usage", "enable_force_include_usage"),
     Flag("--return-tokens-as-token-ids", "return_tokens_as_token_ids"),
+    Flag("--response-role", "response_role"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

@@ -242,6 +242,14 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         bool,
         _help("Count each API server's requests in flight for GET /load, as vLLM's flag."),
     ] = False
+    response_role: Annotated[
+        str,
+        msgspec.Meta(min_length=1, max_length=256),
+        _help(
+            "The role of a chat's answer when its request adds the generation prompt, as "
+            "vLLM's --response-role."
+        ),
+    ] = "assistant"
     return_tokens_as_token_ids: Annotated[
         bool,
         _help(

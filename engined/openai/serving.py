@@ -103,6 +103,8 @@ class ServingContext:
     force_include_usage: bool
     # vLLM's --return-tokens-as-token-ids: a request's field overrides it.
     tokens_as_ids: bool
+    # vLLM's --response-role.
+    response_role: str
 
     @classmethod
     def build(
@@ -145,6 +147,7 @@ class ServingContext:
             in_flight=InFlight(client, timeout=CALL_TIMEOUT_S),
             force_include_usage=config.enable_force_include_usage,
             tokens_as_ids=config.return_tokens_as_token_ids,
+            response_role=config.response_role,
         )
 
     def usage_in_stream(self, request: Request) -> tuple[bool, bool]:

@@ -117,7 +117,8 @@ class ChatServer:
             )
             for sample in runs
         ]
-        role = "assistant" if request.add_generation_prompt else messages[-1]["role"]
+        # vLLM's `get_chat_request_role`.
+        role = context.response_role if request.add_generation_prompt else messages[-1]["role"]
         echo = ""
         if request.echo and messages and messages[-1].get("role") == role:
             echo = _content_text(messages[-1].get("content"))

@@ -4,13 +4,15 @@ carries usage on every chunk, as `stream_options` with `include_usage` and
 `continuous_usage_stats` would, whatever the request's own `stream_options` say (vLLM's
 `should_include_usage`). `--return-tokens-as-token-ids`: logprobs name tokens
 `token_id:{id}`, unless a request's `return_tokens_as_token_ids` says otherwise, and a
-request may ask for it without the flag."""
+request may ask for it without the flag. `--response-role`: the role of a chat's answer
+when the request adds the generation prompt (else the last message's, as vLLM's)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.openai.api_harness import start_api
 
@@ -70,13 +72,34 @@ def named(client: openai.OpenAI, ask: bool | None) -> str:
     return "text"
 
 
-def test_logprob_tokens_by_id_with_the_flag(tmp_path: Path) -> None:
+def test_logprob_tokens_by_id_and_the_response_role_with_the_flags(tmp_path: Path) -> None:
+    flags = ("--speedup-ratio", "0", "--return-tokens-as-token-ids", "--response-role", "bot")
     with (
-        start_api(tmp_path, "--speedup-ratio", "0", "--return-tokens-as-token-ids") as api,
+        start_api(tmp_path, *flags) as api,
         openai.OpenAI(base_url=api.base_url, api_key="x", max_retries=0) as client,
     ):
         assert named(client, None) == "ids"
         assert named(client, False) == "text"
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+        done = client.chat.completions.create(model="engined", messages=messages, max_tokens=2)
+        # The openai package types the role as "assistant"; read it as sent.
+        assert done.choices[0].message.model_dump()["role"] == "bot"
+        first = next(
+            iter(
+                client.chat.completions.create(
+                    model="engined", messages=messages, max_tokens=2, stream=True
+                )
+            )
+        )
+        assert first.choices[0].delta.model_dump()["role"] == "bot"
+        # Without the generation prompt the answer continues the last message's role.
+        cont = client.chat.completions.create(
+            model="engined",
+            messages=messages,
+            max_tokens=2,
+            extra_body={"add_generation_prompt": False},
+        )
+        assert cont.choices[0].message.model_dump()["role"] == "user"
 
 
 def test_without_the_flags_a_request_asks(tmp_path: Path) -> None:
