@@ -25,6 +25,7 @@ from engined.openai.api_errors import (
     method_not_allowed,
     route_not_found,
 )
+from engined.openai.cors import preflight, with_cors
 from engined.openai.http.http_messages import HttpRequest, HttpResponse, StreamingResponse
 from engined.openai.server_load import ServerLoad
 from engined.openai.serving import ServingContext, engine_refusal
@@ -120,6 +121,13 @@ class ApiApp:
             request.method, path, request.headers.get("authorization", "")
         ):
             return _UNAUTHORIZED
+        # vLLM's CORS middleware, inside its authentication (which lets OPTIONS through).
+        answer = preflight(request)
+        if answer is not None:
+            return answer
+        return with_cors(request, await self._route(request, path))
+
+    async def _route(self, request: HttpRequest, path: str) -> Reply:
         methods = self._routes.get(path)
         if methods is None:
             return _answer(_NOT_FOUND)
