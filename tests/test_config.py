@@ -603,6 +603,7 @@ ISSUE_FLAGS = {
     "--enable-force-include-usage": "enable_force_include_usage",
     "--return-tokens-as-token-ids": "return_tokens_as_token_ids",
     "--response-role": "response_role",
+    "--sse-keep-alive-interval": "sse_keep_alive_interval",
 }
 
 

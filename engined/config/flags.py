@@ -168,6 +168,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--enable-force-include-usage", "enable_force_include_usage"),
     Flag("--return-tokens-as-token-ids", "return_tokens_as_token_ids"),
     Flag("--response-role", "response_role"),
+    Flag("--sse-keep-alive-interval", "sse_keep_alive_interval"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

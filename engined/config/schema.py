@@ -242,6 +242,14 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         bool,
         _help("Count each API server's requests in flight for GET /load, as vLLM's flag."),
     ] = False
+    sse_keep_alive_interval: Annotated[
+        int,
+        msgspec.Meta(ge=0),
+        _help(
+            "Seconds a streamed completion or chat may send nothing before it sends an SSE "
+            "keep-alive comment, as vLLM's flag (0 = never)."
+        ),
+    ] = 0
     response_role: Annotated[
         str,
         msgspec.Meta(min_length=1, max_length=256),

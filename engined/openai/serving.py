@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engined.admission_counters import AdmissionCounters
@@ -28,7 +28,7 @@ from engined.openai.api_errors import (
 )
 from engined.openai.disagg import Disaggregation, advertised, parse_role
 from engined.openai.generation import CALL_TIMEOUT_S, Generation, Sample, Transfer
-from engined.openai.http.http_messages import StreamingResponse
+from engined.openai.http.http_messages import ClosingBody, StreamingResponse
 from engined.openai.in_flight import InFlight
 from engined.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engined.openai.protocol_responses import SSE_DONE
@@ -40,6 +40,7 @@ from engined.openai.protocol_sampling import (
 )
 from engined.openai.queue_admission import Admission
 from engined.openai.served_models import ServedModels
+from engined.openai.sse_keep_alive import with_keep_alive
 from engined.openai.tokenizer import Tokenizer
 from engined.wire.control import Welcome, WireLoraRequest
 
@@ -105,6 +106,8 @@ class ServingContext:
     tokens_as_ids: bool
     # vLLM's --response-role.
     response_role: str
+    # vLLM's --sse-keep-alive-interval (seconds; 0 = none).
+    keep_alive_s: int
 
     @classmethod
     def build(
@@ -148,6 +151,7 @@ class ServingContext:
             force_include_usage=config.enable_force_include_usage,
             tokens_as_ids=config.return_tokens_as_token_ids,
             response_role=config.response_role,
+            keep_alive_s=config.sse_keep_alive_interval,
         )
 
     def usage_in_stream(self, request: Request) -> tuple[bool, bool]:
@@ -164,6 +168,15 @@ class ServingContext:
         else the server's flag."""
         asked = request.return_tokens_as_token_ids
         return self.tokens_as_ids if asked is None else asked
+
+    def event_stream(
+        self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+    ) -> StreamingResponse:
+        """A generation's SSE response: its events, with vLLM's keep-alive comments while
+        idle, `on_close` run however it ends."""
+        return StreamingResponse(
+            200, ClosingBody(with_keep_alive(events, self.keep_alive_s), on_close)
+        )
 
     def stream_interval_of(self, request: Request) -> int:
         """vLLM's: the request's `stream_interval`, never below the server's."""

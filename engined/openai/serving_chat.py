@@ -19,7 +19,6 @@ from engined.openai.api_errors import ApiError
 from engined.openai.choice_steps import Choice, steps
 from engined.openai.generation import Generation
 from engined.openai.http.http_messages import (
-    ClosingBody,
     HttpRequest,
     HttpResponse,
     StreamingResponse,
@@ -126,7 +125,7 @@ class ChatServer:
             context, request, request_id, created_now(), served.name, ids, choices, role, echo
         )
         if request.stream:
-            return StreamingResponse(200, ClosingBody(run.stream(generation), generation.close))
+            return context.event_stream(run.stream(generation), generation.close)
         return await run.collect(generation)
 
 

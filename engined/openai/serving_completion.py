@@ -17,7 +17,6 @@ from engined.openai.api_errors import ApiError
 from engined.openai.choice_steps import Choice, Step, steps
 from engined.openai.generation import Generation
 from engined.openai.http.http_messages import (
-    ClosingBody,
     HttpRequest,
     HttpResponse,
     StreamingResponse,
@@ -112,7 +111,7 @@ class CompletionServer:
         ]
         run = _Run(context, request, request_id, created_now(), served.name, prompts, choices)
         if request.stream:
-            return StreamingResponse(200, ClosingBody(run.stream(generation), generation.close))
+            return context.event_stream(run.stream(generation), generation.close)
         return await run.collect(generation)
 
 
