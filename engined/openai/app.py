@@ -125,7 +125,7 @@ class ApiApp:
         answer = preflight(request)
         if answer is not None:
             return answer
-        return with_cors(request, await self._route(request, path))
+        return with_cors(await self._route(request, path))
 
     async def _route(self, request: HttpRequest, path: str) -> Reply:
         methods = self._routes.get(path)

@@ -1,15 +1,16 @@
 """CORS as `vllm serve` answers it: Starlette's CORSMiddleware with vLLM's default settings.
 
-vLLM adds the middleware with `--allowed-origins`, `--allowed-methods` and `--allowed-headers`
-all `["*"]` and `--allow-credentials` off (entrypoints/serve/middleware/register.py), inside
-its authentication (which lets every OPTIONS through), so a browser client may call it from
-any page. A preflight (OPTIONS with `Origin` and `Access-Control-Request-Method`) is answered
-without routing: 200 `OK`, or 400 `Disallowed CORS method` for a method Starlette does not
-list (compared case-sensitively) and `private-network` for a private-network request, which
-the defaults refuse. Every other answer gets `Vary: Origin`, and `Access-Control-Allow-Origin:
-*` when the request has an `Origin`; the authentication's 401 gets neither, as it never
-reaches the middleware. Starlette 1.10's values, as vLLM 0.33 installs it. engined reads the
-four flags and ignores them (a warning names them): it answers as vLLM's defaults do.
+vLLM adds the middleware with `--allowed-origins` empty ("cross-origin browser access is
+disabled by default"), `--allowed-methods` and `--allowed-headers` `["*"]` and
+`--allow-credentials` off (entrypoints/serve/middleware/register.py), inside its
+authentication (which lets every OPTIONS through). So a preflight (OPTIONS with `Origin` and
+`Access-Control-Request-Method`) is refused without routing: 400 `Disallowed CORS origin`,
+with `, method` for a method Starlette does not list (compared case-sensitively) and
+`, private-network` for a private-network request; and every other answer gets `Vary:
+Origin` and no `Access-Control-Allow-Origin`, so a browser keeps it from a page of another
+origin. The authentication's 401 gets nothing, as it never reaches the middleware. Starlette
+1.10's values, as vLLM 0.33 installs it. engined reads the four flags and ignores them (a
+warning names them): it answers as vLLM's defaults do.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ _PREFLIGHT: Final = (
         "Origin, Access-Control-Request-Method, Access-Control-Request-Headers, "
         "Access-Control-Request-Private-Network",
     ),
-    ("access-control-allow-origin", "*"),
     ("access-control-allow-methods", ", ".join(_METHODS)),
     ("access-control-max-age", "600"),
 )
+_SIMPLE: Final = (("vary", "Origin"),)
 
 
 def preflight(request: HttpRequest) -> HttpResponse | None:
@@ -44,22 +45,20 @@ def preflight(request: HttpRequest) -> HttpResponse | None:
     answer = list(_PREFLIGHT)
     requested = headers.get("access-control-request-headers")
     if requested is not None:
-        # `allow_headers=["*"]`: whatever is asked for is allowed, mirrored back.
+        # `allow_headers=["*"]`: whatever is asked for is mirrored back.
         answer.append(("access-control-allow-headers", requested))
-    failures = []
+    # No origin is allowed.
+    failures = ["origin"]
     if method not in _METHODS:
         failures.append("method")
     if "access-control-request-private-network" in headers:
         failures.append("private-network")
-    text, status = ("Disallowed CORS " + ", ".join(failures), 400) if failures else ("OK", 200)
+    text = "Disallowed CORS " + ", ".join(failures)
     return HttpResponse(
-        status, text.encode(), content_type="text/plain; charset=utf-8", headers=tuple(answer)
+        400, text.encode(), content_type="text/plain; charset=utf-8", headers=tuple(answer)
     )
 
 
-def with_cors(request: HttpRequest, reply: Reply) -> Reply:
-    """`reply` with the headers Starlette's middleware adds to an answer that is no preflight."""
-    added: tuple[tuple[str, str], ...] = (("vary", "Origin"),)
-    if "origin" in request.headers:
-        added = (("access-control-allow-origin", "*"), *added)
-    return dataclasses.replace(reply, headers=(*reply.headers, *added))
+def with_cors(reply: Reply) -> Reply:
+    """`reply` with what Starlette's middleware adds to an answer that is no preflight."""
+    return dataclasses.replace(reply, headers=(*reply.headers, *_SIMPLE))
