@@ -16,7 +16,8 @@ a process that is gone.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from engined.client import EngineClient, EngineError
@@ -37,16 +38,23 @@ Call = Callable[[EngineClient, float], Awaitable[object]]
 _PAUSE_STATES = {0: "running", 1: "paused (new requests held)", 2: "paused (all held)"}
 
 
-async def engine_call(control_endpoint: str, timeout: float, out: Output, call: Call) -> int:
-    """Make `call` on an operator connection, then show every rank's state."""
+@contextlib.asynccontextmanager
+async def _operator(control_endpoint: str, timeout: float) -> AsyncIterator[EngineClient]:
+    """A connection to the daemon, whose silence and refusals become the tools' errors."""
     async with zmq_context() as ctx, control_client(ctx, control_endpoint) as client:
         try:
-            reply = await call(client, timeout)
-            stats = reply if isinstance(reply, StatsReply) else await client.stats(timeout=timeout)
+            yield client
         except TimeoutError:
             raise no_answer(control_endpoint, timeout) from None
         except EngineError as error:
             raise engine_failure(error) from None
+
+
+async def engine_call(control_endpoint: str, timeout: float, out: Output, call: Call) -> int:
+    """Make `call` on an operator connection, then show every rank's state."""
+    async with _operator(control_endpoint, timeout) as client:
+        reply = await call(client, timeout)
+        stats = reply if isinstance(reply, StatsReply) else await client.stats(timeout=timeout)
     for rank in stats.ranks:
         if out.json:
             out.record(state_record(rank))
@@ -58,16 +66,11 @@ async def engine_call(control_endpoint: str, timeout: float, out: Output, call: 
 async def cancel_requests(
     control_endpoint: str, timeout: float, out: Output, request_ids: list[str]
 ) -> int:
-    async with zmq_context() as ctx, control_client(ctx, control_endpoint) as client:
-        cancelled: list[bool] = []
-        try:
-            for request_id in request_ids:
-                reply = await client.cancel(request_id, timeout=timeout)
-                cancelled.append(isinstance(reply, Applied))
-        except TimeoutError:
-            raise no_answer(control_endpoint, timeout) from None
-        except EngineError as error:
-            raise engine_failure(error) from None
+    cancelled: list[bool] = []
+    async with _operator(control_endpoint, timeout) as client:
+        for request_id in request_ids:
+            reply = await client.cancel(request_id, timeout=timeout)
+            cancelled.append(isinstance(reply, Applied))
     for request_id, done in zip(request_ids, cancelled, strict=True):
         if out.json:
             out.record({"request_id": request_id, "cancelled": done})
