@@ -41,6 +41,9 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     # A LoRA request's blocks: vLLM's `lora_id` (the adapter's `lora_int_id`) and `lora_name`.
     lora_id: int | None = None
     lora_name: str | None = None
+    # vLLM's lookahead block hashes (MTP with prefix caching): per block, the tokens after it
+    # that its hash covers; None without.
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):

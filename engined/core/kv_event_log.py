@@ -81,9 +81,11 @@ class KvEventLog:
         extra_keys: list[tuple[str, ...] | None] | None = None,
         lora_id: int | None = None,
         lora_name: str | None = None,
+        lookahead_token_ids: list[list[int]] | None = None,
     ) -> None:
         """Publish blocks registered in `medium` together, as one Stored (the vLLM pool's
-        cached blocks, with a LoRA request's adapter; a lower tier's registration)."""
+        cached blocks, with a LoRA request's adapter and the tokens lookahead hashes cover;
+        a lower tier's registration)."""
         if self.publish:
             self._events.append(
                 BlockStored(
@@ -98,6 +100,7 @@ class KvEventLog:
                     extra_keys,
                     lora_id,
                     lora_name,
+                    lookahead_token_ids,
                 )
             )
 

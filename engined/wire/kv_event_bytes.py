@@ -156,7 +156,7 @@ class MapBatchWriter:
                     append(self._encode([wire_hash(h) for h in hashes]))
                 append(tail)
             elif kind is BlockStored:
-                if ev.lora_id is None and ev.lora_name is None:
+                if ev.lora_id is None and ev.lora_name is None and ev.lookahead_token_ids is None:
                     self._write_stored(ev, pieces)
                 else:
                     append(self._encode(self._others[BlockStored](ev)))

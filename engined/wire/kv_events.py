@@ -83,7 +83,8 @@ class BlockStored(KVCacheEvent):
     optional keys are omitted when unset.
     """
 
-    # NOTE: keep all 15 fields of vLLM 0.33 although engined never sets the last five: msgspec
+    # NOTE: keep all 15 fields of vLLM 0.33 although engined sets the last five only for MTP's
+    # lookahead hashes (`lookahead_token_ids`, the last): msgspec
     # writes a map16 header (`de 00 NN`) for a struct with more than 15 fields, whatever the
     # entry count, and vLLM 0.33's bytes carry that header (0.24-0.32 had a fixmap).
 
@@ -207,6 +208,7 @@ def _map_stored(ev: core.BlockStored) -> BlockStored:
         extra_keys=_extra_keys(ev),
         group_idx=_GROUP_IDX,
         kv_cache_spec_kind=_SPEC_KIND,
+        lookahead_token_ids=ev.lookahead_token_ids,
     )
 
 

@@ -95,6 +95,7 @@ def test_reference_files_are_vllms_bytes_as_documented() -> None:
         "vllm033_reference_block_stored_parent.bin": 198,
         "vllm033_reference_block_stored_salted.bin": 221,
         "vllm033_reference_block_stored_lora.bin": 247,
+        "vllm033_reference_block_stored_lookahead.bin": 237,
         "vllm024_032_reference_block_stored.bin": 210,
         "vllm024_032_reference_removed_cleared.bin": 99,
         "vllm023_reference_block_stored.bin": 89,

@@ -24,6 +24,7 @@ def stored(
     medium: core.Medium = core.Medium.GPU,
     extra_keys: list[tuple[str, ...] | None] | None = None,
     lora: tuple[int, str] | None = None,
+    lookahead: list[list[int]] | None = None,
 ) -> core.BlockStored:
     return core.BlockStored(
         event_id=0,
@@ -37,6 +38,7 @@ def stored(
         extra_keys=extra_keys,
         lora_id=None if lora is None else lora[0],
         lora_name=None if lora is None else lora[1],
+        lookahead_token_ids=lookahead,
     )
 
 
@@ -183,6 +185,14 @@ class TestEncoderMatchesVllm:
         payload = kv.KvEventEncoder("vllm").encode_batch(TS, [event], 0)
         assert payload == read_golden("vllm033_reference_block_stored_lora.bin")
 
+    def test_vllm033_lookahead_block_stored(self) -> None:
+        """MTP with prefix caching: each block's hash covers the token after it, which the
+        event carries in `lookahead_token_ids` (the struct path: the byte writer has no
+        segment for it)."""
+        event = stored([H1, H2], None, [128000, 9125, 271, 1, 2, 3, 4, 5], lookahead=[[2], [77]])
+        payload = kv.KvEventEncoder("vllm").encode_batch(TS, [event], 0)
+        assert payload == read_golden("vllm033_reference_block_stored_lookahead.bin")
+
     def test_lora_and_plain_stores_in_one_batch_keep_their_order(self) -> None:
         plain = stored([H2], H1, [1, 2, 3, 4])
         lora = stored([H1], None, [5, 6, 7, 8], extra_keys=[("a",)], lora=(1, "a"))
@@ -326,6 +336,7 @@ REFERENCES_REENCODED_EXACTLY = [
     "vllm033_reference_block_stored_parent.bin",
     "vllm033_reference_block_stored_salted.bin",
     "vllm033_reference_block_stored_lora.bin",
+    "vllm033_reference_block_stored_lookahead.bin",
     "vllm024_032_reference_removed_cleared.bin",
     "vllm023_reference_block_stored.bin",
     "vllm023_reference_removed_cleared.bin",
