@@ -70,6 +70,8 @@ def engine_args(scenario: Scenario) -> EngineArgs:
         enable_lora=config.enable_lora,
         max_loras=config.max_loras,
         vocab_size=config.vocab_size,
+        aic_nextn=config.num_speculative_tokens or None,
+        aic_nextn_accept_rates=config.mtp_accept_rates if config.num_speculative_tokens else None,
     )
 
 
@@ -91,6 +93,7 @@ def trace_events(events: list[KvEvent]) -> list[TraceEvent]:
                     _extra_keys(event),
                     event.lora_id,
                     event.lora_name,
+                    event.lookahead_token_ids,
                 )
             )
         elif isinstance(event, BlockRemoved):
@@ -178,6 +181,8 @@ def run(scenario: Scenario) -> Trace:
         result = engine.execute_pass(now_ms)
         for output in result.request_outputs():
             generated.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.new_token_ids:
+                trace.bursts.setdefault(output.request_id, []).append(len(output.new_token_ids))
         step = _step(index, result)
         step.events = arrived + step.events
         trace.steps.append(step)

@@ -37,12 +37,14 @@ def random_mix(
     adapters: int = 0,
     max_loras: int = 1,
     salted: bool = False,
+    mtp: int = 0,
 ) -> Scenario:
     """`count` requests over 8 shared prefixes (16-128 tokens) with their own suffixes,
     arriving over about `count / 2` steps; under the priority policy each has a priority in
     0-3. With `adapters`, LoRA is on (`max_loras`) and two requests in three run one of
     that many adapters (the rest the base model); `salted` gives two in three a cache salt
-    of two. The name says every setting that is not the default."""
+    of two; `mtp` drafts that many tokens a step (MTP). The name says every setting that
+    is not the default."""
     rng = random.Random(seed)
     loras = [Adapter(f"adapter-{n}", n + 1, f"/adapters/{n}") for n in range(adapters)]
     prefixes = [random_tokens(rng, rng.randrange(16, 129)) for _ in range(8)]
@@ -74,6 +76,7 @@ def random_mix(
             (f"scheduled{scheduled}", scheduled is not None),
             (f"lora{adapters}-max{max_loras}", adapters > 0),
             ("salted", salted),
+            (f"mtp{mtp}", mtp > 0),
         )
         if on
     ]
@@ -98,6 +101,7 @@ def random_mix(
             max_num_scheduled_tokens=scheduled,
             enable_lora=adapters > 0,
             max_loras=max_loras,
+            num_speculative_tokens=mtp,
         ),
         requests=requests,
     )

@@ -68,7 +68,7 @@ def run_scenarios(
     """engined first (its tokens feed vLLM), then every scenario through vLLM, compared."""
     engined = [engined_side.run(scenario) for scenario in scenarios]
     jobs = [
-        VllmJob(scenario=scenario, output_tokens=trace.output_tokens)
+        VllmJob(scenario=scenario, output_tokens=trace.output_tokens, bursts=trace.bursts)
         for scenario, trace in zip(scenarios, engined, strict=True)
     ]
     vllm = run_vllm(jobs, python)

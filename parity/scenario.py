@@ -47,6 +47,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # engined only: draw output tokens from [0, vocab_size), so stop ids come up (vLLM samples
     # nothing: it is given engined's tokens).
     vocab_size: int | None = None
+    # MTP: vLLM's `--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'`,
+    # engined's `--nextn N` (0: none); and engined's acceptance rates per draft position
+    # (vLLM accepts what engined accepted: `VllmJob.bursts`).
+    num_speculative_tokens: int = 0
+    mtp_accept_rates: str = "0.8,0.6,0.4"
 
 
 class Adapter(msgspec.Struct, frozen=True, array_like=True):
@@ -120,6 +125,9 @@ class VllmJob(msgspec.Struct, frozen=True, kw_only=True):
 
     scenario: Scenario
     output_tokens: dict[str, list[int]]
+    # With MTP: how many tokens each of a request's sampling steps gave on engined's side
+    # (1 + the drafts it accepted), in order; vLLM's model output gives as many.
+    bursts: dict[str, list[int]] = {}
 
 
 def fallback_token(request_id: str, position: int) -> int:

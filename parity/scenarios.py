@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 from parity.lora_scenarios import lora_pressure, lora_shared_prefix
+from parity.mtp_scenarios import mtp_scenarios
 from parity.pause_scenarios import pause_scenarios
 from parity.random_mix import random_mix, random_tokens
 from parity.scenario import Config, Scenario, ScenarioRequest, asynchronous
@@ -311,6 +312,20 @@ def all_scenarios() -> list[Scenario]:
         random_mix(19, num_blocks=96, budget=256, prefill_interval=3, adapters=3, max_loras=2),
         *async_scenarios(),
         *pause_scenarios(),
+        *mtp_scenarios(
+            [
+                (chunked_prompt(), 2, True),
+                (shared_prefix(staggered=True), 2, True),
+                (pressure(), 2, True),
+                (pressure(), 2, False),
+                (repeated_prompts(), 2, True),
+                (repeated_prompts(96), 1, True),
+                (max_model_len_limit(), 3, True),
+                (no_chunked_prefill(), 1, False),
+                (stop_pressure(), 2, True),
+                (cache_salt(), 2, True),
+            ]
+        ),
     ]
 
 

@@ -54,6 +54,9 @@ class Stored(msgspec.Struct, frozen=True, tag="stored"):
     # A LoRA request's blocks: its adapter's id and name.
     lora_id: int | None = None
     lora_name: str | None = None
+    # Lookahead block hashes (MTP with prefix caching): per block, the tokens after it that
+    # its hash covers.
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class Removed(msgspec.Struct, frozen=True, tag="removed"):
@@ -89,6 +92,8 @@ class Trace(msgspec.Struct, kw_only=True):
     error: str | None = None
     # Each request's generated tokens by position (engined's, handed to vLLM).
     output_tokens: dict[str, list[int]] = {}
+    # The tokens each sampling step of a request gave, in order (engined's side, for MTP).
+    bursts: dict[str, list[int]] = {}
 
 
 class CanonicalBlock(msgspec.Struct, frozen=True, array_like=True):
@@ -119,28 +124,26 @@ _Prefix = tuple[list[int], str | None, str | None]
 class Canonicalizer:
     """Follows one side's events in order, mapping each raw hash to the token prefix it
     closes (and the salt of that prefix's first block, from its `extra_keys`, and the LoRA
-    adapter of the event). A removal or parent of a hash never stored is named
-    `unknown:<hash>`."""
+    adapter of the event; under lookahead hashes, `+` the tokens after the block its hash
+    covers). A removal or parent of a hash never stored is named `unknown:<hash>`."""
 
-    __slots__ = ("_prefixes",)
+    __slots__ = ("_identities", "_prefixes")
 
     def __init__(self) -> None:
         self._prefixes: dict[str, _Prefix] = {}
+        self._identities: dict[str, str] = {}
 
     def step(self, events: list[KvEvent]) -> list[CanonicalBlock]:
         blocks: list[CanonicalBlock] = []
         prefixes = self._prefixes
+        identities = self._identities
         for event in events:
             if isinstance(event, Stored):
                 parent: _Prefix | None = ([], None, None)
                 parent_id: str | None = None
                 if event.parent is not None:
                     parent = prefixes.get(event.parent)
-                    parent_id = (
-                        prefix_identity(*parent)
-                        if parent is not None
-                        else f"unknown:{event.parent}"
-                    )
+                    parent_id = identities.get(event.parent, f"unknown:{event.parent}")
                 prefix, salt = (list(parent[0]), parent[1]) if parent is not None else ([], None)
                 lora = None if event.lora_name is None else f"{event.lora_id}:{event.lora_name}"
                 size = event.block_size
@@ -153,13 +156,13 @@ class Canonicalizer:
                     prefix = prefix + event.token_ids[i * size : (i + 1) * size]
                     prefixes[block_hash] = (prefix, salt, lora)
                     identity = prefix_identity(prefix, salt, lora)
+                    if event.lookahead_token_ids:
+                        identity += "+" + ",".join(map(str, event.lookahead_token_ids[i]))
+                    identities[block_hash] = identity
                     blocks.append(CanonicalBlock("stored", identity, parent_id))
                     parent_id = identity
             elif isinstance(event, Removed):
-                known = prefixes.get(event.block_hash)
-                identity = (
-                    prefix_identity(*known) if known is not None else f"unknown:{event.block_hash}"
-                )
+                identity = identities.get(event.block_hash, f"unknown:{event.block_hash}")
                 blocks.append(CanonicalBlock("removed", identity))
             else:
                 blocks.append(CanonicalBlock("cleared", ""))

@@ -65,6 +65,7 @@ from parity.trace import (
     Stored,
     Trace,
 )
+from parity.vllm_spec import MTP_MODEL, Drafts, speculative_config
 
 # A tiny Llama: the scheduler reads only lengths and limits from the model config.
 _TINY_LLAMA = {
@@ -107,6 +108,7 @@ class _Recorder:
                         else [None if k is None else list(k) for k in event.extra_keys],
                         event.lora_id,
                         event.lora_name,
+                        event.lookahead_token_ids,
                     )
                 )
             elif kind == "BlockRemoved":
@@ -146,6 +148,9 @@ class VllmRun:
 
         self.job = job
         config: Config = job.scenario.config
+        num_spec = config.num_speculative_tokens
+        if num_spec:
+            model_dir = os.path.join(model_dir, "mtp")
         model_config = ModelConfig(
             model=model_dir,
             skip_tokenizer_init=True,
@@ -181,7 +186,9 @@ class VllmRun:
             scheduler_config=scheduler_config,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
             lora_config=LoRAConfig(max_loras=config.max_loras) if config.enable_lora else None,
+            speculative_config=speculative_config(model_config, num_spec) if num_spec else None,
         )
+        self.drafts = Drafts(num_spec, job.bursts) if num_spec else None
         spec = FullAttentionSpec(
             block_size=config.block_size, num_kv_heads=1, head_size=16, dtype=torch.float32
         )
@@ -219,7 +226,9 @@ class VllmRun:
         if config.enable_prefix_caching:
             hash_fn = get_hash_fn_by_name(config.prefix_caching_hash_algo)
             init_none_hash(hash_fn)
-            self.hasher = get_request_block_hasher(config.block_size, hash_fn, 0)
+            self.hasher = get_request_block_hasher(
+                config.block_size, hash_fn, vllm_config.num_hash_lookahead_tokens
+            )
 
     def _request(self, request: ScenarioRequest) -> Any:
         from vllm.lora.request import LoRARequest
@@ -396,7 +405,12 @@ class VllmRun:
             pending = request.num_output_placeholders
             position = len(request.output_token_ids) + max(pending - 1, 0)
             samples = not request.is_prefill_chunk
-            sampled.append([self._token(rid, position)] if samples else [])
+            count = 1
+            if samples and self.drafts is not None:
+                count = self.drafts.sampled(rid, output.scheduled_spec_decode_tokens.get(rid))
+            sampled.append(
+                [self._token(rid, position + k) for k in range(count)] if samples else []
+            )
         req_ids = list(output.num_scheduled_tokens)
         runner_output = ModelRunnerOutput(
             req_ids=req_ids,
@@ -410,6 +424,8 @@ class VllmRun:
     ) -> None:
         """`update_from_output()`, its outputs recorded into `step` and `generated`."""
         outputs = self.scheduler.update_from_output(output, runner_output)
+        if self.drafts is not None and output.total_num_scheduled_tokens > 0:
+            self.drafts.propose(self.scheduler, list(output.num_scheduled_tokens))
         for client_outputs in outputs.values():
             for out in client_outputs.outputs:
                 generated.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -434,6 +450,9 @@ def run_jobs(jobs: list[VllmJob]) -> list[Trace]:
     with tempfile.TemporaryDirectory(prefix="parity-llama-") as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(_TINY_LLAMA, f)
+        os.mkdir(os.path.join(model_dir, "mtp"))
+        with open(os.path.join(model_dir, "mtp", "config.json"), "w") as f:
+            json.dump({**_TINY_LLAMA, **MTP_MODEL}, f)
         traces = []
         for job in jobs:
             try:

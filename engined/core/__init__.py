@@ -58,6 +58,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "engined.core.paged.pass_limits",
     "engined.core.paged.residency",
     "engined.core.paged.scheduler",
+    "engined.core.paged.spec_decode",
     "engined.core.offload.g1_glue",
     "engined.core.offload.lanes",
     "engined.core.offload.link",

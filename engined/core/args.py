@@ -118,15 +118,15 @@ class EngineArgs(EngineFields, frozen=True, kw_only=True, forbid_unknown_fields=
         """Whether a core built from these args runs vLLM 0.33's scheduler and KV cache
         (engined/core/paged/), short of offload tiers, which only the mocker pool has.
 
-        Where vLLM has no counterpart the mocker's rules stay: TRT-LLM's policy and MTP
-        bursts. `prefix_hit_rule = mocker-1.3.0` is the one switch back to all of the
-        mocker's behaviour.
+        Where vLLM has no counterpart the mocker's rules stay: TRT-LLM's policy. MTP is
+        vLLM's speculative decoding (engined/core/paged/spec_decode.py).
+        `prefix_hit_rule = mocker-1.3.0` is the one switch back to all of the mocker's
+        behaviour.
         """
         return (
             self.semantics is Semantics.VLLM
             and self.prefix_hit_rule is PrefixHitRule.VLLM
             and self.engine_type is EngineType.VLLM
-            and self.aic_nextn is None
         )
 
     def normalized(self) -> EngineArgs:

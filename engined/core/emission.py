@@ -9,8 +9,9 @@ prefill: upstream 1.3.0 never completed such requests, a defect fixed later, and
 fix. A token that is one of the request's stop ids ends it too, as vLLM's `check_stop` does
 (engined/core/stops.py): the token is emitted, the request freed in the same pass, and an MTP
 burst ends at it, the rest of the burst dropped as vLLM drops the draft tokens after a stop.
-MTP bursts reserve their blocks first and are emitted by burst_emission.py; a request's last
-output is the finisher's (finish.py).
+On the mocker's pool MTP bursts reserve their blocks first and are emitted by
+burst_emission.py; under vLLM semantics MTP is vLLM's speculative decoding, verified by
+paged/spec_decode.py. A request's last output is the finisher's (finish.py).
 
 Each request that emitted or finished gets exactly one output per pass (all of an MTP
 burst's tokens in one `RequestOutput`), as vLLM's engine core reports a step; a plain decode
@@ -31,6 +32,8 @@ from engined.core.burst_emission import BurstEmitter
 from engined.core.finish import Finisher
 from engined.core.kv_cache import KvCache
 from engined.core.kv_manager import KvManager
+from engined.core.paged.kv_cache_manager import PagedKvManager
+from engined.core.paged.spec_decode import SpecDecoder
 from engined.core.pass_context import PassContext
 from engined.core.perf_model import PerfModel, scale_ms
 from engined.core.preemption import Preempter
@@ -62,6 +65,7 @@ class TokenEmitter:
         "_mtp",
         "_perf",
         "_preempter",
+        "_spec",
         "_state",
         "_vocab",
         "block_size",
@@ -97,10 +101,19 @@ class TokenEmitter:
         self._mocker_kv = mocker_kv
         self._preempter = preempter
         self._finisher = finisher
-        # MTP's bursts, on the mocker's pool only (asserted when a burst is due, as before).
+        # MTP: the mocker's bursts on its pool, vLLM's speculative decoding on vLLM's.
         self._mtp = sampler is not None
         self._bursts: BurstEmitter | None = None
-        if sampler is not None and mocker_kv is not None:
+        self._spec: SpecDecoder | None = None
+        if sampler is not None and isinstance(kv, PagedKvManager):
+            self._spec = SpecDecoder(
+                sampler,
+                num_spec=len(sampler.rates),
+                kv=kv,
+                finisher=finisher,
+                decode_ms=self._decode_ms,
+            )
+        elif sampler is not None and mocker_kv is not None:
             self._bursts = BurstEmitter(
                 sampler,
                 state=state,
@@ -188,8 +201,10 @@ class TokenEmitter:
             ctx.decode_forwards += fused
             return self._decode_ms(fused, total_len)
         if self._mtp:
+            if self._spec is not None:
+                return self._spec.emit(ctx, ready)
             bursts = self._bursts
-            assert bursts is not None, "MTP runs on the mocker's pool"
+            assert bursts is not None
             return bursts.emit(ctx, ready)
         decode_ms = self._decode_ms(len(ready) + fused, total_len)
         running_members = state.running_members

@@ -284,6 +284,9 @@ class Engine:
             ctx.decode_forwards,
             ctx.trace(),
             self._residency.take() if self._residency is not None else [],
+            ctx.spec_drafts,
+            ctx.spec_draft_tokens,
+            ctx.spec_accepted_tokens,
         )
 
     # --- offload tiers ------------------------------------------------------------------

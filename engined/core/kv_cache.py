@@ -1,7 +1,7 @@
 """What the engine's parts need of a rank's KV cache, whichever semantics built it.
 
 Two pools implement it: the mocker's lineage pool (kv_manager.py, `semantics =
-mocker-1.3.0`, offload tiers, P/D destinations, MTP) and vLLM 0.33's paged pool
+mocker-1.3.0`, offload tiers, TRT-LLM) and vLLM 0.33's paged pool
 (paged/kv_cache_manager.py, the default). The preempter, the finisher, the token emitter and
 the commands free and read KV only through this, so they serve both. A destination's
 reservation is a value both pools return and take back, so it is defined here. What may

@@ -43,11 +43,15 @@ class PassContext:
         "output_tokens",
         "outputs",
         "preempted_any",
+        "prefill_scheduled",
         "prefilled",
         "ready",
         "rejected",
         "scheduled",
         "shares",
+        "spec_accepted_tokens",
+        "spec_draft_tokens",
+        "spec_drafts",
         "victims",
     )
 
@@ -60,6 +64,9 @@ class PassContext:
         # whether it carried any (a running chunk or an admission with prompt to compute).
         self.defer_prefills = False
         self.prefilled = False
+        # Whether the running walk scheduled a request mid-prefill (vLLM's
+        # `prefill_scheduled`: no MTP padding of admissions then).
+        self.prefill_scheduled = False
         # Paused (PAUSED_NEW, engined/core/pausing.py): admit only requests holding KV.
         self.kv_holding_only = False
         # What each scheduled request computes, in schedule order, for FPM and for undoing a
@@ -103,6 +110,11 @@ class PassContext:
         # MTP acceptance figures: visible output tokens, decode forwards.
         self.output_tokens = 0
         self.decode_forwards = 0
+        # MTP, vLLM's `SpecDecodingStats`: drafts verified (one a request), their tokens,
+        # the accepted ones.
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
         # Recording (`PassTrace`): the preempter's victim list, and the shares read from it.
         self.victims = victims
         self.shares: list[ScheduledTokens] = []

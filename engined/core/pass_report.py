@@ -37,6 +37,9 @@ class PassReport(msgspec.Struct, frozen=True, gc=False, array_like=True):
     accept_length_output_tokens: int = 0
     accept_length_decode_forwards: int = 0
     kv_block_evictions: list[KvBlockEviction] = []
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def of(cls, result: PassResult) -> PassReport:
@@ -52,4 +55,7 @@ class PassReport(msgspec.Struct, frozen=True, gc=False, array_like=True):
             accept_length_output_tokens=result.accept_length_output_tokens,
             accept_length_decode_forwards=result.accept_length_decode_forwards,
             kv_block_evictions=result.kv_block_evictions,
+            spec_drafts=result.spec_drafts,
+            spec_draft_tokens=result.spec_draft_tokens,
+            spec_accepted_tokens=result.spec_accepted_tokens,
         )

@@ -88,6 +88,7 @@ class Preempter:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.steady_until = 0
+        req.spec_tokens = 0
         # Async scheduling: what is in flight is delivered but no longer counted (or dropped:
         # `drop_stale_output`, which an earlier drop keeps while its share is undrained).
         req.drop_stale_output = drop_stale_output or (

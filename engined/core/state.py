@@ -47,6 +47,12 @@ class RequestState:
     # vLLM's `Request.is_prefill_chunk`: its last schedule left part of what it lacked (a
     # partial prefill). vLLM semantics set it; `prefill_schedule_interval` reads it.
     is_prefill_chunk: bool = False
+    # MTP under vLLM semantics (engined/core/paged/spec_decode.py): the draft tokens proposed
+    # after its last step (vLLM's `len(spec_token_ids)`), and those its current schedule
+    # verifies, `padded` when they are vLLM's placeholders (never accepted).
+    spec_tokens: int = 0
+    scheduled_drafts: int = 0
+    padded_drafts: bool = False
 
     def prompt_is_prebuilt(self) -> bool:
         """An activated destination: its prompt KV arrived by transfer, nothing to prefill."""

@@ -388,6 +388,11 @@ class PassResult(msgspec.Struct, frozen=True):
     trace: PassTrace | None = None
     # Sampled blocks whose slots were reused since the last pass (`kv_cache_metrics` only).
     kv_block_evictions: list[KvBlockEviction] = []
+    # MTP, vLLM's `SpecDecodingStats` of the pass: requests that verified drafts, the drafts
+    # they verified, and those accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def request_outputs(self) -> list[RequestOutput]:
         """Every request's output of this pass, `outputs` and `decodes` in emission order.

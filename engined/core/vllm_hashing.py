@@ -63,6 +63,8 @@ _U64_MASK: Final = (1 << 64) - 1
 CborValue = bytes | str | int | None | tuple["CborValue", ...]
 # A block's extra keys: tagged tuples of strings (`("lora", name, path)`, ...).
 ExtraKeys = tuple[tuple[str, ...], ...]
+# A block's extra keys under lookahead hashes (MTP): its own and the token after it.
+LookaheadKeys = tuple[ExtraKeys | None, int]
 
 
 def _head(major: int, value: int) -> bytes:
@@ -161,7 +163,7 @@ class BlockHasher:
         self,
         parent: bytes | None,
         tokens: Sequence[int],
-        extra_keys: ExtraKeys | None = None,
+        extra_keys: ExtraKeys | LookaheadKeys | None = None,
     ) -> bytes:
         """The hash of a full block of `tokens` whose previous block hashed to `parent`."""
         # vLLM tests `not parent_block_hash`: an empty parent is a first block too.

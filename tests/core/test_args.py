@@ -127,7 +127,8 @@ def test_trtllm_uses_trtllm_policy() -> None:
         ({"max_num_scheduled_tokens": 48}, None),
         ({"enable_chunked_prefill": False, "semantics": "mocker-1.3.0"}, None),
         ({"enable_chunked_prefill": False, "prefix_hit_rule": "mocker-1.3.0"}, None),
-        ({"enable_chunked_prefill": False, "aic_nextn": 1}, None),
+        # MTP runs vLLM's scheduler too.
+        ({"enable_chunked_prefill": False, "aic_nextn": 1}, 8192),
         ({"enable_chunked_prefill": False, "engine_type": "trtllm"}, None),
     ],
 )

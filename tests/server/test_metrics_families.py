@@ -19,7 +19,7 @@ from prometheus_client.samples import Sample
 
 from engined.client import EngineClient, EngineError
 from engined.config import DaemonConfig
-from engined.core.args import EngineArgs, PerfModelKind, WorkerType
+from engined.core.args import EngineArgs, PerfModelKind, Semantics, WorkerType
 from engined.core.command_report import CommandReport
 from engined.core.engine import Engine
 from engined.core.kv_residency import KvBlockEviction
@@ -371,20 +371,31 @@ def test_a_destination_prompt_arrives_by_transfer() -> None:
 # --- spec decode ---------------------------------------------------------------------------------
 
 
-def test_mtp_bursts_are_drafts_with_accepted_positions() -> None:
-    """MTP with 2 draft tokens, the first always accepted and the second never: each forward
-    emits 2 tokens, capped by what is left. An 8-token prompt, max 5: bursts of 2, 2, 1."""
-    mtp = {"aic_nextn": 2, "aic_nextn_accept_rates": "1,0"}
+@pytest.mark.parametrize(
+    ("semantics", "stats", "iteration"),
+    [
+        # vLLM's: the first token verifies nothing; each later step a draft of 2, 1 accepted.
+        (Semantics.VLLM, (2, 4, 2, [2, 0]), [8 + 1, 2, 2]),
+        # The mocker's: every burst a draft of 2 (the first too), 2 tokens, capped at the end.
+        (Semantics.MOCKER_1_3_0, (3, 6, 2, [2, 0]), [8 + 2, 2, 1]),
+    ],
+)
+def test_mtp_bursts_are_drafts_with_accepted_positions(
+    semantics: Semantics, stats: tuple[int, int, int, list[int]], iteration: list[int]
+) -> None:
+    """MTP with 2 draft tokens, the first always accepted and the second never: each step
+    that verifies drafts emits 2 tokens, capped by what is left. An 8-token prompt, max 5."""
+    mtp = {"aic_nextn": 2, "aic_nextn_accept_rates": "1,0", "semantics": semantics}
     metrics = metrics_for(**mtp)
     run = Driver(metrics, **mtp)
     run.command(submit("m", range(8), 5), 0.0)
     run.passes()
     t = run.tallies
-    assert (t.drafts, t.draft_tokens, t.accepted, t.accepted_per_pos) == (3, 6, 2, [2, 0])
+    assert (t.drafts, t.draft_tokens, t.accepted, t.accepted_per_pos) == stats
     same(t.request_generation, counts(t.request_generation.bounds, [5]))
     same(t.itl, filled(ITL_BUCKETS, [10, 10]))
     same(t.tpot, filled(ITL_BUCKETS, [20 / 4]))
-    same(t.iteration, counts(ITERATION_TOKENS_BUCKETS, [8 + 2, 2, 1]))
+    same(t.iteration, counts(ITERATION_TOKENS_BUCKETS, iteration))
     families = parse(generate_latest(metrics.registry).decode())
     per_pos = families["vllm:spec_decode_num_accepted_tokens_per_pos"]
     reads = [
@@ -392,7 +403,12 @@ def test_mtp_bursts_are_drafts_with_accepted_positions() -> None:
         for p in ("0", "1")
     ]
     assert reads == [2.0, 0.0]
-    for name, count in (("num_drafts", 3), ("num_draft_tokens", 6), ("num_accepted_tokens", 2)):
+    drafts, draft_tokens, accepted, _ = stats
+    for name, count in (
+        ("num_drafts", drafts),
+        ("num_draft_tokens", draft_tokens),
+        ("num_accepted_tokens", accepted),
+    ):
         family = f"vllm:spec_decode_{name}"
         assert value(families[family], f"{family}_total") == count
 

@@ -37,7 +37,9 @@ class PagedAdmission:
         "_kv",
         "_limits",
         "_max_loras",
+        "_max_model_len",
         "_max_num_seqs",
+        "_num_spec",
         "_pending",
         "_policy",
         "_state",
@@ -59,6 +61,9 @@ class PagedAdmission:
         self._chunked = args.enable_chunked_prefill
         self._full_isl = args.scheduler_reserve_full_isl
         self._max_num_seqs = max_num_seqs
+        self._max_model_len = policy.max_model_len
+        # MTP's draft tokens per step (engined/core/paged/spec_decode.py); 0 without MTP.
+        self._num_spec = args.aic_nextn or 0
         # 0: LoRA off (no request carries an adapter).
         self._max_loras = args.max_loras if args.enable_lora else 0
         self._counts_prefill = args.prompts_cost_prefill
@@ -98,6 +103,9 @@ class PagedAdmission:
         # already here) are admitted, as on the mocker's pool; and only those while paused
         # (vLLM's PAUSED_NEW admits only requests holding KV).
         pending_head = bool(self._pending) or ctx.kv_holding_only
+        spec = self._num_spec
+        # Whether the running walk scheduled anything (MTP pads admissions then).
+        ran = bool(ctx.scheduled)
         while ctx.budget > 0 and len(state.running_members) < self._max_num_seqs:
             request_id = state.next_waiting(pending_head)
             if request_id is None:
@@ -116,15 +124,21 @@ class PagedAdmission:
                 continue
             if req.prompt_is_prebuilt():
                 computed = req.num_computed_tokens
-                if not kv.allocate_slots(
-                    seq, computed, len(seq.tokens) - computed, now_ms=ctx.now_ms
-                ):
+                num_new = len(seq.tokens) - computed
+                padded = self._pads(ctx, ran, computed, num_new) if spec else False
+                if padded is None:
                     return
+                if padded:
+                    num_new = 1 + spec
+                if not kv.allocate_slots(seq, computed, num_new, now_ms=ctx.now_ms, lookahead=spec):
+                    return
+                if spec:
+                    self._set_drafts(req, padded)
                 state.transition_to_running(request_id)
                 if loras is not None and lora is not None:
                     loras.add(lora.lora_int_id)
                 ctx.admissions.append(Admission(request_id, computed))
-                record(ctx, req, computed, len(seq.tokens) - computed, prefill=False)
+                record(ctx, req, computed, num_new, prefill=False)
                 continue
             if pending_head:
                 return
@@ -138,7 +152,13 @@ class PagedAdmission:
             cached = len(hit) * bs
             if ctx.defer_prefills and cached < len(seq.tokens) - 1:
                 return
-            num_new = ctx.long_prefill_share(len(seq.tokens) - cached)
+            num_new = len(seq.tokens) - cached
+            padded = self._pads(ctx, ran, cached, num_new) if spec else False
+            if padded is None:
+                return
+            if padded:
+                num_new = 1 + spec
+            num_new = ctx.long_prefill_share(num_new)
             if not self._chunked and num_new > ctx.budget:
                 return
             num_new = min(num_new, ctx.budget)
@@ -151,8 +171,11 @@ class PagedAdmission:
                 full_sequence_must_fit=self._full_isl,
                 now_ms=ctx.now_ms,
                 watermark_blocks=watermark,
+                lookahead=spec,
             ):
                 return
+            if spec:
+                self._set_drafts(req, padded)
             state.transition_to_running(request_id)
             if loras is not None and lora is not None:
                 loras.add(lora.lora_int_id)
@@ -166,6 +189,28 @@ class PagedAdmission:
                 ctx.cache_queries += len(seq.tokens)
                 ctx.cache_hits += cached
             record(ctx, req, cached, num_new, self._counts_prefill)
+
+    def _pads(self, ctx: PassContext, ran: bool, computed: int, num_new: int) -> bool | None:
+        """Whether an admission of `num_new` tokens after `computed` is padded to a decode
+        step with MTP's placeholder drafts, as vLLM pads new decode requests to the uniform
+        decode shape (a one-token prompt, or one whose prefix hit leaves one token, when
+        something else decodes); None: it cannot be, and admission stops (vLLM prefers
+        not scheduling to scheduling unpadded)."""
+        spec = self._num_spec
+        if (
+            num_new != 1
+            or ctx.prefill_scheduled
+            or not (ran or computed > 0)
+            or computed + 1 + spec + 1 > self._max_model_len
+        ):
+            return False
+        return True if 1 + spec <= ctx.budget else None
+
+    def _set_drafts(self, req: RequestState, padded: bool) -> None:
+        """An admitted request verifies no drafts, or, `padded`, the placeholders."""
+        req.scheduled_drafts = self._num_spec if padded else 0
+        req.padded_drafts = padded
+        req.spec_tokens = 0
 
 
 def record(ctx: PassContext, req: RequestState, computed: int, num_new: int, prefill: bool) -> None:

@@ -32,8 +32,8 @@ does; a pause completes once no batch is in flight either.
 
 Time: a pass lasts as long as the batch it resolves took to run (its prefill and decode
 modeled at its schedule); a schedule-only pass takes none. Its FPM describes the batch it
-scheduled. Outside vLLM semantics (mocker pool, MTP, offload tiers) async scheduling is
-refused (`InvalidArgsError` from assembly).
+scheduled. Outside vLLM semantics (mocker pool, offload tiers), and with MTP, async
+scheduling is refused (`InvalidArgsError` from assembly).
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ What a vLLM scheduler asks of its `KVCacheManager`, with vLLM's rules
 
 * `get_computed_blocks`: the longest run of cached blocks from the start of the request's
   known tokens, at most `num_tokens - 1` tokens long (the last token is recomputed for its
-  logits). (vLLM drops one block more with EAGLE-style speculation; MTP runs on the
-  mocker's pool.)
+  logits). With MTP (`lookahead`) vLLM's hashes are its lookahead block hashes: each block's
+  covers the token after it too (extra keys `(keys, next token)`, the token published as
+  `lookahead_token_ids`), so a block is hashed, and can be cached, only once that token is
+  known; the pool keys blocks by the same pair (`_lookahead_keys`).
 * `allocate_slots`: slots for the tokens scheduled now, counted whole blocks, or nothing at
   all when the free queue cannot supply them (hit blocks that are free count against it). The
   blocks whose every token is scheduled are cached at once, one `BlockStored` per call,
@@ -22,6 +24,7 @@ always None, and the `now_ms` an allocation takes only dates the residency sampl
 
 from __future__ import annotations
 
+from engined.core.hashing import chain_hash
 from engined.core.kv_cache import DestinationReservation
 from engined.core.kv_event_log import KvEventLog
 from engined.core.offload.g1_glue import G1Glue
@@ -42,6 +45,7 @@ class PagedKvManager:
     __slots__ = (
         "_chain",
         "_hasher",
+        "_lookahead",
         "_none_hash",
         "_num_cached",
         "_reserved",
@@ -63,15 +67,18 @@ class PagedKvManager:
         max_model_len: int | None,
         hasher: BlockHasher,
         residency: BlockResidency | None = None,
+        lookahead: bool = False,
     ) -> None:
         """`max_model_len` is the configured one (None: unset); the pool caps it. `residency`
-        samples the pool's blocks (`kv_cache_metrics`)."""
+        samples the pool's blocks (`kv_cache_metrics`); `lookahead`: vLLM's lookahead block
+        hashes of one token (MTP with prefix caching)."""
         self.block_size = block_size
         self.caching = caching
         self._hasher = hasher
         self._none_hash = hasher.none_hash
         # vLLM's default algorithm, chained (in C when compiled); None: the others, by block.
         self._chain = native_chain(hasher.algo, block_size)
+        self._lookahead = lookahead and caching
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=caching)
         self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log, residency=residency)
         self.max_model_len = context_length(self.usable_blocks, block_size, max_model_len)
@@ -95,7 +102,8 @@ class PagedKvManager:
         n = (len(seq.tokens) - 1) // self.block_size
         cached = self.pool.cached
         hit: list[int] = []
-        for key in seq.keys[:n]:
+        keys = self._lookahead_keys(seq, 0, n) if self._lookahead else seq.keys[:n]
+        for key in keys:
             block = cached.get(key)
             if block is None:
                 break
@@ -113,16 +121,19 @@ class PagedKvManager:
         *,
         now_ms: float,
         watermark_blocks: int = 0,
+        lookahead: int = 0,
     ) -> bool:
         """Slots for `num_new_tokens` after `num_computed` (plus the hit, for a waiting
-        request); False, having changed nothing, when the free queue is too short, or, with
+        request) and `lookahead` more (MTP's draft slots, vLLM's `num_lookahead_tokens`);
+        False, having changed nothing, when the free queue is too short, or, with
         `full_sequence_must_fit` (vLLM's admission gate), when it could not hold the whole
-        known sequence; either must leave `watermark_blocks` free (vLLM's, for admissions)."""
+        known sequence; either must leave `watermark_blocks` free (vLLM's, for admissions).
+        Only known tokens are cached, never draft ones."""
         bs = self.block_size
         pool = self.pool
         hit = new_computed_blocks or []
         computed = min(num_computed + len(hit) * bs, self.max_model_len)
-        need = min(computed + num_new_tokens, self.max_model_len)
+        need = min(computed + num_new_tokens + lookahead, self.max_model_len)
         table = self._tables.get(seq)
         held = len(table) if table is not None else 0
         refs = pool.refs
@@ -168,6 +179,7 @@ class PagedKvManager:
             pos = length // bs - 1
             if (
                 pos
+                and not self._lookahead
                 and self._num_cached.get(seq) == pos
                 and len(seq.hashes) > pos
                 and seq.lora is None
@@ -204,7 +216,12 @@ class PagedKvManager:
         bs = self.block_size
         done = self._num_cached.get(seq, 0)
         full = min(num_tokens, len(seq.hashes) * bs) // bs
+        if self._lookahead:
+            full = min(full, (len(seq.tokens) - 1) // bs)
         if done >= full:
+            return
+        if self._lookahead:
+            self._cache_lookahead(seq, table, done, full)
             return
         pool = self.pool
         parent = pool.vllm_hash_of[table[done - 1]] if done else self._none_hash
@@ -247,6 +264,49 @@ class PagedKvManager:
             extra_keys=event_keys,
             lora_id=None if lora is None else lora.lora_int_id,
             lora_name=None if lora is None else lora.lora_name,
+        )
+
+    def _lookahead_keys(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The pool keys of blocks `start` to `end` under lookahead hashes: each block's
+        key with the token after it."""
+        tokens = seq.tokens
+        bs = self.block_size
+        keys = seq.keys
+        return [chain_hash(keys[i], tokens[(i + 1) * bs]) for i in range(start, end)]
+
+    def _cache_lookahead(self, seq: Sequence, table: list[int], done: int, full: int) -> None:
+        """`_cache_blocks` of blocks `done` to `full` under lookahead hashes: each hashed
+        one by one with its extra keys and the token after it (the chains cover neither)."""
+        bs = self.block_size
+        pool = self.pool
+        parent = pool.vllm_hash_of[table[done - 1]] if done else self._none_hash
+        lora = seq.lora
+        tokens = seq.tokens
+        token_ids = tokens[done * bs : full * bs].tolist()
+        block_hash = self._hasher.block_hash
+        hashes: list[bytes] = []
+        event_keys: list[tuple[str, ...] | None] = []
+        lookahead_ids: list[list[int]] = []
+        for i in range(done, full):
+            keys = block_extra_keys(lora, seq.cache_salt if i == 0 else None)
+            following = tokens[(i + 1) * bs]
+            start = (i - done) * bs
+            parent = block_hash(parent, token_ids[start : start + bs], (keys, following))
+            hashes.append(parent)
+            event_keys.append(event_extra_keys(keys))
+            lookahead_ids.append([following])
+        stored = [int.from_bytes(h[-8:], "big") for h in hashes]
+        pool.cache_run(table[done:full], self._lookahead_keys(seq, done, full), hashes, stored)
+        self._num_cached[seq] = full
+        self.log.stored_blocks(
+            pool.event_hash(table[done - 1]) if done else None,
+            stored,
+            seq.local[done:full],
+            token_ids,
+            extra_keys=event_keys if any(k is not None for k in event_keys) else None,
+            lora_id=None if lora is None else lora.lora_int_id,
+            lora_name=None if lora is None else lora.lora_name,
+            lookahead_token_ids=lookahead_ids,
         )
 
     def cache_computed(self, seq: Sequence, num_tokens: int) -> None:

@@ -58,6 +58,7 @@ class PagedScheduler:
         "_kv",
         "_limits",
         "_max_model_len",
+        "_num_spec",
         "_perf",
         "_preempter",
         "_state",
@@ -95,12 +96,16 @@ class PagedScheduler:
         self._perf = perf
         self._vocab = vocab
         self._admission = admission
+        # MTP (vLLM's `num_speculative_tokens`): draft tokens verified with each decode step
+        # and as many lookahead slots (engined/core/paged/spec_decode.py); 0 without MTP.
+        self._num_spec = args.aic_nextn or 0
         # Sampling plain decode steps where they are scheduled (`PassContext.ready`) needs
         # every scheduled request to stay scheduled: so not under async scheduling (the
         # batch samples later), the priority policy or FIFO preemption (either may preempt
         # a request the walk has passed).
         self._fuse = (
             fast_paths
+            and not self._num_spec
             and not args.async_scheduling
             and not self._by_priority
             and args.preemption_mode is PreemptionMode.LIFO
@@ -127,6 +132,9 @@ class PagedScheduler:
         return ctx.prefill_ms(self._perf)
 
     def _schedule_running(self, ctx: PassContext) -> None:
+        if self._num_spec:
+            self._schedule_running_spec(ctx)
+            return
         running = self._state.running
         kv = self._kv
         max_model_len = self._max_model_len
@@ -254,6 +262,20 @@ class PagedScheduler:
         ctx.fused = len(decoded_ids)
         ctx.fused_len = fused_len
 
+    def _schedule_running_spec(self, ctx: PassContext) -> None:
+        """The running walk with MTP: every request by the general rule (a decode step
+        schedules its drafts too, so the one-token fast paths do not apply)."""
+        running = self._state.running
+        i = 0
+        while i < len(running) and ctx.budget > 0:
+            req = running[i]
+            if ctx.defer_prefills and req.is_prefill_chunk:
+                i += 1
+                continue
+            i = self._schedule_step(ctx, req, i)
+            if i < 0:
+                return
+
     def _schedule_step(self, ctx: PassContext, req: RequestState, i: int) -> int:
         """Schedule running request `req`, at `i`, by vLLM's general rule (allocating, and
         preempting for it); returns where the walk goes on, or -1 where it ends."""
@@ -272,17 +294,19 @@ class PagedScheduler:
             return i + 1
         # Room for the token the step samples (none for a prefill-only request).
         cap = self._max_model_len - (seq.generated < seq.max_output_tokens) - computed
-        num_new = min(ctx.long_prefill_share(length + placeholders - computed), ctx.budget, cap)
+        lacking = length + req.spec_tokens + placeholders - computed
+        num_new = min(ctx.long_prefill_share(lacking), ctx.budget, cap)
         if num_new <= 0:
             return i + 1
         preempted = False
         # A plain decode step that opens or fills a block takes `append_slot`, the same
         # allocation and caching without `allocate_slots`' generality.
-        grow = num_new == 1 and not placeholders and computed >= seq.num_input_tokens
+        spec = self._num_spec
+        grow = num_new == 1 and not placeholders and not spec and computed >= seq.num_input_tokens
         while not (
             kv.append_slot(seq, computed + 1, ctx.now_ms)
             if grow
-            else kv.allocate_slots(seq, computed, num_new, now_ms=ctx.now_ms)
+            else kv.allocate_slots(seq, computed, num_new, now_ms=ctx.now_ms, lookahead=spec)
         ):
             victim = self._preempter.preempt()
             if victim is None:
@@ -297,7 +321,13 @@ class PagedScheduler:
             # The victim may have run before it: find the request's place again.
             i = running.index(req)
         if req.is_prefill_chunk:
-            ctx.prefilled = True
+            ctx.prefilled = ctx.prefill_scheduled = True
+        if spec:
+            # vLLM verifies the drafts the step reaches and drops the rest; new ones come
+            # after the step (`SpecDecoder.propose`).
+            req.scheduled_drafts = max(min(computed + num_new - length, req.spec_tokens), 0)
+            req.padded_drafts = False
+            req.spec_tokens = 0
         if grow:
             # One decode token: the request stands for its ScheduledWork, as above.
             req.is_prefill_chunk = computed + 1 < length

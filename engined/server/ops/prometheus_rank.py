@@ -291,12 +291,11 @@ class RankMetrics:
                     per_pos[position] += 1
 
     def _drafted(self, result: PassReport) -> None:
-        """vLLM's `SpecDecodingStats`: a decode forward is a draft of `spec_tokens` tokens,
-        its tokens beyond the first are the accepted ones."""
-        forwards = result.accept_length_decode_forwards
-        self.drafts += forwards
-        self.draft_tokens += forwards * self.spec_tokens
-        self.accepted += result.accept_length_output_tokens - forwards
+        """vLLM's `SpecDecodingStats`, as the pass counted them (vLLM semantics: each
+        request that verified drafts; the mocker's bursts: each burst a draft of `nextn`)."""
+        self.drafts += result.spec_drafts
+        self.draft_tokens += result.spec_draft_tokens
+        self.accepted += result.spec_accepted_tokens
 
     def _emitted(self, emitters: set[str], end_ms: float, cached: dict[str, int]) -> int:
         """Latencies of the requests that emitted tokens in a pass ending at `end_ms`; returns

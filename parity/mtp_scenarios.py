@@ -1,0 +1,106 @@
+"""The MTP parity scenarios: vLLM's speculative decoding (`--speculative-config` method
+`mtp`) against engined's `--nextn` (engined/core/paged/spec_decode.py), with prefix caching
+(vLLM's lookahead block hashes) and without.
+
+engined draws how many drafts each step accepts; vLLM's model output accepts as many
+(`VllmJob.bursts`), so what is compared is everything the scheduler decides around them:
+drafts scheduled within the budget and `max_model_len`, lookahead slots and the
+preemptions they cause, rejected drafts rolled back, admissions padded to the decode shape.
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+
+from parity.random_mix import random_mix, random_tokens
+from parity.scenario import Config, Scenario, ScenarioRequest
+
+
+def with_mtp(scenario: Scenario, num_spec: int, *, caching: bool = True) -> Scenario:
+    """`scenario` with MTP drafting `num_spec` tokens a step (`caching` False: prefix
+    caching off)."""
+    caching = caching and scenario.config.enable_prefix_caching
+    return msgspec.structs.replace(
+        scenario,
+        name=f"{scenario.name}-mtp{num_spec}" + ("" if caching else "-nocache"),
+        description=f"{scenario.description}; MTP {num_spec}"
+        + ("" if caching else ", prefix caching off"),
+        config=msgspec.structs.replace(
+            scenario.config, num_speculative_tokens=num_spec, enable_prefix_caching=caching
+        ),
+    )
+
+
+def one_token_prompts(*, caching: bool = True) -> Scenario:
+    """Prompts left one token to compute while others decode: one-token prompts, and, with
+    caching, prompts whose cached blocks leave one (a block and one token, sent twice). vLLM
+    pads each such admission to the uniform decode shape (1 + drafts, placeholders never
+    accepted)."""
+    rng = random.Random(21)
+    requests = [
+        ScenarioRequest(id=f"d{i}", arrival=0, prompt=random_tokens(rng, 40), max_tokens=24)
+        for i in range(3)
+    ]
+    requests += [
+        ScenarioRequest(id=f"o{i}", arrival=2 + 3 * i, prompt=random_tokens(rng, 1), max_tokens=9)
+        for i in range(5)
+    ]
+    repeated = random_tokens(rng, 17)
+    requests += [
+        ScenarioRequest(id=f"h{i}", arrival=3 + 4 * i, prompt=list(repeated), max_tokens=7)
+        for i in range(3)
+    ]
+    requests.sort(key=lambda r: r.arrival)
+    return Scenario(
+        name="one-token-prompts-mtp2" + ("" if caching else "-nocache"),
+        description="prompts left one token to compute, admitted while 3 requests decode; "
+        "MTP 2" + ("" if caching else ", prefix caching off"),
+        config=Config(
+            num_gpu_blocks=64,
+            max_num_batched_tokens=128,
+            max_num_seqs=16,
+            enable_prefix_caching=caching,
+            num_speculative_tokens=2,
+        ),
+        requests=requests,
+    )
+
+
+def draft_budget() -> Scenario:
+    """A budget of 20 for 8 decoding requests: the drafts of the later ones are cut."""
+    rng = random.Random(22)
+    return Scenario(
+        name="draft-budget-mtp3",
+        description="8 requests decoding under a budget of 20: drafts cut by the budget; MTP 3",
+        config=Config(
+            num_gpu_blocks=96,
+            max_num_batched_tokens=20,
+            max_num_seqs=16,
+            num_speculative_tokens=3,
+        ),
+        requests=[
+            ScenarioRequest(id=f"b{i}", arrival=i, prompt=random_tokens(rng, 18), max_tokens=40)
+            for i in range(8)
+        ],
+    )
+
+
+def mtp_scenarios(plain: list[tuple[Scenario, int, bool]]) -> list[Scenario]:
+    """The MTP scenarios: each of `plain` with its number of drafts and prefix caching,
+    then MTP's own."""
+    return [
+        *(with_mtp(scenario, num_spec, caching=on) for scenario, num_spec, on in plain),
+        one_token_prompts(),
+        one_token_prompts(caching=False),
+        draft_budget(),
+        random_mix(20, num_blocks=80, budget=256, mtp=1),
+        random_mix(21, num_blocks=64, budget=128, mtp=2),
+        random_mix(22, num_blocks=48, budget=512, block_size=32, mtp=3),
+        random_mix(23, num_blocks=64, budget=64, max_num_seqs=16, caching=False, mtp=2),
+        random_mix(24, num_blocks=96, budget=256, caching=False, mtp=1),
+        random_mix(25, num_blocks=64, budget=256, policy="priority", mtp=2),
+        random_mix(26, num_blocks=96, budget=256, long_prefill=24, adaptive=True, mtp=3),
+        random_mix(27, num_blocks=64, budget=256, scheduled=64, prefill_interval=3, mtp=2),
+    ]

@@ -1,0 +1,137 @@
+"""MTP under vLLM 0.33's semantics, one rule a test (engined/core/paged/spec_decode.py).
+
+The expectations are vLLM's scheduler's for the same stream with `method: mtp` and
+`num_speculative_tokens` drafts (the parity harness checks whole streams against the real
+one: docs/parity.md, the `-mtp` scenarios): a decode step schedules its token and the drafts
+proposed after the last step, with as many lookahead slots past them; rejected drafts come
+off the computed tokens; a one-token admission beside decodes is padded with placeholder
+drafts; with prefix caching a block's hash covers the token after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engined.core.args import EngineArgs, Semantics
+from engined.core.engine import Engine
+from engined.core.errors import InvalidArgsError
+from engined.core.types import BlockStored, PassResult
+from engined.core.vllm_hashing import (
+    DEFAULT_HASH_ALGO,
+    BlockHasher,
+    event_block_hash_int,
+    none_hash,
+)
+from tests.core.factories import make_args, request, submit
+
+
+def mtp_args(nextn: int, rates: str, **overrides: Any) -> EngineArgs:
+    """bs 4, 16 blocks, budget 64, vLLM semantics, prefix caching off, `nextn` drafts."""
+    fields: dict[str, Any] = {
+        "semantics": Semantics.VLLM,
+        "num_gpu_blocks": 16,
+        "max_num_batched_tokens": 64,
+        "aic_nextn": nextn,
+        "aic_nextn_accept_rates": rates,
+    }
+    fields.update(overrides)
+    return make_args(**fields)
+
+
+def scheduled(result: PassResult) -> list[tuple[str, int, int]]:
+    """The pass's schedule: (request, computed before, tokens scheduled)."""
+    assert result.trace is not None
+    return [(s.request_id, s.computed, s.new) for s in result.trace.scheduled]
+
+
+def bursts(result: PassResult) -> dict[str, int]:
+    """How many tokens each request's output carried this pass."""
+    return {o.request_id: len(o.new_token_ids) for o in result.request_outputs()}
+
+
+def passes(core: Engine, count: int) -> list[PassResult]:
+    results = []
+    now = 0.0
+    for _ in range(count):
+        result = core.execute_pass(now)
+        results.append(result)
+        now = result.end_ms
+    return results
+
+
+def test_a_decode_step_schedules_its_drafts_and_emits_the_accepted_ones() -> None:
+    """Every draft accepted: after the prefill's first token, each step schedules 1 + 2
+    tokens and emits all three."""
+    core = Engine(mtp_args(2, "1,1"), record=True)
+    submit(core, request("a", range(6), 7))
+    results = passes(core, 3)
+    assert [scheduled(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 9, 3)]]
+    assert [bursts(r) for r in results] == [{"a": 1}, {"a": 3}, {"a": 3}]
+    assert core.is_empty()
+
+
+def test_rejected_drafts_are_rolled_back_from_the_computed_tokens() -> None:
+    """No draft accepted: each step still schedules 1 + 2 tokens, emits one, and the next
+    step starts from the last known token again (computed 7, not 9)."""
+    core = Engine(mtp_args(2, "0,0"), record=True)
+    submit(core, request("a", range(6), 3))
+    results = passes(core, 3)
+    assert [scheduled(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 7, 3)]]
+    assert [bursts(r) for r in results] == [{"a": 1}, {"a": 1}, {"a": 1}]
+    assert core.is_empty()
+
+
+def test_max_model_len_cuts_the_drafts_a_step_schedules() -> None:
+    """At max_model_len 9 a 6-token prompt's second step has room for one draft (vLLM keeps
+    a position for the sampled token): 2 tokens scheduled, both emitted."""
+    core = Engine(mtp_args(2, "1,1", max_model_len=9), record=True)
+    submit(core, request("a", range(6), 3))
+    results = passes(core, 2)
+    assert [scheduled(r) for r in results] == [[("a", 0, 6)], [("a", 6, 2)]]
+    assert [bursts(r) for r in results] == [{"a": 1}, {"a": 2}]
+    assert core.is_empty()
+
+
+def test_a_one_token_admission_beside_decodes_is_padded_with_placeholder_drafts() -> None:
+    """vLLM pads a new request with one token to compute to the uniform decode shape when
+    something else decodes: 1 + 2 tokens scheduled, the placeholders never accepted (even
+    at an accept rate of 1), so it emits one token and its computed tokens come back to 1."""
+    core = Engine(mtp_args(2, "1,1"), record=True)
+    submit(core, request("a", range(4), 10))
+    first = core.execute_pass(0.0)
+    submit(core, request("b", [500], 2))
+    second, third = passes(core, 2)
+    assert scheduled(first) == [("a", 0, 4)]
+    assert scheduled(second) == [("a", 4, 3), ("b", 0, 3)]
+    assert bursts(second)["b"] == 1
+    assert ("b", 1, 3) in scheduled(third)
+
+
+def test_lookahead_hashes_store_a_block_once_the_token_after_it_is_known() -> None:
+    """With prefix caching vLLM hashes each block with the token after it (extra keys
+    `(None, token)`, published as `lookahead_token_ids`): of an 8-token prompt only block 0
+    is stored at admission; block 1 once the first sampled token follows it, in the same
+    pass, chained to block 0."""
+    core = Engine(mtp_args(1, "1", enable_prefix_caching=True), record=True)
+    submit(core, request("a", range(8), 3, output_token_ids=[100, 101, 102]))
+    first, second = passes(core, 2)
+    hasher = BlockHasher(DEFAULT_HASH_ALGO, none_hash(DEFAULT_HASH_ALGO, None))
+    h0 = hasher.block_hash(None, [0, 1, 2, 3], (None, 4))
+    h1 = hasher.block_hash(h0, [4, 5, 6, 7], (None, 100))
+    stored = [e for e in first.kv_events if isinstance(e, BlockStored)]
+    assert [(e.block_hashes, e.parent_hash, e.lookahead_token_ids) for e in stored] == [
+        ([event_block_hash_int(h0)], None, [[4]]),
+        ([event_block_hash_int(h1)], event_block_hash_int(h0), [[100]]),
+    ]
+    assert scheduled(second) == [("a", 8, 2)]
+    assert bursts(second) == {"a": 2}
+    assert not [e for e in second.kv_events if isinstance(e, BlockStored)]
+
+
+def test_mtp_with_async_scheduling_is_refused() -> None:
+    with pytest.raises(InvalidArgsError) as refused:
+        Engine(mtp_args(1, "1", async_scheduling=True))
+    assert refused.value.key == "async_scheduling"
+    assert str(refused.value) == "async_scheduling with aic_nextn (MTP) is not supported yet"
