@@ -19,7 +19,7 @@ import hashlib
 import pickle
 import struct
 from collections import Counter
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -86,7 +86,7 @@ VLLM_NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).dige
 def vllm_block_hash(
     parent: bytes | None,
     token_ids: Sequence[int],
-    extra_keys: tuple[tuple[str, ...], ...] | None = None,
+    extra_keys: tuple[object, ...] | None = None,
 ) -> bytes:
     key = (parent or VLLM_NONE_HASH, tuple(token_ids), extra_keys)
     return hashlib.sha256(pickle.dumps(key, protocol=5)).digest()
@@ -181,6 +181,10 @@ class ReferenceIndexer:
         # vLLM's full (32-byte) hash of every block a checked Stored named, by event hash: the
         # chain of a later block starts from its parent's.
         self._vllm_full: dict[int, bytes] = {}
+        # Under vLLM's lookahead hashes (MTP): each event hash's content, the full and event
+        # hash of the same tokens without lookahead, which is what a query by tokens finds.
+        self._content_full: dict[int, bytes] = {}
+        self._content: dict[int, int] = {}
         # Extra copies of an indexed block, per tree (only with `vllm`).
         self._copies: dict[_Key, Counter[int]] = {}
         # Dynamo's router keeps no copy count: the first Removed of a block with copies left
@@ -351,9 +355,22 @@ class ReferenceIndexer:
                 )
                 return
             parent = known
+        lookahead = event.lookahead_token_ids is not None
+        content_parent = (
+            self._content_full.get(event.parent_hash, parent)
+            if event.parent_hash is not None
+            else None
+        )
         for i, block_hash in enumerate(event.block_hashes):
             keys = self._vllm_extra_keys(event, i)
-            full = vllm_block_hash(parent, event.token_ids[i * bs : (i + 1) * bs], keys)
+            tokens = event.token_ids[i * bs : (i + 1) * bs]
+            full = vllm_block_hash(parent, tokens, keys)
+            if lookahead:
+                own = keys[0] if keys is not None else None
+                assert own is None or isinstance(own, tuple)
+                content_parent = vllm_block_hash(content_parent, tokens, own)
+                self._content_full[block_hash] = content_parent
+                self._content[block_hash] = vllm_event_hash(content_parent)
             if vllm_event_hash(full) != block_hash:
                 self._violate(
                     "chain_mismatch",
@@ -366,9 +383,10 @@ class ReferenceIndexer:
             self._vllm_full[block_hash] = full
             parent = full
 
-    def _vllm_extra_keys(self, event: BlockStored, i: int) -> tuple[tuple[str, ...], ...] | None:
+    def _vllm_extra_keys(self, event: BlockStored, i: int) -> tuple[object, ...] | None:
         """Block `i`'s extra keys in vLLM's hash, tagged again from the event's untagged ones:
-        the adapter's name first, then a salt, which only the first block of a chain has."""
+        the adapter's name first, then a salt, which only the first block of a chain has;
+        under lookahead hashes (MTP), those keys and the tokens after the block."""
         published = list(event.extra_keys[i] or ()) if event.extra_keys else []
         keys: list[tuple[str, ...]] = []
         name = event.lora_name
@@ -377,6 +395,8 @@ class ReferenceIndexer:
             published = published[1:]
         if published and i == 0 and event.parent_hash is None:
             keys.append(("cache_salt", published[0]))
+        if event.lookahead_token_ids is not None:
+            return (tuple(keys) or None, *event.lookahead_token_ids[i])
         return tuple(keys) or None
 
     def _apply_removed(self, event: BlockRemoved, worker_id: int) -> bool:
@@ -506,8 +526,12 @@ class ReferenceIndexer:
         """Leading full blocks of a prompt that are indexed: the router's prefix-hit count."""
         return self._leading(token_ids, self._trees.get((worker_id, dp_rank, medium), {}))
 
-    def _leading(self, token_ids: Sequence[int], indexed: Container[int]) -> int:
-        """How many leading full blocks of `token_ids` are in `indexed`."""
+    def _leading(self, token_ids: Sequence[int], indexed: Collection[int]) -> int:
+        """How many leading full blocks of `token_ids` are in `indexed` (by their content
+        under lookahead hashes, as a query by tokens finds them)."""
+        if self._content:
+            content = self._content
+            indexed = {content.get(h, h) for h in indexed}
         count = 0
         for h in self.hashes_of(token_ids):
             if h not in indexed:

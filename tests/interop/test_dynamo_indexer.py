@@ -38,6 +38,7 @@ import pytest
 import zmq.asyncio
 
 from engined.client import EngineClient
+from engined.wire import kv_events as kv
 from tests.interop.peers import DynamoIndexer
 from tests.reference_indexer import ReferenceIndexer
 from tests.server.daemon_harness import DaemonProcess, KvStream, start_daemon, to_core_events
@@ -153,7 +154,10 @@ async def sync(s: Scenario) -> ReferenceIndexer:
     match it (so it applied every earlier batch too); returns the reference at that point."""
     sentinels = []
     for rank in range(s.dp_size):
-        tokens = [90_000_000 + s.sentinels * 1000 + t for t in range(2 * BLOCK_SIZE)]
+        # Two blocks and one token: with MTP a block's hash covers the token after it, so
+        # the second block is stored only if that token is known (the store is the same
+        # two blocks without MTP).
+        tokens = [90_000_000 + s.sentinels * 1000 + t for t in range(2 * BLOCK_SIZE + 1)]
         s.sentinels += 1
         gen = await s.client.generate(tokens, 0, dp_rank=rank, timeout=REQUEST_TIMEOUT_S)
         assert gen.finish_reason == "length"
@@ -164,7 +168,7 @@ async def sync(s: Scenario) -> ReferenceIndexer:
         last = stream.batches[-1]
         assert any(
             type(ev).__name__.removeprefix("Array") == "BlockStored"
-            and list(getattr(ev, "token_ids", [])) == tokens
+            and list(getattr(ev, "token_ids", [])) == tokens[: 2 * BLOCK_SIZE]
             for ev in last.events
         ), f"rank {rank}: the sentinel's store is not the last batch (seq {stream.next_seq - 1})"
     ref = reference(s)
@@ -342,3 +346,71 @@ def test_dynamo_indexer_matches_the_daemon_cache(
         finally:
             early.stop()
             late.stop()
+
+
+def unique_jobs(count: int) -> list[Job]:
+    """`count` prompts of 17 to 120 tokens sharing no prefix."""
+    return [
+        Job(
+            name=f"u-{i}",
+            tokens=[60_000_000 + i * 1000 + t for t in range(17 + (i * 37) % 104)],
+            max_tokens=MAX_TOKENS[i % len(MAX_TOKENS)],
+            dp_rank=0,
+        )
+        for i in range(count)
+    ]
+
+
+def test_dynamo_indexer_takes_mtp_lookahead_events(tmp_path: Path, peers_python: Path) -> None:
+    """MTP (`--nextn 2`) with prefix caching: every store carries vLLM 0.33's lookahead block
+    hashes (each block's covers the token after it) and `lookahead_token_ids`; Dynamo
+    1.6.1's indexer decodes them and indexes the blocks by their tokens, so its queries and
+    its whole cache equal the daemon's, through evictions (30 unique prompts in 64 blocks).
+
+    The prompts share no prefix on purpose: where prompts share a prefix, vLLM's MTP stream
+    stores the boundary block once per following token, under different hashes, and Dynamo
+    1.6.1's radix tree then skips a later store chained to the second hash ("Failed to find
+    parent block; skipping store operation"), as it would behind a real vLLM (README,
+    "Faithfulness").
+    """
+
+    async def scenario(daemon: DaemonProcess, indexer: DynamoIndexer) -> None:
+        ctx = zmq.asyncio.Context()
+        stream = KvStream(ctx, daemon.kv_endpoint(0), daemon.replay_endpoint(0))
+        try:
+            async with await EngineClient.connect(daemon.control, ctx=ctx) as client:
+                s = Scenario(1, client, [stream], indexers=[indexer])
+                await run_jobs(s, unique_jobs(30))
+                ref = await sync(s)
+                overlaps = await check(s, ref, [indexer])
+        finally:
+            stream.close()
+            ctx.term()
+        assert any(overlaps[d.job.name] for d in s.done), "nothing was cached"
+        assert any(not overlaps[d.job.name] for d in s.done), "nothing was evicted"
+        stores = [ev for ev in stream.events() if isinstance(ev, kv.BlockStored)]
+        assert stores
+        assert all(
+            ev.lookahead_token_ids is not None
+            and len(ev.lookahead_token_ids) == len(ev.block_hashes)
+            for ev in stores
+        )
+
+    with start_daemon(
+        tmp_path,
+        "--speedup-ratio",
+        "0",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-gpu-blocks",
+        str(NUM_GPU_BLOCKS),
+        "--nextn",
+        "2",
+    ) as daemon:
+        indexer = DynamoIndexer(peers_python, tmp_path, "indexer", block_size=BLOCK_SIZE)
+        try:
+            indexer.start()
+            register(indexer, daemon, 1)
+            run(scenario(daemon, indexer), SCENARIO_TIMEOUT_S)
+        finally:
+            indexer.stop()

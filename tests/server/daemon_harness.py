@@ -294,6 +294,9 @@ def to_core_events(batches: list[DecodedBatch]) -> list[KvEvent]:
                         tokens,
                         bs,
                         core.Medium(event.medium or "GPU"),
+                        lookahead_token_ids=event.lookahead_token_ids
+                        if isinstance(event, BlockStored)
+                        else None,
                     )
                 )
             elif isinstance(event, BlockRemoved | ArrayBlockRemoved):
