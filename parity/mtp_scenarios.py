@@ -15,7 +15,7 @@ import random
 import msgspec
 
 from parity.random_mix import random_mix, random_tokens
-from parity.scenario import Config, Scenario, ScenarioRequest
+from parity.scenario import Config, Scenario, ScenarioRequest, asynchronous
 
 
 def with_mtp(scenario: Scenario, num_spec: int, *, caching: bool = True) -> Scenario:
@@ -87,9 +87,28 @@ def draft_budget() -> Scenario:
     )
 
 
+# The MTP scenarios run again under vLLM's AsyncScheduler (`-async`).
+_ASYNC = (
+    "chunked-300-mtp2",
+    "pressure-mtp2",
+    "stop-min-tokens-pressure-mtp2",
+    "cache-salt-shared-prefix-mtp2",
+    "one-token-prompts-mtp2",
+    "draft-budget-mtp3",
+    "random-s21-b64-t128-bs16-mtp2",
+    "random-s23-b64-t64-bs16-nocache-mtp2",
+    "random-s25-b64-t256-bs16-priority-mtp2",
+)
+
+
 def mtp_scenarios(plain: list[tuple[Scenario, int, bool]]) -> list[Scenario]:
     """The MTP scenarios: each of `plain` with its number of drafts and prefix caching,
-    then MTP's own."""
+    then MTP's own, then some of them under async scheduling."""
+    synchronous = _synchronous(plain)
+    return synchronous + [asynchronous(s) for s in synchronous if s.name in _ASYNC]
+
+
+def _synchronous(plain: list[tuple[Scenario, int, bool]]) -> list[Scenario]:
     return [
         *(with_mtp(scenario, num_spec, caching=on) for scenario, num_spec, on in plain),
         one_token_prompts(),

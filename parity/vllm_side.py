@@ -405,12 +405,15 @@ class VllmRun:
             pending = request.num_output_placeholders
             position = len(request.output_token_ids) + max(pending - 1, 0)
             samples = not request.is_prefill_chunk
-            count = 1
-            if samples and self.drafts is not None:
-                count = self.drafts.sampled(rid, output.scheduled_spec_decode_tokens.get(rid))
-            sampled.append(
-                [self._token(rid, position + k) for k in range(count)] if samples else []
-            )
+            burst = 1 if samples else 0
+            drafts = self.drafts
+            if drafts is not None:
+                # MTP: after what the batches in flight will deliver, as many as engined gave.
+                position = len(request.output_token_ids) + drafts.in_flight(rid)
+                if samples:
+                    burst = drafts.sampled(rid, output.scheduled_spec_decode_tokens.get(rid))
+                    drafts.promise(rid, burst)
+            sampled.append([self._token(rid, position + k) for k in range(burst)])
         req_ids = list(output.num_scheduled_tokens)
         runner_output = ModelRunnerOutput(
             req_ids=req_ids,
@@ -423,8 +426,14 @@ class VllmRun:
         self, step: Step, output: Any, runner_output: Any, generated: dict[str, list[int]]
     ) -> None:
         """`update_from_output()`, its outputs recorded into `step` and `generated`."""
+        if self.drafts is not None:
+            self.drafts.settle(runner_output)
         outputs = self.scheduler.update_from_output(output, runner_output)
-        if self.drafts is not None and output.total_num_scheduled_tokens > 0:
+        if (
+            self.drafts is not None
+            and not self.asynchronous
+            and output.total_num_scheduled_tokens > 0
+        ):
             self.drafts.propose(self.scheduler, list(output.num_scheduled_tokens))
         for client_outputs in outputs.values():
             for out in client_outputs.outputs:

@@ -10,7 +10,10 @@ A step with MTP is `EngineCore.step()` then `post_step()`: the model output samp
 each request that catches up, as many tokens as engined's side gave at that sampling step
 (1 + the drafts it accepted, `VllmJob.bursts`; vLLM counts the rest rejected), and the
 drafter proposes `num_speculative_tokens` drafts for every scheduled request
-(`update_draft_token_ids`, which ignores those mid-prefill and finished ones).
+(`update_draft_token_ids`, which ignores those mid-prefill and finished ones). Under async
+scheduling the `AsyncScheduler` gives each request placeholder drafts itself (the worker
+drafts them) and no `post_step()` proposes; a batch's tokens start after those the batches
+still in flight will deliver, as many as their model outputs hold (`in_flight`).
 """
 
 from __future__ import annotations
@@ -53,14 +56,34 @@ class Drafts:
     def __init__(self, num_speculative_tokens: int, bursts: dict[str, list[int]]) -> None:
         self.num_spec = num_speculative_tokens
         self._bursts = {rid: deque(counts) for rid, counts in bursts.items()}
+        self._in_flight: dict[str, int] = {}
 
     def sampled(self, request_id: str, scheduled_drafts: list[int] | None) -> int:
         """How many tokens a sampling step of `request_id` gives: engined's count for that
-        step, at most 1 + the real (not placeholder) drafts it verifies."""
+        step, at most 1 + the drafts it verifies (engined accepts no padding placeholder)."""
         counts = self._bursts.get(request_id)
         count = counts.popleft() if counts else 1
-        drafts = sum(1 for token in scheduled_drafts or () if token >= 0)
-        return max(1, min(count, 1 + drafts))
+        return max(1, min(count, 1 + len(scheduled_drafts or ())))
+
+    def in_flight(self, request_id: str) -> int:
+        """The tokens batches still in flight will deliver to `request_id`."""
+        return self._in_flight.get(request_id, 0)
+
+    def promise(self, request_id: str, count: int) -> None:
+        """A batch going into flight will deliver `count` tokens to `request_id`."""
+        self._in_flight[request_id] = self._in_flight.get(request_id, 0) + count
+
+    def settle(self, runner_output: Any) -> None:
+        """The batch of `runner_output` is being delivered (or dropped)."""
+        for request_id, index in runner_output.req_id_to_index.items():
+            delivered = len(runner_output.sampled_token_ids[index])
+            if not delivered:
+                continue
+            left = self._in_flight[request_id] - delivered
+            if left:
+                self._in_flight[request_id] = left
+            else:
+                del self._in_flight[request_id]
 
     def propose(self, scheduler: Any, request_ids: list[str]) -> None:
         """`post_step()`: drafts for every request the step ran."""

@@ -881,13 +881,6 @@ def test_vllm_only_options_are_refused_without_vllm_semantics(
     assert str(info.value).endswith(f"(from {source})")
 
 
-def test_mtp_with_async_scheduling_is_refused() -> None:
-    with raises("engine.async_scheduling: ") as info:
-        load(flags={"engine.async_scheduling": True, "engine.aic_nextn": 2})
-    assert info.value.key == "engine.async_scheduling"
-    assert "async_scheduling with aic_nextn (MTP) is not supported yet" in str(info.value)
-
-
 def test_async_scheduling_from_every_layer(tmp_path: Path) -> None:
     assert load().engine.async_scheduling is False
     assert load("[engine]\nasync_scheduling = true\n", tmp_path=tmp_path).engine.async_scheduling

@@ -78,12 +78,6 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         InvalidArgsError: naming the option.
     """
     if paged:
-        if args.async_scheduling and args.aic_nextn is not None:
-            # vLLM's async scheduling with drafts (placeholders for the drafts in flight)
-            # is not built; refused rather than run synchronously under the flag's name.
-            raise InvalidArgsError(
-                "async_scheduling with aic_nextn (MTP) is not supported yet", key="async_scheduling"
-            )
         return
     for key, value, on in (
         ("scheduling_policy", "=priority", args.scheduling_policy is SchedulingPolicy.PRIORITY),

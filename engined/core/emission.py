@@ -141,6 +141,12 @@ class TokenEmitter:
         )
         return scale_ms(raw, self._decode_ratio)
 
+    @property
+    def spec_decoder(self) -> SpecDecoder | None:
+        """MTP's verification under vLLM semantics (None without MTP or on the mocker's
+        pool), for async scheduling's resolution of a batch."""
+        return self._spec
+
     def modeled_decode_ms(self, batch: int, total_len: int) -> float:
         """The modeled duration of a decode batch now (async scheduling models a batch's
         time when it is scheduled)."""

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from engined.core.args import EngineArgs, Semantics
 from engined.core.engine import Engine
-from engined.core.errors import InvalidArgsError
 from engined.core.types import BlockStored, PassResult
 from engined.core.vllm_hashing import (
     DEFAULT_HASH_ALGO,
@@ -130,8 +127,14 @@ def test_lookahead_hashes_store_a_block_once_the_token_after_it_is_known() -> No
     assert not [e for e in second.kv_events if isinstance(e, BlockStored)]
 
 
-def test_mtp_with_async_scheduling_is_refused() -> None:
-    with pytest.raises(InvalidArgsError) as refused:
-        Engine(mtp_args(1, "1", async_scheduling=True))
-    assert refused.value.key == "async_scheduling"
-    assert str(refused.value) == "async_scheduling with aic_nextn (MTP) is not supported yet"
+def test_async_scheduling_verifies_placeholder_drafts_a_batch_later() -> None:
+    """vLLM's AsyncScheduler: a request that samples gets placeholders for its token and
+    its drafts, and placeholder drafts for its next step, scheduled before the batch before
+    resolves; a resolution rolls the rejected drafts back (nothing accepted here), and the
+    step whose last token is already in flight is passed over."""
+    core = Engine(mtp_args(2, "0,0", async_scheduling=True), record=True)
+    submit(core, request("a", range(6), 3))
+    results = passes(core, 4)
+    assert [scheduled(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 9, 3)], []]
+    assert [bursts(r) for r in results] == [{}, {"a": 1}, {"a": 1}, {"a": 1}]
+    assert core.is_empty()

@@ -32,8 +32,14 @@ does; a pause completes once no batch is in flight either.
 
 Time: a pass lasts as long as the batch it resolves took to run (its prefill and decode
 modeled at its schedule); a schedule-only pass takes none. Its FPM describes the batch it
-scheduled. Outside vLLM semantics (mocker pool, offload tiers), and with MTP, async
-scheduling is refused (`InvalidArgsError` from assembly).
+scheduled. Outside vLLM semantics (mocker pool, offload tiers) async scheduling is refused
+(`InvalidArgsError` from assembly).
+
+With MTP, as vLLM's `AsyncScheduler`: a request that samples gets a placeholder for its
+token and for each draft it verifies, and placeholder drafts for its next step, which is
+scheduled with them before this one resolves; the resolution (paged/spec_decode.py
+`verify`) rolls the rejected drafts back from both its computed tokens and its
+placeholders.
 """
 
 from __future__ import annotations
@@ -53,19 +59,23 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Batch(NamedTuple):
-    """A scheduled batch in flight: per request, the tokens it computes and whether it
-    samples one; and its modeled duration."""
+    """A scheduled batch in flight: per request, the tokens it computes, whether it
+    samples, and with MTP the drafts it verifies and whether they are placeholders
+    (`RequestState.scheduled_drafts`, `padded_drafts`, which the next schedule overwrites);
+    and its modeled duration."""
 
     requests: list[RequestState]
     num_tokens: list[int]
     samples: list[bool]
+    drafts: list[int]
+    padded: list[bool]
     duration_ms: float
 
 
 class AsyncBatches:
     """EngineCore's batch queue (2 deep) over the paged scheduler."""
 
-    __slots__ = ("_emitter", "_kv", "_pausing", "_queue", "_scheduler", "_state")
+    __slots__ = ("_emitter", "_kv", "_num_spec", "_pausing", "_queue", "_scheduler", "_state")
 
     def __init__(
         self,
@@ -83,6 +93,9 @@ class AsyncBatches:
         self._scheduler = scheduler
         self._kv = kv
         self._emitter = emitter
+        # MTP's drafts per step (0: none), as the emitter verifies them.
+        spec = emitter.spec_decoder
+        self._num_spec = 0 if spec is None else spec.num_spec
         self._queue = queue
         self._pausing = pausing
 
@@ -119,24 +132,34 @@ class AsyncBatches:
         batch: list[RequestState] = []
         counts: list[int] = []
         samples: list[bool] = []
+        drafts: list[int] = []
+        padded: list[bool] = []
         samplers = total_len = 0
+        # MTP: a request that samples verifies its scheduled drafts, each a placeholder
+        # too, and gets placeholder drafts for its next step (the worker drafts them).
+        spec = self._num_spec
         for work in ctx.scheduled:
             req = requests[work.request_id]
             num = 1 if isinstance(work, RequestState) else work.total_tokens
             req.num_in_flight_tokens += num
             length = len(req.seq.tokens)
             sample = req.num_computed_tokens >= length + req.num_output_placeholders
+            verified = req.scheduled_drafts if spec and sample else 0
             if sample:
-                req.num_output_placeholders += 1
+                req.num_output_placeholders += 1 + verified
+                if spec:
+                    req.spec_tokens = spec
                 samplers += 1
                 total_len += length
             batch.append(req)
             counts.append(num)
             samples.append(sample)
+            drafts.append(verified)
+            padded.append(req.padded_drafts)
         duration = self._scheduler.prefill_ms(ctx)
         if samplers:
             duration += self._emitter.modeled_decode_ms(samplers, total_len)
-        return Batch(batch, counts, samples, duration)
+        return Batch(batch, counts, samples, drafts, padded, duration)
 
     def _resolve(self, ctx: PassContext, batch: Batch) -> None:
         """vLLM's `update_from_output` for `batch`, its model output fabricated: one drawn
@@ -144,8 +167,11 @@ class AsyncBatches:
         requests = self._state.requests
         kv = self._kv
         emitter = self._emitter
+        spec = emitter.spec_decoder
         emitted = 0
-        for req, num, sample in zip(batch.requests, batch.num_tokens, batch.samples, strict=True):
+        for req, num, sample, drafts, padded in zip(
+            batch.requests, batch.num_tokens, batch.samples, batch.drafts, batch.padded, strict=True
+        ):
             request_id = req.request_id
             if requests.get(request_id) is not req:
                 continue
@@ -160,6 +186,16 @@ class AsyncBatches:
             seq = req.seq
             if seq.generated >= seq.max_output_tokens:
                 emitter.finish(ctx, req, [], seq.free_moves())
+                continue
+            if spec is not None:
+                tokens, cleanup = spec.verify(ctx, req, drafts, padded, stale=stale)
+                emitted += len(tokens)
+                if cleanup is not None:
+                    emitter.finish(ctx, req, tokens, cleanup)
+                else:
+                    ctx.add_output(
+                        RequestOutput(request_id, tokens, None, req.take_cached_tokens())
+                    )
                 continue
             placeholder = req.num_output_placeholders > 0
             was_running = req.status is _RUNNING

@@ -325,7 +325,8 @@ class PagedScheduler:
         if spec:
             # vLLM verifies the drafts the step reaches and drops the rest; new ones come
             # after the step (`SpecDecoder.propose`).
-            req.scheduled_drafts = max(min(computed + num_new - length, req.spec_tokens), 0)
+            reached = computed + num_new - length - placeholders
+            req.scheduled_drafts = max(min(reached, req.spec_tokens), 0)
             req.padded_drafts = False
             req.spec_tokens = 0
         if grow:

@@ -23,9 +23,12 @@ from collections.abc import Callable
 from engined.core.finish import Finisher
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.pass_context import PassContext
+from engined.core.sequence import BlockMove
 from engined.core.speculative import SpeculativeSampler
 from engined.core.state import RequestState
-from engined.core.types import RequestOutput
+from engined.core.types import RequestOutput, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
 
 # The decode time of `batch` requests of `total_len` tokens.
 DecodeMs = Callable[[int, int], float]
@@ -49,35 +52,21 @@ class SpecDecoder:
         self._finisher = finisher
         self._decode_ms = decode_ms
 
+    @property
+    def num_spec(self) -> int:
+        """Draft tokens proposed after each step (vLLM's `num_speculative_tokens`)."""
+        return self._num_spec
+
     def emit(self, ctx: PassContext, ready: list[RequestState]) -> float:
         """Verify and sample every ready request's step; returns the decode duration (ms)."""
         decode_ms = self._decode_ms(len(ready), sum(len(req.seq.tokens) for req in ready))
-        sample = self._sampler.sample_output_tokens
         num_spec = self._num_spec
-        cache = self._kv.cache_computed
         emitted = 0
         for req in ready:
-            seq = req.seq
-            drafts = req.scheduled_drafts
-            accepted = sample(drafts + 1) - 1 if drafts and not req.padded_drafts else 0
-            if drafts:
-                # vLLM counts what the model accepted, before a stop cuts the tokens.
-                ctx.spec_drafts += 1
-                ctx.spec_draft_tokens += drafts
-                ctx.spec_accepted_tokens += accepted
-            req.num_computed_tokens -= drafts - accepted
+            tokens, cleanup = self.verify(ctx, req, req.scheduled_drafts, req.padded_drafts)
             req.scheduled_drafts = 0
             req.padded_drafts = False
-            tokens: list[int] = []
-            cleanup = None
-            for _ in range(1 + accepted):
-                token, moves = seq.generate_token()
-                tokens.append(token)
-                if seq.finished():
-                    cleanup = moves
-                    break
             emitted += len(tokens)
-            cache(seq, req.num_computed_tokens)
             if cleanup is not None:
                 self._finisher.finish(ctx, req, tokens, cleanup)
                 continue
@@ -86,3 +75,52 @@ class SpecDecoder:
         ctx.output_tokens += emitted
         ctx.decode_forwards += len(ready)
         return decode_ms
+
+    def verify(
+        self,
+        ctx: PassContext,
+        req: RequestState,
+        drafts: int,
+        padded: bool,
+        *,
+        stale: bool = False,
+    ) -> tuple[list[int], list[BlockMove] | None]:
+        """vLLM's `update_from_output` of one request's step that verified `drafts` drafts
+        (`padded`: placeholders, never accepted): the rejected ones rolled back (and their
+        output placeholders, under async scheduling; not for `stale` output, which a
+        preemption already reset), 1 + accepted tokens taken, cut at a stop (the computed
+        tokens with them), the placeholders of every token returned resolved, and the full
+        blocks cached. Returns the tokens, and the moves that free the request when it
+        finished (None while it runs)."""
+        seq = req.seq
+        accepted = (
+            self._sampler.sample_output_tokens(drafts + 1) - 1 if drafts and not padded else 0
+        )
+        if drafts:
+            # vLLM counts what the model accepted, before a stop cuts the tokens.
+            ctx.spec_drafts += 1
+            ctx.spec_draft_tokens += drafts
+            ctx.spec_accepted_tokens += accepted
+            if not stale:
+                if req.num_computed_tokens > 0:
+                    req.num_computed_tokens -= drafts - accepted
+                if req.num_output_placeholders > 0:
+                    req.num_output_placeholders -= drafts - accepted
+        placeholder = req.num_output_placeholders > 0
+        running = req.status is _RUNNING
+        tokens: list[int] = []
+        cleanup = None
+        for _ in range(1 + accepted):
+            token, moves = seq.generate_token()
+            tokens.append(token)
+            if seq.finished():
+                cleanup = moves
+                if not stale:
+                    req.num_computed_tokens -= 1 + accepted - len(tokens)
+                break
+        if not stale:
+            if placeholder:
+                req.num_output_placeholders -= 1 + accepted
+            if running:
+                self._kv.cache_computed(seq, req.num_computed_tokens - req.num_in_flight_tokens)
+        return tokens, cleanup
