@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -604,6 +605,10 @@ ISSUE_FLAGS = {
     "--return-tokens-as-token-ids": "return_tokens_as_token_ids",
     "--response-role": "response_role",
     "--sse-keep-alive-interval": "sse_keep_alive_interval",
+    "--allowed-origins": "allowed_origins",
+    "--allowed-methods": "allowed_methods",
+    "--allowed-headers": "allowed_headers",
+    "--allow-credentials": "allow_credentials",
 }
 
 
@@ -664,7 +669,9 @@ def test_switches_and_metavars() -> None:
         "--enable-request-id-headers",
         "--enable-force-include-usage",
         "--return-tokens-as-token-ids",
+        "--allow-credentials",
     }
+    assert by_name["--allowed-origins"].metavar == "JSON"
     assert by_name["--kv-cache-metrics-sample"].metavar == "FLOAT"
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"
     assert by_name["--async-scheduling"].negation == "--no-async-scheduling"
@@ -676,6 +683,51 @@ def test_switches_and_metavars() -> None:
     assert (by_name["--api-key"].metavar, by_name["--api-key-file"].metavar) == ("KEY", "PATH")
     assert by_name["--data-parallel-size"].dest == "data_parallel_size"
     assert {by_name["--seed"].section, by_name["--seed"].key} == {"engine", "engine.seed"}
+
+
+# --- CORS ------------------------------------------------------------------------------------
+
+
+def test_cors_settings_default_to_vllms() -> None:
+    config = load()
+    assert (
+        config.allowed_origins,
+        config.allowed_methods,
+        config.allowed_headers,
+        config.allow_credentials,
+    ) == ((), ("*",), ("*",), False)
+
+
+def test_cors_lists_are_json_on_the_command_line_and_in_the_environment(tmp_path: Path) -> None:
+    flags = {"allowed_origins": '["https://a.example", "*"]', "allowed_methods": '["GET"]'}
+    config = load(flags=flags)
+    assert (config.allowed_origins, config.allowed_methods) == (
+        ("https://a.example", "*"),
+        ("GET",),
+    )
+    env = {"ENGINED_ALLOWED_HEADERS": '["X-Custom"]', "ENGINED_ALLOW_CREDENTIALS": "true"}
+    config = load(env=env)
+    assert (config.allowed_headers, config.allow_credentials) == (("X-Custom",), True)
+    toml = 'allowed_origins = ["https://b.example"]\nallowed_methods = \'["POST"]\'\n'
+    config = load(toml, tmp_path=tmp_path)
+    assert (config.allowed_origins, config.allowed_methods) == (("https://b.example",), ("POST",))
+    assert load(flags={"allowed_origins": ""}).allowed_origins == ()
+
+
+@pytest.mark.parametrize(
+    "text", ["https://a.example", '{"a": 1}', "[1, 2]", '["a", null]', "[", "x" * 200]
+)
+def test_a_cors_list_that_is_no_json_array_of_strings_is_refused(text: str) -> None:
+    with raises("allowed_origins: expected a JSON array of strings, got ") as info:
+        load(flags={"allowed_origins": text})
+    assert info.value.key == "allowed_origins"
+    assert len(str(info.value)) < 200
+
+
+def test_a_cors_list_of_more_than_1024_items_is_refused() -> None:
+    with raises("allowed_origins: ") as info:
+        load(flags={"allowed_origins": json.dumps([f"https://{n}.example" for n in range(1025)])})
+    assert info.value.key == "allowed_origins"
 
 
 # --- vocabulary -------------------------------------------------------------------------------

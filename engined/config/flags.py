@@ -169,6 +169,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--return-tokens-as-token-ids", "return_tokens_as_token_ids"),
     Flag("--response-role", "response_role"),
     Flag("--sse-keep-alive-interval", "sse_keep_alive_interval"),
+    Flag("--allowed-origins", "allowed_origins", metavar_override="JSON"),
+    Flag("--allowed-methods", "allowed_methods", metavar_override="JSON"),
+    Flag("--allowed-headers", "allowed_headers", metavar_override="JSON"),
+    Flag("--allow-credentials", "allow_credentials"),
 )
 FLAG_OF_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
 assert len(FLAG_OF_KEY) == len(FLAGS), "two flags set the same key"

@@ -8,6 +8,7 @@ vLLM's fallback for `--api-key`, so it counts only when no layer gives a key.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -225,8 +226,10 @@ def _human_readable(key: str, number: str, suffix: str, *, source: str) -> int:
 
 def _parse_list(key: str, text: str, *, source: str) -> tuple[int, ...] | tuple[str, ...]:
     """The text form of a list: comma-separated integers, as `--nextn-accept-rates` takes
-    floats, or one string item (an API key: opaque, so nothing in it can be a separator).
-    "" is the empty list."""
+    floats, vLLM's JSON array of strings for the CORS lists (`_JSON_LISTS`), or one string
+    item (an API key: opaque, so nothing in it can be a separator). "" is the empty list."""
+    if key in _JSON_LISTS:
+        return _json_strings(key, text, source=source)
     if KEYS[key].item is str:
         return (text,) if text else ()
     if not text.strip():
@@ -237,6 +240,27 @@ def _parse_list(key: str, text: str, *, source: str) -> tuple[int, ...] | tuple[
     raise ConfigError(
         f"{key}: expected comma-separated integers, got {text!r} (from {source})", key=key
     )
+
+
+# The lists vLLM's command line takes as JSON (`type=json.loads`): its CORS settings.
+_JSON_LISTS = frozenset(("allowed_origins", "allowed_methods", "allowed_headers"))
+
+
+def _json_strings(key: str, text: str, *, source: str) -> tuple[str, ...]:
+    """A JSON array of strings, as vLLM's `--allowed-origins '["https://a.example"]'` ("" is
+    the empty list, as for every list)."""
+    if not text.strip():
+        return ()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        raise ConfigError(
+            f"{key}: expected a JSON array of strings, got {shown!r} (from {source})", key=key
+        )
+    return tuple(value)
 
 
 def _empty_is_none(key: str, value: Any, source: str) -> Any:

@@ -272,6 +272,29 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "whatever its stream_options, as vLLM's flag."
         ),
     ] = False
+    # vLLM's CORS flags (engined.openai.cors); on the command line and in the environment a
+    # list is vLLM's JSON array of strings.
+    allowed_origins: Annotated[
+        tuple[str, ...],
+        msgspec.Meta(max_length=1024),
+        _help(
+            'Origins a browser may call the API from (JSON list; "*" = any), as vLLM\'s '
+            "--allowed-origins (none by default: cross-origin access is disabled)."
+        ),
+    ] = ()
+    allowed_methods: Annotated[
+        tuple[str, ...],
+        msgspec.Meta(max_length=1024),
+        _help('Methods a CORS preflight may ask for (JSON list; "*" = any), as vLLM\'s flag.'),
+    ] = ("*",)
+    allowed_headers: Annotated[
+        tuple[str, ...],
+        msgspec.Meta(max_length=1024),
+        _help('Headers a CORS preflight may ask for (JSON list; "*" = any), as vLLM\'s flag.'),
+    ] = ("*",)
+    allow_credentials: Annotated[
+        bool, _help("CORS answers allow credentials (cookies), as vLLM's --allow-credentials.")
+    ] = False
     enable_request_id_headers: Annotated[
         bool,
         _help(

@@ -25,7 +25,7 @@ from engined.openai.api_errors import (
     method_not_allowed,
     route_not_found,
 )
-from engined.openai.cors import preflight, with_cors
+from engined.openai.cors import CorsPolicy
 from engined.openai.http.http_messages import HttpRequest, HttpResponse, StreamingResponse
 from engined.openai.server_load import ServerLoad
 from engined.openai.serving import ServingContext, engine_refusal
@@ -68,6 +68,12 @@ class ApiApp:
         self._context = context
         self._keys = BearerKeys(tuple(config.api_key or ()), guard_metrics=config.api_key_metrics)
         self._request_id_headers = config.enable_request_id_headers
+        self._cors = CorsPolicy(
+            config.allowed_origins,
+            config.allowed_methods,
+            config.allowed_headers,
+            config.allow_credentials,
+        )
         completions = CompletionServer(context)
         chat = ChatServer(context)
         misc = MiscServer(context, config=config, welcome=welcome)
@@ -122,10 +128,10 @@ class ApiApp:
         ):
             return _UNAUTHORIZED
         # vLLM's CORS middleware, inside its authentication (which lets OPTIONS through).
-        answer = preflight(request)
+        answer = self._cors.preflight(request)
         if answer is not None:
             return answer
-        return with_cors(await self._route(request, path))
+        return self._cors.answer(request, await self._route(request, path))
 
     async def _route(self, request: HttpRequest, path: str) -> Reply:
         methods = self._routes.get(path)

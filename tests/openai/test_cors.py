@@ -1,6 +1,7 @@
 """CORS as `vllm serve` answers it by default (Starlette's CORSMiddleware with vLLM's
 settings: no origin allowed, every method and header, no credentials; inside its
-authentication), against a real `engined serve` with an API key. The expected headers and
+authentication), and with its four flags set, against a real `engined serve` with an API
+key (every setting's rules: test_cors_policy.py). The expected headers and
 bodies are those Starlette 1.10 (vLLM 0.33's) gives a FastAPI app with the same middleware
 settings, recorded with its TestClient."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +120,46 @@ def test_other_answers_vary_by_origin(api: ApiDaemon) -> None:
     assert exchange(api, "GET", "/health", {})[:2] == (200, SIMPLE)
     # The authentication answers before the middleware: nothing added.
     assert exchange(api, "POST", "/v1/completions", ORIGIN, body)[:2] == (401, {})
+
+
+def test_the_cors_flags_open_it_as_vllms_do(tmp_path: Path) -> None:
+    """`--allowed-origins '["http://a.example"]' --allow-credentials`, as `vllm serve` takes
+    them: that origin's preflight is allowed and named, its answers name it too, another
+    origin's preflight is still refused."""
+    with start_api(
+        tmp_path,
+        "--speedup-ratio",
+        "0",
+        "--api-key",
+        KEY,
+        "--allowed-origins",
+        '["http://a.example"]',
+        "--allowed-methods",
+        '["GET", "POST"]',
+        "--allow-credentials",
+    ) as api:
+        asked = {"access-control-request-method": "POST"}
+        status, headers, text = exchange(api, "OPTIONS", "/v1/completions", {**ORIGIN, **asked})
+        assert (status, text) == (200, b"OK")
+        assert headers == {
+            "vary": PREFLIGHT_VARY,
+            "access-control-allow-methods": "GET, POST",
+            "access-control-max-age": "600",
+            "access-control-allow-credentials": "true",
+            "access-control-allow-origin": "http://a.example",
+        }
+        other = {"origin": "http://b.example", **asked}
+        assert exchange(api, "OPTIONS", "/v1/completions", other)[::2] == (
+            400,
+            b"Disallowed CORS origin",
+        )
+        body = {"model": "engined", "prompt": [1, 2], "max_tokens": 2}
+        status, headers, _ = exchange(api, "POST", "/v1/completions", {**AUTH, **ORIGIN}, body)
+        assert (status, headers) == (
+            200,
+            {
+                "vary": "Origin",
+                "access-control-allow-origin": "http://a.example",
+                "access-control-allow-credentials": "true",
+            },
+        )
