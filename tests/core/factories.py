@@ -261,3 +261,20 @@ def lineage_kv(core: Engine) -> KvManager:
     kv = core.parts.kv
     assert isinstance(kv, KvManager), "the test needs semantics = mocker-1.3.0"
     return kv
+
+
+def passes(core: Engine, count: int) -> list[PassResult]:
+    """`count` passes back to back, each at the end of the one before."""
+    results = []
+    now = 0.0
+    for _ in range(count):
+        result = core.execute_pass(now)
+        results.append(result)
+        now = result.end_ms
+    return results
+
+
+def shares(result: PassResult) -> list[tuple[str, int, int]]:
+    """A recording engine's pass: (request, computed before, tokens scheduled)."""
+    assert result.trace is not None
+    return [(s.request_id, s.computed, s.new) for s in result.trace.scheduled]

@@ -14,7 +14,7 @@ from engined.core.engine import Engine
 from engined.core.errors import InvalidArgsError
 from engined.core.types import Cancel, FinishReason, PassResult
 from engined.core.views import RequestPlace
-from tests.core.factories import make_args, request, submit, view
+from tests.core.factories import make_args, passes, request, shares, submit, view
 from tests.core.test_paged_semantics import paged_args, shape, vllm_hashes
 
 _LENGTH = FinishReason.LENGTH
@@ -22,21 +22,6 @@ _LENGTH = FinishReason.LENGTH
 
 def async_args(**overrides: Any) -> Any:
     return paged_args(async_scheduling=True, **overrides)
-
-
-def passes(core: Engine, count: int) -> list[PassResult]:
-    results = []
-    now = 0.0
-    for _ in range(count):
-        result = core.execute_pass(now)
-        results.append(result)
-        now = result.end_ms
-    return results
-
-
-def shares(result: PassResult) -> list[tuple[str, int, int]]:
-    assert result.trace is not None
-    return [(s.request_id, s.computed, s.new) for s in result.trace.scheduled]
 
 
 def outputs(result: PassResult) -> list[tuple[str, list[int], FinishReason | None]]:

@@ -21,7 +21,7 @@ from engined.core.vllm_hashing import (
     event_block_hash_int,
     none_hash,
 )
-from tests.core.factories import make_args, request, submit
+from tests.core.factories import make_args, passes, request, shares, submit
 
 
 def mtp_args(nextn: int, rates: str, **overrides: Any) -> EngineArgs:
@@ -37,25 +37,9 @@ def mtp_args(nextn: int, rates: str, **overrides: Any) -> EngineArgs:
     return make_args(**fields)
 
 
-def scheduled(result: PassResult) -> list[tuple[str, int, int]]:
-    """The pass's schedule: (request, computed before, tokens scheduled)."""
-    assert result.trace is not None
-    return [(s.request_id, s.computed, s.new) for s in result.trace.scheduled]
-
-
 def bursts(result: PassResult) -> dict[str, int]:
     """How many tokens each request's output carried this pass."""
     return {o.request_id: len(o.new_token_ids) for o in result.request_outputs()}
-
-
-def passes(core: Engine, count: int) -> list[PassResult]:
-    results = []
-    now = 0.0
-    for _ in range(count):
-        result = core.execute_pass(now)
-        results.append(result)
-        now = result.end_ms
-    return results
 
 
 def test_a_decode_step_schedules_its_drafts_and_emits_the_accepted_ones() -> None:
@@ -64,7 +48,7 @@ def test_a_decode_step_schedules_its_drafts_and_emits_the_accepted_ones() -> Non
     core = Engine(mtp_args(2, "1,1"), record=True)
     submit(core, request("a", range(6), 7))
     results = passes(core, 3)
-    assert [scheduled(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 9, 3)]]
+    assert [shares(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 9, 3)]]
     assert [bursts(r) for r in results] == [{"a": 1}, {"a": 3}, {"a": 3}]
     assert core.is_empty()
 
@@ -75,7 +59,7 @@ def test_rejected_drafts_are_rolled_back_from_the_computed_tokens() -> None:
     core = Engine(mtp_args(2, "0,0"), record=True)
     submit(core, request("a", range(6), 3))
     results = passes(core, 3)
-    assert [scheduled(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 7, 3)]]
+    assert [shares(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 7, 3)]]
     assert [bursts(r) for r in results] == [{"a": 1}, {"a": 1}, {"a": 1}]
     assert core.is_empty()
 
@@ -86,7 +70,7 @@ def test_max_model_len_cuts_the_drafts_a_step_schedules() -> None:
     core = Engine(mtp_args(2, "1,1", max_model_len=9), record=True)
     submit(core, request("a", range(6), 3))
     results = passes(core, 2)
-    assert [scheduled(r) for r in results] == [[("a", 0, 6)], [("a", 6, 2)]]
+    assert [shares(r) for r in results] == [[("a", 0, 6)], [("a", 6, 2)]]
     assert [bursts(r) for r in results] == [{"a": 1}, {"a": 2}]
     assert core.is_empty()
 
@@ -100,10 +84,10 @@ def test_a_one_token_admission_beside_decodes_is_padded_with_placeholder_drafts(
     first = core.execute_pass(0.0)
     submit(core, request("b", [500], 2))
     second, third = passes(core, 2)
-    assert scheduled(first) == [("a", 0, 4)]
-    assert scheduled(second) == [("a", 4, 3), ("b", 0, 3)]
+    assert shares(first) == [("a", 0, 4)]
+    assert shares(second) == [("a", 4, 3), ("b", 0, 3)]
     assert bursts(second)["b"] == 1
-    assert ("b", 1, 3) in scheduled(third)
+    assert ("b", 1, 3) in shares(third)
 
 
 def test_lookahead_hashes_store_a_block_once_the_token_after_it_is_known() -> None:
@@ -122,7 +106,7 @@ def test_lookahead_hashes_store_a_block_once_the_token_after_it_is_known() -> No
         ([event_block_hash_int(h0)], None, [[4]]),
         ([event_block_hash_int(h1)], event_block_hash_int(h0), [[100]]),
     ]
-    assert scheduled(second) == [("a", 8, 2)]
+    assert shares(second) == [("a", 8, 2)]
     assert bursts(second) == {"a": 2}
     assert not [e for e in second.kv_events if isinstance(e, BlockStored)]
 
@@ -135,6 +119,6 @@ def test_async_scheduling_verifies_placeholder_drafts_a_batch_later() -> None:
     core = Engine(mtp_args(2, "0,0", async_scheduling=True), record=True)
     submit(core, request("a", range(6), 3))
     results = passes(core, 4)
-    assert [scheduled(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 9, 3)], []]
+    assert [shares(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 9, 3)], []]
     assert [bursts(r) for r in results] == [{}, {"a": 1}, {"a": 1}, {"a": 1}]
     assert core.is_empty()

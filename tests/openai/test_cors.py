@@ -15,18 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.openai.api_harness import ApiDaemon, start_api
+from tests.openai.test_cors_policy import CORS
 
 KEY = "secret"
 AUTH = {"authorization": f"Bearer {KEY}"}
 ORIGIN = {"origin": "http://a.example"}
-CORS = (
-    "vary",
-    "access-control-allow-origin",
-    "access-control-allow-methods",
-    "access-control-max-age",
-    "access-control-allow-headers",
-    "access-control-allow-credentials",
-)
 PREFLIGHT_VARY = (
     "Origin, Access-Control-Request-Method, Access-Control-Request-Headers, "
     "Access-Control-Request-Private-Network"
