@@ -131,6 +131,9 @@ class BurstEmitter:
                 if done:
                     break
             emitted += len(tokens)
+            # The mocker's reading of vLLM's stats: every burst a draft of `nextn` tokens (a
+            # request's first too), its tokens beyond the first the accepted ones.
+            ctx.accepted(len(sampler.rates), len(tokens) - 1)
             if done:
                 self._finisher.finish(ctx, req, tokens, cleanup)
             else:
@@ -142,9 +145,4 @@ class BurstEmitter:
         kv.release_slots(reservation)
         ctx.output_tokens += emitted
         ctx.decode_forwards += len(bursts)
-        # The mocker's reading of vLLM's stats: every burst a draft of `nextn` tokens (a
-        # request's first too), its tokens beyond the first the accepted ones.
-        ctx.spec_drafts += len(bursts)
-        ctx.spec_draft_tokens += len(bursts) * len(sampler.rates)
-        ctx.spec_accepted_tokens += emitted - len(bursts)
         return decode_ms

@@ -287,6 +287,7 @@ class Engine:
             ctx.spec_drafts,
             ctx.spec_draft_tokens,
             ctx.spec_accepted_tokens,
+            ctx.spec_accepted_per_pos,
         )
 
     # --- offload tiers ------------------------------------------------------------------

@@ -49,6 +49,7 @@ class PassContext:
         "rejected",
         "scheduled",
         "shares",
+        "spec_accepted_per_pos",
         "spec_accepted_tokens",
         "spec_draft_tokens",
         "spec_drafts",
@@ -111,13 +112,25 @@ class PassContext:
         self.output_tokens = 0
         self.decode_forwards = 0
         # MTP, vLLM's `SpecDecodingStats`: drafts verified (one a request), their tokens,
-        # the accepted ones.
+        # the accepted ones, and per draft position those accepted there (`accepted`).
         self.spec_drafts = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
         # Recording (`PassTrace`): the preempter's victim list, and the shares read from it.
         self.victims = victims
         self.shares: list[ScheduledTokens] = []
+
+    def accepted(self, drafts: int, accepted: int) -> None:
+        """MTP: a request verified `drafts` drafts and accepted the first `accepted`."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += drafts
+        self.spec_accepted_tokens += accepted
+        per_pos = self.spec_accepted_per_pos
+        if len(per_pos) < accepted:
+            per_pos.extend([0] * (accepted - len(per_pos)))
+        for position in range(accepted):
+            per_pos[position] += 1
 
     def long_prefill_share(self, lacking: int) -> int:
         """What a request lacking `lacking` tokens may take under the pass's long-prefill cap

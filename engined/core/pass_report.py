@@ -40,6 +40,7 @@ class PassReport(msgspec.Struct, frozen=True, gc=False, array_like=True):
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
     @classmethod
     def of(cls, result: PassResult) -> PassReport:
@@ -58,4 +59,5 @@ class PassReport(msgspec.Struct, frozen=True, gc=False, array_like=True):
             spec_drafts=result.spec_drafts,
             spec_draft_tokens=result.spec_draft_tokens,
             spec_accepted_tokens=result.spec_accepted_tokens,
+            spec_accepted_per_pos=result.spec_accepted_per_pos,
         )

@@ -381,18 +381,18 @@ class PassResult(msgspec.Struct, frozen=True):
     # Prompt tokens looked up in the prefix cache by this pass's admissions, and those found.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    # MTP acceptance: visible output tokens and the decode forwards that produced them.
+    # Visible output tokens and the decode forwards (MTP bursts) that produced them.
     accept_length_output_tokens: int = 0
     accept_length_decode_forwards: int = 0
-    # Set only by an engine built with `record=True` (engined/core/pass_trace.py).
-    trace: PassTrace | None = None
+    trace: PassTrace | None = None  # only with `record=True` (engined/core/pass_trace.py)
     # Sampled blocks whose slots were reused since the last pass (`kv_cache_metrics` only).
     kv_block_evictions: list[KvBlockEviction] = []
     # MTP, vLLM's `SpecDecodingStats` of the pass: requests that verified drafts, the drafts
-    # they verified, and those accepted.
+    # they verified, those accepted, and per draft position the drafts accepted there.
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
     def request_outputs(self) -> list[RequestOutput]:
         """Every request's output of this pass, `outputs` and `decodes` in emission order.

@@ -413,6 +413,20 @@ def test_mtp_bursts_are_drafts_with_accepted_positions(
         assert value(families[family], f"{family}_total") == count
 
 
+def test_drafts_a_stop_cuts_count_as_accepted() -> None:
+    """vLLM counts what the model accepted before `max_tokens` cuts the tokens: an 8-token
+    prompt, max 3, every draft accepted; the second step accepts both drafts, of whose
+    tokens one is emitted."""
+    mtp = {"aic_nextn": 2, "aic_nextn_accept_rates": "1,1"}
+    metrics = metrics_for(**mtp)
+    run = Driver(metrics, **mtp)
+    run.command(submit("m", range(8), 3), 0.0)
+    run.passes()
+    t = run.tallies
+    assert (t.drafts, t.draft_tokens, t.accepted, t.accepted_per_pos) == (1, 2, 2, [1, 1])
+    same(t.request_generation, counts(t.request_generation.bounds, [3]))
+
+
 def test_without_mtp_there_is_no_spec_decode_family() -> None:
     metrics = metrics_for()
     Driver(metrics)

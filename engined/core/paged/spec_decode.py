@@ -98,9 +98,7 @@ class SpecDecoder:
         )
         if drafts:
             # vLLM counts what the model accepted, before a stop cuts the tokens.
-            ctx.spec_drafts += 1
-            ctx.spec_draft_tokens += drafts
-            ctx.spec_accepted_tokens += accepted
+            ctx.accepted(drafts, accepted)
             if not stale:
                 if req.num_computed_tokens > 0:
                     req.num_computed_tokens -= drafts - accepted

@@ -277,18 +277,14 @@ class RankMetrics:
     # --- per pass -----------------------------------------------------------------------
 
     def _bursts(self, result: PassReport) -> None:
-        """Outputs of more than one token: a request's tokens beyond the one its pass counts,
-        and, on a rank that drafts, each burst's accepted draft positions."""
+        """Outputs of more than one token: a request's tokens beyond the one its pass counts."""
         requests = self.requests
-        per_pos = self.accepted_per_pos
         for out in result.outputs:
             extra = len(out.new_token_ids) - 1
             if extra > 0:
                 record = requests.get(out.request_id)
                 if record is not None:
                     record.tokens += extra
-                for position in range(min(extra, len(per_pos))):
-                    per_pos[position] += 1
 
     def _drafted(self, result: PassReport) -> None:
         """vLLM's `SpecDecodingStats`, as the pass counted them (vLLM semantics: each
@@ -296,6 +292,9 @@ class RankMetrics:
         self.drafts += result.spec_drafts
         self.draft_tokens += result.spec_draft_tokens
         self.accepted += result.spec_accepted_tokens
+        per_pos = self.accepted_per_pos
+        for position, count in enumerate(result.spec_accepted_per_pos[: len(per_pos)]):
+            per_pos[position] += count
 
     def _emitted(self, emitters: set[str], end_ms: float, cached: dict[str, int]) -> int:
         """Latencies of the requests that emitted tokens in a pass ending at `end_ms`; returns
