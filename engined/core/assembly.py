@@ -78,6 +78,25 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         InvalidArgsError: naming the option.
     """
     if paged:
+        nextn, budget = args.aic_nextn, args.max_num_batched_tokens
+        if nextn is not None and budget is not None and budget <= nextn:
+            # vLLM's `VllmConfig._set_max_num_scheduled_tokens`: a step must hold a token
+            # and its lookahead slots.
+            raise InvalidArgsError(
+                "VllmConfig does not have enough slots to schedule a token and support the "
+                f"speculative decoding settings. Got max_num_batched_tokens={budget} and "
+                f"num_lookahead_tokens={nextn}.",
+                key="max_num_batched_tokens",
+            )
+        cap = args.max_num_scheduled_tokens
+        if nextn is not None and cap is not None and cap <= nextn:
+            # engined's own: vLLM accepts it, then holds a one-token admission (padded to
+            # 1 + drafts) at the head of its queue forever.
+            raise InvalidArgsError(
+                f"max_num_scheduled_tokens ({cap}) must be greater than aic_nextn ({nextn}): "
+                "an admission padded with its draft tokens could never be scheduled",
+                key="max_num_scheduled_tokens",
+            )
         return
     for key, value, on in (
         ("scheduling_policy", "=priority", args.scheduling_policy is SchedulingPolicy.PRIORITY),

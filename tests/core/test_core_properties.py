@@ -70,6 +70,10 @@ def workloads(draw: st.DrawFn, lora: bool = False) -> tuple[EngineArgs, list[tup
         vocab_size=vocab_size,
         excluded_token_ids=tuple(excluded),
     )
+    nextn, budget = args.aic_nextn, args.max_num_batched_tokens
+    if args.runs_vllm_semantics() and nextn is not None and budget is not None and budget <= nextn:
+        # vLLM refuses a budget that cannot hold a token and its lookahead slots.
+        args = msgspec.structs.replace(args, max_num_batched_tokens=nextn + 1)
     if args.runs_vllm_semantics() and draw(st.booleans()):
         # vLLM's scheduler options that bound a pass (engined/core/paged/pass_limits.py).
         args = msgspec.structs.replace(
@@ -79,7 +83,10 @@ def workloads(draw: st.DrawFn, lora: bool = False) -> tuple[EngineArgs, list[tup
             watermark=draw(st.sampled_from([0.0, 0.1, 0.3])),
             max_num_active_seqs=draw(st.one_of(st.none(), st.integers(1, args.max_num_seqs or 1))),
             prefill_schedule_interval=draw(st.integers(1, 4)),
-            max_num_scheduled_tokens=draw(st.one_of(st.none(), st.integers(1, 4 * block_size))),
+            # With MTP above the drafts: at most that, a padded admission never fits.
+            max_num_scheduled_tokens=draw(
+                st.one_of(st.none(), st.integers((nextn or 0) + 1, 4 * block_size + 4))
+            ),
         )
     if lora or (args.runs_vllm_semantics() and draw(st.booleans())):
         args = msgspec.structs.replace(args, enable_lora=True, max_loras=draw(st.integers(1, 3)))

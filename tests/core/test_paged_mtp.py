@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from engined.core.args import EngineArgs, Semantics
 from engined.core.engine import Engine
+from engined.core.errors import InvalidArgsError
 from engined.core.types import BlockStored, PassResult
 from engined.core.vllm_hashing import (
     DEFAULT_HASH_ALGO,
@@ -122,3 +125,28 @@ def test_async_scheduling_verifies_placeholder_drafts_a_batch_later() -> None:
     assert [shares(r) for r in results] == [[("a", 0, 6)], [("a", 6, 3)], [("a", 9, 3)], []]
     assert [bursts(r) for r in results] == [{}, {"a": 1}, {"a": 1}, {"a": 1}]
     assert core.is_empty()
+
+
+def test_a_budget_that_cannot_hold_a_token_and_its_lookahead_slots_is_refused() -> None:
+    """vLLM's `VllmConfig` refuses it (a one-token admission padded to 1 + drafts could
+    never be scheduled)."""
+    with pytest.raises(InvalidArgsError) as refused:
+        Engine(mtp_args(2, "1,1", max_num_batched_tokens=2))
+    assert refused.value.key == "max_num_batched_tokens"
+    assert str(refused.value) == (
+        "VllmConfig does not have enough slots to schedule a token and support the "
+        "speculative decoding settings. Got max_num_batched_tokens=2 and num_lookahead_tokens=2."
+    )
+    Engine(mtp_args(2, "1,1", max_num_batched_tokens=3))
+
+
+def test_a_token_cap_that_cannot_hold_a_padded_admission_is_refused() -> None:
+    """engined's own rule: vLLM accepts `--max-num-scheduled-tokens` at most the drafts, then
+    holds a one-token admission, padded to 1 + drafts, at the head of its queue forever."""
+    with pytest.raises(InvalidArgsError) as refused:
+        Engine(mtp_args(1, "1", max_num_scheduled_tokens=1))
+    assert refused.value.key == "max_num_scheduled_tokens"
+    assert str(refused.value) == (
+        "max_num_scheduled_tokens (1) must be greater than aic_nextn (1): an admission padded "
+        "with its draft tokens could never be scheduled"
+    )
