@@ -205,3 +205,16 @@ def test_prometheus_shows_slow_reader_counters() -> None:
 @pytest.mark.parametrize("fmt", ["vllm", "vllm-array"])
 def test_the_bound_covers_every_format(fmt: KvEventFormat) -> None:
     assert max_batch_bytes(EngineArgs(block_size=16), fmt) > 16 * 5 * 256
+
+
+def test_the_bound_counts_mtps_lookahead_tokens_where_they_are_published() -> None:
+    """With MTP and prefix caching under vLLM semantics every store names the token after
+    each block (`lookahead_token_ids`, in the `vllm` format): the worst case carries it, 27
+    bytes a block (its key, `[[u32]]`) over the budget's blocks, a partial block and a draft
+    block per request."""
+    with_caching = max_batch_bytes(EngineArgs(block_size=16, aic_nextn=2), "vllm")
+    without = max_batch_bytes(
+        EngineArgs(block_size=16, aic_nextn=2, enable_prefix_caching=False), "vllm"
+    )
+    entry = b"\xb3lookahead_token_ids\x91\x91\xce\xff\xff\xff\xff"
+    assert with_caching - without == (8192 // 16 + 256 + 256) * len(entry)

@@ -66,7 +66,8 @@ def max_batch_bytes(args: EngineArgs, fmt: KvEventFormat, dp_rank: int = 0) -> i
     at most as many cached ones. With offload tiers, at most offload_batch_size² blocks are
     in flight to a tier, landing (and evicting there) in the same pass at worst. That worst
     case is encoded for real, one event per block (the most per-event overhead), with
-    5-byte token ids and 9-byte hashes. Not covered: the removals a command causes (a
+    5-byte token ids and 9-byte hashes, and with MTP's lookahead token under vLLM semantics
+    with prefix caching (`lookahead_token_ids`). Not covered: the removals a command causes (a
     destination reservation evicting for a whole prompt) ride on the next batch on top.
     """
     args = args.normalized()
@@ -83,10 +84,27 @@ def max_batch_bytes(args: EngineArgs, fmt: KvEventFormat, dp_rank: int = 0) -> i
             media.append((Medium.STORAGE, min(in_flight, args.num_g2_blocks)))
     one = [_MAX_HASH]
     tokens = [_MAX_TOKEN_ID] * block_size
+    lookahead = (
+        [[_MAX_TOKEN_ID]]
+        if args.aic_nextn is not None and args.enable_prefix_caching and args.runs_vllm_semantics()
+        else None
+    )
     events: list[KvEvent] = []
     for medium, blocks in media:
         for n in range(blocks):
-            events.append(BlockStored(n, dp_rank, _MAX_HASH, one, one, tokens, block_size, medium))
+            events.append(
+                BlockStored(
+                    n,
+                    dp_rank,
+                    _MAX_HASH,
+                    one,
+                    one,
+                    tokens,
+                    block_size,
+                    medium,
+                    lookahead_token_ids=lookahead,
+                )
+            )
             events.append(BlockRemoved(n, dp_rank, one, medium))
     return len(KvEventEncoder(fmt).encode_batch(1.0e9, events, dp_rank))
 
