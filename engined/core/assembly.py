@@ -219,6 +219,8 @@ def assemble(
         seed=args.seed,
         paged=paged,
         lora=args.enable_lora,
+        # Per request, not per rank: a request accepts the same drafts on any rank.
+        mtp_seed=args.aic_mtp_seed if paged and args.aic_nextn is not None else None,
     )
     sampler = (
         SpeculativeSampler(args.nextn_accept_rates, (args.aic_mtp_seed + worker_id) & _MASK64)

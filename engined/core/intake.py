@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from _random import Random
 from collections.abc import Callable
 
 from engined.core.errors import InvalidRequestError, UnsupportedError
@@ -23,7 +24,7 @@ from engined.core.policy import AdmissionPolicy
 from engined.core.sequence import Sequence
 from engined.core.state import RequestState
 from engined.core.stops import StopRule
-from engined.core.token_stream import SEED_MAX, SEED_MIN, token_bits
+from engined.core.token_stream import SEED_MAX, SEED_MIN, acceptance, stream_key
 from engined.core.types import LoraRequest, Request, RequestStatus
 from engined.core.vocab import Vocabulary
 
@@ -35,6 +36,7 @@ class RequestIntake:
         "_caching",
         "_lora",
         "_minted",
+        "_mtp_seed",
         "_paged",
         "_partial_ids",
         "_policy",
@@ -54,9 +56,12 @@ class RequestIntake:
         seed: int,
         paged: bool = False,
         lora: bool = False,
+        mtp_seed: int | None = None,
     ) -> None:
-        """`lora`: `enable_lora`, LoRA requests are accepted (vLLM semantics only)."""
+        """`lora`: `enable_lora`, LoRA requests are accepted (vLLM semantics only);
+        `mtp_seed`: MTP under vLLM semantics, each request gets its acceptance stream."""
         self._policy = policy
+        self._mtp_seed = mtp_seed
         self._lora = lora
         self._seed = seed
         self._paged = paged
@@ -110,18 +115,19 @@ class RequestIntake:
             self._check_lora(lora)
         stop_ids = request.stop_token_ids
         max_out = self._policy.clamp_max_output(len(request.token_ids), max_out)
+        key = stream_key(
+            self._seed,
+            request_id if request.stream_name is None else request.stream_name,
+            request.seed,
+            request.token_ids,
+        )
         seq = Sequence(
             request.token_ids,
             max_out,
             self._block_size,
             caching=self._caching,
             rng=self._rng,
-            token_bits=token_bits(
-                self._seed,
-                request_id if request.stream_name is None else request.stream_name,
-                request.seed,
-                request.token_ids,
-            ),
+            token_bits=Random(key).getrandbits,
             next_partial_id=self._partial_ids,
             planned=planned,
             vocab=self._vocab,
@@ -131,6 +137,8 @@ class RequestIntake:
             lora=lora,
         )
         state = RequestState(request_id, seq, status)
+        if self._mtp_seed is not None:
+            state.acceptance = acceptance(key, self._mtp_seed)
         state.priority = request.priority
         state.arrival = next(self._arrivals)
         return state

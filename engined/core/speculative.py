@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engined.core.errors import InvalidArgsError
 
@@ -45,7 +45,7 @@ class SpeculativeSampler:
     def rates(self) -> tuple[float, ...]:
         return self._rates
 
-    def sample_output_tokens(self, remaining: int) -> int:
+    def sample_output_tokens(self, remaining: int, draw: Callable[[], float] | None = None) -> int:
         """Tokens emitted by one forward for a request that may still produce `remaining`.
 
         `random() < rate` is always true for 1.0 and always false for 0.0, matching
@@ -55,7 +55,8 @@ class SpeculativeSampler:
         if remaining <= 0:
             return 0
         out = 1
-        draw = self._random
+        if draw is None:
+            draw = self._random
         for rate in self._rates:
             if draw() >= rate:
                 break

@@ -53,6 +53,8 @@ class RequestState:
     spec_tokens: int = 0
     scheduled_drafts: int = 0
     padded_drafts: bool = False
+    # Its own stream MTP's acceptance draws from (engined/core/token_stream.py).
+    acceptance: Callable[[], float] | None = None
 
     def prompt_is_prebuilt(self) -> bool:
         """An activated destination: its prompt KV arrived by transfer, nothing to prefill."""

@@ -16,8 +16,11 @@ the same KV events of their generated blocks) whatever the timing:
 Token p is the p-th draw of the stream (rejection draws of a vocabulary included). A token
 taken back when its block could not be allocated is kept for the retry (`Sequence.pop`), MTP
 never draws the drafts it rejects, and a preempted request keeps its tokens and its stream, so
-none of these shift later tokens. The engine's shared RNG still names the blocks of requests
-without prefix caching; those ids never reach a token.
+none of these shift later tokens. Under vLLM semantics MTP's acceptance is the request's own
+too: a second stream, keyed by the first's key and `--mtp-seed` (`acceptance`), so which
+drafts a step accepts depends on the request and its steps, not on the batch. The engine's
+shared RNG still names the blocks of requests without prefix caching; those ids never reach a
+token.
 
 One Mersenne Twister per request, seeded here once (about 5 µs: its 624-word state), leaves
 the decode path at one `getrandbits` per token, as before. It is `_random.Random`, the C base
@@ -42,6 +45,7 @@ SEED_MAX = 2**63 - 1
 _SEEDED_TAG = b"engined/request-seed\x00"
 _UNSEEDED_TAG = b"engined/engine-seed\x00"
 _UNNAMED_TAG = b"engined/unnamed\x00"
+_ACCEPTANCE_TAG = b"engined/mtp-acceptance\x00"
 
 
 def stream_key(engine_seed: int, name: str | int, seed: int | None, prompt: Sequence[int]) -> int:
@@ -69,3 +73,10 @@ def token_bits(
 ) -> TokenBits:
     """The request's `getrandbits`: every unplanned token it generates is drawn from it."""
     return Random(stream_key(engine_seed, name, seed, prompt)).getrandbits
+
+
+def acceptance(key: int, mtp_seed: int) -> Callable[[], float]:
+    """The `random` MTP's acceptance of a request's drafts is drawn from, for the request
+    whose token stream is keyed `key`."""
+    material = _ACCEPTANCE_TAG + str(mtp_seed).encode() + b"\x00" + key.to_bytes(32, "little")
+    return Random(int.from_bytes(blake2b(material, digest_size=32).digest(), "little")).random

@@ -150,3 +150,35 @@ def test_a_token_cap_that_cannot_hold_a_padded_admission_is_refused() -> None:
         "max_num_scheduled_tokens (1) must be greater than aic_nextn (1): an admission padded "
         "with its draft tokens could never be scheduled"
     )
+
+
+def outputs_of(core: Engine, request_id: str) -> list[list[int]]:
+    """Every output `request_id` got until the engine drained, each its tokens."""
+    got: list[list[int]] = []
+    now = 0.0
+    while not core.is_empty():
+        result = core.execute_pass(now)
+        now = result.end_ms
+        got += [o.new_token_ids for o in result.request_outputs() if o.request_id == request_id]
+    return got
+
+
+def test_a_requests_accepted_drafts_do_not_depend_on_its_batch() -> None:
+    """Acceptance is drawn from the request's own stream (keyed as its tokens, and by
+    `--mtp-seed`): beside another request, on another rank, it accepts the same drafts, so
+    its outputs split its tokens alike; another `--mtp-seed` splits them otherwise."""
+
+    def alone(worker_id: int = 0, **overrides: Any) -> list[list[int]]:
+        core = Engine(mtp_args(2, "0.5,0.5", **overrides), dp_rank=worker_id, worker_id=worker_id)
+        submit(core, request("a", range(8), 24))
+        return outputs_of(core, "a")
+
+    core = Engine(mtp_args(2, "0.5,0.5"))
+    submit(core, request("b", range(100, 108), 24))
+    submit(core, request("a", range(8), 24))
+    beside = outputs_of(core, "a")
+    assert beside == alone() == alone(worker_id=1)
+    assert len(beside) < 24  # some drafts were accepted
+    reseeded = alone(aic_mtp_seed=7)
+    assert [t for out in reseeded for t in out] == [t for out in beside for t in out]
+    assert [len(out) for out in reseeded] != [len(out) for out in beside]

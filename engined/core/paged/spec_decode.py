@@ -94,7 +94,9 @@ class SpecDecoder:
         finished (None while it runs)."""
         seq = req.seq
         accepted = (
-            self._sampler.sample_output_tokens(drafts + 1) - 1 if drafts and not padded else 0
+            self._sampler.sample_output_tokens(drafts + 1, req.acceptance) - 1
+            if drafts and not padded
+            else 0
         )
         if drafts:
             # vLLM counts what the model accepted, before a stop cuts the tokens.
