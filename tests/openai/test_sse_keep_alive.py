@@ -1,14 +1,14 @@
 """vLLM's `--sse-keep-alive-interval`: an idle stream sends `: keep-alive` comments.
 
-The wrapper is tested on a stream a test releases chunk by chunk (a tiny interval, so the
-first read times out while the stream has nothing); then once against a real `engined serve`
-whose generation is paused (`keep`), so a stream accepted meanwhile can only be idle: it gets
-a comment before its first event, and its whole answer after the resume.
+The wrapper is tested on a stream a test releases chunk by chunk (`http_support.Chunks`; a
+tiny interval, so the first read times out while the stream has nothing); then once against
+a real `engined serve` whose generation is paused (`keep`), so a stream accepted meanwhile
+can only be idle: it gets a comment before its first event, and its whole answer after the
+resume.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,44 +16,24 @@ from pathlib import Path
 from engined.openai.http.http_messages import aclose_chunks
 from engined.openai.sse_keep_alive import KEEP_ALIVE, with_keep_alive
 from tests.openai.api_harness import start_api
-from tests.openai.http_support import connect, post, read_chunk, read_head
+from tests.openai.http_support import Chunks, connect, post, read_chunk, read_head
 from tests.support import run
 
 
-class Released:
-    """A stream whose chunks the test releases; it records being closed."""
-
-    def __init__(self) -> None:
-        self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self.closed = False
-
-    def __aiter__(self) -> Released:
-        return self
-
-    async def __anext__(self) -> bytes:
-        chunk = await self.chunks.get()
-        if chunk is None:
-            raise StopAsyncIteration
-        return chunk
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
 def test_no_interval_leaves_the_stream_as_it_is() -> None:
-    stream = Released()
+    stream = Chunks()
     assert with_keep_alive(stream, 0) is stream
     assert with_keep_alive(stream, float("inf")) is stream
 
 
 def test_an_idle_stream_gets_comments_and_then_its_chunks() -> None:
     async def scenario() -> list[bytes]:
-        stream = Released()
+        stream = Chunks()
         wrapped: AsyncIterator[bytes] = with_keep_alive(stream, 0.01)
         got = [await anext(wrapped)]
-        stream.chunks.put_nowait(b"data: 1\n\n")
+        stream.queue.put_nowait(b"data: 1\n\n")
         got.append(await anext(wrapped))
-        stream.chunks.put_nowait(None)
+        stream.queue.put_nowait(None)
         got.extend([chunk async for chunk in wrapped])
         return got
 
@@ -61,14 +41,15 @@ def test_an_idle_stream_gets_comments_and_then_its_chunks() -> None:
 
 
 def test_closing_it_cancels_the_pending_read_and_closes_the_stream() -> None:
-    async def scenario() -> bool:
-        stream = Released()
+    async def scenario() -> int:
+        stream = Chunks()
+        stream.aclose_may_end.set()
         wrapped = with_keep_alive(stream, 0.01)
         assert await anext(wrapped) == KEEP_ALIVE
         await aclose_chunks(wrapped)
-        return stream.closed
+        return stream.aclosed
 
-    assert run(scenario())
+    assert run(scenario()) == 1
 
 
 def test_a_stream_queued_behind_a_pause_is_kept_alive(tmp_path: Path) -> None:
