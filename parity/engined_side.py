@@ -16,6 +16,7 @@ from engined.core.types import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Cancel,
     Command,
     KvEvent,
     LoraRequest,
@@ -129,17 +130,19 @@ def _step(index: int, result: PassResult) -> Step:
     return step
 
 
-def _command(control: Control) -> Command:
+def _commands(control: Control) -> list[Command]:
     match control.kind:
+        case "abort":
+            return [Cancel(request_id) for request_id in control.request_ids]
         case "pause":
-            return Pause(PauseMode(control.mode), control.clear_cache)
+            return [Pause(PauseMode(control.mode), control.clear_cache)]
         case "reset_running":
-            return ResetPrefixCache(reset_running_requests=True)
+            return [ResetPrefixCache(reset_running_requests=True)]
         case "release":
-            return ReleaseKvCacheMemory()
+            return [ReleaseKvCacheMemory()]
         case "wake_up":
-            return WakeUp(("kv_cache",))
-    return Resume()
+            return [WakeUp(("kv_cache",))]
+    return [Resume()]
 
 
 def run(scenario: Scenario) -> Trace:
@@ -160,7 +163,8 @@ def run(scenario: Scenario) -> Trace:
             break
         arrived: list[TraceEvent] = []
         for control in scenario.controls_at(index):
-            arrived += trace_events(engine.apply(_command(control), now_ms=now_ms).kv_events)
+            for command in _commands(control):
+                arrived += trace_events(engine.apply(command, now_ms=now_ms).kv_events)
         for request in arrivals.get(index, []):
             lora = request.lora
             submitted = Request(

@@ -38,13 +38,16 @@ def random_mix(
     max_loras: int = 1,
     salted: bool = False,
     mtp: int = 0,
+    spread: int | None = None,
+    max_out: int = 64,
 ) -> Scenario:
     """`count` requests over 8 shared prefixes (16-128 tokens) with their own suffixes,
     arriving over about `count / 2` steps; under the priority policy each has a priority in
     0-3. With `adapters`, LoRA is on (`max_loras`) and two requests in three run one of
     that many adapters (the rest the base model); `salted` gives two in three a cache salt
-    of two; `mtp` drafts that many tokens a step (MTP). The name says every setting that
-    is not the default."""
+    of two; `mtp` drafts that many tokens a step (MTP); `spread` steps of arrivals (None:
+    `count / 2`) and `max_out` tokens at most make a lighter load of longer requests. The
+    name says every setting that is not the default."""
     rng = random.Random(seed)
     loras = [Adapter(f"adapter-{n}", n + 1, f"/adapters/{n}") for n in range(adapters)]
     prefixes = [random_tokens(rng, rng.randrange(16, 129)) for _ in range(8)]
@@ -55,9 +58,9 @@ def random_mix(
         requests.append(
             ScenarioRequest(
                 id=f"m{i}",
-                arrival=rng.randrange(0, count // 2),
+                arrival=rng.randrange(0, spread or count // 2),
                 prompt=prompt,
-                max_tokens=rng.randrange(1, 65),
+                max_tokens=rng.randrange(1, max_out + 1),
                 priority=rng.randrange(4) if policy == "priority" else 0,
                 lora=(None if rng.random() < 1 / 3 else rng.choice(loras)) if loras else None,
                 cache_salt=rng.choice([None, "a", "b"]) if salted else None,
@@ -77,6 +80,8 @@ def random_mix(
             (f"lora{adapters}-max{max_loras}", adapters > 0),
             ("salted", salted),
             (f"mtp{mtp}", mtp > 0),
+            (f"spread{spread}", spread is not None),
+            (f"out{max_out}", max_out != 64),
         )
         if on
     ]

@@ -86,12 +86,15 @@ class Control(msgspec.Struct, frozen=True, kw_only=True):
     """An EngineCore call before the arrivals of step `step` (0-based): `pause`
     (`pause_generation(mode, clear_cache)`), `resume` (`resume_scheduler`), `reset_running`
     (`reset_prefix_cache(reset_running_requests=True)`), `release`
-    (`release_kv_cache_memory()`) or `wake_up` (`wake_up(["kv_cache"])`)."""
+    (`release_kv_cache_memory()`), `wake_up` (`wake_up(["kv_cache"])`) or `abort`
+    (`abort_requests([id])` for each of `request_ids` in order, as a client's disconnect
+    reaches EngineCore: engined's `Cancel`)."""
 
     step: int
     kind: str
     mode: str = "abort"
     clear_cache: bool = True
+    request_ids: list[str] = []
 
 
 class Scenario(msgspec.Struct, frozen=True, kw_only=True):

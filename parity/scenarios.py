@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+from parity.abort_scenarios import abort_scenarios
 from parity.lora_scenarios import lora_pressure, lora_shared_prefix
 from parity.mtp_scenarios import mtp_scenarios
 from parity.pause_scenarios import pause_scenarios
@@ -326,6 +327,7 @@ def all_scenarios() -> list[Scenario]:
                 (cache_salt(), 2, True),
             ]
         ),
+        *abort_scenarios(),
     ]
 
 

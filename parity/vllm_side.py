@@ -4,10 +4,11 @@ Reads a msgpack list of `VllmJob` on stdin and writes a msgpack list of `Trace` 
 one vLLM import for every scenario (the import alone takes 15-100 s). It may import only
 vllm, torch, msgspec, the stdlib and the engined-free `parity.scenario`/`parity.trace`.
 
-One step is what `EngineCore.step()` does without a model: apply the pauses and resumes of
-the step (`pause_generation`, `resume_scheduler`: below), add the requests arriving at it,
-`schedule()`, a `ModelRunnerOutput` with one sampled token for every scheduled request that
-has caught up with its tokens (none for a partial prefill chunk), `update_from_output()`.
+One step is what `EngineCore.step()` does without a model: apply the pauses, resumes and
+aborts of the step (`pause_generation`, `resume_scheduler`, `abort_requests`: below), add
+the requests arriving at it, `schedule()`, a `ModelRunnerOutput` with one sampled token for
+every scheduled request that has caught up with its tokens (none for a partial prefill
+chunk), `update_from_output()`.
 The sampled token is engined's token for that request at that output position. Preemptions
 are recorded by wrapping the scheduler's `_preempt_request`, in call order; KV events by a
 recorder in place of the (null) publisher.
@@ -299,11 +300,16 @@ class VllmRun:
         return trace
 
     def _control(self, control: Control) -> None:
-        """EngineCoreProc's `pause_generation` or `resume_scheduler`."""
+        """EngineCoreProc's `pause_generation`, `resume_scheduler` or `abort_requests`."""
         from vllm.v1.core.sched.interface import PauseState
         from vllm.v1.request import RequestStatus
 
         scheduler = self.scheduler
+        if control.kind == "abort":
+            # EngineCore's `abort_requests`, one client's request at a time.
+            for request_id in control.request_ids:
+                scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+            return
         if control.kind in ("resume", "wake_up"):
             # wake_up(["kv_cache"]) once nothing else sleeps: `resume_scheduler`.
             scheduler.set_pause_state(PauseState.UNPAUSED)

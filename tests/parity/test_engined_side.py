@@ -5,6 +5,7 @@ from __future__ import annotations
 from engined.core.engine import Engine
 from engined.core.types import Request, Submit
 from parity import engined_side
+from parity.abort_scenarios import abort_shared_prefix
 from parity.lora_scenarios import lora_pressure, lora_shared_prefix
 from parity.scenarios import cache_salt, chunked_prompt, pressure, stop_pressure
 from parity.trace import Scheduled, StopReport, Stored
@@ -111,3 +112,30 @@ def test_an_engine_not_recording_gives_no_trace() -> None:
     engine = Engine(engined_side.engine_args(chunked_prompt()))
     engine.apply(Submit(Request(token_ids=[1, 2, 3], max_tokens=2, request_id="a")), now_ms=0.0)
     assert engine.execute_pass(0.0).trace is None
+
+
+def test_aborts_end_requests_wherever_they_are() -> None:
+    """The abort scenario reaches every state its docstring names (so its parity covers
+    them), and an aborted request is neither scheduled nor finished afterwards."""
+    scenario = abort_shared_prefix()
+    trace = engined_side.run(scenario)
+
+    def last_scheduled(request_id: str, before: int) -> Scheduled:
+        return [x for s in trace.steps[:before] for x in s.scheduled if x.request_id == request_id][
+            -1
+        ]
+
+    # a0 mid-prefill at step 2 (64 of its 104 prompt tokens), a2 mid-prefill and a1 decoding.
+    assert last_scheduled("a0", 2) == Scheduled("a0", 32, 32)
+    assert last_scheduled("a2", 4) == Scheduled("a2", 64, 24)
+    assert last_scheduled("a1", 4) == Scheduled("a1", 96, 8)
+    assert trace.steps[16].preempted == ["a5"]
+    assert last_scheduled("a7", 23) == Scheduled("a7", 64, 30)
+    assert any("again0" in s.finished for s in trace.steps[:40])
+    for control in scenario.controls:
+        for request_id in control.request_ids:
+            after = trace.steps[control.step :]
+            assert not any(x.request_id == request_id for s in after for x in s.scheduled)
+            if request_id != "again0":
+                assert not any(request_id in s.finished for s in trace.steps)
+    assert "again3" not in trace.output_tokens
