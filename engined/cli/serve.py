@@ -11,6 +11,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
+from engined.cli.vllm_configs import NAMES as VLLM_CONFIG_NAMES
+from engined.cli.vllm_configs import config_keys, parameters
 from engined.cli.vllm_flags import MANY_VALUES, ONE_VALUE, OPTIONAL_VALUE, SWITCHES
 from engined.config import (
     FLAGS,
@@ -18,7 +20,6 @@ from engined.config import (
     DaemonConfig,
     Flag,
     dump_config,
-    kv_events_flags,
     load_config,
 )
 
@@ -33,10 +34,10 @@ def serve(
     config: Path | None,
     print_config: bool,
     model_tag: str | None,
-    kv_events_config: str | None,
     **options: Any,
 ) -> None:
     """Run the daemon. Settings: defaults < --config TOML < ENGINED_* environment < flags."""
+    json_options = {name: options.pop(name) for name in VLLM_CONFIG_NAMES}
     flags = {
         flag.key: tuple(value) if isinstance(value, list) else value
         for flag in FLAGS
@@ -50,8 +51,7 @@ def serve(
                     key="model",
                 )
             flags["model"] = model_tag
-        if kv_events_config is not None:
-            flags = {**kv_events_flags(kv_events_config, given=flags), **flags}
+        flags = config_keys(json_options, flags, lambda warning: typer.echo(warning, err=True))
         given: set[str] = set()
         effective = load_config(config_path=config, env=os.environ, flags=flags, given=given)
     except ConfigError as error:
@@ -193,25 +193,13 @@ def _with_flag_options(command: Callable[..., None]) -> Callable[..., None]:
             ],
         ),
     ]
-    kv_events = inspect.Parameter(
-        "kv_events_config",
-        inspect.Parameter.KEYWORD_ONLY,
-        default=None,
-        annotation=Annotated[
-            str | None,
-            typer.Option(
-                "--kv-events-config",
-                metavar="JSON",
-                help="vLLM's KVEventsConfig JSON (endpoint, replay_endpoint, topic, "
-                "buffer_steps, ...), mapped onto the kv_events_* keys.",
-                rich_help_panel="Daemon",
-                show_default=False,
-            ),
-        ],
-    )
     defaults = load_config(config_path=None, env={}, flags={})
     command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [*fixed, *(_flag_option(flag, defaults) for flag in FLAGS), kv_events]
+        [
+            *fixed,
+            *(_flag_option(flag, defaults) for flag in FLAGS),
+            *parameters(),
+        ]
     )
     return command
 

@@ -18,8 +18,9 @@ forward-pass metrics off and `ENGINED_MAX_NUM_SEQS=` lifts the running-request l
 The package has one module per job: `schema` (the struct), `fields` (reflection over its
 fields, environment names), `flags` (command-line spellings), `endpoints` (endpoint grammar),
 `api_keys` (what an HTTP API key may be, the key file), `kv_events_config` (vLLM's
-`--kv-events-config` JSON onto the kv_events_* keys), `loading` (the layers), `validation`
-(the single pass), `toml_writer` (`--print-config`).
+`--kv-events-config` JSON onto the kv_events_* keys), `speculative_config` (vLLM's
+`--speculative-config` onto the MTP keys), `loading` (the layers), `validation` (the single
+pass), `toml_writer` (`--print-config`).
 """
 
 from engined.config.endpoints import endpoint_for_rank
@@ -35,6 +36,7 @@ from engined.config.schema import (
     LogLevel,
     Port,
 )
+from engined.config.speculative_config import speculative_flags
 from engined.config.toml_writer import dump_config
 
 __all__ = [
@@ -53,4 +55,5 @@ __all__ = [
     "env_name",
     "kv_events_flags",
     "load_config",
+    "speculative_flags",
 ]

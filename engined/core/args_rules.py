@@ -84,6 +84,9 @@ NON_NULLABLE_FIELDS: tuple[str, ...] = tuple(
     if type(None) not in typing.get_args(annotation)
 )
 
+# The most draft tokens MTP proposes a step (the mocker's limit, kept under vLLM semantics).
+MAX_NEXTN = 5
+
 
 def legacy_worker_type(flags: dict[str, Any]) -> WorkerType | None:
     """Map the booleans that predate `worker_type`; upstream reads them only without it."""
@@ -160,7 +163,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("max_num_scheduled_tokens", 1, None),
     ("max_loras", 1, None),
     ("prefill_schedule_interval", 1, None),
-    ("aic_nextn", 1, 5),
+    ("aic_nextn", 1, MAX_NEXTN),
     ("aic_mtp_seed", 0, _U64_MAX),
     ("kv_bytes_per_token", 1, None),
     ("kv_transfer_bandwidth", 0.0, None),

@@ -1,0 +1,264 @@
+"""vLLM's `--speculative-config` JSON (and its `--spec-method`, `--spec-model` and
+`--spec-tokens` shorthands), read onto engined's MTP keys.
+
+A `vllm serve` line with speculative decoding changes what the scheduler does (drafts,
+lookahead slots, padded admissions) and what KV events say (lookahead block hashes), so
+ignoring the flag, as engined did, gave a stream no vLLM would publish. The methods whose
+scheduling and KV cache vLLM 0.33 treats alike are modelled: `mtp` (and the model-specific
+names vLLM folds into it, `deepseek_mtp` ...), `eagle` and `eagle3`: each drafts
+`num_speculative_tokens` a step with that many lookahead slots, one prefill lookahead token
+and lookahead block hashes, which is `engine.aic_nextn` (`--nextn`). Their draft model
+(`model`) is never loaded. vLLM's synthetic rejection sampling is what engined draws from:
+`synthetic_acceptance_rates` (unconditional per position) or `synthetic_acceptance_length`
+become `engine.aic_nextn_accept_rates` (conditional, as vLLM's sampler converts them);
+with any other `rejection_sample_method` the acceptance is a model's, and engined's
+`--nextn-accept-rates` (or its default) stands in for it.
+
+Methods whose scheduling differs (`ngram`, `draft_model`, `suffix`, `dflash`, `dspark`,
+...) are not modelled: the flag is then ignored with a warning, as before, so a manifest
+still starts. Settings that would make engined's stream differ from vLLM's without a
+warning are refused: `disable_lookahead_block_hashes` (vLLM then drops the trailing cached
+block instead) and `num_speculative_tokens_per_batch_size` (dynamic speculative decoding).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from engined.config.schema import ConfigError
+from engined.core.args_rules import MAX_NEXTN
+
+FLAG = "--speculative-config"
+NEXTN = "engine.aic_nextn"
+RATES = "engine.aic_nextn_accept_rates"
+
+# vLLM 0.33's MTPModelTypes: the per-model names it replaces with "mtp".
+_MTP_NAMES = frozenset(
+    (
+        "mtp",
+        "deepseek_mtp",
+        "dots3_note_mtp",
+        "mimo_mtp",
+        "mimo_v2_mtp",
+        "glm4_moe_mtp",
+        "glm4_moe_lite_mtp",
+        "glm_ocr_mtp",
+        "ernie_mtp",
+        "nemotron_h_mtp",
+        "exaone_moe_mtp",
+        "exaone4_5_mtp",
+        "qwen3_next_mtp",
+        "qwen4_exp_mtp",
+        "qwen3_5_mtp",
+        "longcat_flash_mtp",
+        "bailing_hybrid_v3_mtp",
+        "minimax_m3_mtp",
+        "bailing_hybrid_mtp",
+        "kimi_k3_mtp",
+        "pangu_ultra_moe_mtp",
+        "step3p5_mtp",
+        "step5_mtp",
+        "hy_v3_mtp",
+        "hy_v4_mtp",
+        "gemma4_mtp",
+        "inkling_mtp",
+        "glm5_next_mtp",
+    )
+)
+_MODELLED = _MTP_NAMES | {"eagle", "eagle3"}
+
+
+class _VllmSpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM 0.33's SpeculativeConfig fields a user sets (it refuses any other, as here).
+    Those engined reads are typed; the rest shape a draft model or kernels, and are only
+    accepted."""
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    model: str | None = None
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: list[float] | None = None
+    synthetic_acceptance_length: float | None = None
+    disable_lookahead_block_hashes: bool = False
+    num_speculative_tokens_per_batch_size: Any = None
+    enforce_eager: Any = None
+    draft_tensor_parallel_size: Any = None
+    tensor_parallel_size: Any = None
+    quantization: Any = None
+    moe_backend: Any = None
+    attention_backend: Any = None
+    kv_cache_dtype: Any = None
+    max_model_len: Any = None
+    revision: Any = None
+    code_revision: Any = None
+    index_share_for_mtp_iteration: Any = None
+    disable_padded_drafter_batch: Any = None
+    disable_eagle_block_drop: Any = None
+    draft_lm_head_quantization: Any = None
+    use_local_argmax_reduction: Any = None
+    use_heterogeneous_vocab: Any = None
+    prompt_lookup_max: Any = None
+    prompt_lookup_min: Any = None
+    parallel_drafting: Any = None
+    suffix_decoding_max_tree_depth: Any = None
+    suffix_decoding_max_cached_requests: Any = None
+    suffix_decoding_max_spec_factor: Any = None
+    suffix_decoding_min_token_prob: Any = None
+    draft_sample_method: Any = None
+    enable_adaptive_verification: Any = None
+    dspark_draft_topk: Any = None
+    xpress_topc: Any = None
+    fly_window_size: Any = None
+    fly_entropy_threshold: Any = None
+    fly_entropy_top_k: Any = None
+
+
+def speculative_flags(
+    text: str | None,
+    *,
+    method: str | None = None,
+    model: str | None = None,
+    tokens: int | None = None,
+    given: Mapping[str, Any],
+) -> tuple[dict[str, Any], list[str]]:
+    """The config keys `--speculative-config TEXT` and the `--spec-*` shorthands set, by
+    dotted key, and the warnings to print (a method engined does not model).
+
+    Raises:
+        ConfigError: not vLLM's JSON, a shorthand beside the same field in the JSON, a
+            setting engined cannot honour, or a key also given by its own flag.
+    """
+    fields = _decode(text)
+    for flag, key, value in (
+        ("--spec-method", "method", method),
+        ("--spec-model", "model", model),
+        ("--spec-tokens", "num_speculative_tokens", tokens),
+    ):
+        if value is None:
+            continue
+        if key in fields:
+            raise ConfigError(
+                f"{flag} and {FLAG}['{key}'] are mutually exclusive", key=_key_of(key)
+            )
+        fields[key] = value
+    try:
+        config = msgspec.convert(fields, type=_VllmSpeculativeConfig)
+    except msgspec.ValidationError as error:
+        raise ConfigError(f"{FLAG}: {error}", key=NEXTN) from None
+    if config.method not in _MODELLED:
+        return {}, [_not_modelled(config)]
+    keys = _keys(config)
+    both = sorted(key for key in keys if key in given)
+    if both:
+        raise ConfigError(
+            f"{FLAG}: also given by flag as {', '.join(both)}; set each once", key=both[0]
+        )
+    return keys, []
+
+
+def _decode(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        fields = msgspec.json.decode(text.encode())
+    except msgspec.DecodeError as error:
+        raise ConfigError(f"{FLAG}: {error}", key=NEXTN) from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{FLAG}: expected a JSON object, got {text!r}", key=NEXTN)
+    return fields
+
+
+def _key_of(field: str) -> str:
+    return NEXTN if field in ("method", "num_speculative_tokens") else "model"
+
+
+def _not_modelled(config: _VllmSpeculativeConfig) -> str:
+    method = config.method or ("a draft model" if config.model else "no method")
+    return (
+        f"engined serve: ignoring {FLAG}: speculative decoding with {method} is not "
+        "modelled (only mtp, eagle and eagle3 are); running without it"
+    )
+
+
+def _keys(config: _VllmSpeculativeConfig) -> dict[str, Any]:
+    prefix = f"{FLAG}: "
+    if config.disable_lookahead_block_hashes:
+        raise ConfigError(
+            prefix + "disable_lookahead_block_hashes is not modelled: engined publishes "
+            "vLLM's lookahead block hashes (vLLM would drop the trailing cached block "
+            "instead)",
+            key=NEXTN,
+        )
+    if config.num_speculative_tokens_per_batch_size is not None:
+        raise ConfigError(
+            prefix + "num_speculative_tokens_per_batch_size (dynamic speculative decoding) "
+            "is not modelled",
+            key=NEXTN,
+        )
+    # vLLM takes an MTP model's own number of MTP layers when none is given: one, for
+    # every model engined's single-module MTP stands in for.
+    nextn = 1 if config.num_speculative_tokens is None else config.num_speculative_tokens
+    if not 1 <= nextn <= MAX_NEXTN:
+        raise ConfigError(
+            prefix + f"num_speculative_tokens must be in [1, {MAX_NEXTN}] (engined's "
+            f"--nextn), got {nextn}",
+            key=NEXTN,
+        )
+    keys: dict[str, Any] = {NEXTN: nextn}
+    rates = _synthetic_rates(config, nextn)
+    if rates is not None:
+        keys[RATES] = ",".join(repr(rate) for rate in _conditional(rates))
+    return keys
+
+
+def _synthetic_rates(config: _VllmSpeculativeConfig, n: int) -> list[float] | None:
+    """vLLM's per-position unconditional rates, checked with vLLM's own messages."""
+    rates, length = config.synthetic_acceptance_rates, config.synthetic_acceptance_length
+    if config.rejection_sample_method != "synthetic":
+        if rates is not None or length is not None:
+            raise ConfigError(
+                f"{FLAG}: synthetic_acceptance_rates / synthetic_acceptance_length are only "
+                "valid with rejection_sample_method='synthetic'.",
+                key=RATES,
+            )
+        return None
+    if (rates is None) == (length is None):
+        raise ConfigError(
+            f"{FLAG}: rejection_sample_method='synthetic' requires exactly one of "
+            "synthetic_acceptance_rates or synthetic_acceptance_length.",
+            key=RATES,
+        )
+    if rates is not None:
+        if len(rates) != n:
+            problem = f"must have length {n}, got {rates}."
+        elif not all(0.0 <= rate <= 1.0 for rate in rates):
+            problem = f"entries must be in [0, 1], got {rates}."
+        elif any(later > earlier for earlier, later in itertools.pairwise(rates)):
+            problem = f"must be non-increasing, got {rates}."
+        else:
+            return list(rates)
+        raise ConfigError(f"{FLAG}: synthetic_acceptance_rates {problem}", key=RATES)
+    assert length is not None
+    if not 1.0 <= length <= n + 1:
+        raise ConfigError(
+            f"{FLAG}: synthetic_acceptance_length must be in [1, {n + 1}], got {length}.",
+            key=RATES,
+        )
+    # vLLM's minimum-variance schedule: every draft accepted up to the whole part of the
+    # expected count, the fraction at the next position, none after.
+    drafts = length - 1
+    whole = int(drafts)
+    return ([1.0] * whole + [drafts - whole] + [0.0] * n)[:n]
+
+
+def _conditional(rates: list[float]) -> list[float]:
+    """Unconditional rates (all of the first i+1 drafts accepted) as the conditional ones
+    vLLM's synthetic sampler draws each position with, and engined's accept rates are."""
+    return [
+        rate / before if before > 0.0 else 0.0
+        for rate, before in zip(rates, [1.0, *rates[:-1]], strict=True)
+    ]
