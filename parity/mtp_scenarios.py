@@ -33,6 +33,20 @@ def with_mtp(scenario: Scenario, num_spec: int, *, caching: bool = True) -> Scen
     )
 
 
+def with_draft_model(scenario: Scenario) -> Scenario:
+    """An MTP scenario under vLLM's `draft_model` method (`-mtpN` becomes `-draftN`): the
+    same drafts and lookahead slots, plain block hashes."""
+    num_spec = scenario.config.num_speculative_tokens
+    return msgspec.structs.replace(
+        scenario,
+        name=scenario.name.replace(f"-mtp{num_spec}", f"-draft{num_spec}"),
+        description=scenario.description.replace(
+            f"MTP {num_spec}", f"draft model, {num_spec} drafts"
+        ),
+        config=msgspec.structs.replace(scenario.config, speculative_method="draft_model"),
+    )
+
+
 def one_token_prompts(*, caching: bool = True) -> Scenario:
     """Prompts left one token to compute while others decode: one-token prompts, and, with
     caching, prompts whose cached blocks leave one (a block and one token, sent twice). vLLM
@@ -101,11 +115,30 @@ _ASYNC = (
 )
 
 
+# The MTP scenarios run again under vLLM's `draft_model` method (`-draftN`), the first
+# two of them also asynchronously.
+_DRAFT_MODEL = (
+    "pressure-mtp2",
+    "random-s21-b64-t128-bs16-mtp2",
+    "repeated-prompts-mtp2",
+    "cache-salt-shared-prefix-mtp2",
+    "one-token-prompts-mtp2",
+    "random-s22-b48-t512-bs32-mtp3",
+)
+
+
 def mtp_scenarios(plain: list[tuple[Scenario, int, bool]]) -> list[Scenario]:
     """The MTP scenarios: each of `plain` with its number of drafts and prefix caching,
-    then MTP's own, then some of them under async scheduling."""
+    then MTP's own, then some of them under async scheduling, then some under vLLM's
+    `draft_model` method."""
     synchronous = _synchronous(plain)
-    return synchronous + [asynchronous(s) for s in synchronous if s.name in _ASYNC]
+    drafted = [with_draft_model(s) for s in synchronous if s.name in _DRAFT_MODEL]
+    return (
+        synchronous
+        + [asynchronous(s) for s in synchronous if s.name in _ASYNC]
+        + drafted
+        + [asynchronous(s) for s in drafted[:2]]
+    )
 
 
 def _synchronous(plain: list[tuple[Scenario, int, bool]]) -> list[Scenario]:

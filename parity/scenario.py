@@ -52,6 +52,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # (vLLM accepts what engined accepted: `VllmJob.bursts`).
     num_speculative_tokens: int = 0
     mtp_accept_rates: str = "0.8,0.6,0.4"
+    # vLLM's speculative method: `mtp` (lookahead block hashes) or `draft_model` (a draft
+    # model beside the target, the tiny Llama for both: plain hashes, engined's
+    # `lookahead_block_hashes = false`).
+    speculative_method: str = "mtp"
 
 
 class Adapter(msgspec.Struct, frozen=True, array_like=True):

@@ -150,7 +150,8 @@ class VllmRun:
         self.job = job
         config: Config = job.scenario.config
         num_spec = config.num_speculative_tokens
-        if num_spec:
+        draft_dir = model_dir
+        if num_spec and config.speculative_method == "mtp":
             model_dir = os.path.join(model_dir, "mtp")
         model_config = ModelConfig(
             model=model_dir,
@@ -187,7 +188,11 @@ class VllmRun:
             scheduler_config=scheduler_config,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
             lora_config=LoRAConfig(max_loras=config.max_loras) if config.enable_lora else None,
-            speculative_config=speculative_config(model_config, num_spec) if num_spec else None,
+            speculative_config=speculative_config(
+                model_config, num_spec, config.speculative_method, draft_dir
+            )
+            if num_spec
+            else None,
         )
         self.drafts = Drafts(num_spec, job.bursts) if num_spec else None
         spec = FullAttentionSpec(

@@ -38,14 +38,19 @@ MTP_MODEL = {
 }
 
 
-def speculative_config(model_config: Any, num_speculative_tokens: int) -> Any:
-    """vLLM's `--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'`."""
+def speculative_config(
+    model_config: Any, num_speculative_tokens: int, method: str, draft_dir: str
+) -> Any:
+    """vLLM's `--speculative-config '{"method": METHOD, "num_speculative_tokens": N}'`: `mtp`
+    from the target's own MTP layer, or `draft_model` with the tiny Llama at `draft_dir`
+    as the draft (its config only: nothing is loaded)."""
     from vllm.config import ParallelConfig, SpeculativeConfig
 
     return SpeculativeConfig(
         target_model_config=model_config,
         target_parallel_config=ParallelConfig(),
-        method="mtp",
+        method=method,
+        model=draft_dir if method == "draft_model" else None,
         num_speculative_tokens=num_speculative_tokens,
     )
 

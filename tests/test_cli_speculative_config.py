@@ -62,38 +62,56 @@ def test_synthetic_acceptance_length_is_vllms_minimum_variance_schedule(
 
 
 @pytest.mark.parametrize(
-    ("args", "nextn"),
+    ("args", "nextn", "lookahead"),
     [
-        (("--speculative-config", spec(method="deepseek_mtp")), 1),
+        (("--speculative-config", spec(method="deepseek_mtp")), 1, True),
+        (("-sc", spec(method="eagle", model="/draft", num_speculative_tokens=4)), 4, True),
+        (("--spec-method", "eagle3", "--spec-model", "/draft", "--spec-tokens", "2"), 2, True),
+        (("--spec-method", "mtp", "--speculative-config", spec(num_speculative_tokens=3)), 3, True),
+        # vLLM's parser reads `--speculative_config` as `--speculative-config`.
+        (("--speculative_config", spec(method="mtp", num_speculative_tokens=2)), 2, True),
+        # vLLM names the method after an EAGLE head's model when none is given.
+        (("--spec-model", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "--spec-tokens", "2"), 2, True),
+        # A draft model (named, or any model without a method): plain block hashes.
+        (("-sc", spec(method="draft_model", model="/draft", num_speculative_tokens=3)), 3, False),
+        (("--spec-model", "org/tiny-draft", "--spec-tokens", "2"), 2, False),
+        # Both of vLLM's switches: its plain hashes and no trailing-block drop.
         (
             (
-                "--speculative-config",
-                spec(method="eagle", model="/draft", num_speculative_tokens=4),
+                "-sc",
+                spec(
+                    method="mtp", disable_lookahead_block_hashes=True, disable_eagle_block_drop=True
+                ),
             ),
-            4,
+            1,
+            False,
         ),
-        (("--spec-method", "eagle3", "--spec-model", "/draft", "--spec-tokens", "2"), 2),
-        (("--spec-method", "mtp", "--speculative-config", spec(num_speculative_tokens=3)), 3),
-        # vLLM's parser reads `--speculative_config` as `--speculative-config`.
-        (("--speculative_config", spec(method="mtp", num_speculative_tokens=2)), 2),
     ],
 )
-def test_modelled_methods_set_nextn_with_engineds_rates(args: tuple[str, ...], nextn: int) -> None:
-    """Without synthetic acceptance the rates are a model's: engined's own stand in."""
+def test_modelled_methods_set_nextn_with_engineds_rates(
+    args: tuple[str, ...], nextn: int, lookahead: bool
+) -> None:
+    """Without synthetic acceptance the rates are a model's: engined's own stand in. A
+    draft model (plain hashes here) also takes vLLM's one drafting slot per request."""
     engine = engine_of(*args)
     default = ["0.85", "0.3", "0", "0", "0"]
-    assert (engine["aic_nextn"], engine["aic_nextn_accept_rates"]) == (
-        nextn,
-        ",".join(default[:nextn]),
-    )
+    draft_model = not lookahead and "disable_eagle_block_drop" not in " ".join(args)
+    assert (
+        engine["aic_nextn"],
+        engine["aic_nextn_accept_rates"],
+        engine["lookahead_block_hashes"],
+        engine["drafting_slots"],
+    ) == (nextn, ",".join(default[:nextn]), lookahead, 1 if draft_model else 0)
 
 
 @pytest.mark.parametrize(
     ("args", "what"),
     [
         (("--spec-method", "ngram", "--spec-tokens", "3"), "ngram"),
-        (("--speculative-config", spec(model="/draft", num_speculative_tokens=3)), "a draft model"),
+        (("--spec-model", "[ngram]", "--spec-tokens", "3"), "ngram"),
+        (("--spec-model", "my_pkg.Proposer", "--spec-tokens", "3"), "custom_class"),
         (("--speculative-config", spec(method="dflash", model="/d")), "dflash"),
+        (("--speculative-config", spec(model="z-lab/Qwen3-dflash-b16")), "dflash"),
         (("--speculative-config", "{}"), "no method"),
     ],
 )
@@ -103,7 +121,7 @@ def test_other_methods_are_ignored_with_a_warning(args: tuple[str, ...], what: s
     assert "# aic_nextn = (unset)" in result.stdout
     assert result.stderr == (
         f"engined serve: ignoring --speculative-config: speculative decoding with {what} is "
-        "not modelled (only mtp, eagle and eagle3 are); running without it\n"
+        "not modelled (only mtp, eagle, eagle3 and draft_model are); running without it\n"
     )
 
 
@@ -135,7 +153,8 @@ SYNTHETIC = {**MTP2, "rejection_sample_method": "synthetic"}
         ),
         (
             ("--speculative-config", spec(**MTP2, disable_lookahead_block_hashes=True)),
-            "--speculative-config: disable_lookahead_block_hashes is not modelled",
+            "--speculative-config: disable_lookahead_block_hashes without "
+            "disable_eagle_block_drop is not modelled",
         ),
         (
             ("--speculative-config", spec(**MTP2, num_speculative_tokens_per_batch_size=[[1, 2]])),

@@ -332,6 +332,14 @@ def test_engine_not_a_table(tmp_path: Path) -> None:
             {"engine.aic_nextn": 2, "engine.aic_nextn_accept_rates": "0.5,x"},
             "engine.aic_nextn_accept_rates: invalid aic_nextn_accept_rates value",
         ),
+        (
+            {"engine.drafting_slots": 1},
+            "engine.drafting_slots: drafting_slots requires aic_nextn",
+        ),
+        (
+            {"engine.aic_nextn": 2, "engine.drafting_slots": -1},
+            "engine.drafting_slots: ",
+        ),
         ({"engine.seed": True}, "engine.seed: Expected `int`, got `bool` - at `$.seed`"),
         (
             {"engine.num_g2_blocks": 8, "engine.num_g3_blocks": 8},
@@ -529,6 +537,8 @@ ISSUE_FLAGS = {
     "--scheduling-policy": "engine.scheduling_policy",
     "--scheduler-reserve-full-isl": "engine.scheduler_reserve_full_isl",
     "--async-scheduling": "engine.async_scheduling",
+    "--lookahead-block-hashes": "engine.lookahead_block_hashes",
+    "--drafting-slots": "engine.drafting_slots",
     "--enable-lora": "engine.enable_lora",
     "--max-loras": "engine.max_loras",
     "--long-prefill-token-threshold": "engine.long_prefill_token_threshold",
@@ -661,6 +671,7 @@ def test_switches_and_metavars() -> None:
         "--api-key-metrics",
         "--scheduler-reserve-full-isl",
         "--async-scheduling",
+        "--lookahead-block-hashes",
         "--enable-lora",
         "--long-prefill-token-threshold-adaptive",
         "--enable-prompt-tokens-details",
@@ -675,6 +686,7 @@ def test_switches_and_metavars() -> None:
     assert by_name["--kv-cache-metrics-sample"].metavar == "FLOAT"
     assert by_name["--scheduler-reserve-full-isl"].negation == "--no-scheduler-reserve-full-isl"
     assert by_name["--async-scheduling"].negation == "--no-async-scheduling"
+    assert by_name["--lookahead-block-hashes"].negation == "--no-lookahead-block-hashes"
     assert by_name["--enable-prefix-caching"].negation == "--no-enable-prefix-caching"
     assert by_name["--engine-type"].metavar == "[vllm|trtllm]"
     assert by_name["--log-format"].metavar == "[auto|console|json]"
@@ -916,6 +928,16 @@ def test_prefix_caching_hash_algo_refusal_has_vllms_words(
     ("flags", "key", "source"),
     [
         ({"engine.async_scheduling": True}, "engine.async_scheduling", "--async-scheduling"),
+        (
+            {"engine.lookahead_block_hashes": False},
+            "engine.lookahead_block_hashes",
+            "--lookahead-block-hashes",
+        ),
+        (
+            {"engine.aic_nextn": 2, "engine.drafting_slots": 1},
+            "engine.drafting_slots",
+            "--drafting-slots",
+        ),
         (
             {"engine.scheduling_policy": "priority"},
             "engine.scheduling_policy",

@@ -95,6 +95,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--scheduling-policy", "engine.scheduling_policy"),
     Flag("--scheduler-reserve-full-isl", "engine.scheduler_reserve_full_isl"),
     Flag("--async-scheduling", "engine.async_scheduling"),
+    Flag("--lookahead-block-hashes", "engine.lookahead_block_hashes"),
+    Flag("--drafting-slots", "engine.drafting_slots"),
     Flag("--enable-lora", "engine.enable_lora"),
     Flag("--max-loras", "engine.max_loras"),
     Flag("--long-prefill-token-threshold", "engine.long_prefill_token_threshold"),

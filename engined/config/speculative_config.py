@@ -3,22 +3,25 @@
 
 A `vllm serve` line with speculative decoding changes what the scheduler does (drafts,
 lookahead slots, padded admissions) and what KV events say (lookahead block hashes), so
-ignoring the flag, as engined did, gave a stream no vLLM would publish. The methods whose
-scheduling and KV cache vLLM 0.33 treats alike are modelled: `mtp` (and the model-specific
-names vLLM folds into it, `deepseek_mtp` ...), `eagle` and `eagle3`: each drafts
-`num_speculative_tokens` a step with that many lookahead slots, one prefill lookahead token
-and lookahead block hashes, which is `engine.aic_nextn` (`--nextn`). Their draft model
-(`model`) is never loaded. vLLM's synthetic rejection sampling is what engined draws from:
-`synthetic_acceptance_rates` (unconditional per position) or `synthetic_acceptance_length`
-become `engine.aic_nextn_accept_rates` (conditional, as vLLM's sampler converts them);
-with any other `rejection_sample_method` the acceptance is a model's, and engined's
-`--nextn-accept-rates` (or its default) stands in for it.
+ignoring the flag, as engined did, gave a stream no vLLM would publish. The methods vLLM
+0.33 schedules alike are modelled: `mtp` (and the model-specific names it folds into it,
+`deepseek_mtp` ...), `eagle`, `eagle3` and `draft_model`: each drafts
+`num_speculative_tokens` a step with that many lookahead slots, which is
+`engine.aic_nextn` (`--nextn`). The first three hash blocks with the token after them
+(lookahead block hashes); `draft_model`, and the others with both
+`disable_lookahead_block_hashes` and `disable_eagle_block_drop`, hash them plainly
+(`engine.lookahead_block_hashes = false`), and a draft model takes one more input slot per
+scheduled request (`engine.drafting_slots = 1`). No draft `model` is ever loaded. vLLM's synthetic
+rejection sampling is what engined draws from: `synthetic_acceptance_rates` (unconditional
+per position) or `synthetic_acceptance_length` become `engine.aic_nextn_accept_rates`
+(conditional, as vLLM's sampler converts them); with any other `rejection_sample_method` the
+acceptance is a model's, and engined's `--nextn-accept-rates` (or its default) stands in.
 
-Methods whose scheduling differs (`ngram`, `draft_model`, `suffix`, `dflash`, `dspark`,
-...) are not modelled: the flag is then ignored with a warning, as before, so a manifest
-still starts. Settings that would make engined's stream differ from vLLM's without a
-warning are refused: `disable_lookahead_block_hashes` (vLLM then drops the trailing cached
-block instead) and `num_speculative_tokens_per_batch_size` (dynamic speculative decoding).
+Methods whose scheduling differs (`ngram`, `suffix`, `dflash`, `dspark`, ...) are not
+modelled: the flag is then ignored with a warning, as before, so a manifest still starts.
+Settings that would make engined's stream differ from vLLM's without a warning are refused:
+`disable_lookahead_block_hashes` alone (vLLM then drops the trailing cached block of a
+prefix hit) and `num_speculative_tokens_per_batch_size` (dynamic speculative decoding).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from engined.core.args_rules import MAX_NEXTN
 FLAG = "--speculative-config"
 NEXTN = "engine.aic_nextn"
 RATES = "engine.aic_nextn_accept_rates"
+HASHES = "engine.lookahead_block_hashes"
+SLOTS = "engine.drafting_slots"
 
 # vLLM 0.33's MTPModelTypes: the per-model names it replaces with "mtp".
 _MTP_NAMES = frozenset(
@@ -69,7 +74,10 @@ _MTP_NAMES = frozenset(
         "glm5_next_mtp",
     )
 )
-_MODELLED = _MTP_NAMES | {"eagle", "eagle3"}
+# vLLM 0.33 hashes blocks with the token after them for these (lookahead block hashes).
+_EAGLE_LIKE = _MTP_NAMES | {"eagle", "eagle3"}
+# And schedules these alike, plain hashes apart.
+_MODELLED = _EAGLE_LIKE | {"draft_model"}
 
 
 class _VllmSpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -84,6 +92,7 @@ class _VllmSpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only
     synthetic_acceptance_rates: list[float] | None = None
     synthetic_acceptance_length: float | None = None
     disable_lookahead_block_hashes: bool = False
+    disable_eagle_block_drop: bool = False
     num_speculative_tokens_per_batch_size: Any = None
     enforce_eager: Any = None
     draft_tensor_parallel_size: Any = None
@@ -97,7 +106,6 @@ class _VllmSpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only
     code_revision: Any = None
     index_share_for_mtp_iteration: Any = None
     disable_padded_drafter_batch: Any = None
-    disable_eagle_block_drop: Any = None
     draft_lm_head_quantization: Any = None
     use_local_argmax_reduction: Any = None
     use_heterogeneous_vocab: Any = None
@@ -149,9 +157,14 @@ def speculative_flags(
         config = msgspec.convert(fields, type=_VllmSpeculativeConfig)
     except msgspec.ValidationError as error:
         raise ConfigError(f"{FLAG}: {error}", key=NEXTN) from None
-    if config.method not in _MODELLED:
-        return {}, [_not_modelled(config)]
-    keys = _keys(config)
+    method = _method(config.method, config.model)
+    if method not in _MODELLED:
+        what = method or ("a draft model" if config.model else "no method")
+        return {}, [
+            f"engined serve: ignoring {FLAG}: speculative decoding with {what} is not "
+            "modelled (only mtp, eagle, eagle3 and draft_model are); running without it"
+        ]
+    keys = _keys(config, method)
     both = sorted(key for key in keys if key in given)
     if both:
         raise ConfigError(
@@ -176,23 +189,42 @@ def _key_of(field: str) -> str:
     return NEXTN if field in ("method", "num_speculative_tokens") else "model"
 
 
-def _not_modelled(config: _VllmSpeculativeConfig) -> str:
-    method = config.method or ("a draft model" if config.model else "no method")
-    return (
-        f"engined serve: ignoring {FLAG}: speculative decoding with {method} is not "
-        "modelled (only mtp, eagle and eagle3 are); running without it"
-    )
+def _method(method: str | None, model: str | None) -> str | None:
+    """The method vLLM 0.33 settles on before reading a draft model's config: none given
+    is `ngram`, a custom proposer (a dotted import path) or `draft_model`; a per-model MTP
+    name is `mtp`; a draft model named like an EAGLE, DFlash or DSpark head is that."""
+    if method is None:
+        if model is None:
+            return None
+        if model in ("ngram", "[ngram]"):
+            return "ngram"
+        parts = model.split(".")
+        if "/" not in model and len(parts) >= 2 and all(p.isidentifier() for p in parts):
+            return "custom_class"
+        method = "draft_model"
+    if method in _MTP_NAMES:
+        return "mtp"
+    if method == "draft_model" and model is not None:
+        name = model.lower()
+        for marker, named in (("eagle-", "eagle"), ("eagle3", "eagle3"), ("dflash", "dflash")):
+            if marker in name:
+                return named
+        if "dspark" in name:
+            return "dspark"
+    return method
 
 
-def _keys(config: _VllmSpeculativeConfig) -> dict[str, Any]:
+def _keys(config: _VllmSpeculativeConfig, method: str) -> dict[str, Any]:
     prefix = f"{FLAG}: "
-    if config.disable_lookahead_block_hashes:
-        raise ConfigError(
-            prefix + "disable_lookahead_block_hashes is not modelled: engined publishes "
-            "vLLM's lookahead block hashes (vLLM would drop the trailing cached block "
-            "instead)",
-            key=NEXTN,
-        )
+    plain_hashes = method == "draft_model"
+    if method in _EAGLE_LIKE and config.disable_lookahead_block_hashes:
+        if not config.disable_eagle_block_drop:
+            raise ConfigError(
+                prefix + "disable_lookahead_block_hashes without disable_eagle_block_drop is "
+                "not modelled (vLLM then drops the trailing cached block of a prefix hit)",
+                key=NEXTN,
+            )
+        plain_hashes = True
     if config.num_speculative_tokens_per_batch_size is not None:
         raise ConfigError(
             prefix + "num_speculative_tokens_per_batch_size (dynamic speculative decoding) "
@@ -209,6 +241,11 @@ def _keys(config: _VllmSpeculativeConfig) -> dict[str, Any]:
             key=NEXTN,
         )
     keys: dict[str, Any] = {NEXTN: nextn}
+    if plain_hashes:
+        keys[HASHES] = False
+    if method == "draft_model":
+        # vLLM's `max_num_new_slots_for_drafting`: the draft model's input keeps one token.
+        keys[SLOTS] = 1
     rates = _synthetic_rates(config, nextn)
     if rates is not None:
         keys[RATES] = ",".join(repr(rate) for rate in _conditional(rates))

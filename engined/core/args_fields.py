@@ -313,6 +313,23 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "placeholders for tokens still being sampled; outputs arrive one pass later)."
         ),
     ] = False
+    lookahead_block_hashes: Annotated[
+        bool,
+        Meta(
+            description="vLLM semantics, MTP with prefix caching: vLLM's lookahead block "
+            "hashes (each covers the token after its block); false: its plain ones, as with "
+            "vLLM's draft_model method or disable_lookahead_block_hashes and "
+            "disable_eagle_block_drop."
+        ),
+    ] = True
+    drafting_slots: Annotated[
+        int,
+        Meta(
+            description="vLLM semantics, MTP: input slots each scheduled request takes from "
+            "max_num_batched_tokens beyond its tokens, vLLM's max_num_new_slots_for_drafting "
+            "(1 for its draft_model method, 0 for mtp and eagle)."
+        ),
+    ] = 0
     enable_lora: Annotated[
         bool,
         Meta(

@@ -161,6 +161,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("long_prefill_token_threshold", 0, None),
     ("max_num_active_seqs", 1, None),
     ("max_num_scheduled_tokens", 1, None),
+    ("drafting_slots", 0, None),
     ("max_loras", 1, None),
     ("prefill_schedule_interval", 1, None),
     ("aic_nextn", 1, MAX_NEXTN),
@@ -244,6 +245,8 @@ def schema_problem(args: EngineFields) -> tuple[str, str] | None:
         )
     if args.aic_nextn is None and args.aic_nextn_accept_rates is not None:
         return "aic_nextn_accept_rates", "aic_nextn_accept_rates requires aic_nextn"
+    if args.aic_nextn is None and args.drafting_slots:
+        return "drafting_slots", "drafting_slots requires aic_nextn"
     if not 0.0 < args.kv_cache_metrics_sample <= 1.0:
         return "kv_cache_metrics_sample", (
             f"kv_cache_metrics_sample must be in (0, 1], got {_fmt(args.kv_cache_metrics_sample)}"

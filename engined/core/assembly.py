@@ -101,6 +101,8 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
     for key, value, on in (
         ("scheduling_policy", "=priority", args.scheduling_policy is SchedulingPolicy.PRIORITY),
         ("async_scheduling", "", args.async_scheduling),
+        ("lookahead_block_hashes", "=false", not args.lookahead_block_hashes),
+        ("drafting_slots", f"={args.drafting_slots}", args.drafting_slots > 0),
         ("kv_cache_metrics", "", args.kv_cache_metrics),
         ("enable_lora", "", args.enable_lora),
         ("watermark", f"={args.watermark}", args.watermark > 0),
@@ -120,7 +122,7 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         if on:
             raise InvalidArgsError(
                 f"{key}{value} needs vLLM semantics (semantics = vllm, "
-                "engine_type = vllm, no MTP or offload tiers)",
+                "engine_type = vllm, no offload tiers)",
                 key=key,
             )
 
@@ -183,7 +185,7 @@ def assemble(
             residency=BlockResidency(args.kv_cache_metrics_sample, args.seed * 1_000_003 + dp_rank)
             if args.kv_cache_metrics and args.enable_prefix_caching
             else None,
-            lookahead=args.aic_nextn is not None,
+            lookahead=args.aic_nextn is not None and args.lookahead_block_hashes,
         )
     else:
         kv = KvManager(

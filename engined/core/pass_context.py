@@ -33,9 +33,11 @@ class PassContext:
         "decoded_ids",
         "decoded_tokens",
         "defer_prefills",
+        "draft_slots",
         "ended",
         "fused",
         "fused_len",
+        "input_budget",
         "kv_holding_only",
         "lifecycle",
         "long_prefill_cap",
@@ -60,6 +62,11 @@ class PassContext:
         self.now_ms = now_ms
         # Tokens this pass may still schedule, and may give one request (0: no cap).
         self.budget = budget
+        # vLLM's input budget (`max_num_batched_tokens`) where speculative decoding gives
+        # every scheduled request `draft_slots` more input slots (its draft_model method);
+        # read only when `draft_slots` is set (`room`).
+        self.draft_slots = 0
+        self.input_budget = 0
         self.long_prefill_cap = 0
         # vLLM's prefill cadence (`PrefillCadence`): whether the pass holds prefill back, and
         # whether it carried any (a running chunk or an admission with prompt to compute).
@@ -132,6 +139,13 @@ class PassContext:
         for position in range(accepted):
             per_pos[position] += 1
 
+    def room(self) -> int:
+        """The tokens the next request may take (vLLM's `request_token_budget`): the budget,
+        and with draft slots what the input budget leaves after the request's own."""
+        if self.draft_slots:
+            return min(self.budget, self.input_budget - self.draft_slots)
+        return self.budget
+
     def long_prefill_share(self, lacking: int) -> int:
         """What a request lacking `lacking` tokens may take under the pass's long-prefill cap
         (vLLM's `long_prefill_token_threshold`), before the budget."""
@@ -183,8 +197,10 @@ class PassContext:
         work = scheduled.pop(at)
         if isinstance(work, RequestState):
             self.budget += 1
+            self.input_budget += 1 + self.draft_slots
             return
         self.budget += work.total_tokens
+        self.input_budget += work.total_tokens + self.draft_slots
         if work.prompt_tokens > 0 and counts_prefill:
             self.batch_count -= 1
             self.batch_isl -= work.prefix_tokens + work.prompt_tokens

@@ -114,6 +114,34 @@ def test_lookahead_hashes_store_a_block_once_the_token_after_it_is_known() -> No
     assert not [e for e in second.kv_events if isinstance(e, BlockStored)]
 
 
+def test_plain_hashes_store_full_blocks_at_once_as_a_draft_model_does() -> None:
+    """`lookahead_block_hashes = false` (vLLM's draft_model method, or MTP with its two
+    disable switches): the plain hashes, both prompt blocks stored at admission."""
+    args = mtp_args(1, "1", enable_prefix_caching=True, lookahead_block_hashes=False)
+    core = Engine(args, record=True)
+    submit(core, request("a", range(8), 3, output_token_ids=[100, 101, 102]))
+    (first,) = passes(core, 1)
+    hasher = BlockHasher(DEFAULT_HASH_ALGO, none_hash(DEFAULT_HASH_ALGO, None))
+    h0 = hasher.block_hash(None, [0, 1, 2, 3], None)
+    h1 = hasher.block_hash(h0, [4, 5, 6, 7], None)
+    stored = [e for e in first.kv_events if isinstance(e, BlockStored)]
+    assert [(e.block_hashes, e.lookahead_token_ids) for e in stored] == [
+        ([event_block_hash_int(h0), event_block_hash_int(h1)], None)
+    ]
+
+
+def test_drafting_slots_take_input_budget_beside_each_scheduled_request() -> None:
+    """vLLM's draft_model method gives each scheduled request one more input slot
+    (`max_num_new_slots_for_drafting`): of a budget of 64, a 40-token prompt takes 41, so
+    the next admission gets 64 - 41 - 1 = 22 tokens, not 24."""
+    for slots, second in ((0, 24), (1, 22)):
+        core = Engine(mtp_args(2, "1,1", num_gpu_blocks=64, drafting_slots=slots), record=True)
+        submit(core, request("a", range(40), 3))
+        submit(core, request("b", range(100, 140), 3))
+        (first,) = passes(core, 1)
+        assert shares(first) == [("a", 0, 40), ("b", 0, second)]
+
+
 def test_async_scheduling_verifies_placeholder_drafts_a_batch_later() -> None:
     """vLLM's AsyncScheduler: a request that samples gets placeholders for its token and
     its drafts, and placeholder drafts for its next step, scheduled before the batch before

@@ -106,7 +106,7 @@ class PagedAdmission:
         spec = self._num_spec
         # Whether the running walk scheduled anything (MTP pads admissions then).
         ran = bool(ctx.scheduled)
-        while ctx.budget > 0 and len(state.running_members) < self._max_num_seqs:
+        while ctx.room() > 0 and len(state.running_members) < self._max_num_seqs:
             request_id = state.next_waiting(pending_head)
             if request_id is None:
                 return
@@ -159,9 +159,10 @@ class PagedAdmission:
             if padded:
                 num_new = 1 + spec
             num_new = ctx.long_prefill_share(num_new)
-            if not self._chunked and num_new > ctx.budget:
+            room = ctx.room()
+            if not self._chunked and num_new > room:
                 return
-            num_new = min(num_new, ctx.budget)
+            num_new = min(num_new, room)
             watermark = self._limits.admission_watermark(len(state.running))
             if not kv.allocate_slots(
                 seq,
@@ -204,7 +205,7 @@ class PagedAdmission:
             or computed + 1 + spec + 1 > self._max_model_len
         ):
             return False
-        return True if 1 + spec <= ctx.budget else None
+        return True if 1 + spec <= ctx.room() else None
 
     def _set_drafts(self, req: RequestState, padded: bool) -> None:
         """An admitted request verifies no drafts, or, `padded`, the placeholders."""
@@ -237,3 +238,4 @@ def record(ctx: PassContext, req: RequestState, computed: int, num_new: int, pre
         prefill,
     )
     ctx.budget -= num_new
+    ctx.input_budget -= num_new + ctx.draft_slots

@@ -54,7 +54,9 @@ class PagedScheduler:
         "_by_priority",
         "_cadence",
         "_counts_prefill",
+        "_draft_slots",
         "_fuse",
+        "_input_budget",
         "_kv",
         "_limits",
         "_max_model_len",
@@ -99,6 +101,10 @@ class PagedScheduler:
         # MTP (vLLM's `num_speculative_tokens`): draft tokens verified with each decode step
         # and as many lookahead slots (engined/core/paged/spec_decode.py); 0 without MTP.
         self._num_spec = args.aic_nextn or 0
+        # vLLM's `max_num_new_slots_for_drafting`: input slots each scheduled request takes
+        # beyond its tokens, from `max_num_batched_tokens` (its draft_model method: 1).
+        self._draft_slots = args.drafting_slots if self._num_spec else 0
+        self._input_budget = args.max_num_batched_tokens or max_batched_tokens
         # Sampling plain decode steps where they are scheduled (`PassContext.ready`) needs
         # every scheduled request to stay scheduled: so not under async scheduling (the
         # batch samples later), the priority policy or FIFO preemption (either may preempt
@@ -266,8 +272,11 @@ class PagedScheduler:
         """The running walk with MTP: every request by the general rule (a decode step
         schedules its drafts too, so the one-token fast paths do not apply)."""
         running = self._state.running
+        if self._draft_slots:
+            ctx.draft_slots = self._draft_slots
+            ctx.input_budget = self._input_budget
         i = 0
-        while i < len(running) and ctx.budget > 0:
+        while i < len(running) and ctx.room() > 0:
             req = running[i]
             if ctx.defer_prefills and req.is_prefill_chunk:
                 i += 1
@@ -295,7 +304,7 @@ class PagedScheduler:
         # Room for the token the step samples (none for a prefill-only request).
         cap = self._max_model_len - (seq.generated < seq.max_output_tokens) - computed
         lacking = length + req.spec_tokens + placeholders - computed
-        num_new = min(ctx.long_prefill_share(lacking), ctx.budget, cap)
+        num_new = min(ctx.long_prefill_share(lacking), ctx.room(), cap)
         if num_new <= 0:
             return i + 1
         preempted = False
