@@ -73,7 +73,9 @@ def engine_args(scenario: Scenario) -> EngineArgs:
         vocab_size=config.vocab_size,
         aic_nextn=config.num_speculative_tokens or None,
         aic_nextn_accept_rates=config.mtp_accept_rates if config.num_speculative_tokens else None,
-        lookahead_block_hashes=config.speculative_method != "draft_model",
+        lookahead_block_hashes=config.speculative_method != "draft_model"
+        and not config.disable_lookahead_block_hashes,
+        eagle_block_drop=config.disable_lookahead_block_hashes,
         drafting_slots=1 if config.speculative_method == "draft_model" else 0,
     )
 

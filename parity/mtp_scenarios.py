@@ -47,6 +47,17 @@ def with_draft_model(scenario: Scenario) -> Scenario:
     )
 
 
+def with_block_drop(scenario: Scenario) -> Scenario:
+    """An MTP scenario with vLLM's `disable_lookahead_block_hashes` (`-mtpN` becomes
+    `-mtpN-blockdrop`): plain hashes, and a prefix hit drops its last block."""
+    return msgspec.structs.replace(
+        scenario,
+        name=scenario.name + "-blockdrop",
+        description=scenario.description + ", plain hashes and the trailing-block drop",
+        config=msgspec.structs.replace(scenario.config, disable_lookahead_block_hashes=True),
+    )
+
+
 def one_token_prompts(*, caching: bool = True) -> Scenario:
     """Prompts left one token to compute while others decode: one-token prompts, and, with
     caching, prompts whose cached blocks leave one (a block and one token, sent twice). vLLM
@@ -115,8 +126,8 @@ _ASYNC = (
 )
 
 
-# The MTP scenarios run again under vLLM's `draft_model` method (`-draftN`), the first
-# two of them also asynchronously.
+# The MTP scenarios run again under vLLM's `draft_model` method (`-draftN`) and with its
+# `disable_lookahead_block_hashes` (`-blockdrop`), the first two of each also asynchronously.
 _DRAFT_MODEL = (
     "pressure-mtp2",
     "random-s21-b64-t128-bs16-mtp2",
@@ -133,11 +144,14 @@ def mtp_scenarios(plain: list[tuple[Scenario, int, bool]]) -> list[Scenario]:
     `draft_model` method."""
     synchronous = _synchronous(plain)
     drafted = [with_draft_model(s) for s in synchronous if s.name in _DRAFT_MODEL]
+    dropping = [with_block_drop(s) for s in synchronous if s.name in _DRAFT_MODEL]
     return (
         synchronous
         + [asynchronous(s) for s in synchronous if s.name in _ASYNC]
         + drafted
         + [asynchronous(s) for s in drafted[:2]]
+        + dropping
+        + [asynchronous(s) for s in dropping[:2]]
     )
 
 

@@ -56,6 +56,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # model beside the target, the tiny Llama for both: plain hashes, engined's
     # `lookahead_block_hashes = false`).
     speculative_method: str = "mtp"
+    # vLLM's `disable_lookahead_block_hashes` (with `mtp`): plain hashes and its EAGLE
+    # trailing-block drop of a prefix hit (engined's `eagle_block_drop`).
+    disable_lookahead_block_hashes: bool = False
 
 
 class Adapter(msgspec.Struct, frozen=True, array_like=True):

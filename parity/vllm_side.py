@@ -188,9 +188,7 @@ class VllmRun:
             scheduler_config=scheduler_config,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
             lora_config=LoRAConfig(max_loras=config.max_loras) if config.enable_lora else None,
-            speculative_config=speculative_config(
-                model_config, num_spec, config.speculative_method, draft_dir
-            )
+            speculative_config=speculative_config(model_config, num_spec, config, draft_dir)
             if num_spec
             else None,
         )

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from parity.scenario import Config
+
 # On top of the tiny Llama: GLM-4.5's MoE fields, small, and one MTP layer.
 MTP_MODEL = {
     "architectures": ["Glm4MoeForCausalLM"],
@@ -39,19 +41,22 @@ MTP_MODEL = {
 
 
 def speculative_config(
-    model_config: Any, num_speculative_tokens: int, method: str, draft_dir: str
+    model_config: Any, num_speculative_tokens: int, config: Config, draft_dir: str
 ) -> Any:
     """vLLM's `--speculative-config '{"method": METHOD, "num_speculative_tokens": N}'`: `mtp`
-    from the target's own MTP layer, or `draft_model` with the tiny Llama at `draft_dir`
-    as the draft (its config only: nothing is loaded)."""
+    from the target's own MTP layer (with `disable_lookahead_block_hashes` as the scenario
+    sets it), or `draft_model` with the tiny Llama at `draft_dir` as the draft (its config
+    only: nothing is loaded)."""
     from vllm.config import ParallelConfig, SpeculativeConfig
 
+    method = config.speculative_method
     return SpeculativeConfig(
         target_model_config=model_config,
         target_parallel_config=ParallelConfig(),
         method=method,
         model=draft_dir if method == "draft_model" else None,
         num_speculative_tokens=num_speculative_tokens,
+        disable_lookahead_block_hashes=config.disable_lookahead_block_hashes,
     )
 
 

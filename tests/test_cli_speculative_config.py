@@ -104,6 +104,16 @@ def test_modelled_methods_set_nextn_with_engineds_rates(
     ) == (nextn, ",".join(default[:nextn]), lookahead, 1 if draft_model else 0)
 
 
+@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
+def test_disabled_lookahead_hashes_alone_is_vllms_trailing_block_drop(method: str) -> None:
+    engine = engine_of("-sc", spec(method=method, model="/d", disable_lookahead_block_hashes=True))
+    assert (
+        engine["lookahead_block_hashes"],
+        engine["eagle_block_drop"],
+        engine["drafting_slots"],
+    ) == (False, True, 0)
+
+
 @pytest.mark.parametrize(
     ("args", "what"),
     [
@@ -150,11 +160,6 @@ SYNTHETIC = {**MTP2, "rejection_sample_method": "synthetic"}
             ("--speculative-config", spec(method="mtp", num_speculative_tokens=6)),
             "--speculative-config: num_speculative_tokens must be in [1, 5] (engined's --nextn), "
             "got 6",
-        ),
-        (
-            ("--speculative-config", spec(**MTP2, disable_lookahead_block_hashes=True)),
-            "--speculative-config: disable_lookahead_block_hashes without "
-            "disable_eagle_block_drop is not modelled",
         ),
         (
             ("--speculative-config", spec(**MTP2, num_speculative_tokens_per_batch_size=[[1, 2]])),

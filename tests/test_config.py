@@ -337,6 +337,11 @@ def test_engine_not_a_table(tmp_path: Path) -> None:
             "engine.drafting_slots: drafting_slots requires aic_nextn",
         ),
         (
+            {"engine.aic_nextn": 1, "engine.eagle_block_drop": True},
+            "engine.eagle_block_drop: eagle_block_drop requires aic_nextn and "
+            "lookahead_block_hashes = false",
+        ),
+        (
             {"engine.aic_nextn": 2, "engine.drafting_slots": -1},
             "engine.drafting_slots: ",
         ),
@@ -539,6 +544,7 @@ ISSUE_FLAGS = {
     "--async-scheduling": "engine.async_scheduling",
     "--lookahead-block-hashes": "engine.lookahead_block_hashes",
     "--drafting-slots": "engine.drafting_slots",
+    "--eagle-block-drop": "engine.eagle_block_drop",
     "--enable-lora": "engine.enable_lora",
     "--max-loras": "engine.max_loras",
     "--long-prefill-token-threshold": "engine.long_prefill_token_threshold",
@@ -672,6 +678,7 @@ def test_switches_and_metavars() -> None:
         "--scheduler-reserve-full-isl",
         "--async-scheduling",
         "--lookahead-block-hashes",
+        "--eagle-block-drop",
         "--enable-lora",
         "--long-prefill-token-threshold-adaptive",
         "--enable-prompt-tokens-details",

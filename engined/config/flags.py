@@ -97,6 +97,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--async-scheduling", "engine.async_scheduling"),
     Flag("--lookahead-block-hashes", "engine.lookahead_block_hashes"),
     Flag("--drafting-slots", "engine.drafting_slots"),
+    Flag("--eagle-block-drop", "engine.eagle_block_drop"),
     Flag("--enable-lora", "engine.enable_lora"),
     Flag("--max-loras", "engine.max_loras"),
     Flag("--long-prefill-token-threshold", "engine.long_prefill_token_threshold"),

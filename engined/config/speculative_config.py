@@ -11,7 +11,9 @@ ignoring the flag, as engined did, gave a stream no vLLM would publish. The meth
 (lookahead block hashes); `draft_model`, and the others with both
 `disable_lookahead_block_hashes` and `disable_eagle_block_drop`, hash them plainly
 (`engine.lookahead_block_hashes = false`), and a draft model takes one more input slot per
-scheduled request (`engine.drafting_slots = 1`). No draft `model` is ever loaded. vLLM's synthetic
+scheduled request (`engine.drafting_slots = 1`). With `disable_lookahead_block_hashes` alone
+vLLM hashes plainly and drops a prefix hit's last block (`engine.eagle_block_drop`). No
+draft `model` is ever loaded. vLLM's synthetic
 rejection sampling is what engined draws from: `synthetic_acceptance_rates` (unconditional
 per position) or `synthetic_acceptance_length` become `engine.aic_nextn_accept_rates`
 (conditional, as vLLM's sampler converts them); with any other `rejection_sample_method` the
@@ -20,8 +22,8 @@ acceptance is a model's, and engined's `--nextn-accept-rates` (or its default) s
 Methods whose scheduling differs (`ngram`, `suffix`, `dflash`, `dspark`, ...) are not
 modelled: the flag is then ignored with a warning, as before, so a manifest still starts.
 Settings that would make engined's stream differ from vLLM's without a warning are refused:
-`disable_lookahead_block_hashes` alone (vLLM then drops the trailing cached block of a
-prefix hit) and `num_speculative_tokens_per_batch_size` (dynamic speculative decoding).
+`num_speculative_tokens_per_batch_size` (dynamic speculative decoding) and more drafts than
+engined models.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ NEXTN = "engine.aic_nextn"
 RATES = "engine.aic_nextn_accept_rates"
 HASHES = "engine.lookahead_block_hashes"
 SLOTS = "engine.drafting_slots"
+DROP = "engine.eagle_block_drop"
 
 # vLLM 0.33's MTPModelTypes: the per-model names it replaces with "mtp".
 _MTP_NAMES = frozenset(
@@ -217,14 +220,11 @@ def _method(method: str | None, model: str | None) -> str | None:
 def _keys(config: _VllmSpeculativeConfig, method: str) -> dict[str, Any]:
     prefix = f"{FLAG}: "
     plain_hashes = method == "draft_model"
+    # vLLM's trailing-block drop: its EAGLE-like methods without lookahead hashes.
+    block_drop = False
     if method in _EAGLE_LIKE and config.disable_lookahead_block_hashes:
-        if not config.disable_eagle_block_drop:
-            raise ConfigError(
-                prefix + "disable_lookahead_block_hashes without disable_eagle_block_drop is "
-                "not modelled (vLLM then drops the trailing cached block of a prefix hit)",
-                key=NEXTN,
-            )
         plain_hashes = True
+        block_drop = not config.disable_eagle_block_drop
     if config.num_speculative_tokens_per_batch_size is not None:
         raise ConfigError(
             prefix + "num_speculative_tokens_per_batch_size (dynamic speculative decoding) "
@@ -243,6 +243,8 @@ def _keys(config: _VllmSpeculativeConfig, method: str) -> dict[str, Any]:
     keys: dict[str, Any] = {NEXTN: nextn}
     if plain_hashes:
         keys[HASHES] = False
+    if block_drop:
+        keys[DROP] = True
     if method == "draft_model":
         # vLLM's `max_num_new_slots_for_drafting`: the draft model's input keeps one token.
         keys[SLOTS] = 1

@@ -322,6 +322,14 @@ class EngineFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "disable_eagle_block_drop."
         ),
     ] = True
+    eagle_block_drop: Annotated[
+        bool,
+        Meta(
+            description="vLLM semantics, MTP with prefix caching and plain hashes: a prefix "
+            "hit gives its last block back to be recomputed, vLLM's EAGLE trailing-block drop "
+            "(its disable_lookahead_block_hashes without disable_eagle_block_drop)."
+        ),
+    ] = False
     drafting_slots: Annotated[
         int,
         Meta(

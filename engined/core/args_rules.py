@@ -247,6 +247,11 @@ def schema_problem(args: EngineFields) -> tuple[str, str] | None:
         return "aic_nextn_accept_rates", "aic_nextn_accept_rates requires aic_nextn"
     if args.aic_nextn is None and args.drafting_slots:
         return "drafting_slots", "drafting_slots requires aic_nextn"
+    if args.eagle_block_drop and (args.aic_nextn is None or args.lookahead_block_hashes):
+        return "eagle_block_drop", (
+            "eagle_block_drop requires aic_nextn and lookahead_block_hashes = false (vLLM "
+            "drops the trailing block only under its plain hashes)"
+        )
     if not 0.0 < args.kv_cache_metrics_sample <= 1.0:
         return "kv_cache_metrics_sample", (
             f"kv_cache_metrics_sample must be in (0, 1], got {_fmt(args.kv_cache_metrics_sample)}"

@@ -103,6 +103,7 @@ def check_vllm_only(args: EngineArgs, *, paged: bool) -> None:
         ("async_scheduling", "", args.async_scheduling),
         ("lookahead_block_hashes", "=false", not args.lookahead_block_hashes),
         ("drafting_slots", f"={args.drafting_slots}", args.drafting_slots > 0),
+        ("eagle_block_drop", "", args.eagle_block_drop),
         ("kv_cache_metrics", "", args.kv_cache_metrics),
         ("enable_lora", "", args.enable_lora),
         ("watermark", f"={args.watermark}", args.watermark > 0),
@@ -186,6 +187,7 @@ def assemble(
             if args.kv_cache_metrics and args.enable_prefix_caching
             else None,
             lookahead=args.aic_nextn is not None and args.lookahead_block_hashes,
+            drop_last_hit=args.aic_nextn is not None and args.eagle_block_drop,
         )
     else:
         kv = KvManager(

@@ -130,6 +130,22 @@ def test_plain_hashes_store_full_blocks_at_once_as_a_draft_model_does() -> None:
     ]
 
 
+def test_the_trailing_block_drop_gives_a_prefix_hits_last_block_back() -> None:
+    """vLLM's EAGLE trailing-block drop (`disable_lookahead_block_hashes` alone): a second
+    12-token prompt finds its 2 full blocks (8 of its 11 hittable tokens) cached, drops the
+    last and recomputes from token 4; without the drop it starts at 8."""
+    for drop, hit in ((False, 8), (True, 4)):
+        args = mtp_args(
+            1, "1", enable_prefix_caching=True, lookahead_block_hashes=False, eagle_block_drop=drop
+        )
+        core = Engine(args, record=True)
+        submit(core, request("a", range(12), 1))
+        passes(core, 2)
+        submit(core, request("b", range(12), 1))
+        (admitted,) = passes(core, 1)
+        assert shares(admitted) == [("b", hit, 12 - hit)]
+
+
 def test_drafting_slots_take_input_budget_beside_each_scheduled_request() -> None:
     """vLLM's draft_model method gives each scheduled request one more input slot
     (`max_num_new_slots_for_drafting`): of a budget of 64, a 40-token prompt takes 41, so

@@ -5,7 +5,9 @@ With async scheduling vLLM's engine core keeps a batch queue of 2
 on the GPU, and then, once the queue is full, waits for batch N-1 and calls
 `update_from_output` on it. One engined pass is one such call:
 
-1. If the engine holds requests, schedule a batch (`PagedScheduler.schedule`) and queue it.
+1. If the engine holds requests, or finished ones no schedule has flushed yet (vLLM's
+   `has_requests()`: the batch that flushes them is empty, but holds a place in the queue),
+   schedule a batch (`PagedScheduler.schedule`) and queue it.
    Every request it schedules that is not left mid-prefill will sample a token nobody knows
    yet: it gets an output placeholder, counted in its computed tokens, so the next schedule
    gives it one more token to compute (the placeholder's) and allocates its slot (and block,
@@ -105,18 +107,20 @@ class AsyncBatches:
         state = self._state
         queue = self._queue
         pausing = self._pausing
+        # vLLM's `has_requests()` also counts finished ids no `schedule()` has taken yet:
+        # the step after a finish schedules an empty batch to flush them, and that batch
+        # holds a place in the queue (so the next step's KV events go out with it).
+        finished = pausing is not None and pausing.finished_pending
         if pausing is not None and not pausing.engaged:
             pausing = None
-        if state.requests if pausing is None else pausing.has_requests():
+        if (state.requests or finished) if pausing is None else pausing.has_requests():
             self._scheduler.schedule(ctx)
             ctx.read_shares(state.requests)
             batch = self._placeholders(ctx)
             queue.appendleft(batch)
-            if pausing is None:
-                more = bool(state.requests)
-            else:
-                pausing.finished_pending = False  # `schedule()` took its finished ids
-                more = pausing.has_requests()
+            if self._pausing is not None:
+                self._pausing.finished_pending = False  # `schedule()` took its finished ids
+            more = bool(state.requests) if pausing is None else pausing.has_requests()
             if len(queue) < 2 and (batch.requests or more):
                 return 0.0, False
         elif not queue:

@@ -44,6 +44,7 @@ from engined.core.vllm_hashing import (
 class PagedKvManager:
     __slots__ = (
         "_chain",
+        "_drop_last_hit",
         "_hasher",
         "_lookahead",
         "_none_hash",
@@ -68,10 +69,11 @@ class PagedKvManager:
         hasher: BlockHasher,
         residency: BlockResidency | None = None,
         lookahead: bool = False,
+        drop_last_hit: bool = False,
     ) -> None:
         """`max_model_len` is the configured one (None: unset); the pool caps it. `residency`
-        samples the pool's blocks (`kv_cache_metrics`); `lookahead`: vLLM's lookahead block
-        hashes of one token (MTP with prefix caching)."""
+        samples the pool's blocks (`kv_cache_metrics`); `lookahead`, `drop_last_hit`: vLLM's
+        lookahead block hashes (MTP), its EAGLE trailing-block drop of a prefix hit."""
         self.block_size = block_size
         self.caching = caching
         self._hasher = hasher
@@ -79,6 +81,7 @@ class PagedKvManager:
         # vLLM's default algorithm, chained (in C when compiled); None: the others, by block.
         self._chain = native_chain(hasher.algo, block_size)
         self._lookahead = lookahead and caching
+        self._drop_last_hit = drop_last_hit
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=caching)
         self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log, residency=residency)
         self.max_model_len = context_length(self.usable_blocks, block_size, max_model_len)
@@ -108,6 +111,8 @@ class PagedKvManager:
             if block is None:
                 break
             hit.append(block)
+        if self._drop_last_hit and hit:
+            hit.pop()
         return hit
 
     def allocate_slots(
