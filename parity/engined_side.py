@@ -180,6 +180,7 @@ def run(scenario: Scenario) -> Trace:
                 stop_token_ids=request.stop_token_ids or None,
                 min_tokens=request.min_tokens,
                 cache_salt=request.cache_salt,
+                kv_cache_report_mode=request.kv_cache_report_mode,
                 lora_request=None
                 if lora is None
                 else LoraRequest(lora.name, lora.int_id, lora.path),

@@ -87,6 +87,9 @@ class ScenarioRequest(msgspec.Struct, frozen=True, kw_only=True):
     # engined's planned output (its length is `max_tokens`); vLLM is given it as engined's
     # tokens, like any other.
     output_token_ids: list[int] | None = None
+    # vLLM's `SamplingParams.extra_args["kv_cache_report_mode"]` ("full": its prefix hits
+    # are published again).
+    kv_cache_report_mode: str = "incremental"
 
 
 class Control(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,6 +14,7 @@ from parity.lora_scenarios import lora_pressure, lora_shared_prefix
 from parity.mtp_scenarios import mtp_scenarios
 from parity.pause_scenarios import pause_scenarios
 from parity.random_mix import random_mix, random_tokens
+from parity.report_scenarios import report_scenarios
 from parity.scenario import Config, Scenario, ScenarioRequest, asynchronous
 
 
@@ -328,6 +329,9 @@ def all_scenarios() -> list[Scenario]:
             ]
         ),
         *abort_scenarios(),
+        *report_scenarios(
+            [repeated_prompts(), shared_prefix(staggered=True), pressure(), cache_salt()]
+        ),
     ]
 
 

@@ -244,6 +244,9 @@ class VllmRun:
             ignore_eos=True,
             stop_token_ids=list(request.stop_token_ids),
             min_tokens=request.min_tokens,
+            extra_args=None
+            if request.kv_cache_report_mode == "incremental"
+            else {"kv_cache_report_mode": request.kv_cache_report_mode},
         )
         # Arrival times increase as the frontend's clock would: the priority policy's
         # tie-break between equal priorities.

@@ -17,6 +17,7 @@ from engined.client.client_errors import EngineError
 from engined.client.dealer_connection import DEFAULT_TIMEOUT
 from engined.client.handoff_calls import HandoffCalls, wire_request
 from engined.client.pause_calls import PauseCalls
+from engined.wire.constraints import KvCacheReportMode
 from engined.wire.control import (
     Applied,
     Cancel,
@@ -90,6 +91,7 @@ class EngineClient(HandoffCalls, PauseCalls):
         min_tokens: int = 0,
         cache_salt: str | None = None,
         lora_request: WireLoraRequest | None = None,
+        kv_cache_report_mode: KvCacheReportMode = "incremental",
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Submitted:
         """Submit a request; read its outputs with `outputs(reply.request_id)`.
@@ -110,6 +112,7 @@ class EngineClient(HandoffCalls, PauseCalls):
             min_tokens=min_tokens,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            kv_cache_report_mode=kv_cache_report_mode,
         )
         msg = Submit(request=request, id=self._next_id())
         return await self._call_with_stream(msg, Submitted, request_id, timeout)
@@ -154,6 +157,7 @@ class EngineClient(HandoffCalls, PauseCalls):
         min_tokens: int = 0,
         cache_salt: str | None = None,
         lora_request: WireLoraRequest | None = None,
+        kv_cache_report_mode: KvCacheReportMode = "incremental",
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> AsyncGenerator[OutputEntry, None]:
         """`submit` then `outputs`: the request's entries until its finished one."""
@@ -169,6 +173,7 @@ class EngineClient(HandoffCalls, PauseCalls):
             min_tokens=min_tokens,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            kv_cache_report_mode=kv_cache_report_mode,
             timeout=timeout,
         )
         async for entry in self.outputs(submitted.request_id, timeout=timeout):
@@ -188,6 +193,7 @@ class EngineClient(HandoffCalls, PauseCalls):
         min_tokens: int = 0,
         cache_salt: str | None = None,
         lora_request: WireLoraRequest | None = None,
+        kv_cache_report_mode: KvCacheReportMode = "incremental",
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> Generation:
         """Submit and collect every output of the request."""
@@ -203,6 +209,7 @@ class EngineClient(HandoffCalls, PauseCalls):
             min_tokens=min_tokens,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            kv_cache_report_mode=kv_cache_report_mode,
             timeout=timeout,
         )
         return await self.collect(submitted, timeout=timeout)

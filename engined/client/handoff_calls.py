@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from engined.client.client_errors import ClientClosedError
 from engined.client.dealer_connection import DEFAULT_TIMEOUT, Connection
+from engined.wire.constraints import KvCacheReportMode
 from engined.wire.control import (
     ActivateDestination,
     Applied,
@@ -171,6 +172,7 @@ def wire_request(
     min_tokens: int = 0,
     cache_salt: str | None = None,
     lora_request: WireLoraRequest | None = None,
+    kv_cache_report_mode: KvCacheReportMode = "incremental",
 ) -> WireRequest:
     # NOTE: no validation here: the daemon is the one judge of a request, and tests send
     # invalid ones through these methods on purpose.
@@ -186,4 +188,5 @@ def wire_request(
         min_tokens=min_tokens,
         cache_salt=cache_salt,
         lora_request=lora_request,
+        kv_cache_report_mode=kv_cache_report_mode,
     )

@@ -137,6 +137,10 @@ class RequestIntake:
             lora=lora,
         )
         state = RequestState(request_id, seq, status)
+        if request.kv_cache_report_mode == "full":
+            if not self._paged:
+                raise _needs_vllm("kv_cache_report_mode", "whose KV events report no hit")
+            state.report_hits = True
         if self._mtp_seed is not None:
             state.acceptance = acceptance(key, self._mtp_seed)
         state.priority = request.priority

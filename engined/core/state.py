@@ -55,6 +55,9 @@ class RequestState:
     padded_drafts: bool = False
     # Its own stream MTP's acceptance draws from (engined/core/token_stream.py).
     acceptance: Callable[[], float] | None = None
+    # vLLM's `kv_cache_report_mode` "full": each admission stores its prefix hit again
+    # (engined/core/paged/hit_reports.py).
+    report_hits: bool = False
 
     def prompt_is_prebuilt(self) -> bool:
         """An activated destination: its prompt KV arrived by transfer, nothing to prefill."""

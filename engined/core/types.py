@@ -82,8 +82,7 @@ class LoraRequest(msgspec.Struct, frozen=True, gc=False):
     """The LoRA adapter a request runs with, vLLM's `LoRARequest` (the fields it schedules
     and hashes by): `lora_int_id` (at least 1) is what `max_loras` counts and KV events call
     `lora_id`; `lora_name` and `lora_path` key the request's blocks apart from the base
-    model's and from other adapters' (re-pointing a name at another path shares nothing).
-    """
+    model's and from other adapters' (re-pointing a name at another path shares nothing)."""
 
     lora_name: str
     lora_int_id: int
@@ -95,11 +94,10 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
 
     `output_token_ids`, when given, is the planned output: its length overrides `max_tokens`.
     `request_id` is minted by the core when absent. `seed` keys the request's token stream as
-    vLLM's `SamplingParams.seed` does (engined/core/token_stream.py); without one the stream is
-    keyed by `stream_name`, or the request id when that is None. The daemon sets it so that
-    neither the alias it runs a request under nor the UUID it names an unnamed one with
-    changes the tokens: the client's own name, or the count of unnamed requests before it.
-    """
+    vLLM's `SamplingParams.seed` does (engined/core/token_stream.py); without one the stream
+    is keyed by `stream_name`, or the request id when that is None. The daemon sets it so
+    that neither the alias it runs a request under nor the UUID it names an unnamed one with
+    changes the tokens: the client's own name, or the count of unnamed requests before it."""
 
     token_ids: list[int]
     max_tokens: int
@@ -115,6 +113,8 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
     # vLLM's `lora_request`: accepted with `enable_lora` only (vLLM semantics).
     lora_request: LoraRequest | None = None
+    # vLLM's `kv_cache_report_mode`: "full" (vLLM semantics) stores a prefix hit again.
+    kv_cache_report_mode: str = "incremental"
 
 
 # --- commands -------------------------------------------------------------------------------

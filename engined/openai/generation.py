@@ -31,6 +31,7 @@ from engined.openai.disagg import DecodeRole, Disaggregation, PrefillRole, Role
 from engined.openai.in_flight import InFlight
 from engined.openai.queue_admission import Ticket
 from engined.openai.weight_versions import Runs, add_run, joined
+from engined.wire.constraints import KvCacheReportMode
 from engined.wire.control import OutputEntry, Submitted, WireLoraRequest
 
 # Bounds every control call of the API server; the daemon answers within a pass or two.
@@ -52,6 +53,8 @@ class Sample:
     cache_salt: str | None = None
     # The LoRA adapter the request's `model` names, vLLM's `lora_request`.
     lora_request: WireLoraRequest | None = None
+    # vLLM's `extra_args["kv_cache_report_mode"]` (the request's `vllm_xargs`).
+    kv_cache_report_mode: KvCacheReportMode = "incremental"
     # vLLM's external request id, which `/abort_requests` names, when it is not `request_id`:
     # the prompt's, which its n samples share, or a decode's own under a prefill's id.
     external_id: str | None = None
@@ -187,6 +190,7 @@ class Generation:
                     min_tokens=sample.min_tokens,
                     cache_salt=sample.cache_salt,
                     lora_request=sample.lora_request,
+                    kv_cache_report_mode=sample.kv_cache_report_mode,
                     timeout=CALL_TIMEOUT_S,
                 )
                 for sample in self.samples

@@ -42,6 +42,7 @@ from engined.openai.queue_admission import Admission
 from engined.openai.served_models import ServedModels
 from engined.openai.sse_keep_alive import with_keep_alive
 from engined.openai.tokenizer import Tokenizer
+from engined.wire.constraints import KvCacheReportMode
 from engined.wire.control import Welcome, WireLoraRequest
 
 Request = CompletionRequest | ChatCompletionRequest
@@ -302,6 +303,10 @@ def samples(
     n = request.n or 1
     item = request_id if prompt_index is None else f"{request_id}-{prompt_index}"
     stop_ids = tuple(dict.fromkeys(request.stop_token_ids or ()))
+    # vLLM reads the key from `extra_args` and reports in full only for "full".
+    xargs = request.vllm_xargs or {}
+    full = xargs.get("kv_cache_report_mode") == "full"
+    report: KvCacheReportMode = "full" if full else "incremental"
     return [
         Sample(
             request_id=item if n == 1 else f"{j}_{item}",
@@ -314,6 +319,7 @@ def samples(
             min_tokens=request.min_tokens,
             cache_salt=request.cache_salt,
             lora_request=lora,
+            kv_cache_report_mode=report,
             external_id=None if n == 1 else item,
             parallel=n > 1,
         )

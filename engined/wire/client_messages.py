@@ -17,6 +17,7 @@ from engined.wire.constraints import (
     CacheSalt,
     DpRank,
     HandoffIdStr,
+    KvCacheReportMode,
     LoraIntId,
     LoraName,
     LoraPath,
@@ -58,7 +59,8 @@ class WireRequest(
     under `scheduling_policy = priority` as vLLM's request priority does (lower first).
     `stop_token_ids`, `min_tokens` (at most the output's length) and `cache_salt` are vLLM's
     `SamplingParams` fields and request salt, with vLLM's semantics (PROTOCOL.md §1.1);
-    `lora_request` the LoRA adapter it runs with, vLLM's.
+    `lora_request` the LoRA adapter it runs with, vLLM's; `kv_cache_report_mode` "full",
+    as vLLM's `extra_args` key, publishes each of its prefix hits again as BlockStored.
     """
 
     request_id: RequestIdStr | None = None
@@ -72,6 +74,7 @@ class WireRequest(
     min_tokens: NonNegativeInt = 0
     cache_salt: CacheSalt | None = None
     lora_request: WireLoraRequest | None = None
+    kv_cache_report_mode: KvCacheReportMode = "incremental"
 
 
 class ClientMessageBase(

@@ -46,6 +46,13 @@ CacheSalt = Annotated[
     Meta(description=f"At most {CACHE_SALT_MAX_BYTES} bytes of UTF-8; salts the prefix cache."),
 ]
 
+# vLLM's `SamplingParams.extra_args["kv_cache_report_mode"]`: "full" publishes a request's
+# prefix hits again (as BlockStored), "incremental" (vLLM's default) only what it caches.
+KvCacheReportMode = Annotated[
+    Literal["incremental", "full"],
+    Meta(description='"full": each prefix hit of the request is published again as BlockStored.'),
+]
+
 # vLLM's `LoRARequest` fields: the name and path by named byte-length checks, the id from 1
 # (vLLM's "id must be > 0") within a signed 64-bit int.
 LoraName = Annotated[

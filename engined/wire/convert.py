@@ -59,6 +59,7 @@ def to_core_request(
         min_tokens=request.min_tokens,
         cache_salt=request.cache_salt,
         lora_request=_core_lora(request.lora_request),
+        kv_cache_report_mode=request.kv_cache_report_mode,
     )
 
 

@@ -333,6 +333,16 @@ BAD_MESSAGE_CASES = [
         id="cache-salt-bytes",
     ),
     pytest.param(
+        _submit(kv_cache_report_mode="partial"),
+        r"Invalid enum value 'partial' - at `\$\.request\.kv_cache_report_mode`",
+        id="kv-cache-report-mode-value",
+    ),
+    pytest.param(
+        _submit(kv_cache_report_mode=None),
+        r"Expected `str`, got `None` - at `\$\.request\.kv_cache_report_mode`",
+        id="kv-cache-report-mode-null",
+    ),
+    pytest.param(
         _submit(lora_request="sql-lora"),
         r"Expected `object \| null`, got `str` - at `\$\.request\.lora_request`",
         id="lora-request-str",

@@ -19,6 +19,7 @@ from __future__ import annotations
 from engined.core.args import EngineArgs
 from engined.core.finish import Finisher
 from engined.core.handoff_book import PendingDestinations
+from engined.core.paged.hit_reports import store_hit_again
 from engined.core.paged.kv_cache_manager import PagedKvManager
 from engined.core.paged.pass_limits import PassLimits
 from engined.core.pass_context import PassContext
@@ -149,6 +150,8 @@ class PagedAdmission:
                 self._finisher.drop(request_id)
                 continue
             hit = kv.get_computed_blocks(seq)
+            if hit and req.report_hits:
+                store_hit_again(kv, seq, hit)
             cached = len(hit) * bs
             if ctx.defer_prefills and cached < len(seq.tokens) - 1:
                 return

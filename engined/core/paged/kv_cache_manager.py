@@ -46,7 +46,6 @@ class PagedKvManager:
         "_chain",
         "_drop_last_hit",
         "_hasher",
-        "_lookahead",
         "_none_hash",
         "_num_cached",
         "_reserved",
@@ -54,6 +53,7 @@ class PagedKvManager:
         "block_size",
         "caching",
         "log",
+        "lookahead",
         "max_model_len",
         "pool",
     )
@@ -80,7 +80,7 @@ class PagedKvManager:
         self._none_hash = hasher.none_hash
         # vLLM's default algorithm, chained (in C when compiled); None: the others, by block.
         self._chain = native_chain(hasher.algo, block_size)
-        self._lookahead = lookahead and caching
+        self.lookahead = lookahead and caching
         self._drop_last_hit = drop_last_hit
         self.log = KvEventLog(block_size, dp_rank=dp_rank, publish=caching)
         self.pool = PagedBlockPool(num_blocks, caching=caching, log=self.log, residency=residency)
@@ -105,7 +105,7 @@ class PagedKvManager:
         n = (len(seq.tokens) - 1) // self.block_size
         cached = self.pool.cached
         hit: list[int] = []
-        keys = self._lookahead_keys(seq, 0, n) if self._lookahead else seq.keys[:n]
+        keys = self._lookahead_keys(seq, 0, n) if self.lookahead else seq.keys[:n]
         for key in keys:
             block = cached.get(key)
             if block is None:
@@ -184,7 +184,7 @@ class PagedKvManager:
             pos = length // bs - 1
             if (
                 pos
-                and not self._lookahead
+                and not self.lookahead
                 and self._num_cached.get(seq) == pos
                 and len(seq.hashes) > pos
                 and seq.lora is None
@@ -221,11 +221,11 @@ class PagedKvManager:
         bs = self.block_size
         done = self._num_cached.get(seq, 0)
         full = min(num_tokens, len(seq.hashes) * bs) // bs
-        if self._lookahead:
+        if self.lookahead:
             full = min(full, (len(seq.tokens) - 1) // bs)
         if done >= full:
             return
-        if self._lookahead:
+        if self.lookahead:
             self._cache_lookahead(seq, table, done, full)
             return
         pool = self.pool
