@@ -10,11 +10,10 @@ from typing import Any
 
 import openai
 import pytest
-import zmq.asyncio
 
 from engined.wire.kv_events import BlockStored
 from tests.openai.api_harness import ApiDaemon, start_api
-from tests.server.daemon_harness import KvStream
+from tests.server.daemon_harness import published_stores
 from tests.support import run
 
 BLOCK = 16
@@ -34,19 +33,7 @@ def client(api: ApiDaemon) -> Iterator[openai.OpenAI]:
 
 
 def all_stored(api: ApiDaemon) -> list[BlockStored]:
-    """Every BlockStored the daemon has published, in order."""
-
-    async def collect() -> list[BlockStored]:
-        ctx = zmq.asyncio.Context()
-        stream = KvStream(ctx, api.daemon.kv_endpoint(), api.daemon.replay_endpoint())
-        try:
-            await stream.catch_up()
-            return [e for e in stream.events() if isinstance(e, BlockStored)]
-        finally:
-            stream.close()
-            ctx.term()
-
-    return run(collect())
+    return run(published_stores(api.daemon))
 
 
 def stored(api: ApiDaemon, first: list[int]) -> list[tuple[Any, list[Any]]]:

@@ -20,12 +20,10 @@ from typing import Any
 
 import openai
 import pytest
-import zmq.asyncio
 
-from engined.wire.kv_events import BlockStored
 from tests.openai.api_harness import ApiDaemon, start_api
 from tests.openai.http_support import connect, exchange, get, read_response
-from tests.server.daemon_harness import DaemonProcess, KvStream
+from tests.server.daemon_harness import DaemonProcess, published_stores
 from tests.support import run
 
 BLOCK = 16
@@ -103,20 +101,10 @@ def stored(daemon: DaemonProcess, prompts: list[list[int]]) -> list[tuple[Any, .
     """The daemon's BlockStored events whose blocks begin one of `prompts`, in order:
     (prompt index, lora_id, lora_name, extra_keys)."""
 
-    async def collect() -> list[BlockStored]:
-        ctx = zmq.asyncio.Context()
-        stream = KvStream(ctx, daemon.kv_endpoint(), daemon.replay_endpoint())
-        try:
-            await stream.catch_up()
-            return [e for e in stream.events() if isinstance(e, BlockStored)]
-        finally:
-            stream.close()
-            ctx.term()
-
     firsts = [prompt[:BLOCK] for prompt in prompts]
     return [
         (firsts.index(e.token_ids[:BLOCK]), e.lora_id, e.lora_name, e.extra_keys)
-        for e in run(collect())
+        for e in run(published_stores(daemon))
         if e.token_ids[:BLOCK] in firsts
     ]
 

@@ -231,6 +231,19 @@ class KvStream:
         return [event for batch in self.batches for event in batch.events]
 
 
+async def published_stores(daemon: DaemonProcess) -> list[BlockStored]:
+    """Every BlockStored rank 0 of `daemon` has published so far, in order (the replay
+    socket fills what the subscription missed)."""
+    ctx = zmq.asyncio.Context()
+    stream = KvStream(ctx, daemon.kv_endpoint(), daemon.replay_endpoint())
+    try:
+        await stream.catch_up()
+        return [e for e in stream.events() if isinstance(e, BlockStored)]
+    finally:
+        stream.close()
+        ctx.term()
+
+
 async def expect_refusals(endpoint: str, cases: Sequence[tuple[dict[str, object], str]]) -> None:
     """Send each raw message (its `id` set to its index) and check the `error` reply's code;
     a message is at most 512 characters, whatever the input."""
