@@ -16,8 +16,9 @@ import typer
 
 from engined.config import kv_events_flags, speculative_flags
 
-# The parameter names `serve` receives them under.
-NAMES = ("kv_events_config", "speculative_config", "spec_method", "spec_model", "spec_tokens")
+# The parameter names `serve` receives them under: the speculative ones, and all of them.
+SPECULATIVE = ("speculative_config", "spec_method", "spec_model", "spec_tokens")
+NAMES = ("kv_events_config", *SPECULATIVE)
 
 
 def _option(name: str, flags: tuple[str, ...], kind: type, metavar: str, help_text: str) -> Any:
@@ -71,8 +72,7 @@ def config_keys(
     keys: dict[str, Any] = {}
     if options["kv_events_config"] is not None:
         keys.update(kv_events_flags(options["kv_events_config"], given=flags))
-    speculative = (options[name] for name in NAMES[1:])
-    if any(value is not None for value in speculative):
+    if any(options[name] is not None for name in SPECULATIVE):
         spec_keys, warnings = speculative_flags(
             options["speculative_config"],
             method=options["spec_method"],
